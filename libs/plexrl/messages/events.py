@@ -1,0 +1,83 @@
+"""Topic `plexrl.events` (key: worker id): workers and state-store → scheduler, dashboards.
+
+One tagged union, so a consumer decodes any event with one decoder and a
+`match` on the type.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from plexrl.messages.common import SCHEMA_VERSION, StateComponent, Tier
+
+
+class ResidentState(msgspec.Struct, frozen=True):
+    """One job's state components on a worker, as the worker last saw them."""
+
+    job_id: str
+    tier: Tier
+    bytes: int
+    version: int
+
+
+class WorkerHeartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
+    worker_id: str
+    device: str
+    """`cpu`, `cuda:0`, ..."""
+    device_bytes: int
+    """Capacity of the device tier for job states (base models excluded)."""
+    host_bytes: int
+    base_models: list[str]
+    resident: list[ResidentState]
+    busy: bool
+    started_at: float
+    sent_at: float
+    devices: int = 1
+    """Accelerators in this worker group."""
+    schema_version: int = SCHEMA_VERSION
+
+
+class ResidencyChanged(msgspec.Struct, frozen=True, tag="residency"):
+    worker_id: str
+    job_id: str
+    components: list[StateComponent]
+    from_tier: Tier | None
+    """None when the state was just created."""
+    to_tier: Tier | None
+    """None when the state was dropped."""
+    bytes: int
+    version: int
+    seconds: float
+    at: float
+    schema_version: int = SCHEMA_VERSION
+
+
+class JobAdmitted(msgspec.Struct, frozen=True, tag="job_admitted"):
+    job_id: str
+    tenant: str
+    home_worker: str
+    base_model: str
+    state_bytes: int
+    at: float
+    schema_version: int = SCHEMA_VERSION
+
+
+class JobFinished(msgspec.Struct, frozen=True, tag="job_finished"):
+    job_id: str
+    tenant: str
+    reason: str
+    at: float
+    schema_version: int = SCHEMA_VERSION
+
+
+class IdleHint(msgspec.Struct, frozen=True, tag="idle_hint"):
+    """A job says it will make no call for about `seconds` (tool or reward stall)."""
+
+    job_id: str
+    tenant: str
+    seconds: float
+    at: float
+    schema_version: int = SCHEMA_VERSION
+
+
+Event = WorkerHeartbeat | ResidencyChanged | JobAdmitted | JobFinished | IdleHint

@@ -1,0 +1,165 @@
+"""Topic `plexrl.requests` (key: job id): gateway → scheduler.
+
+A PhaseRequest is one call of a model function by one job. Its `request_id` is the
+idempotency key: a replayed request returns the recorded result instead of running
+twice. Inputs are a tagged union (one struct per function), so no request collects
+optional fields for every concern.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+from plexrl.messages.common import SCHEMA_VERSION, Function, PayloadRef, TensorArray
+
+
+class LossFn(enum.StrEnum):
+    """Built-in losses; each sums over tokens (Tinker semantics)."""
+
+    CROSS_ENTROPY = "cross_entropy"
+    """-sum(weights * logp(target)); inputs: target_tokens, weights."""
+    IMPORTANCE_SAMPLING = "importance_sampling"
+    """-sum(exp(logp - sampling_logp) * advantages); inputs: target_tokens, logprobs, advantages."""
+    PPO = "ppo"
+    """Clipped importance sampling; inputs as importance_sampling, config clip thresholds."""
+
+
+class LoraSpec(msgspec.Struct, frozen=True):
+    """LoRA adapters over a shared base model."""
+
+    rank: int = 32
+    alpha: float | None = None
+    """Scaling numerator; None means alpha = rank."""
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = False
+
+
+class JobSpec(msgspec.Struct, frozen=True):
+    """What a job is: its base model and how it trains; fixed at creation."""
+
+    base_model: str
+    lora: LoraSpec | None = None
+    """None means full fine-tuning: the job owns a full copy of the weights."""
+    seed: int = 0
+    """Seeds adapter initialisation, so a job's results do not depend on placement."""
+    state_bytes: int = 0
+    """The gateway's estimate of the job's trainable state (weights + optimizer + grads)."""
+
+
+class Datum(msgspec.Struct, frozen=True):
+    """One training example: input tokens and per-token loss inputs."""
+
+    tokens: list[int]
+    loss_fn_inputs: dict[str, TensorArray]
+
+
+class CreateInput(msgspec.Struct, frozen=True, tag="create"):
+    spec: JobSpec
+
+
+class ForwardBackwardInput(msgspec.Struct, frozen=True, tag="forward_backward"):
+    data: list[Datum]
+    loss_fn: LossFn
+    loss_fn_config: dict[str, float] | None = None
+    backward: bool = True
+    """False for `forward`: outputs and loss only, no gradients."""
+
+
+class AdamParams(msgspec.Struct, frozen=True):
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+    """0 disables clipping."""
+
+
+class OptimStepInput(msgspec.Struct, frozen=True, tag="optim_step"):
+    adam: AdamParams
+
+
+class SamplingParams(msgspec.Struct, frozen=True):
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    """-1 disables top-k."""
+    seed: int | None = None
+    stop_strings: list[str] = []
+    stop_tokens: list[int] = []
+
+
+class SampleInput(msgspec.Struct, frozen=True, tag="sample"):
+    prompt: list[int]
+    num_samples: int
+    params: SamplingParams
+    weights_path: str | None = None
+    """A sampler checkpoint (`tinker://...`); None samples the job's base model."""
+    prompt_logprobs: bool = False
+    topk_prompt_logprobs: int = 0
+
+
+class SaveKind(enum.StrEnum):
+    """What a SAVE writes."""
+
+    STATE = "state"
+    """Weights and optimizer state, for `load_state` later."""
+    SAMPLER = "sampler"
+    """Weights only, readable by sampling clients."""
+
+
+class SaveInput(msgspec.Struct, frozen=True, tag="save"):
+    kind: SaveKind
+    path: str
+    """The `tinker://` path the checkpoint will answer to."""
+
+
+class LoadInput(msgspec.Struct, frozen=True, tag="load"):
+    path: str
+    with_optimizer: bool
+
+
+class UnloadInput(msgspec.Struct, frozen=True, tag="unload"):
+    pass
+
+
+class NoopInput(msgspec.Struct, frozen=True, tag="noop"):
+    pass
+
+
+PhaseInput = (
+    CreateInput
+    | ForwardBackwardInput
+    | OptimStepInput
+    | SampleInput
+    | SaveInput
+    | LoadInput
+    | UnloadInput
+    | NoopInput
+)
+
+
+class WorkHint(msgspec.Struct, frozen=True):
+    """Size of the call, for the scheduler's duration estimates without reading a ref."""
+
+    tokens: int = 0
+    sequences: int = 0
+
+
+class PhaseRequest(msgspec.Struct, frozen=True):
+    request_id: str
+    """Idempotency key; also the future id the client polls."""
+    job_id: str
+    tenant: str
+    function: Function
+    payload: PhaseInput | PayloadRef
+    arrival_time: float
+    """Wall-clock seconds when the gateway accepted the call."""
+    work: WorkHint = WorkHint()
+    spec: JobSpec | None = None
+    """Set on CREATE (and on a sampling job's first call) so the scheduler can admit it."""
+    schema_version: int = SCHEMA_VERSION

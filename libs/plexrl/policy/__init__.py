@@ -1,0 +1,59 @@
+"""The scheduling policy: pure functions from a ClusterSnapshot to a Plan.
+
+The live scheduler and the simulator both call `plan`; nothing here does I/O,
+reads a clock or keeps state between calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from plexrl.policy.actions import Action, Admit, Move, Plan, Prefetch, Reject, RejectReason, Run
+from plexrl.policy.config import PolicyConfig
+from plexrl.policy.fifo import plan_fifo
+from plexrl.policy.snapshot import (
+    CallEstimates,
+    ClusterSnapshot,
+    JobView,
+    PendingCall,
+    SwapCosts,
+    WorkerView,
+)
+
+PolicyFn = Callable[[ClusterSnapshot, PolicyConfig], Plan]
+
+POLICIES: dict[str, PolicyFn] = {
+    "fifo": plan_fifo,
+}
+
+
+def plan(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
+    """Decide what to do now. Raises ValueError naming the choices for an unknown policy."""
+    try:
+        policy = POLICIES[config.name]
+    except KeyError:
+        raise ValueError(
+            f"unknown policy {config.name!r}; choose one of {sorted(POLICIES)}"
+        ) from None
+    return policy(snapshot, config)
+
+
+__all__ = [
+    "POLICIES",
+    "Action",
+    "Admit",
+    "CallEstimates",
+    "ClusterSnapshot",
+    "JobView",
+    "Move",
+    "PendingCall",
+    "Plan",
+    "PolicyConfig",
+    "Prefetch",
+    "Reject",
+    "RejectReason",
+    "Run",
+    "SwapCosts",
+    "WorkerView",
+    "plan",
+]

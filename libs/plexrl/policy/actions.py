@@ -1,0 +1,70 @@
+"""What a policy returns: a plan, a tuple of actions the caller carries out in order."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from plexrl.messages import Tier
+
+
+class RejectReason(enum.StrEnum):
+    """Why a job was refused at admission."""
+
+    TOO_LARGE = "too_large"
+    """No worker group has device memory (or devices) enough to ever run the job."""
+    NO_WORKERS = "no_workers"
+    """No healthy worker is known yet; the caller should retry later, not fail."""
+    NO_BASE_MODEL = "no_base_model"
+    """No worker group serves the job's base model."""
+
+
+@dataclass(frozen=True)
+class Admit:
+    """Give a new job its home worker group."""
+
+    job_id: str
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class Reject:
+    """Refuse a job; every pending call of it fails with the reason."""
+
+    job_id: str
+    reason: RejectReason
+    detail: str
+
+
+@dataclass(frozen=True)
+class Move:
+    """Move one job's state on a worker group to a tier."""
+
+    job_id: str
+    to_tier: Tier
+
+
+@dataclass(frozen=True)
+class Run:
+    """Run calls of one job on its home group, after making room and onloading it."""
+
+    worker_id: str
+    job_id: str
+    request_ids: tuple[str, ...]
+    evict: tuple[Move, ...] = ()
+    """Moves down that make room for the job, applied before its calls."""
+    expected_swap_s: float = 0.0
+    expected_compute_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """Bring a job's state up while the group computes for another."""
+
+    worker_id: str
+    job_id: str
+    evict: tuple[Move, ...] = ()
+
+
+Action = Admit | Reject | Run | Prefetch
+Plan = tuple[Action, ...]

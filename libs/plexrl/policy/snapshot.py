@@ -1,0 +1,131 @@
+"""The frozen view of the cluster that every policy function reads.
+
+The live scheduler builds a ClusterSnapshot from Kafka events and Redis; the
+simulator builds one from its own event queue. Policies never see anything else,
+so both run exactly the same decisions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from plexrl.messages import Function, Tier
+
+
+@dataclass(frozen=True)
+class SwapCosts:
+    """Tier bandwidths; the one switch-cost model the scheduler and the simulator share."""
+
+    device_host_bytes_per_s: float = 50e9
+    """Device ↔ host copy bandwidth (PCIe Gen5 x16 ≈ 50 GB/s effective on H200-class nodes)."""
+    host_disk_bytes_per_s: float = 5e9
+    """Host ↔ NVMe bandwidth of the state-store's disk tier."""
+    fixed_s: float = 0.0
+    """Per-move overhead (engine bookkeeping, allocator), seconds."""
+
+    def __post_init__(self) -> None:
+        if self.device_host_bytes_per_s <= 0 or self.host_disk_bytes_per_s <= 0:
+            raise ValueError("SwapCosts bandwidths must be positive; set them in bytes/s")
+
+    def move_s(self, nbytes: int, src: Tier | None, dst: Tier) -> float:
+        """Seconds to move `nbytes` from `src` to `dst` (None: created fresh, free)."""
+        if src is None or src == dst:
+            return 0.0
+        order = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
+        lo, hi = sorted((order[src], order[dst]))
+        seconds = self.fixed_s
+        if lo == 0 and hi >= 1:
+            seconds += nbytes / self.device_host_bytes_per_s
+        if hi == 2 and lo <= 1:
+            seconds += nbytes / self.host_disk_bytes_per_s
+        return seconds
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    """One worker group as the scheduler believes it is now."""
+
+    worker_id: str
+    device_bytes: int
+    """Capacity of the device tier for job states (shared base weights excluded)."""
+    host_bytes: int
+    """Capacity of the host tier."""
+    devices: int = 1
+    """Accelerators in the group; a job needs a group at least its size."""
+    base_models: frozenset[str] = frozenset()
+    """Base models this group can serve (empty: any)."""
+    running: str | None = None
+    """The job whose calls are in flight here, if any."""
+    busy_until: float = 0.0
+    """Expected end of the in-flight work (snapshot clock)."""
+    healthy: bool = True
+
+
+@dataclass(frozen=True)
+class CallEstimates:
+    """Expected seconds of each function for one job (running means, or a profile)."""
+
+    seconds: Mapping[Function, float] = field(default_factory=dict)
+    default_s: float = 0.05
+    """Used for a function the job has not run yet."""
+
+    def expected_s(self, function: Function) -> float:
+        return self.seconds.get(function, self.default_s)
+
+
+@dataclass(frozen=True)
+class JobView:
+    """One job: where it lives and what it costs to bring in."""
+
+    job_id: str
+    state_bytes: int
+    """Bytes of the job's movable state (adapters or weights, optimizer, gradients)."""
+    home: str | None = None
+    """Its home worker group; None until admitted."""
+    tier: Tier | None = None
+    """Where its state is on the home group now; None until created."""
+    devices: int = 1
+    base_model: str = ""
+    last_active: float = 0.0
+    """When its last call ended (snapshot clock): the LRU key for eviction."""
+    idle_until: float = 0.0
+    """From an idle hint: the job expects to make no call before this time."""
+    estimates: CallEstimates = field(default_factory=CallEstimates)
+    duty_cycle: float = 0.5
+    """Estimated fraction of wall time the job keeps a device busy."""
+
+
+@dataclass(frozen=True)
+class PendingCall:
+    """A call waiting in the scheduler's queue."""
+
+    request_id: str
+    job_id: str
+    function: Function
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class ClusterSnapshot:
+    now: float
+    workers: Mapping[str, WorkerView]
+    jobs: Mapping[str, JobView]
+    pending: tuple[PendingCall, ...]
+    """In arrival order."""
+    swap: SwapCosts = field(default_factory=SwapCosts)
+
+    def device_used(self, worker_id: str) -> int:
+        return sum(
+            j.state_bytes
+            for j in self.jobs.values()
+            if j.home == worker_id and j.tier == Tier.DEVICE
+        )
+
+    def host_used(self, worker_id: str) -> int:
+        return sum(
+            j.state_bytes for j in self.jobs.values() if j.home == worker_id and j.tier == Tier.HOST
+        )
+
+    def homed(self, worker_id: str) -> list[JobView]:
+        return [j for j in self.jobs.values() if j.home == worker_id]
