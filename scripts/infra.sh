@@ -1,0 +1,426 @@
+#!/usr/bin/env bash
+# Local infrastructure for PlexRL: Apache Kafka (KRaft, one node) and Redis, on 127.0.0.1.
+#
+#   scripts/infra.sh up       start whatever does not already answer; idempotent
+#   scripts/infra.sh down     stop what `up` started (by pid file); leave anything else alone
+#   scripts/infra.sh status   what answers where, and whether `up` started it
+#   scripts/infra.sh env      `export` lines for PLEXRL_KAFKA_BOOTSTRAP and PLEXRL_REDIS_URL
+#
+# State (jars, data, pid files, logs, generated configs) lives under the git-ignored
+# .plexrl/infra/. Reset: scripts/infra.sh down && rm -rf .plexrl/infra. See docs/infra.md.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PLEXRL_LOG_TAG=infra
+# shellcheck source=scripts/_lib.sh
+source "$ROOT/scripts/_lib.sh"
+
+HOST=127.0.0.1
+KAFKA_PORT=${PLEXRL_KAFKA_PORT:-9092}
+KAFKA_CONTROLLER_PORT=${PLEXRL_KAFKA_CONTROLLER_PORT:-$((KAFKA_PORT + 1))}
+KAFKA_HEAP=${PLEXRL_KAFKA_HEAP:-512m}
+REDIS_PORT=${PLEXRL_REDIS_PORT:-6379}
+TIMEOUT=${PLEXRL_INFRA_TIMEOUT:-120}
+
+STATE=$ROOT/.plexrl/infra
+POM=$ROOT/scripts/kafka/pom.xml
+KAFKA_LIBS=$STATE/kafka-libs
+# Data is per port: a KRaft log formatted for one listener set stays with it.
+KAFKA_DIR=$STATE/kafka-$KAFKA_PORT
+KAFKA_PID=$KAFKA_DIR/kafka.pid
+KAFKA_LOG=$KAFKA_DIR/logs/server.log
+# JVM stdout/stderr: only what happens before log4j is up (bad flags, crashes).
+KAFKA_OUT=$KAFKA_DIR/logs/kafka.out
+REDIS_DIR=$STATE/redis-$REDIS_PORT
+REDIS_PID=$REDIS_DIR/redis.pid
+REDIS_LOG=$REDIS_DIR/redis.log
+# Pinned, so a new plugin release on Maven Central cannot change what `up` does.
+DEPENDENCY_PLUGIN=org.apache.maven.plugins:maven-dependency-plugin:3.8.1
+
+KAFKA_BOOTSTRAP=$HOST:$KAFKA_PORT
+REDIS_URL=redis://$HOST:$REDIS_PORT/0
+
+# ---------------------------------------------------------------- probes
+
+# The venv's interpreter first: the pyenv shim for python3 costs ~100 ms per call.
+PROBE_PY=
+for py in "$ROOT/.venv/bin/python" /usr/bin/python3 python3; do
+  if command -v "$py" >/dev/null 2>&1 && "$py" -c '' 2>/dev/null; then
+    PROBE_PY=$py
+    break
+  fi
+done
+
+tcp_open() { (exec 3<>"/dev/tcp/$HOST/$1") 2>/dev/null; }
+
+# kafka_probe — 0: a ready broker answers; 1: nothing listens; 2: something else listens.
+kafka_probe() {
+  if [[ -n $PROBE_PY ]]; then
+    "$PROBE_PY" "$ROOT/scripts/kafka/probe.py" "$KAFKA_BOOTSTRAP" 2
+  elif tcp_open "$KAFKA_PORT"; then
+    # No Python at all: fall back to "port open and our broker logged its start".
+    [[ -f $KAFKA_LOG ]] && grep -q 'Kafka Server started' "$KAFKA_LOG" && return 0
+    echo "$KAFKA_BOOTSTRAP is open (no python3 to check it speaks Kafka)"
+    return 2
+  else
+    echo "no connection to $KAFKA_BOOTSTRAP"
+    return 1
+  fi
+}
+
+# redis_probe — same codes as kafka_probe.
+redis_probe() {
+  local reply=
+  if command -v redis-cli >/dev/null; then
+    reply=$(timeout 5 redis-cli -h "$HOST" -p "$REDIS_PORT" ping 2>&1) || true
+  elif tcp_open "$REDIS_PORT"; then
+    reply=$(
+      exec 3<>"/dev/tcp/$HOST/$REDIS_PORT" && printf 'PING\r\n' >&3 &&
+        IFS= read -r -t 5 line <&3 && printf '%s' "${line%$'\r'}"
+    ) || true
+    reply=${reply#+}
+  fi
+  if [[ $reply == PONG ]]; then
+    echo "redis at $HOST:$REDIS_PORT answers PING"
+    return 0
+  fi
+  if tcp_open "$REDIS_PORT"; then
+    echo "$HOST:$REDIS_PORT accepts connections but does not answer PING with PONG: ${reply:-no reply}"
+    return 2
+  fi
+  echo "no connection to $HOST:$REDIS_PORT"
+  return 1
+}
+
+# managed_pid PIDFILE WORD... — print the pid in PIDFILE if that process is alive and its
+# command line holds every WORD, so a recycled pid is never mistaken for ours.
+managed_pid() {
+  local file=$1 pid cmdline word
+  shift
+  [[ -s $file ]] || return 1
+  pid=$(<"$file")
+  [[ $pid =~ ^[0-9]+$ ]] || return 1
+  if [[ -r /proc/$pid/cmdline ]]; then
+    cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline")
+  else
+    cmdline=$(ps -o args= -p "$pid" 2>/dev/null) || return 1
+  fi
+  for word in "$@"; do
+    [[ $cmdline == *"$word"* ]] || return 1
+  done
+  echo "$pid"
+}
+
+kafka_pid() { managed_pid "$KAFKA_PID" kafka.Kafka "$KAFKA_DIR/server.properties"; }
+redis_pid() { managed_pid "$REDIS_PID" redis-server ":$REDIS_PORT"; }
+
+# show_failure LOGFILE — the lines most likely to say why a service failed.
+show_failure() {
+  [[ -f $1 ]] || return 0
+  local errors
+  errors=$(grep -E '(ERROR|FATAL|Exception:|# )' "$1" | tail -n 12) || true
+  printf '%s\n' "${errors:-$(tail -n 20 "$1")}" >&2
+}
+
+# wait_ready NAME PROBE PIDFN LOGFILE — poll PROBE until it answers or TIMEOUT passes;
+# stop early, with the log's errors, if the process we started has exited.
+wait_ready() {
+  local name=$1 probe=$2 pidfn=$3 logfile=$4 deadline=$((SECONDS + TIMEOUT)) msg started
+  started=$($pidfn) || started=
+  while true; do
+    msg=$($probe) && return 0
+    if [[ -n $started ]] && ! kill -0 "$started" 2>/dev/null; then
+      show_failure "$logfile"
+      die "$name exited during startup (errors above; full log: $logfile)"
+    fi
+    if ((SECONDS >= deadline)); then
+      show_failure "$logfile"
+      die "$name did not answer within ${TIMEOUT}s ($msg). Log: $logfile. Longer wait: PLEXRL_INFRA_TIMEOUT=300"
+    fi
+    sleep 0.5
+  done
+}
+
+# ---------------------------------------------------------------- kafka
+
+kafka_fetch_jars() {
+  local want tmp
+  want=$(sha256sum "$POM" | cut -d' ' -f1)
+  [[ -f $KAFKA_LIBS/.pom-sha256 && $(<"$KAFKA_LIBS/.pom-sha256") == "$want" ]] && return 0
+  ensure_cmd mvn maven
+  log "kafka: fetching broker jars from Maven Central (scripts/kafka/pom.xml) into $KAFKA_LIBS"
+  mkdir -p "$STATE"
+  tmp=$(mktemp -d "$STATE/kafka-libs.tmp.XXXXXX")
+  if ! mvn -B -q -Dstyle.color=never -f "$POM" "$DEPENDENCY_PLUGIN:copy-dependencies" \
+    -DoutputDirectory="$tmp" -DincludeScope=runtime >"$STATE/mvn.log" 2>&1; then
+    cat "$STATE/mvn.log" >&2
+    rm -rf "$tmp"
+    die "mvn could not fetch the Kafka jars (its output is above and in $STATE/mvn.log). Check access to https://repo.maven.apache.org (a proxy goes in ~/.m2/settings.xml)"
+  fi
+  ls "$tmp"/kafka_2.13-*.jar >/dev/null 2>&1 || die "mvn succeeded but fetched no kafka_2.13 jar; see $STATE/mvn.log"
+  # Swap in whole, so an interrupted fetch never leaves a half-filled classpath.
+  echo "$want" >"$tmp/.pom-sha256"
+  rm -rf "$KAFKA_LIBS"
+  mv "$tmp" "$KAFKA_LIBS"
+}
+
+kafka_write_config() {
+  mkdir -p "$KAFKA_DIR/logs" "$KAFKA_DIR/data"
+  cat >"$KAFKA_DIR/server.properties" <<EOF
+# Generated by scripts/infra.sh on every \`up\`; edits here are overwritten.
+process.roles=broker,controller
+node.id=1
+# Dynamic quorum (formatted with --standalone): controller.quorum.voters would conflict.
+controller.quorum.bootstrap.servers=$HOST:$KAFKA_CONTROLLER_PORT
+listeners=PLAINTEXT://$HOST:$KAFKA_PORT,CONTROLLER://$HOST:$KAFKA_CONTROLLER_PORT
+advertised.listeners=PLAINTEXT://$HOST:$KAFKA_PORT
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+log.dirs=$KAFKA_DIR/data
+num.partitions=1
+auto.create.topics.enable=true
+# One node: every internal topic has one replica.
+offsets.topic.replication.factor=1
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+# Fewer internal partitions than the default 50: the first consumer group and the first
+# transaction then load in well under a second on a small machine.
+offsets.topic.num.partitions=8
+transaction.state.log.num.partitions=8
+# Tests join and leave groups constantly; do not wait 3 s for more members.
+group.initial.rebalance.delay.ms=0
+EOF
+  cat >"$KAFKA_DIR/log4j2.xml" <<EOF
+<?xml version="1.0" encoding="UTF-8"?>
+<!-- Generated by scripts/infra.sh: the broker logs to a file, never to stdout. -->
+<Configuration status="WARN">
+  <Appenders>
+    <RollingFile name="server" fileName="$KAFKA_LOG" filePattern="$KAFKA_LOG.%i">
+      <PatternLayout pattern="[%d] %p %m (%c)%n"/>
+      <Policies><SizeBasedTriggeringPolicy size="50 MB"/></Policies>
+      <DefaultRolloverStrategy max="3"/>
+    </RollingFile>
+  </Appenders>
+  <Loggers>
+    <Root level="INFO"><AppenderRef ref="server"/></Root>
+    <Logger name="kafka.request.logger" level="WARN"/>
+    <Logger name="state.change.logger" level="WARN"/>
+    <Logger name="kafka.log.LogCleaner" level="WARN"/>
+    <Logger name="org.apache.kafka.storage.internals.log" level="WARN"/>
+    <Logger name="org.apache.kafka.clients" level="WARN"/>
+  </Loggers>
+</Configuration>
+EOF
+}
+
+# java_cmd ARG... — set JAVA_CMD to the java command line shared by the
+# Kafka tools and the broker. PLEXRL_KAFKA_JAVA_OPTS adds flags.
+java_cmd() {
+  local -a extra
+  read -r -a extra <<<"${PLEXRL_KAFKA_JAVA_OPTS:-}"
+  JAVA_CMD=(java -Djava.awt.headless=true -Dlog4j2.configurationFile="$KAFKA_DIR/log4j2.xml"
+    "${extra[@]}" -cp "$KAFKA_LIBS/*" "$@")
+}
+
+kafka_java() {
+  java_cmd "$@"
+  "${JAVA_CMD[@]}"
+}
+
+kafka_format() {
+  [[ -f $KAFKA_DIR/data/meta.properties ]] && return 0
+  local id
+  # No meta.properties means no usable log: clear leftovers of an interrupted format.
+  rm -rf "$KAFKA_DIR/data"
+  mkdir -p "$KAFKA_DIR/data"
+  id=$(kafka_java kafka.tools.StorageTool random-uuid 2>>"$KAFKA_OUT") ||
+    die "kafka: StorageTool random-uuid failed; see $KAFKA_OUT"
+  log "kafka: formatting KRaft storage in $KAFKA_DIR/data (cluster id $id)"
+  echo "$id" >"$KAFKA_DIR/cluster.id"
+  kafka_java kafka.tools.StorageTool format -t "$id" -c "$KAFKA_DIR/server.properties" \
+    --standalone >>"$KAFKA_OUT" 2>&1 ||
+    { tail -n 20 "$KAFKA_OUT" >&2; die "kafka: formatting storage failed; see $KAFKA_OUT"; }
+}
+
+kafka_launch() {
+  log "kafka: starting broker on $KAFKA_BOOTSTRAP (heap $KAFKA_HEAP, log $KAFKA_LOG)"
+  rm -f "$KAFKA_PID"
+  # The child writes its own pid and then execs java, so the pid file names the JVM even
+  # if setsid had to fork. setsid detaches it from this shell's session and job control;
+  # fd 9 (the lock) is closed so the broker does not hold it.
+  java_cmd "-Xmx$KAFKA_HEAP" -XX:+UseG1GC -XX:MaxGCPauseMillis=20 -XX:+ExitOnOutOfMemoryError \
+    kafka.Kafka "$KAFKA_DIR/server.properties"
+  # shellcheck disable=SC2016  # $$ and $@ belong to the inner shell
+  setsid bash -c 'echo $$ >"$0"; exec "$@"' "$KAFKA_PID" "${JAVA_CMD[@]}" \
+    </dev/null >>"$KAFKA_OUT" 2>&1 9>&- &
+  local i
+  for i in {1..50}; do
+    [[ -s $KAFKA_PID ]] && return 0
+    sleep 0.1
+  done
+  die "kafka: the broker process did not start; see $KAFKA_OUT"
+}
+
+# kafka_start — make sure a broker is answering or on its way; does not wait for it.
+# Sets KAFKA_WAIT=1 when the caller must wait for a broker that `up` started.
+kafka_start() {
+  local pid msg rc=0
+  msg=$(kafka_probe) || rc=$?
+  if pid=$(kafka_pid); then
+    if ((rc == 0)); then
+      log "kafka: already running (pid $pid)"
+    else
+      log "kafka: started earlier (pid $pid), not answering yet; waiting"
+      KAFKA_WAIT=1
+    fi
+  elif ((rc == 0)); then
+    log "kafka: $msg; not started by infra.sh, using it as is"
+  elif ((rc == 2)); then
+    die "port $KAFKA_PORT is held by something that is not a ready Kafka broker ($msg). Stop it, or choose other ports with PLEXRL_KAFKA_PORT"
+  else
+    ensure_java
+    kafka_fetch_jars
+    kafka_write_config
+    kafka_format
+    kafka_launch
+    KAFKA_WAIT=1
+  fi
+}
+
+# ---------------------------------------------------------------- redis
+
+redis_up() {
+  local pid msg rc=0
+  msg=$(redis_probe) || rc=$?
+  if pid=$(redis_pid); then
+    ((rc == 0)) && { log "redis: already running (pid $pid)"; return 0; }
+    log "redis: started earlier (pid $pid), not answering yet; waiting"
+  elif ((rc == 0)); then
+    log "redis: $msg; not started by infra.sh, using it as is"
+    return 0
+  elif ((rc == 2)); then
+    die "port $REDIS_PORT is held by something that is not a usable Redis ($msg). Stop it, or choose another port with PLEXRL_REDIS_PORT"
+  else
+    if ! command -v redis-server >/dev/null; then
+      ensure_cmd redis-server redis-server
+      # On hosts with an init system the package starts its own server on 6379.
+      if msg=$(redis_probe); then
+        log "redis: $msg (started by the Debian package); using it as is"
+        return 0
+      fi
+    fi
+    mkdir -p "$REDIS_DIR/data"
+    rm -f "$REDIS_PID"
+    log "redis: starting on $HOST:$REDIS_PORT (log $REDIS_LOG)"
+    redis-server --bind "$HOST" --port "$REDIS_PORT" --daemonize yes \
+      --pidfile "$REDIS_PID" --dir "$REDIS_DIR/data" --logfile "$REDIS_LOG" \
+      --save '' --appendonly no </dev/null >"$REDIS_DIR/redis.out" 2>&1 9>&- ||
+      {
+        cat "$REDIS_DIR/redis.out" >&2
+        die "redis-server failed to start (its output is above; log: $REDIS_LOG)"
+      }
+  fi
+  wait_ready redis redis_probe redis_pid "$REDIS_LOG"
+  log "redis: ready at $REDIS_URL"
+}
+
+# ---------------------------------------------------------------- commands
+
+print_env() {
+  echo "export PLEXRL_KAFKA_BOOTSTRAP=$KAFKA_BOOTSTRAP"
+  echo "export PLEXRL_REDIS_URL=$REDIS_URL"
+}
+
+take_lock() {
+  mkdir -p "$STATE"
+  exec 9>"$STATE/.lock"
+  flock -w "$TIMEOUT" 9 || die "another scripts/infra.sh still holds $STATE/.lock after ${TIMEOUT}s"
+}
+
+cmd_up() {
+  # Fast path: both answer, so there is nothing to start and no lock to take.
+  if kafka_probe >/dev/null && redis_probe >/dev/null; then
+    log "kafka and redis already answer (PLEXRL_KAFKA_BOOTSTRAP=$KAFKA_BOOTSTRAP PLEXRL_REDIS_URL=$REDIS_URL)"
+    return 0
+  fi
+  local started=$SECONDS
+  take_lock
+  KAFKA_WAIT=0
+  kafka_start
+  # Redis starts while the JVM boots.
+  redis_up
+  if ((KAFKA_WAIT)); then
+    wait_ready kafka kafka_probe kafka_pid "$KAFKA_LOG"
+    log "kafka: ready at $KAFKA_BOOTSTRAP"
+  fi
+  log "up in $((SECONDS - started))s: PLEXRL_KAFKA_BOOTSTRAP=$KAFKA_BOOTSTRAP PLEXRL_REDIS_URL=$REDIS_URL"
+}
+
+# stop NAME PIDFN PIDFILE PROBE — stop the process `up` started; leave others alone.
+stop() {
+  local name=$1 pidfn=$2 pidfile=$3 probe=$4 pid i
+  if ! pid=$($pidfn); then
+    rm -f "$pidfile"
+    if $probe >/dev/null; then
+      log "$name: answers, but was not started by infra.sh; left alone"
+    else
+      log "$name: not running"
+    fi
+    return 0
+  fi
+  log "$name: stopping pid $pid"
+  kill -TERM "$pid" 2>/dev/null || true
+  for i in {1..600}; do
+    kill -0 "$pid" 2>/dev/null || break
+    if ((i == 600)); then
+      log "$name: pid $pid ignored SIGTERM for 60s; sending SIGKILL"
+      kill -KILL "$pid" 2>/dev/null || true
+    fi
+    sleep 0.1
+  done
+  rm -f "$pidfile"
+  log "$name: stopped"
+}
+
+cmd_down() {
+  take_lock
+  stop kafka kafka_pid "$KAFKA_PID" kafka_probe
+  stop redis redis_pid "$REDIS_PID" redis_probe
+}
+
+# status_line NAME PROBE PIDFN ADDRESS LOG — one line per service; fails if it is down.
+status_line() {
+  local name=$1 probe=$2 pidfn=$3 addr=$4 logfile=$5 msg pid rc=0 owner
+  msg=$($probe) || rc=$?
+  if pid=$($pidfn); then owner="pid $pid, started by infra.sh, log $logfile"; else owner="not started by infra.sh"; fi
+  if ((rc == 0)); then
+    printf '%-6s up    %-22s %s\n' "$name" "$addr" "$owner"
+  elif [[ -n $pid ]]; then
+    printf '%-6s start %-22s %s (%s)\n' "$name" "$addr" "$owner" "$msg"
+  else
+    printf '%-6s down  %-22s %s\n' "$name" "$addr" "$msg"
+  fi
+  return "$rc"
+}
+
+cmd_status() {
+  local rc=0
+  status_line kafka kafka_probe kafka_pid "$KAFKA_BOOTSTRAP" "$KAFKA_LOG" || rc=1
+  status_line redis redis_probe redis_pid "$HOST:$REDIS_PORT" "$REDIS_LOG" || rc=1
+  print_env
+  return "$rc"
+}
+
+case ${1:-} in
+  up) cmd_up ;;
+  down) cmd_down ;;
+  status) cmd_status ;;
+  env) print_env ;;
+  *)
+    echo "usage: scripts/infra.sh up|down|status|env   (see docs/infra.md)" >&2
+    exit 2
+    ;;
+esac
