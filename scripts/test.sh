@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The project's test command: bootstrap, start local Kafka and Redis, run pytest.
+#
+#   scripts/test.sh [pytest args...]      e.g. scripts/test.sh -k scheduler -x
+#
+# Lint (scripts/lint.sh) runs first when PLEXRL_LINT=1 or CI=true; tests still run if it
+# fails, and the exit status is lint's then, else pytest's. Kafka and Redis stay up
+# afterwards so the next run reuses them (scripts/infra.sh down stops them).
+# PLEXRL_SKIP_INFRA=1 starts nothing and uses PLEXRL_KAFKA_BOOTSTRAP / PLEXRL_REDIS_URL.
+set -uo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT" || exit
+
+scripts/bootstrap.sh || exit
+
+lint_status=0
+if [[ ${PLEXRL_LINT:-0} == 1 || ${CI:-} == true ]]; then
+  scripts/lint.sh || lint_status=$?
+fi
+
+if [[ ${PLEXRL_SKIP_INFRA:-0} != 1 ]]; then
+  scripts/infra.sh up || exit
+  # Point the tests at what infra.sh manages, unless the caller chose other endpoints.
+  while read -r _export assignment; do
+    name=${assignment%%=*}
+    [[ -n ${!name:-} ]] || export "$name=${assignment#*=}"
+  done < <(scripts/infra.sh env)
+fi
+
+.venv/bin/python -m pytest -q "$@"
+test_status=$?
+
+if ((lint_status != 0)); then
+  echo "[test] lint failed (status $lint_status); pytest exited $test_status" >&2
+  exit "$lint_status"
+fi
+exit "$test_status"
