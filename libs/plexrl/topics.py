@@ -4,12 +4,40 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from plexrl.messages import dispatch_topic
 
-REQUESTS = "plexrl.requests"
-COMPLETIONS = "plexrl.completions"
-EVENTS = "plexrl.events"
-DLQ = "plexrl.dlq"
+@dataclass(frozen=True)
+class Topics:
+    """A cluster's topic names; the default cluster id gives the design's names."""
+
+    cluster_id: str = "plexrl"
+
+    @property
+    def requests(self) -> str:
+        """PhaseRequest, keyed by job id: gateway → scheduler."""
+        return f"{self.cluster_id}.requests"
+
+    @property
+    def completions(self) -> str:
+        """PhaseCompletion, keyed by job id: worker → scheduler, gateway."""
+        return f"{self.cluster_id}.completions"
+
+    @property
+    def events(self) -> str:
+        """Worker and job events, keyed by worker id."""
+        return f"{self.cluster_id}.events"
+
+    @property
+    def dlq(self) -> str:
+        """Messages that could not be parsed or handled."""
+        return f"{self.cluster_id}.dlq"
+
+    def dispatch(self, worker_id: str) -> str:
+        """Dispatch for one worker group, keyed by job id."""
+        return f"{self.cluster_id}.dispatch.{worker_id}"
+
+    def group(self, name: str) -> str:
+        """A consumer group name scoped to this cluster."""
+        return f"{self.cluster_id}-{name}"
 
 
 @dataclass(frozen=True)
@@ -20,26 +48,13 @@ class TopicLayout:
     """Keyed by job id: per-job order holds within a partition."""
     completions_partitions: int = 4
     events_partitions: int = 2
-    dispatch_partitions: int = 1
-    """One per worker topic: a worker runs its dispatches in order."""
 
 
-def core_topics(layout: TopicLayout) -> dict[str, int]:
+def core_topics(topics: Topics, layout: TopicLayout = TopicLayout()) -> dict[str, int]:
     """The topics every deployment has, with their partition counts."""
     return {
-        REQUESTS: layout.requests_partitions,
-        COMPLETIONS: layout.completions_partitions,
-        EVENTS: layout.events_partitions,
-        DLQ: 1,
+        topics.requests: layout.requests_partitions,
+        topics.completions: layout.completions_partitions,
+        topics.events: layout.events_partitions,
+        topics.dlq: 1,
     }
-
-
-__all__ = [
-    "COMPLETIONS",
-    "DLQ",
-    "EVENTS",
-    "REQUESTS",
-    "TopicLayout",
-    "core_topics",
-    "dispatch_topic",
-]

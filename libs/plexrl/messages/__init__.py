@@ -37,7 +37,7 @@ from plexrl.messages.completions import (
     StopReason,
     UnloadOutput,
 )
-from plexrl.messages.dispatch import Dispatch, StateMove, dispatch_topic
+from plexrl.messages.dispatch import Dispatch, StateMove
 from plexrl.messages.dlq import DeadLetter, DeadLetterReason
 from plexrl.messages.events import (
     Event,
@@ -162,6 +162,5 @@ __all__ = [
     "WorkHint",
     "WorkerHeartbeat",
     "decode",
-    "dispatch_topic",
     "encode",
 ]

@@ -24,13 +24,11 @@ class Dispatch(msgspec.Struct, frozen=True):
     worker_id: str
     calls: list[PhaseRequest]
     """Run in order; all belong to jobs homed on this worker."""
+    traceparents: list[str] = []
+    """W3C traceparent of each call, parallel to `calls` (the Kafka header has the first)."""
     evict: list[StateMove] = []
     """Moves down (device → host/disk) that make room, applied first."""
     prefetch: list[StateMove] = []
     """Moves up for a job likely next, applied after the calls."""
     issued_at: float = 0.0
     schema_version: int = SCHEMA_VERSION
-
-
-def dispatch_topic(worker_id: str) -> str:
-    return f"plexrl.dispatch.{worker_id}"

@@ -1,0 +1,377 @@
+"""Base models without a hub: tiny models built locally, and a registry that serves them by name.
+
+`init_tiny` writes a small causal LM with seeded random weights and a tokenizer trained
+here, so tests and demos never reach a model hub. `ModelRegistry` maps base-model names
+to local Hugging Face directories and describes them from `config.json` alone.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+)
+
+Family = Literal["qwen3", "llama"]
+
+PLEXRL_JSON = "plexrl.json"
+"""Per-model metadata file written by `init_tiny`; its "name" overrides the directory name."""
+
+PAD_TOKEN = "<|pad|>"
+BOS_TOKEN = "<|bos|>"
+EOS_TOKEN = "<|eos|>"
+# ChatML markers, so chat renderers written for Qwen-style models work on the tiny ones.
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+
+_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# fp32 copies a trainable parameter costs while training: the weight, its gradient,
+# and AdamW's two moments.
+_TRAINING_COPIES = 4
+_FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class TinyShape:
+    """Sizes of a tiny model; the defaults train fast on two CPU cores."""
+
+    hidden_size: int = 128
+    """Width of the residual stream."""
+    intermediate_size: int = 256
+    """Width of each MLP's hidden layer."""
+    num_layers: int = 2
+    """Decoder layers."""
+    num_heads: int = 4
+    """Attention (query) heads; must divide hidden_size."""
+    num_kv_heads: int = 2
+    """Key/value heads (grouped-query attention); must divide num_heads."""
+    max_positions: int = 512
+    """Longest sequence (prompt plus completion) the model accepts."""
+    vocab_size: int = 768
+    """Target size of the trained BPE vocabulary, special tokens included."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output projection."""
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not a multiple of num_heads {self.num_heads}; "
+                "change one so that it divides the other"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
+                f"{self.num_kv_heads}; pick num_kv_heads among the divisors of num_heads"
+            )
+        if self.vocab_size < 300:
+            raise ValueError(
+                f"vocab_size {self.vocab_size} cannot hold the 256 byte tokens plus specials "
+                "and merges; use at least 300"
+            )
+
+
+def init_tiny(
+    out_dir: Path,
+    *,
+    family: Family = "qwen3",
+    seed: int = 0,
+    name: str | None = None,
+    shape: TinyShape | None = None,
+) -> Path:
+    """Write a tiny causal LM with seeded random weights and a locally trained tokenizer.
+
+    The same arguments always give bit-identical files. Returns `out_dir`.
+    """
+    shape = shape or TinyShape()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    tokenizer = _tiny_tokenizer(shape)
+    config = _tiny_config(family, shape, tokenizer)
+    # A forked RNG keeps the caller's global torch RNG untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    meta = {"name": name or f"plexrl/tiny-{family}", "family": family, "seed": seed}
+    (out_dir / PLEXRL_JSON).write_text(json.dumps(meta, indent=2) + "\n")
+    return out_dir
+
+
+def _tiny_config(
+    family: Family, shape: TinyShape, tok: PreTrainedTokenizerFast
+) -> PretrainedConfig:
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        head_dim=shape.hidden_size // shape.num_heads,
+        max_position_embeddings=shape.max_positions,
+        tie_word_embeddings=shape.tie_embeddings,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    if family == "qwen3":
+        return Qwen3Config(**common)
+    if family == "llama":
+        return LlamaConfig(**common)
+    raise ValueError(f"unknown tiny model family {family!r}; use 'qwen3' or 'llama'")
+
+
+def _tiny_tokenizer(shape: TinyShape) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    # Digits are split one by one before byte-level BPE, so no merge can join them:
+    # every digit is its own token, which the arithmetic rewards rely on.
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=shape.vocab_size,
+        special_tokens=[PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, *CHAT_TOKENS],
+        # The full byte alphabet makes any text encodable, even what the corpus lacks.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_synthetic_corpus(), trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        additional_special_tokens=list(CHAT_TOKENS),
+        model_max_length=shape.max_positions,
+    )
+    fast.chat_template = _CHAT_TEMPLATE
+    return fast
+
+
+def _synthetic_corpus(lines: int = 1500) -> Iterator[str]:
+    """Arithmetic, copying and word-like text from a fixed RNG: the demo tasks' alphabet."""
+    rng = random.Random(20240531)
+    words = string.ascii_letters
+    yield string.printable
+    for _ in range(lines):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        yield f"{a}+{b}={a + b}"
+        yield f"{a}-{b}={a - b}"
+        yield f"{a}*{b}={a * b}"
+        word = "".join(rng.choice(words) for _ in range(rng.randint(1, 8)))
+        yield f"copy: {word} -> {word}"
+        sentence = " ".join(
+            "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(1, 7)))
+            for _ in range(rng.randint(3, 9))
+        )
+        yield sentence.capitalize() + rng.choice(".!?,;:")
+        yield f"Q: What is {a} + {b}? A: {a + b}"
+
+
+class UnknownModelError(LookupError):
+    """A base-model name the registry cannot resolve."""
+
+    def __init__(self, name: str, available: list[str], root: Path) -> None:
+        listing = ", ".join(available) if available else "none"
+        super().__init__(
+            f"unknown base model {name!r}; available: {listing}. A model is a directory with a "
+            f"config.json under {root} (named by its plexrl.json), or an absolute path to one"
+        )
+        self.name = name
+        self.available = available
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One linear layer LoRA may adapt."""
+
+    module: str
+    """Full module path in the model, e.g. `model.layers.0.self_attn.q_proj`."""
+    group: Literal["attn", "mlp", "unembed", "other"]
+    """Which LoRA option covers it (`train_attn`, `train_mlp`, `train_unembed`); `other`: none."""
+    in_features: int
+    out_features: int
+
+
+@dataclass(frozen=True)
+class BaseModelInfo:
+    """What the scheduler and gateway need to know about a base model, from config.json alone."""
+
+    name: str
+    path: Path
+    family: str
+    """The config's `model_type`, e.g. `qwen3`."""
+    arch: str
+    """The config's first architecture class, e.g. `Qwen3ForCausalLM`."""
+    vocab_size: int
+    num_params: int
+    hidden_size: int
+    num_layers: int
+    max_positions: int
+    eos_token_id: int | None
+    linears: tuple[LinearShape, ...]
+    """Every linear layer, for LoRA targets and sizes."""
+
+    def lora_targets(
+        self, *, attn: bool = True, mlp: bool = True, unembed: bool = False
+    ) -> list[str]:
+        """Module paths a LoRA with these options adapts."""
+        groups = {g for g, on in (("attn", attn), ("mlp", mlp), ("unembed", unembed)) if on}
+        return [lin.module for lin in self.linears if lin.group in groups]
+
+    def lora_params(
+        self, rank: int, *, attn: bool = True, mlp: bool = True, unembed: bool = False
+    ) -> int:
+        """Trainable parameters of a LoRA: A (rank x in) and B (out x rank) per target."""
+        targets = set(self.lora_targets(attn=attn, mlp=mlp, unembed=unembed))
+        return sum(
+            rank * (lin.in_features + lin.out_features)
+            for lin in self.linears
+            if lin.module in targets
+        )
+
+    def state_bytes(
+        self,
+        lora_rank: int | None,
+        *,
+        attn: bool = True,
+        mlp: bool = True,
+        unembed: bool = False,
+    ) -> int:
+        """Peak bytes of a job's own state in fp32: weights, gradients and both Adam moments.
+
+        `lora_rank=None` means full fine-tuning (the job owns every weight); otherwise only
+        the adapters count, since the base weights are shared by all jobs on a worker.
+        """
+        if lora_rank is None:
+            trainable = self.num_params
+        else:
+            trainable = self.lora_params(lora_rank, attn=attn, mlp=mlp, unembed=unembed)
+        return trainable * _TRAINING_COPIES * _FP32_BYTES
+
+
+class ModelRegistry:
+    """Base models by name, from the subdirectories of `root` (rescanned on each call,
+    so models written after start-up are found)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self._info: dict[Path, BaseModelInfo] = {}
+
+    def names(self) -> list[str]:
+        return sorted(self._scan())
+
+    def resolve(self, name: str) -> Path:
+        """The directory of a model, by registry name or absolute path."""
+        path = Path(name)
+        if path.is_absolute() and (path / "config.json").is_file():
+            return path
+        found = self._scan().get(name)
+        if found is None:
+            raise UnknownModelError(name, self.names(), self.root)
+        return found
+
+    def info(self, name: str) -> BaseModelInfo:
+        """Describe a model without reading its weights (the module is built on `meta`)."""
+        path = self.resolve(name)
+        cached = self._info.get(path)
+        if cached is None:
+            cached = self._info[path] = _describe(name, path)
+        return cached
+
+    def _scan(self) -> dict[str, Path]:
+        if not self.root.is_dir():
+            return {}
+        found: dict[str, Path] = {}
+        for sub in sorted(self.root.iterdir()):
+            if not (sub / "config.json").is_file():
+                continue
+            model_name = _declared_name(sub) or sub.name
+            if model_name in found:
+                raise ValueError(
+                    f"two model directories are both named {model_name!r}: {found[model_name]} "
+                    f"and {sub}; change the name in one of their {PLEXRL_JSON} files"
+                )
+            found[model_name] = sub
+        return found
+
+
+def _declared_name(model_dir: Path) -> str | None:
+    meta_file = model_dir / PLEXRL_JSON
+    if not meta_file.is_file():
+        return None
+    name = json.loads(meta_file.read_text()).get("name")
+    return str(name) if name else None
+
+
+def _describe(name: str, path: Path) -> BaseModelInfo:
+    config = AutoConfig.from_pretrained(path)
+    # On the meta device no memory is allocated and no weights are read, yet the
+    # module tree (and so parameter counts and linear shapes) is exact.
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    unembed = model.get_output_embeddings()
+    linears = tuple(
+        LinearShape(
+            module=module_name,
+            group=_linear_group(module_name, module is unembed),
+            in_features=module.in_features,
+            out_features=module.out_features,
+        )
+        for module_name, module in model.named_modules()
+        if isinstance(module, nn.Linear)
+    )
+    eos = config.eos_token_id
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    text_config = config.get_text_config()
+    return BaseModelInfo(
+        name=name,
+        path=path,
+        family=str(config.model_type),
+        arch=(config.architectures or [type(model).__name__])[0],
+        vocab_size=int(text_config.vocab_size),
+        num_params=sum(p.numel() for p in model.parameters()),
+        hidden_size=int(text_config.hidden_size),
+        num_layers=int(text_config.num_hidden_layers),
+        max_positions=int(text_config.max_position_embeddings),
+        eos_token_id=eos,
+        linears=linears,
+    )
+
+
+def _linear_group(module_name: str, is_unembed: bool) -> Literal["attn", "mlp", "unembed", "other"]:
+    if is_unembed:
+        return "unembed"
+    parts = module_name.lower().split(".")
+    if any("attn" in p or "attention" in p for p in parts):
+        return "attn"
+    if any(p in ("mlp", "feed_forward", "ffn") for p in parts):
+        return "mlp"
+    return "other"

@@ -1,0 +1,97 @@
+"""Environment settings, one class per service; each reads only `PLEXRL_*` variables.
+
+Internal tunables (policy, engine) are dataclasses next to the code they tune;
+these classes hold only what an operator sets per deployment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class CommonSettings(BaseSettings):
+    """What every service needs to find the cluster."""
+
+    model_config = SettingsConfigDict(env_prefix="PLEXRL_", extra="ignore")
+
+    # Kafka bootstrap servers, comma separated.
+    kafka_bootstrap: str = "127.0.0.1:9092"
+    # Redis URL of the metadata store (no tensors live there).
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    # Base URL of the state-store service (checkpoints, disk tier).
+    state_store_url: str = "http://127.0.0.1:8300"
+    # Names this cluster: prefixes Kafka topics, consumer groups and Redis keys.
+    # The default gives the design's topic names (`plexrl.requests`, ...).
+    cluster_id: str = "plexrl"
+    # Payloads whose encoding is larger than this go by reference (Redis, with a TTL).
+    payload_inline_max_bytes: int = 512 * 1024
+    # How long by-reference payloads, results and idempotency records live, seconds.
+    record_ttl_s: int = 24 * 3600
+    # Python log level.
+    log_level: str = "INFO"
+
+
+class GatewaySettings(CommonSettings):
+    # Interface and port of the HTTP API.
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = 8000
+    # API keys and their tenants: "tml-key1=tenant-a,tml-key2=tenant-b".
+    api_keys: str = "tml-dev=dev"
+    # Directory of local base models (see `plexrl model init-tiny`).
+    model_registry: Path = Path(".plexrl/models")
+    # Longest a `retrieve_future` call waits for a result before answering "try again".
+    future_wait_s: float = 45.0
+
+
+class SchedulerSettings(CommonSettings):
+    # Health and status port.
+    scheduler_host: str = "127.0.0.1"
+    scheduler_port: int = 8100
+    # Scheduling policy name (see `plexrl.policy.POLICIES`).
+    policy: str = "fifo"
+    # Most consecutive calls of one job sent to a worker in one dispatch.
+    max_calls_per_run: int = 8
+    # A worker whose last heartbeat is older than this is treated as down.
+    worker_timeout_s: float = 10.0
+
+
+class WorkerSettings(CommonSettings):
+    # This worker group's id; its dispatch topic is `<cluster>.dispatch.<id>`.
+    worker_id: str = "worker-0"
+    # Health port.
+    worker_host: str = "127.0.0.1"
+    worker_port: int = 8200
+    # Torch device for the engine: "cpu", "cuda", "cuda:1".
+    worker_device: str = "cpu"
+    # Bytes of device memory job states may use (base weights excluded).
+    worker_device_bytes: int = Field(default=2 * 1024**3)
+    # Bytes of host memory for offloaded job states; beyond it states go to disk.
+    worker_host_bytes: int = Field(default=8 * 1024**3)
+    # Directory of local base models.
+    model_registry: Path = Path(".plexrl/models")
+    # Seconds between heartbeats.
+    heartbeat_s: float = 1.0
+
+
+class StateStoreSettings(CommonSettings):
+    state_store_host: str = "127.0.0.1"
+    state_store_port: int = 8300
+    # Directory of the disk tier: checkpoints and offloaded states as safetensors.
+    state_store_dir: Path = Path(".plexrl/blobs")
+
+
+def parse_api_keys(spec: str) -> dict[str, str]:
+    """Parse "key=tenant,key2=tenant2"; raises ValueError saying which entry is wrong."""
+    keys: dict[str, str] = {}
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        key, sep, tenant = entry.partition("=")
+        if not sep or not key.strip() or not tenant.strip():
+            raise ValueError(
+                f"PLEXRL_API_KEYS entry {entry!r} is not of the form key=tenant "
+                "(e.g. PLEXRL_API_KEYS='tml-abc=team-a,tml-def=team-b')"
+            )
+        keys[key.strip()] = tenant.strip()
+    return keys

@@ -1,0 +1,158 @@
+"""Carries out a plan: publishes dispatches and admissions, fails rejected calls."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+
+from opentelemetry import trace
+from plexrl import tracing
+from plexrl.kafka import Delivery, Publisher
+from plexrl.messages import (
+    CompletionStatus,
+    Dispatch,
+    ErrorCode,
+    ErrorInfo,
+    JobAdmitted,
+    PhaseCompletion,
+    StateMove,
+    Tier,
+    Timings,
+)
+from plexrl.meta import MetaStore
+from plexrl.policy import Admit, Plan, Prefetch, Reject, Run
+from plexrl.topics import Topics
+
+from plexrl_scheduler.state import ClusterState, Pending
+
+log = logging.getLogger(__name__)
+_tracer = tracing.tracer("plexrl.scheduler")
+
+Committer = Callable[[Delivery | None], Awaitable[None]]
+
+
+class Actuator:
+    def __init__(
+        self,
+        state: ClusterState,
+        publisher: Publisher,
+        meta: MetaStore,
+        topics: Topics,
+        finished: Committer,
+    ) -> None:
+        self._state = state
+        self._publisher = publisher
+        self._meta = meta
+        self._topics = topics
+        self._finished = finished
+        self.dispatches = 0
+
+    async def carry_out(self, plan: Plan) -> None:
+        for action in plan:
+            match action:
+                case Admit():
+                    await self._admit(action)
+                case Reject():
+                    await self._reject(action)
+                case Run():
+                    await self._run(action)
+                case Prefetch():
+                    await self._prefetch(action)
+
+    async def _admit(self, action: Admit) -> None:
+        self._state.apply_admit(action.job_id, action.worker_id)
+        job = self._state.jobs[action.job_id]
+        await self._meta.set_home(action.job_id, action.worker_id)
+        event = JobAdmitted(
+            job_id=job.job_id,
+            tenant=job.tenant,
+            home_worker=action.worker_id,
+            base_model=job.spec.base_model,
+            state_bytes=job.state_bytes,
+            at=time.time(),
+        )
+        await self._publisher.publish(self._topics.events, action.worker_id, event)
+        log.info("admitted %s on %s", job.job_id, action.worker_id)
+
+    async def _reject(self, action: Reject) -> None:
+        log.warning("rejected job %s: %s", action.job_id, action.detail)
+        doomed = [p for p in self._state.pending.values() if p.request.job_id == action.job_id]
+        self._state.take_pending(tuple(p.request.request_id for p in doomed))
+        self._state.jobs.pop(action.job_id, None)
+        for pending in doomed:
+            await self.fail(pending, ErrorInfo(ErrorCode.REJECTED, action.detail))
+
+    async def fail(self, pending: Pending, error: ErrorInfo) -> None:
+        """Answer a call with an error without running it."""
+        request = pending.request
+        completion = PhaseCompletion(
+            request_id=request.request_id,
+            job_id=request.job_id,
+            tenant=request.tenant,
+            worker_id="",
+            function=request.function,
+            status=CompletionStatus.ERROR,
+            timings=Timings(queue_s=max(0.0, time.time() - request.arrival_time)),
+            error=error,
+            finished_at=time.time(),
+        )
+        completion = await self._meta.record_completion(completion)
+        await self._publisher.publish(self._topics.completions, request.job_id, completion)
+        await self._finished(pending.delivery)
+
+    async def _run(self, action: Run) -> None:
+        taken = self._state.take_pending(action.request_ids)
+        if not taken:
+            return
+        dispatch_id = uuid.uuid4().hex
+        traceparents: list[str] = []
+        for pending in taken:
+            parent = pending.delivery.context if pending.delivery else None
+            with _tracer.start_as_current_span(
+                "scheduler.dispatch",
+                context=parent,
+                kind=trace.SpanKind.INTERNAL,
+                attributes={
+                    "plexrl.request_id": pending.request.request_id,
+                    "plexrl.job_id": action.job_id,
+                    "plexrl.worker_id": action.worker_id,
+                    "plexrl.function": pending.request.function,
+                    "plexrl.expected_swap_s": action.expected_swap_s,
+                },
+            ):
+                traceparents.append(tracing.traceparent_of() or "")
+        dispatch = Dispatch(
+            dispatch_id=dispatch_id,
+            worker_id=action.worker_id,
+            calls=[p.request for p in taken],
+            traceparents=traceparents,
+            evict=[StateMove(m.job_id, m.to_tier) for m in action.evict],
+            issued_at=time.time(),
+        )
+        self._state.apply_run(dispatch_id, action.worker_id, action.job_id, taken, action.evict)
+        first = taken[0].delivery.context if taken[0].delivery else None
+        with _tracer.start_as_current_span("scheduler.publish_dispatch", context=first):
+            await self._publisher.publish(
+                self._topics.dispatch(action.worker_id), action.job_id, dispatch
+            )
+        self.dispatches += 1
+
+    async def _prefetch(self, action: Prefetch) -> None:
+        dispatch = Dispatch(
+            dispatch_id=uuid.uuid4().hex,
+            worker_id=action.worker_id,
+            calls=[],
+            evict=[StateMove(m.job_id, m.to_tier) for m in action.evict],
+            prefetch=[StateMove(action.job_id, Tier.DEVICE)],
+            issued_at=time.time(),
+        )
+        for move in action.evict:
+            if move.job_id in self._state.jobs:
+                self._state.jobs[move.job_id].tier = move.to_tier
+        if action.job_id in self._state.jobs:
+            self._state.jobs[action.job_id].tier = Tier.DEVICE
+        await self._publisher.publish(
+            self._topics.dispatch(action.worker_id), action.job_id, dispatch
+        )

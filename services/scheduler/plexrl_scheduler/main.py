@@ -1,0 +1,122 @@
+"""The scheduler's entry point: ingest → decide → act, on one screen."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from plexrl import tracing
+from plexrl.health import HttpServer, health_app
+from plexrl.kafka import MessageConsumer, Publisher, ensure_topics, wait_for_kafka
+from plexrl.messages import Event, PhaseCompletion, PhaseRequest
+from plexrl.meta import MetaStore
+from plexrl.policy import PolicyConfig, plan
+from plexrl.settings import SchedulerSettings
+from plexrl.topics import Topics, core_topics
+
+from plexrl_scheduler.actuator import Actuator
+from plexrl_scheduler.receiver import Receiver
+from plexrl_scheduler.state import ClusterState
+
+log = logging.getLogger("plexrl.scheduler")
+
+
+async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
+    tracing.setup_tracing("plexrl-scheduler")
+    topics = Topics(settings.cluster_id)
+    await wait_for_kafka(settings.kafka_bootstrap)
+    await ensure_topics(settings.kafka_bootstrap, core_topics(topics))
+    meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
+    publisher = Publisher(settings.kafka_bootstrap, "plexrl-scheduler")
+    state = ClusterState(worker_timeout_s=settings.worker_timeout_s)
+    await restore(state, meta)
+    policy = PolicyConfig(name=settings.policy, max_calls_per_run=settings.max_calls_per_run)
+    receiver = Receiver(state, meta)
+    actuator = Actuator(state, publisher, meta, topics, finished=receiver.finished)
+    receiver.use(actuator)
+
+    def consumer(topic: str, group: str | None, type_: Any, handler: Any, **kw: Any) -> Any:
+        return MessageConsumer(
+            bootstrap=settings.kafka_bootstrap,
+            topics=[topic],
+            group=group,
+            message_type=type_,
+            handler=handler,
+            dlq=(publisher, topics.dlq),
+            name=f"scheduler-{topic}",
+            **kw,
+        )
+
+    consumers = [
+        requests := consumer(
+            topics.requests,
+            topics.group("scheduler-requests"),
+            PhaseRequest,
+            receiver.on_request,
+            commit_after_handler=False,
+        ),
+        consumer(
+            topics.completions,
+            topics.group("scheduler-completions"),
+            PhaseCompletion,
+            receiver.on_completion,
+        ),
+        consumer(topics.events, None, Event, receiver.on_event, from_latest=True),
+    ]
+    receiver.attach(requests)
+    health = HttpServer(
+        health_app("scheduler", lambda: status(state, actuator)),
+        settings.scheduler_host,
+        settings.scheduler_port,
+    )
+    await publisher.start()
+    for c in consumers:
+        await c.start()
+    await health.start()
+    tasks = [asyncio.create_task(c.run(stop)) for c in consumers]
+    log.info("scheduler up: policy=%s cluster=%s", policy.name, settings.cluster_id)
+    try:
+        while not stop.is_set():
+            await state.wait_changed(timeout_s=0.5)  # ingest (consumer tasks feed state)
+            await ensure_worker_topics(settings, topics, receiver)
+            await actuator.carry_out(plan(state.snapshot(), policy))  # decide, act
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for c in consumers:
+            with contextlib.suppress(Exception):
+                await c.stop()
+        await health.stop()
+        await publisher.stop()
+        await meta.close()
+        log.info("scheduler stopped")
+
+
+async def restore(state: ClusterState, meta: MetaStore) -> None:
+    """After a restart: the jobs and homes recorded in Redis (tiers come with heartbeats)."""
+    homes = await meta.homes()
+    for job in await meta.all_jobs():
+        if not job.unloaded and job.owner_job is None:
+            state.add_job(job.job_id, job.tenant, job.spec, homes.get(job.job_id))
+
+
+async def ensure_worker_topics(
+    settings: SchedulerSettings, topics: Topics, receiver: Receiver
+) -> None:
+    if receiver.new_workers:
+        wanted = {topics.dispatch(w): 1 for w in receiver.new_workers}
+        receiver.new_workers.clear()
+        await ensure_topics(settings.kafka_bootstrap, wanted)
+
+
+def status(state: ClusterState, actuator: Actuator) -> dict[str, Any]:
+    return {
+        "ok": True,
+        "workers": {w: state.healthy(w) for w in state.workers},
+        "jobs": len(state.jobs),
+        "pending": len(state.pending),
+        "inflight": {w: r.job_id for w, r in state.inflight.items()},
+        "dispatches": actuator.dispatches,
+    }

@@ -1,0 +1,99 @@
+"""Turns the three input topics into ClusterState changes."""
+
+from __future__ import annotations
+
+import logging
+
+from plexrl.kafka import Delivery, MessageConsumer
+from plexrl.messages import (
+    ErrorCode,
+    ErrorInfo,
+    Event,
+    IdleHint,
+    PhaseCompletion,
+    PhaseRequest,
+    ResidencyChanged,
+    WorkerHeartbeat,
+)
+from plexrl.meta import MetaStore
+
+from plexrl_scheduler.actuator import Actuator
+from plexrl_scheduler.offsets import OffsetTracker
+from plexrl_scheduler.state import ClusterState, Pending
+
+log = logging.getLogger(__name__)
+
+
+class Receiver:
+    def __init__(self, state: ClusterState, meta: MetaStore) -> None:
+        self._state = state
+        self._meta = meta
+        self._actuator: Actuator | None = None
+        self._offsets = OffsetTracker()
+        self._requests: MessageConsumer[PhaseRequest] | None = None
+        self.new_workers: list[str] = []
+
+    def use(self, actuator: Actuator) -> None:
+        """The actuator that answers calls this receiver cannot accept."""
+        self._actuator = actuator
+
+    def attach(self, requests: MessageConsumer[PhaseRequest]) -> None:
+        """The consumer whose offsets this receiver commits once calls are answered."""
+        self._requests = requests
+
+    async def finished(self, delivery: Delivery | None) -> None:
+        if delivery is None or self._requests is None:
+            return
+        point = self._offsets.finished(delivery.tp, delivery.offset)
+        if point is not None:
+            await self._requests.commit_upto(delivery.tp, point)
+
+    async def on_request(self, request: PhaseRequest, delivery: Delivery) -> None:
+        if self._state.knows_request(request.request_id):
+            await self.finished(delivery)
+            return
+        self._offsets.seen(delivery.tp, delivery.offset)
+        if request.job_id not in self._state.jobs:
+            record = await self._meta.get_job(request.job_id)
+            spec = request.spec or (record.spec if record else None)
+            if spec is None:
+                assert self._actuator is not None, "Receiver.use(actuator) was not called"
+                await self._actuator.fail(
+                    Pending(request, delivery),
+                    ErrorInfo(ErrorCode.NOT_FOUND, f"unknown job {request.job_id}"),
+                )
+                return
+            home = (await self._meta.homes()).get(request.job_id) if record else None
+            self._state.add_job(request.job_id, request.tenant, spec, home)
+        self._state.on_request(request, delivery)
+
+    async def on_completion(self, completion: PhaseCompletion, delivery: Delivery) -> None:
+        request_delivery = self._state.on_completion(completion)
+        if request_delivery is None:
+            return
+        await self.finished(request_delivery)
+        t = completion.timings
+        await self._meta.add_usage(
+            completion.job_id,
+            {
+                "calls": 1.0,
+                "queue_s": t.queue_s,
+                "swap_s": t.swap_s,
+                "compute_s": t.compute_s,
+                "device_s": t.swap_s + t.compute_s,
+            },
+        )
+        await self._meta.mark_active(completion.job_id, completion.finished_at)
+
+    async def on_event(self, event: Event, delivery: Delivery) -> None:
+        match event:
+            case WorkerHeartbeat():
+                if self._state.on_heartbeat(event):
+                    log.info("worker %s joined (%s)", event.worker_id, event.device)
+                    self.new_workers.append(event.worker_id)
+            case IdleHint():
+                self._state.on_idle_hint(event.job_id, event.seconds)
+            case ResidencyChanged():
+                pass  # the scheduler moved it itself; heartbeats reconcile
+            case _:
+                pass

@@ -1,0 +1,223 @@
+"""The scheduler's view of the cluster, fed by requests, completions and events.
+
+It changes only through the `on_*` methods and `apply_*` methods (which record
+what the scheduler just decided); `snapshot()` freezes it for the policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from plexrl.kafka import Delivery
+from plexrl.messages import (
+    Function,
+    JobSpec,
+    PhaseCompletion,
+    PhaseRequest,
+    Tier,
+    WorkerHeartbeat,
+)
+from plexrl.policy import (
+    CallEstimates,
+    ClusterSnapshot,
+    JobView,
+    Move,
+    PendingCall,
+    SwapCosts,
+    WorkerView,
+)
+
+Clock = Callable[[], float]
+
+# Weight of the newest observation in a job's running mean of call durations.
+_EWMA = 0.3
+
+
+@dataclass
+class JobState:
+    job_id: str
+    tenant: str
+    spec: JobSpec
+    state_bytes: int
+    home: str | None = None
+    tier: Tier | None = None
+    last_active: float = 0.0
+    idle_until: float = 0.0
+    durations: dict[Function, float] = field(default_factory=dict)
+
+    def observe(self, function: Function, seconds: float) -> None:
+        old = self.durations.get(function)
+        self.durations[function] = seconds if old is None else old + _EWMA * (seconds - old)
+
+
+@dataclass
+class Pending:
+    request: PhaseRequest
+    delivery: Delivery | None
+
+
+@dataclass
+class InFlight:
+    dispatch_id: str
+    worker_id: str
+    job_id: str
+    remaining: set[str]
+    issued_at: float
+
+
+@dataclass
+class WorkerState:
+    heartbeat: WorkerHeartbeat
+    seen_at: float
+
+
+class ClusterState:
+    def __init__(
+        self,
+        *,
+        clock: Clock = time.time,
+        worker_timeout_s: float = 10.0,
+        swap: SwapCosts | None = None,
+    ) -> None:
+        self._clock = clock
+        self._worker_timeout_s = worker_timeout_s
+        self._swap = swap or SwapCosts()
+        self.workers: dict[str, WorkerState] = {}
+        self.jobs: dict[str, JobState] = {}
+        self.pending: dict[str, Pending] = {}
+        self.inflight: dict[str, InFlight] = {}
+        """By worker id: the dispatch that worker is running."""
+        self._inflight_requests: dict[str, tuple[str, Delivery | None]] = {}
+        self._changed = asyncio.Event()
+
+    # Ingest -------------------------------------------------------------------
+
+    def knows_request(self, request_id: str) -> bool:
+        return request_id in self.pending or request_id in self._inflight_requests
+
+    def add_job(self, job_id: str, tenant: str, spec: JobSpec, home: str | None) -> JobState:
+        job = self.jobs.get(job_id)
+        if job is None:
+            job = self.jobs[job_id] = JobState(job_id, tenant, spec, spec.state_bytes, home)
+        return job
+
+    def on_request(self, request: PhaseRequest, delivery: Delivery | None) -> None:
+        self.pending[request.request_id] = Pending(request, delivery)
+        self._changed.set()
+
+    def on_completion(self, completion: PhaseCompletion) -> Delivery | None:
+        """Free the worker when its dispatch is done; returns the request's delivery."""
+        entry = self._inflight_requests.pop(completion.request_id, None)
+        if entry is None:
+            return None
+        worker_id, delivery = entry
+        job = self.jobs.get(completion.job_id)
+        if job is not None:
+            job.last_active = self._clock()
+            job.observe(completion.function, completion.timings.compute_s)
+            if completion.function == Function.UNLOAD:
+                del self.jobs[job.job_id]
+        run = self.inflight.get(worker_id)
+        if run is not None:
+            run.remaining.discard(completion.request_id)
+            if not run.remaining:
+                del self.inflight[worker_id]
+        self._changed.set()
+        return delivery
+
+    def on_heartbeat(self, beat: WorkerHeartbeat) -> bool:
+        """Record a heartbeat; True when the worker is new to this scheduler."""
+        new = beat.worker_id not in self.workers
+        self.workers[beat.worker_id] = WorkerState(beat, self._clock())
+        # The worker's own report is the truth about residency, but only while no
+        # dispatch of ours is on its way there (our plan runs ahead of its report).
+        if beat.worker_id not in self.inflight and not beat.busy:
+            for resident in beat.resident:
+                job = self.jobs.get(resident.job_id)
+                if job is not None and job.home == beat.worker_id:
+                    job.tier = resident.tier
+                    job.state_bytes = resident.bytes
+        self._changed.set()
+        return new
+
+    def on_idle_hint(self, job_id: str, seconds: float) -> None:
+        job = self.jobs.get(job_id)
+        if job is not None:
+            job.idle_until = self._clock() + seconds
+            self._changed.set()
+
+    # Record decisions --------------------------------------------------------
+
+    def apply_admit(self, job_id: str, worker_id: str) -> None:
+        self.jobs[job_id].home = worker_id
+
+    def take_pending(self, request_ids: tuple[str, ...]) -> list[Pending]:
+        return [self.pending.pop(rid) for rid in request_ids if rid in self.pending]
+
+    def apply_run(
+        self,
+        dispatch_id: str,
+        worker_id: str,
+        job_id: str,
+        taken: list[Pending],
+        evict: tuple[Move, ...],
+    ) -> None:
+        for move in evict:
+            if move.job_id in self.jobs:
+                self.jobs[move.job_id].tier = move.to_tier
+        self.jobs[job_id].tier = Tier.DEVICE
+        ids = {p.request.request_id for p in taken}
+        self.inflight[worker_id] = InFlight(dispatch_id, worker_id, job_id, ids, self._clock())
+        for p in taken:
+            self._inflight_requests[p.request.request_id] = (worker_id, p.delivery)
+
+    # Decide ------------------------------------------------------------------
+
+    async def wait_changed(self, timeout_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+        self._changed.clear()
+
+    def healthy(self, worker_id: str) -> bool:
+        state = self.workers.get(worker_id)
+        return state is not None and self._clock() - state.seen_at < self._worker_timeout_s
+
+    def snapshot(self) -> ClusterSnapshot:
+        now = self._clock()
+        workers = {
+            wid: WorkerView(
+                worker_id=wid,
+                device_bytes=w.heartbeat.device_bytes,
+                host_bytes=w.heartbeat.host_bytes,
+                devices=w.heartbeat.devices,
+                base_models=frozenset(w.heartbeat.base_models),
+                running=run.job_id if (run := self.inflight.get(wid)) else None,
+                healthy=self.healthy(wid),
+            )
+            for wid, w in self.workers.items()
+        }
+        jobs = {
+            jid: JobView(
+                job_id=jid,
+                state_bytes=j.state_bytes,
+                home=j.home,
+                tier=j.tier,
+                base_model=j.spec.base_model,
+                last_active=j.last_active,
+                idle_until=j.idle_until,
+                estimates=CallEstimates(dict(j.durations)),
+            )
+            for jid, j in self.jobs.items()
+        }
+        pending = tuple(
+            PendingCall(rid, p.request.job_id, p.request.function, p.request.arrival_time)
+            for rid, p in self.pending.items()
+            if p.request.job_id in jobs
+        )
+        return ClusterSnapshot(
+            now=now, workers=workers, jobs=jobs, pending=pending, swap=self._swap
+        )
