@@ -81,6 +81,19 @@ class CheckpointRecord(msgspec.Struct, frozen=True):
     lora_rank: int | None = None
 
 
+class TimelineEntry(msgspec.Struct, frozen=True):
+    """One call as it ran: which job, where, and when (wall-clock seconds)."""
+
+    worker_id: str
+    job_id: str
+    request_id: str
+    function: str
+    started_at: float
+    swap_s: float
+    compute_s: float
+    ok: bool
+
+
 class SessionRecord(msgspec.Struct, frozen=True):
     session_id: str
     tenant: str
@@ -264,6 +277,21 @@ class MetaStore:
             pipe.delete(self._k("ckpt", ckpt.path))
             pipe.srem(self._k("tenant", ckpt.tenant, "ckpts"), ckpt.path)
             await pipe.execute()
+
+    # Timeline ----------------------------------------------------------------
+
+    async def append_timeline(self, entry: TimelineEntry, max_len: int = 100_000) -> None:
+        await self.redis.xadd(
+            self._k("timeline"), {"e": encode(entry)}, maxlen=max_len, approximate=True
+        )
+
+    async def timeline(self, since: float = 0.0, limit: int = 1000) -> list[TimelineEntry]:
+        """Entries whose call started at or after `since`, oldest first."""
+        start = f"{int(since * 1000)}-0" if since > 0 else "-"
+        rows: list[tuple[Any, dict[Any, Any]]] = await self.redis.xrange(
+            self._k("timeline"), min=start, count=limit
+        )
+        return [decode(_raw(fields[b"e"]), TimelineEntry) for _, fields in rows or []]
 
     # Counters (accounting) ---------------------------------------------------
 
