@@ -288,9 +288,7 @@ class MetaStore:
     async def timeline(self, since: float = 0.0, limit: int = 1000) -> list[TimelineEntry]:
         """Entries whose call started at or after `since`, oldest first."""
         start = f"{int(since * 1000)}-0" if since > 0 else "-"
-        rows: list[tuple[Any, dict[Any, Any]]] = await self.redis.xrange(
-            self._k("timeline"), min=start, count=limit
-        )
+        rows: Any = await self.redis.xrange(self._k("timeline"), min=start, count=limit)
         return [decode(_raw(fields[b"e"]), TimelineEntry) for _, fields in rows or []]
 
     # Counters (accounting) ---------------------------------------------------
