@@ -1,6 +1,5 @@
 from plexrl.service import configure_logging, run_until_signalled
 from plexrl.settings import SchedulerSettings
-
 from plexrl_scheduler.main import serve
 
 

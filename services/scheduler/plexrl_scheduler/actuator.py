@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 from opentelemetry import trace
+
 from plexrl import tracing
 from plexrl.kafka import Delivery, Publisher
 from plexrl.messages import (
@@ -24,7 +25,6 @@ from plexrl.messages import (
 from plexrl.meta import MetaStore
 from plexrl.policy import Admit, Plan, Prefetch, Reject, Run
 from plexrl.topics import Topics
-
 from plexrl_scheduler.state import ClusterState, Pending
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,6 @@ from plexrl.meta import MetaStore
 from plexrl.policy import PolicyConfig, plan
 from plexrl.settings import SchedulerSettings
 from plexrl.topics import Topics, core_topics
-
 from plexrl_scheduler.actuator import Actuator
 from plexrl_scheduler.receiver import Receiver
 from plexrl_scheduler.state import ClusterState

@@ -16,7 +16,6 @@ from plexrl.messages import (
     WorkerHeartbeat,
 )
 from plexrl.meta import MetaStore
-
 from plexrl_scheduler.actuator import Actuator
 from plexrl_scheduler.offsets import OffsetTracker
 from plexrl_scheduler.state import ClusterState, Pending

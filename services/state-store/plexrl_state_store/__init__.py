@@ -1,0 +1,1 @@
+"""The state-store service: the disk tier (safetensors blobs) and checkpoint metadata."""
