@@ -1,0 +1,51 @@
+"""`plexrl model ...`: build and list local base models (no model hub needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, help="Build and list local base models.")
+
+
+@app.command("init-tiny")
+def init_tiny(
+    out_dir: Annotated[Path, typer.Argument(help="Directory to write the model into.")],
+    family: Annotated[str, typer.Option(help="qwen3 or llama")] = "qwen3",
+    seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
+    name: Annotated[str | None, typer.Option(help="Name the registry serves it under.")] = None,
+    hf_cache: Annotated[
+        bool, typer.Option(help="Also make the name resolvable offline via the HF cache.")
+    ] = True,
+) -> None:
+    """Build a small Qwen- or Llama-family model with a locally trained tokenizer."""
+    from plexrl import hf_cache as cache
+    from plexrl.models import ModelRegistry
+    from plexrl.models import init_tiny as build
+
+    if family not in ("qwen3", "llama"):
+        raise typer.BadParameter(f"family {family!r} is not one of qwen3, llama")
+    fam: Literal["qwen3", "llama"] = "qwen3" if family == "qwen3" else "llama"
+    path = build(out_dir, family=fam, seed=seed, name=name)
+    info = ModelRegistry(path.parent).info(str(path.resolve()))
+    served = name or f"plexrl/tiny-{family}"
+    typer.echo(f"wrote {served} to {path} ({info.num_params:,} parameters)")
+    if hf_cache and (snapshot := cache.register(path, served)) is not None:
+        typer.echo(f"tokenizer resolvable offline as {served!r} ({snapshot})")
+
+
+@app.command("list")
+def list_models(
+    registry: Annotated[Path, typer.Option(envvar="PLEXRL_MODEL_REGISTRY")] = Path(
+        ".plexrl/models"
+    ),
+) -> None:
+    """The base models a registry directory serves."""
+    from plexrl.models import ModelRegistry
+
+    reg = ModelRegistry(registry)
+    for model in reg.names():
+        info = reg.info(model)
+        typer.echo(f"{model}\t{info.path}\t{info.num_params:,} params\tvocab {info.vocab_size}")

@@ -1,0 +1,213 @@
+"""Start the four services as local processes, wait until healthy, stop them cleanly.
+
+Used by the main job, the integration tests and the benchmarks; `docker compose`
+runs the same topology in containers.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """One local cluster: its id, ports, directories and worker count."""
+
+    model_registry: Path
+    """Directory of local base models."""
+    state_dir: Path
+    """Blobs and service logs go under here."""
+    cluster_id: str = "plexrl"
+    """Prefix of Kafka topics, consumer groups and Redis keys."""
+    workers: int = 1
+    """Worker groups to start (`worker-0`, `worker-1`, ...)."""
+    gateway_port: int = 8000
+    scheduler_port: int = 8100
+    worker_port_base: int = 8200
+    """Worker i listens on worker_port_base + i."""
+    state_store_port: int = 8300
+    api_keys: str = "tml-dev=dev"
+    """PLEXRL_API_KEYS for the gateway."""
+    worker_device_bytes: int | None = None
+    """Device-tier budget of each worker for job states; None keeps the worker default."""
+    worker_host_bytes: int | None = None
+    policy: str = "fifo"
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment for every service (e.g. OTEL_EXPORTER_OTLP_ENDPOINT)."""
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://127.0.0.1:{self.gateway_port}"
+
+
+@dataclass
+class _Proc:
+    name: str
+    process: subprocess.Popen[bytes]
+    health_url: str
+    log: Path
+
+
+class LocalCluster:
+    """`with LocalCluster(config) as cluster:` runs the services for the block."""
+
+    def __init__(self, config: ClusterConfig, python: str = sys.executable) -> None:
+        self.config = config
+        self._python = python
+        self._procs: list[_Proc] = []
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _env(self, extra: dict[str, str]) -> dict[str, str]:
+        c = self.config
+        env = {
+            **os.environ,
+            "PLEXRL_CLUSTER_ID": c.cluster_id,
+            "PLEXRL_MODEL_REGISTRY": str(c.model_registry),
+            "PLEXRL_STATE_STORE_URL": f"http://127.0.0.1:{c.state_store_port}",
+            "PLEXRL_SCHEDULER_URL": f"http://127.0.0.1:{c.scheduler_port}",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            **c.env,
+            **extra,
+        }
+        return env
+
+    def _spawn(self, name: str, module: str, port: int, extra: dict[str, str]) -> None:
+        logs = self.config.state_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        log = logs / f"{name}.log"
+        with log.open("ab") as out:
+            process = subprocess.Popen(
+                [self._python, "-m", module],
+                env=self._env({"OTEL_SERVICE_NAME": f"plexrl-{name}", **extra}),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        self._procs.append(_Proc(name, process, f"http://127.0.0.1:{port}/healthz", log))
+
+    def start(self, timeout_s: float = 180.0) -> None:
+        c = self.config
+        self._spawn(
+            "state-store",
+            "plexrl_state_store",
+            c.state_store_port,
+            {
+                "PLEXRL_STATE_STORE_PORT": str(c.state_store_port),
+                "PLEXRL_STATE_STORE_DIR": str(c.state_dir / "blobs"),
+            },
+        )
+        self._spawn(
+            "scheduler",
+            "plexrl_scheduler",
+            c.scheduler_port,
+            {
+                "PLEXRL_SCHEDULER_PORT": str(c.scheduler_port),
+                "PLEXRL_POLICY": c.policy,
+            },
+        )
+        for i in range(c.workers):
+            extra = {
+                "PLEXRL_WORKER_ID": f"worker-{i}",
+                "PLEXRL_WORKER_PORT": str(c.worker_port_base + i),
+            }
+            if c.worker_device_bytes is not None:
+                extra["PLEXRL_WORKER_DEVICE_BYTES"] = str(c.worker_device_bytes)
+            if c.worker_host_bytes is not None:
+                extra["PLEXRL_WORKER_HOST_BYTES"] = str(c.worker_host_bytes)
+            self._spawn(f"worker-{i}", "plexrl_worker", c.worker_port_base + i, extra)
+        self._spawn(
+            "gateway",
+            "plexrl_gateway",
+            c.gateway_port,
+            {
+                "PLEXRL_GATEWAY_PORT": str(c.gateway_port),
+                "PLEXRL_API_KEYS": c.api_keys,
+            },
+        )
+        try:
+            self.wait_healthy(timeout_s)
+            self.wait_workers_known(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_healthy(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        waiting = list(self._procs)
+        with httpx.Client(timeout=2.0) as http:
+            while waiting:
+                for proc in list(waiting):
+                    if proc.process.poll() is not None:
+                        raise RuntimeError(
+                            f"{proc.name} exited with {proc.process.returncode} while starting; "
+                            f"see {proc.log}:\n{_tail(proc.log)}"
+                        )
+                    try:
+                        if http.get(proc.health_url).status_code == 200:
+                            waiting.remove(proc)
+                    except httpx.HTTPError:
+                        pass
+                if waiting and time.monotonic() > deadline:
+                    names = ", ".join(p.name for p in waiting)
+                    raise TimeoutError(f"not healthy after {timeout_s:.0f}s: {names}")
+                time.sleep(0.2)
+
+    def wait_workers_known(self, timeout_s: float) -> None:
+        """Until the scheduler has heard every worker's heartbeat (so jobs can be placed)."""
+        deadline = time.monotonic() + timeout_s
+        url = f"http://127.0.0.1:{self.config.scheduler_port}/healthz"
+        with httpx.Client(timeout=2.0) as http:
+            while True:
+                workers = http.get(url).json().get("workers", {})
+                if sum(bool(v) for v in workers.values()) >= self.config.workers:
+                    return
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"scheduler knows workers {workers} after {timeout_s}s")
+                time.sleep(0.2)
+
+    def stop(self, timeout_s: float = 30.0) -> dict[str, int | None]:
+        """SIGTERM in reverse start order; returns each exit code (None: had to be killed)."""
+        codes: dict[str, int | None] = {}
+        for proc in reversed(self._procs):
+            if proc.process.poll() is None:
+                proc.process.send_signal(signal.SIGTERM)
+        for proc in reversed(self._procs):
+            try:
+                codes[proc.name] = proc.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.process.kill()
+                proc.process.wait()
+                codes[proc.name] = None
+        self._procs.clear()
+        return codes
+
+    def logs(self) -> dict[str, Path]:
+        return {p.name: p.log for p in self._procs}
+
+
+def _tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""

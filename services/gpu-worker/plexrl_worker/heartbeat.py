@@ -1,0 +1,65 @@
+"""Announces this worker (capacity, base models, resident states) every few seconds."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from plexrl.kafka import Publisher
+from plexrl.messages import WorkerHeartbeat, encode
+from plexrl.meta import MetaStore
+from plexrl.settings import WorkerSettings
+from plexrl_worker.residency import StateManager
+
+log = logging.getLogger(__name__)
+
+
+class Heartbeat:
+    def __init__(
+        self,
+        *,
+        settings: WorkerSettings,
+        base_models: list[str],
+        states: StateManager,
+        meta: MetaStore,
+        publisher: Publisher,
+        events_topic: str,
+    ) -> None:
+        self._settings = settings
+        self._base_models = base_models
+        self._states = states
+        self._meta = meta
+        self._publisher = publisher
+        self._topic = events_topic
+        self._started_at = time.time()
+        self.busy = False
+
+    def beat(self) -> WorkerHeartbeat:
+        return WorkerHeartbeat(
+            worker_id=self._settings.worker_id,
+            device=self._settings.worker_device,
+            device_bytes=self._settings.worker_device_bytes,
+            host_bytes=self._settings.worker_host_bytes,
+            base_models=self._base_models,
+            resident=self._states.resident(),
+            busy=self.busy,
+            started_at=self._started_at,
+            sent_at=time.time(),
+        )
+
+    async def send(self) -> None:
+        beat = self.beat()
+        await self._publisher.publish(self._topic, beat.worker_id, beat)
+        ttl = max(2, int(self._settings.heartbeat_s * 10))
+        await self._meta.put_worker(beat.worker_id, encode(beat), ttl)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await self.send()
+            except Exception:  # a missed beat is logged; the next one may get through
+                log.exception("heartbeat failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self._settings.heartbeat_s)

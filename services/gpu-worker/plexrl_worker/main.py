@@ -1,0 +1,167 @@
+"""The gpu-worker's entry point: ingest dispatches → move states → run → record."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from opentelemetry import trace
+
+from plexrl import tracing
+from plexrl.health import HttpServer, health_app
+from plexrl.kafka import Delivery, MessageConsumer, Publisher, ensure_topics, wait_for_kafka
+from plexrl.messages import Dispatch
+from plexrl.meta import MetaStore
+from plexrl.models import ModelRegistry
+from plexrl.settings import WorkerSettings
+from plexrl.state_store_client import StateStoreClient
+from plexrl.topics import Topics, core_topics
+from plexrl_worker.engine import EngineConfig, TorchEngine
+from plexrl_worker.engine_thread import EngineThread
+from plexrl_worker.heartbeat import Heartbeat
+from plexrl_worker.recorder import ResultRecorder
+from plexrl_worker.residency import StateManager
+from plexrl_worker.runner import CallRunner
+
+log = logging.getLogger("plexrl.worker")
+_tracer = tracing.tracer("plexrl.worker")
+
+
+class DispatchHandler:
+    """One dispatch: evictions, then each call (onload, run, record), then prefetches."""
+
+    def __init__(
+        self,
+        states: StateManager,
+        runner: CallRunner,
+        recorder: ResultRecorder,
+        heartbeat: Heartbeat,
+    ) -> None:
+        self._states = states
+        self._runner = runner
+        self._recorder = recorder
+        self._heartbeat = heartbeat
+        self.calls = 0
+
+    async def __call__(self, dispatch: Dispatch, delivery: Delivery) -> None:
+        self._heartbeat.busy = True
+        try:
+            for move in dispatch.evict:
+                await self._states.move(move.job_id, move.to_tier)
+            for i, request in enumerate(dispatch.calls):
+                parent = (
+                    tracing.extract_kafka_headers(
+                        [("traceparent", dispatch.traceparents[i].encode())]
+                    )
+                    if i < len(dispatch.traceparents)
+                    else delivery.context
+                )
+                with _tracer.start_as_current_span(
+                    f"worker.{request.function}",
+                    context=parent,
+                    kind=trace.SpanKind.CONSUMER,
+                    attributes={
+                        "plexrl.request_id": request.request_id,
+                        "plexrl.job_id": request.job_id,
+                    },
+                ):
+                    last = i == len(dispatch.calls) - 1
+                    done = await self._recorder.recorded(request)
+                    if done is not None:  # a replay: answer with the recorded result
+                        await self._recorder.publish(done)
+                        continue
+                    ran = await self._runner.run(request)
+                    await self._recorder.record(request, ran, dispatch.dispatch_id, last)
+                    self.calls += 1
+            for move in dispatch.prefetch:
+                await self._states.move(move.job_id, move.to_tier)
+        finally:
+            self._heartbeat.busy = False
+
+
+async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
+    tracing.setup_tracing(f"plexrl-worker-{settings.worker_id}")
+    topics = Topics(settings.cluster_id)
+    await wait_for_kafka(settings.kafka_bootstrap)
+    await ensure_topics(
+        settings.kafka_bootstrap, {**core_topics(topics), topics.dispatch(settings.worker_id): 1}
+    )
+    meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
+    store = StateStoreClient(settings.state_store_url)
+    publisher = Publisher(settings.kafka_bootstrap, f"plexrl-worker-{settings.worker_id}")
+    registry = ModelRegistry(settings.model_registry)
+    engine = TorchEngine(registry, EngineConfig(device=settings.worker_device))
+    thread = EngineThread()
+    states = StateManager(
+        worker_id=settings.worker_id,
+        engine=engine,
+        thread=thread,
+        meta=meta,
+        store=store,
+        publisher=publisher,
+        events_topic=topics.events,
+    )
+    runner = CallRunner(engine=engine, thread=thread, states=states, meta=meta, store=store)
+    recorder = ResultRecorder(
+        worker_id=settings.worker_id,
+        meta=meta,
+        publisher=publisher,
+        completions_topic=topics.completions,
+        inline_max_bytes=settings.payload_inline_max_bytes,
+    )
+    heartbeat = Heartbeat(
+        settings=settings,
+        base_models=registry.names(),
+        states=states,
+        meta=meta,
+        publisher=publisher,
+        events_topic=topics.events,
+    )
+    handler = DispatchHandler(states, runner, recorder, heartbeat)
+    dispatches: MessageConsumer[Dispatch] = MessageConsumer(
+        bootstrap=settings.kafka_bootstrap,
+        topics=[topics.dispatch(settings.worker_id)],
+        group=topics.group(f"worker-{settings.worker_id}"),
+        message_type=Dispatch,
+        handler=handler,
+        dlq=(publisher, topics.dlq),
+        name=f"worker-{settings.worker_id}",
+    )
+    health = HttpServer(
+        health_app(f"worker-{settings.worker_id}", lambda: status(states, handler, engine)),
+        settings.worker_host,
+        settings.worker_port,
+    )
+    await publisher.start()
+    await dispatches.start()
+    await health.start()
+    tasks = [asyncio.create_task(dispatches.run(stop)), asyncio.create_task(heartbeat.run(stop))]
+    log.info(
+        "worker %s up on %s with models %s",
+        settings.worker_id,
+        settings.worker_device,
+        registry.names(),
+    )
+    try:
+        await stop.wait()
+    finally:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await dispatches.stop()
+        await health.stop()
+        await publisher.stop()
+        await store.close()
+        await meta.close()
+        thread.shutdown()
+        log.info("worker %s stopped", settings.worker_id)
+
+
+def status(states: StateManager, handler: DispatchHandler, engine: TorchEngine) -> dict[str, Any]:
+    return {
+        "ok": True,
+        "calls": handler.calls,
+        "resident": {s.job_id: s.tier for s in states.resident()},
+        "bases": engine.loaded_bases(),
+    }

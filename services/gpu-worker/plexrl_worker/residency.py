@@ -1,0 +1,175 @@
+"""Where each job's state lives on this worker (device, host, disk), and moving it.
+
+Device: the engine holds the job. Host: a CPU copy kept here, out of the engine.
+Disk: safetensors bytes in the state-store. Every move is recorded in Redis with a
+compare-and-set on the state's version and announced as a ResidencyChanged event.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from plexrl.kafka import Publisher
+from plexrl.messages import ResidencyChanged, ResidentState, StateComponent, Tier
+from plexrl.meta import MetaStore, Residency
+from plexrl.state_store_client import StateStoreClient
+from plexrl_worker.engine import TorchEngine
+from plexrl_worker.engine.state import JobTensors, state_from_bytes, state_to_bytes
+from plexrl_worker.engine_thread import EngineThread
+
+log = logging.getLogger(__name__)
+
+_COMPONENTS = [StateComponent.WEIGHTS, StateComponent.OPTIMIZER, StateComponent.GRADIENTS]
+
+
+class ResidencyConflictError(RuntimeError):
+    """Another actor moved this job's state since we last looked."""
+
+
+@dataclass
+class _Held:
+    tier: Tier
+    bytes: int
+    version: int
+    host: JobTensors | None = None
+    blob_key: str | None = None
+
+
+class StateManager:
+    def __init__(
+        self,
+        *,
+        worker_id: str,
+        engine: TorchEngine,
+        thread: EngineThread,
+        meta: MetaStore,
+        store: StateStoreClient,
+        publisher: Publisher,
+        events_topic: str,
+    ) -> None:
+        self._worker_id = worker_id
+        self._engine = engine
+        self._thread = thread
+        self._meta = meta
+        self._store = store
+        self._publisher = publisher
+        self._events_topic = events_topic
+        self._held: dict[str, _Held] = {}
+
+    def tier(self, job_id: str) -> Tier | None:
+        held = self._held.get(job_id)
+        return held.tier if held else None
+
+    def resident(self) -> list[ResidentState]:
+        return [
+            ResidentState(job_id, h.tier, h.bytes, h.version) for job_id, h in self._held.items()
+        ]
+
+    def bytes_in(self, tier: Tier) -> int:
+        return sum(h.bytes for h in self._held.values() if h.tier == tier)
+
+    async def created(self, job_id: str, nbytes: int) -> None:
+        """A job's state now exists on the device tier (after CREATE)."""
+        # A re-created job (after a worker restart, say) continues its record's versions.
+        current = await self._meta.get_residency(job_id)
+        previous = _Held(current.tier, current.bytes, current.version) if current else None
+        version = await self._record(job_id, previous, Tier.DEVICE, nbytes)
+        self._held[job_id] = _Held(Tier.DEVICE, nbytes, version)
+        await self._announce(job_id, None, Tier.DEVICE, nbytes, version, 0.0)
+
+    async def dropped(self, job_id: str) -> None:
+        held = self._held.pop(job_id, None)
+        if held is None:
+            return
+        if held.blob_key:
+            await self._store.delete_blob(held.blob_key)
+        await self._meta.drop_residency(job_id)
+        await self._announce(job_id, held.tier, None, 0, held.version + 1, 0.0)
+
+    async def onload(self, job_id: str) -> float:
+        """Bring the job onto the device tier; returns the seconds it took (0 if already there)."""
+        held = self._held.get(job_id)
+        if held is None or held.tier == Tier.DEVICE:
+            return 0.0
+        start = time.perf_counter()
+        state = held.host
+        if state is None:
+            assert held.blob_key is not None
+            state = state_from_bytes(await self._store.get_blob(held.blob_key))
+        await self._thread.call(self._engine.onload, job_id, state)
+        return await self._moved(job_id, held, Tier.DEVICE, start, host=None, blob_key=None)
+
+    async def move(self, job_id: str, to_tier: Tier) -> float:
+        """Move a job's state down (or up, to device); returns seconds spent."""
+        held = self._held.get(job_id)
+        if held is None or held.tier == to_tier:
+            return 0.0
+        if to_tier == Tier.DEVICE:
+            return await self.onload(job_id)
+        start = time.perf_counter()
+        state = held.host
+        if held.tier == Tier.DEVICE:
+            state = await self._thread.call(self._engine.offload, job_id)
+        if to_tier == Tier.HOST:
+            if state is None:
+                assert held.blob_key is not None
+                state = state_from_bytes(await self._store.get_blob(held.blob_key))
+            return await self._moved(job_id, held, Tier.HOST, start, host=state, blob_key=None)
+        assert state is not None
+        key = f"offload/{self._worker_id}/{job_id}/v{held.version + 1}.safetensors"
+        await self._store.put_blob(key, state_to_bytes(state))
+        if held.blob_key:
+            await self._store.delete_blob(held.blob_key)
+        return await self._moved(job_id, held, Tier.DISK, start, host=None, blob_key=key)
+
+    async def _moved(
+        self,
+        job_id: str,
+        held: _Held,
+        to_tier: Tier,
+        start: float,
+        *,
+        host: JobTensors | None,
+        blob_key: str | None,
+    ) -> float:
+        version = await self._record(job_id, held, to_tier, held.bytes)
+        seconds = time.perf_counter() - start
+        self._held[job_id] = _Held(to_tier, held.bytes, version, host, blob_key)
+        await self._announce(job_id, held.tier, to_tier, held.bytes, version, seconds)
+        log.debug("moved %s %s -> %s in %.3fs", job_id, held.tier, to_tier, seconds)
+        return seconds
+
+    async def _record(self, job_id: str, held: _Held | None, tier: Tier, nbytes: int) -> int:
+        expected = held.version if held else 0
+        record = Residency(self._worker_id, tier, nbytes, expected + 1, time.time())
+        if not await self._meta.cas_residency(job_id, expected, record):
+            current = await self._meta.get_residency(job_id)
+            raise ResidencyConflictError(
+                f"residency of {job_id} changed under us: expected version {expected}, "
+                f"found {current}"
+            )
+        return expected + 1
+
+    async def _announce(
+        self,
+        job_id: str,
+        from_tier: Tier | None,
+        to_tier: Tier | None,
+        nbytes: int,
+        version: int,
+        seconds: float,
+    ) -> None:
+        event = ResidencyChanged(
+            worker_id=self._worker_id,
+            job_id=job_id,
+            components=_COMPONENTS,
+            from_tier=from_tier,
+            to_tier=to_tier,
+            bytes=nbytes,
+            version=version,
+            seconds=seconds,
+            at=time.time(),
+        )
+        await self._publisher.publish(self._events_topic, self._worker_id, event)

@@ -1,0 +1,187 @@
+"""Runs one PhaseRequest against the engine and the state tiers; returns its output.
+
+Every failure becomes an ErrorInfo: engine errors carry their own code (bad input,
+not found), anything else is INTERNAL. Nothing a call does can stop the worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from plexrl.messages import (
+    CreateInput,
+    ErrorCode,
+    ErrorInfo,
+    ForwardBackwardInput,
+    Function,
+    JobSpec,
+    LoadInput,
+    LoadOutput,
+    NoopOutput,
+    OptimStepInput,
+    PhaseInput,
+    PhaseOutput,
+    PhaseRequest,
+    SampleInput,
+    SaveInput,
+    SaveKind,
+    SaveOutput,
+    UnloadInput,
+    UnloadOutput,
+)
+from plexrl.meta import CheckpointRecord, MetaStore
+from plexrl.payloads import resolve
+from plexrl.state_store_client import StateStoreClient
+from plexrl_worker.engine import BASE_PREFIX, EngineError, TorchEngine
+from plexrl_worker.engine.state import state_from_bytes, state_to_bytes
+from plexrl_worker.engine_thread import EngineThread
+from plexrl_worker.residency import StateManager
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Ran:
+    """What running a call produced, and where its time went."""
+
+    output: PhaseOutput | None
+    error: ErrorInfo | None
+    swap_s: float
+    compute_s: float
+    started_at: float
+
+
+class CallRunner:
+    def __init__(
+        self,
+        *,
+        engine: TorchEngine,
+        thread: EngineThread,
+        states: StateManager,
+        meta: MetaStore,
+        store: StateStoreClient,
+    ) -> None:
+        self._engine = engine
+        self._thread = thread
+        self._states = states
+        self._meta = meta
+        self._store = store
+        self._specs: dict[str, JobSpec] = {}
+
+    async def run(self, request: PhaseRequest) -> Ran:
+        started_at = time.time()
+        swap_s = 0.0
+        t0 = time.perf_counter()
+        try:
+            payload = await resolve(self._meta, request.payload, PhaseInput)
+            if request.function not in (Function.CREATE, Function.NOOP, Function.UNLOAD):
+                swap_s = await self._states.onload(request.job_id)
+            t0 = time.perf_counter()
+            output = await self._dispatch(request, payload)
+            return Ran(output, None, swap_s, time.perf_counter() - t0, started_at)
+        except EngineError as exc:
+            error = ErrorInfo(exc.code, str(exc))
+        except Exception as exc:  # a bug or an infrastructure fault: report, keep serving
+            log.exception("call %s (%s) failed", request.request_id, request.function)
+            error = ErrorInfo(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        return Ran(None, error, swap_s, time.perf_counter() - t0, started_at)
+
+    async def _dispatch(self, request: PhaseRequest, payload: PhaseInput) -> PhaseOutput:
+        job_id = request.job_id
+        match payload:
+            case CreateInput(spec=spec):
+                self._specs[job_id] = spec
+                created = await self._thread.call(self._engine.create, job_id, spec)
+                await self._states.created(job_id, created.state_bytes)
+                return created
+            case ForwardBackwardInput():
+                return await self._thread.call(self._engine.forward_backward, job_id, payload)
+            case OptimStepInput():
+                return await self._thread.call(self._engine.optim_step, job_id, payload)
+            case SampleInput():
+                return await self._sample(request, payload)
+            case SaveInput():
+                return await self._save(request, payload)
+            case LoadInput():
+                return await self._load(request, payload)
+            case UnloadInput():
+                await self._thread.call(self._engine.drop, job_id)
+                await self._states.dropped(job_id)
+                self._specs.pop(job_id, None)
+                return UnloadOutput()
+            case _:
+                return NoopOutput()
+
+    async def _sample(self, request: PhaseRequest, inp: SampleInput) -> PhaseOutput:
+        if inp.weights_path is None:
+            weights_id = BASE_PREFIX + (await self._spec(request)).base_model
+        else:
+            weights_id = inp.weights_path
+            if weights_id not in self._engine.installed_samplers():
+                record = await self._checkpoint(inp.weights_path, request.tenant)
+                state = state_from_bytes(await self._store.get_blob(record.blob_key))
+                await self._thread.call(self._engine.install_sampler, weights_id, state)
+        return await self._thread.call(self._engine.sample, weights_id, inp)
+
+    async def _save(self, request: PhaseRequest, inp: SaveInput) -> PhaseOutput:
+        full = inp.kind == SaveKind.STATE
+        state = await self._thread.call(
+            self._engine.export_state, request.job_id, optimizer=full, gradients=False
+        )
+        data = state_to_bytes(state)
+        kind = "weights" if full else "sampler_weights"
+        blob_key = f"ckpt/{request.tenant}/{_safe(request.job_id)}/{kind}/{_safe(inp.path)}"
+        await self._store.put_blob(blob_key, data)
+        spec = state.spec
+        await self._store.put_checkpoint(
+            CheckpointRecord(
+                path=inp.path,
+                tenant=request.tenant,
+                job_id=request.job_id,
+                kind=kind,
+                blob_key=blob_key,
+                size_bytes=len(data),
+                created_at=time.time(),
+                base_model=spec.base_model,
+                lora_rank=spec.lora.rank if spec.lora else None,
+            )
+        )
+        if not full:
+            # Sampling clients of this path will most likely run here next: keep it warm.
+            await self._thread.call(self._engine.install_sampler, inp.path, state)
+        return SaveOutput(path=inp.path, size_bytes=len(data))
+
+    async def _load(self, request: PhaseRequest, inp: LoadInput) -> PhaseOutput:
+        record = await self._checkpoint(inp.path, request.tenant)
+        state = state_from_bytes(await self._store.get_blob(record.blob_key))
+        await self._thread.call(
+            self._engine.import_weights, request.job_id, state, optimizer=inp.with_optimizer
+        )
+        return LoadOutput(path=inp.path)
+
+    async def _checkpoint(self, path: str, tenant: str) -> CheckpointRecord:
+        record = await self._meta.get_checkpoint(path)
+        if record is None or record.tenant != tenant:
+            raise _NotFound(f"no checkpoint at {path!r}")
+        return record
+
+    async def _spec(self, request: PhaseRequest) -> JobSpec:
+        spec = request.spec or self._specs.get(request.job_id)
+        if spec is None:
+            record = await self._meta.get_job(request.job_id)
+            if record is None:
+                raise _NotFound(f"unknown job {request.job_id!r}")
+            spec = record.spec
+        self._specs[request.job_id] = spec
+        return spec
+
+
+class _NotFound(EngineError):
+    code = ErrorCode.NOT_FOUND
+
+
+def _safe(text: str) -> str:
+    """A blob-key part from a job id or tinker path."""
+    return text.replace("tinker://", "").replace("/", "_")
