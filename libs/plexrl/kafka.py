@@ -115,6 +115,14 @@ class Publisher:
     async def publish_raw(self, topic: str, key: bytes | None, value: bytes) -> None:
         await self._producer.send_and_wait(topic, value, key=key)
 
+    async def ping(self, timeout_s: float = 2.0) -> bool:
+        """True when the broker answers a metadata request within `timeout_s` (health checks)."""
+        try:
+            await asyncio.wait_for(self._producer.client.fetch_all_metadata(), timeout_s)
+        except Exception:
+            return False
+        return True
+
 
 class MessageConsumer(Generic[T]):
     """Decode one message type from some topics and hand each to a handler, in order."""

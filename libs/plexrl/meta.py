@@ -249,10 +249,48 @@ class MetaStore:
     # Sessions ----------------------------------------------------------------
 
     async def put_session(self, session: SessionRecord) -> None:
-        await self.redis.set(self._k("session", session.session_id), encode(session), ex=self._ttl)
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(self._k("session", session.session_id), encode(session), ex=self._ttl)
+            pipe.sadd(self._k("tenant", session.tenant, "sessions"), session.session_id)
+            await pipe.execute()
 
     async def get_session(self, session_id: str) -> SessionRecord | None:
         return await self._get(self._k("session", session_id), SessionRecord)
+
+    async def tenant_sessions(self, tenant: str) -> list[SessionRecord]:
+        """The tenant's sessions that have not expired, oldest first."""
+        ids = [_text(m) for m in await self.redis.smembers(self._k("tenant", tenant, "sessions"))]
+        raws = await self.redis.mget([self._k("session", i) for i in ids]) if ids else []
+        sessions = [decode(r, SessionRecord) for r in raws if r is not None]
+        return sorted(sessions, key=lambda s: (s.created_at, s.session_id))
+
+    # Client retries and per-job call order -----------------------------------
+
+    async def claim_request(self, key: str, request_id: str) -> str:
+        """Bind a client's retry key to a request id once; returns the id that stands."""
+        k = self._k("idem", key)
+        if await self.redis.set(k, request_id, ex=self._ttl, nx=True):
+            return request_id
+        existing = await self.redis.get(k)
+        return request_id if existing is None else _text(existing)
+
+    async def claimed_request(self, key: str) -> str | None:
+        raw = await self.redis.get(self._k("idem", key))
+        return None if raw is None else _text(raw)
+
+    async def release_request(self, key: str, request_id: str) -> None:
+        """Undo a claim that was never published, so a retry can claim the key again."""
+        k = self._k("idem", key)
+        if await self.claimed_request(key) == request_id:
+            await self.redis.delete(k)
+
+    async def get_next_seq(self, job_id: str) -> int | None:
+        """The next seq_id the gateway will publish for a job (None: never recorded)."""
+        raw = await self.redis.get(self._k("seq", job_id))
+        return None if raw is None else int(raw)
+
+    async def set_next_seq(self, job_id: str, next_seq: int) -> None:
+        await self.redis.set(self._k("seq", job_id), next_seq, ex=self._ttl)
 
     # Checkpoints -------------------------------------------------------------
 

@@ -42,8 +42,13 @@ class GatewaySettings(CommonSettings):
     api_keys: str = "tml-dev=dev"
     # Directory of local base models (see `plexrl model init-tiny`).
     model_registry: Path = Path(".plexrl/models")
-    # Longest a `retrieve_future` call waits for a result before answering "try again".
-    future_wait_s: float = 45.0
+    # Longest a `retrieve_future` call waits for a result before answering "try again";
+    # keep it under the SDK's 45 s client timeout.
+    future_wait_s: float = 25.0
+    # Longest a training call waits for a lower seq_id of its model before failing.
+    sequence_gap_timeout_s: float = 30.0
+    # Base URL of the scheduler's health endpoint (queue depths for /plexrl/v1/cluster).
+    scheduler_url: str = "http://127.0.0.1:8100"
 
 
 class SchedulerSettings(CommonSettings):

@@ -91,6 +91,9 @@ class SamplingParams(msgspec.Struct, frozen=True):
     seed: int | None = None
     stop_strings: list[str] = []
     stop_tokens: list[int] = []
+    stop_at_eos: bool = True
+    """False: not even the end-of-sequence token stops a sequence (Tinker's `stop: []`).
+    Stop strings and stop tokens add to it; they never switch it off."""
 
 
 class SampleInput(msgspec.Struct, frozen=True, tag="sample"):
