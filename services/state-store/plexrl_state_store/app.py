@@ -15,17 +15,22 @@ from plexrl_state_store.blobs import BadKeyError, BlobDir
 _BYTES = Counter("plexrl_state_store_bytes_total", "Blob bytes moved", ["direction"])
 
 
+def get_blobs(request: Request) -> BlobDir:
+    return request.app.state.blobs
+
+
+def get_meta(request: Request) -> MetaStore:
+    return request.app.state.meta
+
+
+Blobs = Annotated[BlobDir, Depends(get_blobs)]
+Meta = Annotated[MetaStore, Depends(get_meta)]
+
+
 def build_app(blobs: BlobDir, meta: MetaStore) -> FastAPI:
     app = FastAPI(title="plexrl state-store", docs_url=None, redoc_url=None)
-
-    def get_blobs() -> BlobDir:
-        return blobs
-
-    def get_meta() -> MetaStore:
-        return meta
-
-    Blobs = Annotated[BlobDir, Depends(get_blobs)]
-    Meta = Annotated[MetaStore, Depends(get_meta)]
+    app.state.blobs = blobs
+    app.state.meta = meta
 
     @app.exception_handler(BadKeyError)
     async def bad_key(_: Request, exc: BadKeyError) -> JSONResponse:
