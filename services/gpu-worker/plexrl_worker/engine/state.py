@@ -1,0 +1,146 @@
+"""A job's state as flat tensors, and its safetensors bytes (host and disk tiers).
+
+Keys: `weights.<param>`, `grads.<param>`, and `optim.<param>.{exp_avg,exp_avg_sq,step}`,
+where `<param>` is a stable name that does not depend on where the job ran (LoRA
+parameters carry no adapter slot name). `metadata` is JSON-able: the JobSpec and counters.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from plexrl.messages import JobSpec
+
+WEIGHTS = "weights."
+GRADS = "grads."
+OPTIM = "optim."
+ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
+
+_FORMAT = "plexrl.job_state/1"
+_META_KEY = "plexrl"
+
+NamedParams = Sequence[tuple[str, torch.nn.Parameter]]
+
+
+@dataclass
+class JobTensors:
+    """A CPU copy of (part of) a job's state."""
+
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    """JSON-able: `spec` (a JobSpec as builtins), `steps`, `kind` (`lora` or `full`)."""
+
+    @property
+    def spec(self) -> JobSpec:
+        return msgspec.convert(self.metadata["spec"], JobSpec)
+
+    @property
+    def steps(self) -> int:
+        return int(self.metadata.get("steps", 0))
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def has(self, prefix: str) -> bool:
+        return any(k.startswith(prefix) for k in self.tensors)
+
+
+def make_metadata(spec: JobSpec, steps: int) -> dict[str, Any]:
+    kind = "full" if spec.lora is None else "lora"
+    return {"format": _FORMAT, "spec": msgspec.to_builtins(spec), "steps": steps, "kind": kind}
+
+
+def state_to_bytes(state: JobTensors) -> bytes:
+    """Safetensors bytes; the metadata travels as one JSON string in the header."""
+    tensors = {k: t.detach().to("cpu").contiguous() for k, t in state.tensors.items()}
+    return st_save(tensors, metadata={_META_KEY: json.dumps(state.metadata)})
+
+
+def state_from_bytes(data: bytes) -> JobTensors:
+    """Inverse of `state_to_bytes`; ValueError if the bytes are not a PlexRL job state."""
+    header_len = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
+    try:
+        header = json.loads(data[8 : 8 + header_len])
+        meta = json.loads(header["__metadata__"][_META_KEY])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError("these bytes are not a PlexRL job state (no plexrl metadata)") from exc
+    if meta.get("format") != _FORMAT:
+        raise ValueError(f"job state format {meta.get('format')!r} is not {_FORMAT!r}")
+    return JobTensors(tensors=dict(st_load(data)), metadata=meta)
+
+
+def export_params(params: NamedParams, *, gradients: bool) -> dict[str, torch.Tensor]:
+    """Weights (and accumulated gradients, where there are any) as CPU copies."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in params:
+        out[WEIGHTS + name] = _cpu_copy(p.detach())
+        if gradients and p.grad is not None:
+            out[GRADS + name] = _cpu_copy(p.grad)
+    return out
+
+
+def export_adam(params: NamedParams, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """AdamW moments and step counts of the parameters that have taken a step."""
+    out: dict[str, torch.Tensor] = {}
+    for name, p in params:
+        for key, value in optimizer.state.get(p, {}).items():
+            if key in ADAM_KEYS:
+                out[f"{OPTIM}{name}.{key}"] = _cpu_copy(value)
+    return out
+
+
+def import_params(
+    params: NamedParams, tensors: dict[str, torch.Tensor], *, gradients: bool
+) -> None:
+    """Copy weights (and gradients) into live parameters; ValueError on a mismatch."""
+    expected = {WEIGHTS + name for name, _ in params}
+    given = {k for k in tensors if k.startswith(WEIGHTS)}
+    if expected != given:
+        missing, extra = sorted(expected - given)[:5], sorted(given - expected)[:5]
+        raise ValueError(
+            f"the state's weights do not fit this job: missing {missing}, unexpected {extra} "
+            "(was it saved for another base model or LoRA configuration?)"
+        )
+    with torch.no_grad():
+        for name, p in params:
+            src = tensors[WEIGHTS + name]
+            if src.shape != p.shape:
+                raise ValueError(
+                    f"weight {name} has shape {list(src.shape)}, the job's is {list(p.shape)}"
+                )
+            p.copy_(src)
+            grad = tensors.get(GRADS + name) if gradients else None
+            p.grad = None if grad is None else grad.to(p.device, p.dtype, copy=True)
+
+
+def import_adam(
+    params: NamedParams, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
+) -> None:
+    """Restore AdamW state exactly as `export_adam` saw it."""
+    for name, p in params:
+        keys = [f"{OPTIM}{name}.{k}" for k in ADAM_KEYS]
+        present = [k in tensors for k in keys]
+        if not any(present):
+            continue  # this parameter never took a step
+        if not all(present):
+            raise ValueError(f"optimizer state of {name} is incomplete; it needs {ADAM_KEYS}")
+        exp_avg, exp_avg_sq, step = (tensors[k] for k in keys)
+        optimizer.state[p] = {
+            # AdamW keeps `step` on the CPU unless it runs capturable or fused.
+            "step": step.clone(),
+            "exp_avg": exp_avg.to(p.device, copy=True),
+            "exp_avg_sq": exp_avg_sq.to(p.device, copy=True),
+        }
+
+
+def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+    # clone() even on CPU: the copy must not alias live, still-training memory.
+    return t.detach().to("cpu", copy=True).contiguous()
