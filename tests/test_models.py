@@ -33,7 +33,8 @@ def test_init_tiny_is_deterministic(tiny_dir: Path, tmp_path: Path) -> None:
     assert _files(again) == _files(tiny_dir)
 
     other = init_tiny(tmp_path / "other", seed=1)
-    assert (other / "model.safetensors").read_bytes() != (tiny_dir / "model.safetensors").read_bytes()
+    weights = "model.safetensors"
+    assert (other / weights).read_bytes() != (tiny_dir / weights).read_bytes()
     # The tokenizer does not depend on the seed: models of one family share a vocabulary.
     assert (other / "tokenizer.json").read_bytes() == (tiny_dir / "tokenizer.json").read_bytes()
     assert json.loads((other / "plexrl.json").read_text()) == {
