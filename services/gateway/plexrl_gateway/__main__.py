@@ -1,0 +1,13 @@
+from plexrl.service import configure_logging, run_until_signalled
+from plexrl.settings import GatewaySettings
+from plexrl_gateway.main import serve
+
+
+def main() -> None:
+    settings = GatewaySettings()
+    configure_logging(settings.log_level)
+    run_until_signalled(lambda stop: serve(settings, stop))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""The HTTP app: routers, error handlers, metrics and tracing around every request."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from plexrl_gateway import (
+    routes_futures,
+    routes_plexrl,
+    routes_rest,
+    routes_sampling,
+    routes_session,
+    routes_training,
+)
+from plexrl_gateway.components import Gateway
+from plexrl_gateway.errors import install_error_handlers
+from plexrl_gateway.metrics import ObserveRequests
+
+
+def build_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="PlexRL gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.gateway = gateway
+    install_error_handlers(app)
+    for module in (
+        routes_session,
+        routes_training,
+        routes_sampling,
+        routes_futures,
+        routes_rest,
+        routes_plexrl,
+    ):
+        app.include_router(module.router)
+    app.include_router(routes_session.health_router)
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    app.add_middleware(ObserveRequests)
+    return app

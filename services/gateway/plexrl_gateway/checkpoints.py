@@ -1,0 +1,46 @@
+"""Deleting a checkpoint: through the state-store, which owns the blob and its record."""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+
+from plexrl.meta import CheckpointRecord, MetaStore
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointRemover:
+    def __init__(self, meta: MetaStore, state_store_url: str) -> None:
+        self._meta = meta
+        self._http = httpx.AsyncClient(base_url=state_store_url.rstrip("/"), timeout=10.0)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def delete(self, record: CheckpointRecord) -> bool:
+        """Forget the checkpoint; True when its blob was deleted too.
+
+        When the state-store cannot be reached, only the record is removed (the path
+        stops resolving at once) and the orphaned blob is logged for an operator.
+        """
+        try:
+            response = await self._http.delete(
+                "/v1/checkpoints",
+                params={"path": record.path},
+                headers={"x-plexrl-tenant": record.tenant},
+            )
+            if response.status_code < 300:
+                return True
+            reason = f"{response.status_code} {response.text[:200]}"
+        except httpx.HTTPError as exc:
+            reason = repr(exc)
+        await self._meta.delete_checkpoint(record)
+        log.warning(
+            "state-store did not delete %s (%s): record removed, blob %s left behind",
+            record.path,
+            reason,
+            record.blob_key,
+        )
+        return False

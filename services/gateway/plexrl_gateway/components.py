@@ -1,0 +1,69 @@
+"""The gateway's components, built once and shared by every route."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plexrl.meta import MetaStore
+from plexrl.models import ModelRegistry
+from plexrl.settings import GatewaySettings
+from plexrl.topics import Topics
+from plexrl_gateway.auth import ApiKeys
+from plexrl_gateway.catalog import ModelCatalog
+from plexrl_gateway.checkpoints import CheckpointRemover
+from plexrl_gateway.cluster import ClusterView
+from plexrl_gateway.futures import FutureWaiter
+from plexrl_gateway.registry import Registry
+from plexrl_gateway.sequencer import Sequencer
+from plexrl_gateway.submitter import RequestPublisher, Submitter
+
+
+@dataclass(frozen=True)
+class Gateway:
+    keys: ApiKeys
+    """X-API-Key → tenant."""
+    meta: MetaStore
+    """Redis metadata: futures, completions, records."""
+    catalog: ModelCatalog
+    """Base models by name."""
+    registry: Registry
+    """Sessions, jobs and checkpoints, per tenant."""
+    submitter: Submitter
+    """Future records, retry dedupe, ordering, Kafka."""
+    futures: FutureWaiter
+    """Long-polls for completions."""
+    publisher: RequestPublisher
+    """Kafka producer (also for idle hints)."""
+    topics: Topics
+    cluster: ClusterView
+    """Workers, scheduler status, job accounting."""
+    checkpoints: CheckpointRemover
+    """Checkpoint deletion through the state-store."""
+    future_wait_s: float
+    """Longest one retrieve_future holds before answering 'try again'."""
+
+    @classmethod
+    def build(
+        cls, settings: GatewaySettings, meta: MetaStore, publisher: RequestPublisher
+    ) -> Gateway:
+        topics = Topics(settings.cluster_id)
+        sequencer = Sequencer(meta, settings.sequence_gap_timeout_s)
+        return cls(
+            keys=ApiKeys(settings.api_keys),
+            meta=meta,
+            catalog=ModelCatalog(ModelRegistry(settings.model_registry)),
+            registry=Registry(meta),
+            submitter=Submitter(
+                meta, publisher, topics, sequencer, settings.payload_inline_max_bytes
+            ),
+            futures=FutureWaiter(meta),
+            publisher=publisher,
+            topics=topics,
+            cluster=ClusterView(meta, settings.scheduler_url),
+            checkpoints=CheckpointRemover(meta, settings.state_store_url),
+            future_wait_s=settings.future_wait_s,
+        )
+
+    async def close(self) -> None:
+        await self.cluster.close()
+        await self.checkpoints.close()

@@ -1,0 +1,59 @@
+"""Long-polling for results: answer the moment a call's completion is recorded.
+
+Redis holds the truth (the worker records every completion there before publishing
+it). The completions topic only wakes waiters: each waiting request id has an event
+that the consumer sets. Redis is read before and after registering the event, so a
+completion that lands in between is never missed, and no answer waits for a tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Protocol
+
+from plexrl.kafka import Delivery
+from plexrl.messages import PhaseCompletion
+from plexrl_gateway import metrics
+
+
+class CompletionStore(Protocol):
+    async def get_completion(self, request_id: str) -> PhaseCompletion | None: ...
+
+
+class FutureWaiter:
+    def __init__(self, store: CompletionStore) -> None:
+        self._store = store
+        self._events: dict[str, asyncio.Event] = {}
+        self._waiters: dict[str, int] = {}
+
+    async def on_completion(self, completion: PhaseCompletion, _: Delivery | None = None) -> None:
+        """Consumer handler for the completions topic."""
+        self.wake(completion.request_id)
+
+    def wake(self, request_id: str) -> None:
+        event = self._events.get(request_id)
+        if event is not None:
+            event.set()
+
+    async def wait(self, request_id: str, timeout_s: float) -> PhaseCompletion | None:
+        """The completion, as soon as it exists; None if it did not within `timeout_s`."""
+        done = await self._store.get_completion(request_id)
+        if done is not None:
+            return done
+        event = self._events.setdefault(request_id, asyncio.Event())
+        self._waiters[request_id] = self._waiters.get(request_id, 0) + 1
+        metrics.FUTURES_WAITING.inc()
+        try:
+            done = await self._store.get_completion(request_id)
+            if done is not None:
+                return done
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(event.wait(), timeout_s)
+            return await self._store.get_completion(request_id)
+        finally:
+            metrics.FUTURES_WAITING.dec()
+            self._waiters[request_id] -= 1
+            if self._waiters[request_id] == 0:
+                del self._waiters[request_id]
+                del self._events[request_id]

@@ -1,0 +1,66 @@
+"""The gateway's entry point: HTTP in → phase requests out; completions in → answers out."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from plexrl import tracing
+from plexrl.health import HttpServer
+from plexrl.kafka import MessageConsumer, Publisher, ensure_topics, wait_for_kafka
+from plexrl.messages import PhaseCompletion
+from plexrl.meta import MetaStore
+from plexrl.settings import GatewaySettings
+from plexrl.topics import Topics, core_topics
+from plexrl_gateway.app import build_app
+from plexrl_gateway.components import Gateway
+
+log = logging.getLogger("plexrl.gateway")
+
+
+async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
+    tracing.setup_tracing("plexrl-gateway")
+    topics = Topics(settings.cluster_id)
+    await wait_for_kafka(settings.kafka_bootstrap)
+    await ensure_topics(settings.kafka_bootstrap, core_topics(topics))
+    meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
+    publisher = Publisher(settings.kafka_bootstrap, "plexrl-gateway")
+    gateway = Gateway.build(settings, meta, publisher)
+    # Every gateway sees every completion (no group, from now on): they only wake
+    # waiters; Redis holds the results.
+    completions = MessageConsumer[PhaseCompletion](
+        bootstrap=settings.kafka_bootstrap,
+        topics=[topics.completions],
+        group=None,
+        message_type=PhaseCompletion,
+        handler=gateway.futures.on_completion,
+        dlq=(publisher, topics.dlq),
+        name="gateway-completions",
+        from_latest=True,
+    )
+    http = HttpServer(build_app(gateway), settings.gateway_host, settings.gateway_port)
+    await publisher.start()
+    await completions.start()
+    await completions.wait_assigned()
+    consuming = asyncio.create_task(completions.run(stop))
+    await http.start()
+    log.info(
+        "gateway up on %s:%s cluster=%s",
+        settings.gateway_host,
+        settings.gateway_port,
+        settings.cluster_id,
+    )
+    try:
+        await stop.wait()
+    finally:
+        stop.set()
+        await http.stop()
+        with contextlib.suppress(Exception):
+            await consuming
+        with contextlib.suppress(Exception):
+            await completions.stop()
+        await publisher.stop()
+        await gateway.close()
+        await meta.close()
+        log.info("gateway stopped")

@@ -1,0 +1,146 @@
+"""Sessions, jobs (training models and sampling sessions) and checkpoints, seen per tenant.
+
+Every lookup takes the caller's tenant; an object of another tenant is reported exactly
+like a missing one (404), so a key cannot learn what others have.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from plexrl.messages import JobSpec
+from plexrl.meta import CheckpointRecord, JobKind, JobRecord, MetaStore, SessionRecord
+from plexrl_gateway.errors import not_found
+
+Clock = Callable[[], float]
+
+
+class Registry:
+    def __init__(self, meta: MetaStore, clock: Clock = time.time) -> None:
+        self._meta = meta
+        self._clock = clock
+
+    # Sessions ------------------------------------------------------------------
+
+    async def new_session(
+        self, tenant: str, tags: list[str], user_metadata: dict[str, Any] | None
+    ) -> SessionRecord:
+        now = self._clock()
+        session = SessionRecord(
+            # Ids go into model ids ("<session>:train:<n>") and URL paths: no ':' or '/'.
+            session_id=f"sess-{uuid.uuid4().hex[:16]}",
+            tenant=tenant,
+            created_at=now,
+            last_heartbeat=now,
+            tags=list(tags),
+            user_metadata=metadata_strings(user_metadata),
+        )
+        await self._meta.put_session(session)
+        return session
+
+    async def session(self, tenant: str, session_id: str) -> SessionRecord:
+        session = await self._meta.get_session(session_id)
+        if session is None or session.tenant != tenant:
+            raise not_found(f"unknown session {session_id!r}; create one with create_session")
+        return session
+
+    async def heartbeat(self, tenant: str, session_id: str) -> None:
+        """Keeps the session (and its TTL) alive."""
+        session = await self.session(tenant, session_id)
+        await self._meta.put_session(
+            SessionRecord(
+                session_id=session.session_id,
+                tenant=session.tenant,
+                created_at=session.created_at,
+                last_heartbeat=self._clock(),
+                tags=session.tags,
+                user_metadata=session.user_metadata,
+            )
+        )
+
+    async def sessions(self, tenant: str) -> list[SessionRecord]:
+        return await self._meta.tenant_sessions(tenant)
+
+    # Jobs ------------------------------------------------------------------------
+
+    async def find_job(self, tenant: str, job_id: str) -> JobRecord | None:
+        job = await self._meta.get_job(job_id)
+        return job if job is not None and job.tenant == tenant else None
+
+    async def training_model(self, tenant: str, model_id: str) -> JobRecord:
+        """A live training model of the tenant; 404 otherwise."""
+        job = await self.find_job(tenant, model_id)
+        if job is None or job.kind != JobKind.TRAINING:
+            raise not_found(f"unknown model {model_id!r}")
+        if job.unloaded:
+            raise not_found(f"model {model_id!r} was unloaded; create a new one")
+        return job
+
+    async def sampling_session(self, tenant: str, session_id: str) -> JobRecord:
+        job = await self.find_job(tenant, session_id)
+        if job is None or job.kind != JobKind.SAMPLING:
+            raise not_found(
+                f"unknown sampling session {session_id!r}; create one with create_sampling_session"
+            )
+        return job
+
+    async def put_job(self, job: JobRecord) -> None:
+        await self._meta.put_job(job)
+
+    async def jobs(self, tenant: str) -> list[JobRecord]:
+        return await self._meta.tenant_jobs(tenant)
+
+    async def live_owner(self, tenant: str, job_id: str) -> str | None:
+        """`job_id` when it is a live training model of the tenant (a sampling session over
+        its checkpoint runs on its home worker, in order with it), else None."""
+        job = await self.find_job(tenant, job_id)
+        ok = job is not None and job.kind == JobKind.TRAINING and not job.unloaded
+        return job_id if ok else None
+
+    # Checkpoints -------------------------------------------------------------------
+
+    async def checkpoint(self, tenant: str, path: str) -> CheckpointRecord:
+        record = await self._meta.get_checkpoint(path)
+        if record is None or record.tenant != tenant:
+            raise not_found(f"no checkpoint at {path!r}")
+        return record
+
+    async def find_checkpoint(self, tenant: str, path: str) -> CheckpointRecord | None:
+        record = await self._meta.get_checkpoint(path)
+        return record if record is not None and record.tenant == tenant else None
+
+    async def checkpoints(self, tenant: str) -> list[CheckpointRecord]:
+        return await self._meta.tenant_checkpoints(tenant)
+
+
+def metadata_strings(metadata: dict[str, Any] | None) -> dict[str, str]:
+    """Tinker's free-form user metadata as the string map the records keep."""
+    return {str(k): v if isinstance(v, str) else str(v) for k, v in (metadata or {}).items()}
+
+
+def new_job(
+    kind: JobKind,
+    job_id: str,
+    tenant: str,
+    session_id: str,
+    spec: JobSpec,
+    *,
+    clock: Clock = time.time,
+    sampler_path: str | None = None,
+    owner_job: str | None = None,
+    metadata: dict[str, str] | None = None,
+) -> JobRecord:
+    return JobRecord(
+        job_id=job_id,
+        tenant=tenant,
+        kind=kind,
+        spec=spec,
+        created_at=clock(),
+        session_id=session_id,
+        sampler_path=sampler_path,
+        owner_job=owner_job,
+        metadata=metadata or {},
+    )

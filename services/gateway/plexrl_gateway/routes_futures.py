@@ -1,0 +1,44 @@
+"""Tinker API: futures. `retrieve_future` long-polls and answers the moment a result exists."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+
+from plexrl.messages import MessageError, PhaseOutput
+from plexrl.payloads import resolve
+from plexrl_gateway import metrics
+from plexrl_gateway.deps import Futures, GatewayDep, Meta, Tenant
+from plexrl_gateway.errors import Category, error_body, not_found
+from plexrl_gateway.render import render, try_again
+from plexrl_gateway.schemas import FutureBody
+
+router = APIRouter(prefix="/api/v1")
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(
+    body: FutureBody, tenant: Tenant, meta: Meta, futures: Futures, gateway: GatewayDep
+) -> Response:
+    future = await meta.get_future(body.request_id)
+    if future is None or future.tenant != tenant:
+        raise not_found(f"unknown future {body.request_id!r}")
+    completion = await futures.wait(future.request_id, gateway.future_wait_s)
+    if completion is None:
+        metrics.TRY_AGAIN.inc()
+        return try_again(future.request_id)
+    metrics.RESULTS_DELIVERED.labels(future.response_kind, str(completion.status)).inc()
+    try:
+        output = await resolve(meta, completion.result, PhaseOutput)
+    except (KeyError, MessageError) as exc:
+        message = f"the result of {future.request_id} could not be read: {exc}"
+        return JSONResponse(error_body(message, Category.SERVER))
+    return render(future, completion, output)
+
+
+@router.post("/cancel_future")
+async def cancel_future(_: Tenant) -> dict[str, Any]:
+    # Accepted and ignored: a call that was queued runs to the end (sample cancel is off).
+    return {}

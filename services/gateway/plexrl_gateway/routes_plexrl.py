@@ -1,0 +1,116 @@
+"""PlexRL's own API (/plexrl/v1): cluster and workers, jobs with residency and accounting,
+the timeline, idle hints, and the echo call the control-plane benchmark measures."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+import msgspec
+from fastapi import APIRouter, Query
+
+from plexrl.messages import Function, IdleHint, JobSpec, NoopInput
+from plexrl_gateway.deps import Futures, GatewayDep, Jobs, Meta, Submit, Tenant
+from plexrl_gateway.errors import ApiError, Category, not_found
+from plexrl_gateway.render import ResponseKind
+from plexrl_gateway.schemas import IdleBody
+from plexrl_gateway.submitter import Call, Submission
+
+router = APIRouter(prefix="/plexrl/v1")
+
+# The echo job holds no state and names no model: its NOOP calls measure the control
+# plane alone (gateway → Kafka → scheduler → worker → back).
+ECHO_SPEC = JobSpec(base_model="", lora=None, state_bytes=0)
+
+
+def echo_job_id(tenant: str) -> str:
+    return f"plexrl-echo:{tenant}"
+
+
+@router.get("/cluster")
+async def cluster(tenant: Tenant, gateway: GatewayDep, jobs: Jobs, meta: Meta) -> dict[str, Any]:
+    workers = await gateway.cluster.workers()
+    scheduler = await gateway.cluster.scheduler()
+    return {
+        "workers": workers,
+        "jobs": len(await meta.all_jobs()),
+        "tenant_jobs": len(await jobs.jobs(tenant)),
+        "scheduler": (
+            {"reachable": False}
+            if scheduler is None
+            else {
+                "reachable": True,
+                "pending": scheduler.get("pending"),
+                "inflight": scheduler.get("inflight"),
+                "jobs": scheduler.get("jobs"),
+            }
+        ),
+    }
+
+
+@router.get("/workers")
+async def workers(_: Tenant, gateway: GatewayDep) -> dict[str, Any]:
+    return {"workers": await gateway.cluster.workers()}
+
+
+@router.get("/jobs")
+async def list_jobs(tenant: Tenant, jobs: Jobs) -> dict[str, Any]:
+    return {"jobs": [msgspec.to_builtins(j) for j in await jobs.jobs(tenant)]}
+
+
+@router.get("/jobs/{job_id}")
+async def job(job_id: str, tenant: Tenant, jobs: Jobs, gateway: GatewayDep) -> dict[str, Any]:
+    record = await jobs.find_job(tenant, job_id)
+    if record is None:
+        raise not_found(f"unknown job {job_id!r}")
+    return await gateway.cluster.job(record)
+
+
+@router.get("/timeline")
+async def timeline(
+    tenant: Tenant,
+    jobs: Jobs,
+    meta: Meta,
+    since: Annotated[float, Query(ge=0)] = 0.0,
+    limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+) -> dict[str, Any]:
+    mine = {j.job_id for j in await jobs.jobs(tenant)} | {echo_job_id(tenant)}
+    entries = [e for e in await meta.timeline(since, limit) if e.job_id in mine]
+    return {"entries": [msgspec.to_builtins(e) for e in entries]}
+
+
+@router.post("/jobs/{job_id}/idle")
+async def idle(
+    job_id: str, body: IdleBody, tenant: Tenant, jobs: Jobs, gateway: GatewayDep
+) -> dict[str, Any]:
+    """The job expects no call for about `seconds`: the scheduler may swap it out early."""
+    if await jobs.find_job(tenant, job_id) is None:
+        raise not_found(f"unknown job {job_id!r}")
+    hint = IdleHint(job_id=job_id, tenant=tenant, seconds=body.seconds, at=time.time())
+    await gateway.publisher.publish(gateway.topics.events, job_id, hint)
+    return {"job_id": job_id, "seconds": body.seconds, "accepted": True}
+
+
+@router.post("/echo")
+async def echo(
+    tenant: Tenant, submit: Submit, futures: Futures, gateway: GatewayDep
+) -> dict[str, Any]:
+    """One NOOP through the whole control plane; answers when its completion is recorded."""
+    start = time.perf_counter()
+    call = Call(Function.NOOP, NoopInput(), ResponseKind.NOOP, spec=ECHO_SPEC)
+    sub = Submission(echo_job_id(tenant), tenant, [call], sequenced=False)
+    request_id = await submit.submit(sub)
+    completion = await futures.wait(request_id, gateway.future_wait_s)
+    if completion is None:
+        raise ApiError(
+            504,
+            f"echo {request_id} got no completion in {gateway.future_wait_s:g}s; is a "
+            "scheduler and a worker running?",
+            Category.SERVER,
+        )
+    return {
+        "request_id": request_id,
+        "latency_s": time.perf_counter() - start,
+        "status": str(completion.status),
+        "worker_id": completion.worker_id,
+    }

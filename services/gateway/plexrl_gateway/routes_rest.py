@@ -1,0 +1,166 @@
+"""Tinker API: the RestClient's listings (training runs, checkpoints, sessions) and deletes."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+
+from plexrl.meta import CheckpointRecord, JobKind, JobRecord
+from plexrl_gateway.deps import GatewayDep, Jobs, Meta, Tenant
+from plexrl_gateway.errors import ApiError, not_found
+from plexrl_gateway.schemas import TinkerPathBody
+from plexrl_gateway.translate import TINKER_SCHEME, CheckpointKind, parse_tinker_path
+
+router = APIRouter(prefix="/api/v1")
+
+Limit = Annotated[int, Query(ge=1, le=1000)]
+Offset = Annotated[int, Query(ge=0)]
+
+_CHECKPOINT_TYPES = {CheckpointKind.WEIGHTS: "training", CheckpointKind.SAMPLER_WEIGHTS: "sampler"}
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat().replace("+00:00", "Z")
+
+
+def checkpoint_view(record: CheckpointRecord) -> dict[str, Any]:
+    path = parse_tinker_path(record.path)
+    return {
+        "checkpoint_id": path.checkpoint_id,
+        "checkpoint_type": _CHECKPOINT_TYPES[path.kind],
+        "time": iso(record.created_at),
+        "tinker_path": record.path,
+        "size_bytes": record.size_bytes,
+        "public": False,
+    }
+
+
+@router.post("/weights_info")
+async def weights_info(body: TinkerPathBody, tenant: Tenant, jobs: Jobs) -> dict[str, Any]:
+    ckpt = await jobs.checkpoint(tenant, str(parse_tinker_path(body.tinker_path)))
+    out: dict[str, Any] = {
+        "base_model": ckpt.base_model,
+        "is_lora": ckpt.lora_rank is not None,
+        "optimizer_config": {"type": "adamw"},
+    }
+    if ckpt.lora_rank is not None:
+        out["lora_rank"] = ckpt.lora_rank
+        origin = await jobs.find_job(tenant, ckpt.job_id)
+        if origin is not None and origin.spec.lora is not None:
+            out["train_attn"] = origin.spec.lora.train_attn
+            out["train_mlp"] = origin.spec.lora.train_mlp
+            out["train_unembed"] = origin.spec.lora.train_unembed
+    return out
+
+
+@router.get("/training_runs")
+async def training_runs(
+    tenant: Tenant, jobs: Jobs, meta: Meta, limit: Limit = 20, offset: Offset = 0
+) -> dict[str, Any]:
+    runs = [j for j in await jobs.jobs(tenant) if j.kind == JobKind.TRAINING]
+    runs.sort(key=lambda j: j.created_at, reverse=True)
+    ckpts = await jobs.checkpoints(tenant)
+    page = [await _run_view(j, ckpts, meta) for j in runs[offset : offset + limit]]
+    cursor = {"offset": offset, "limit": limit, "total_count": len(runs)}
+    return {"training_runs": page, "cursor": cursor}
+
+
+@router.get("/training_runs/{run_id}")
+async def training_run(run_id: str, tenant: Tenant, jobs: Jobs, meta: Meta) -> dict[str, Any]:
+    return await _run_view(await _run(tenant, run_id, jobs), await jobs.checkpoints(tenant), meta)
+
+
+@router.get("/training_runs/{run_id}/checkpoints")
+async def run_checkpoints(run_id: str, tenant: Tenant, jobs: Jobs) -> dict[str, Any]:
+    await _run(tenant, run_id, jobs)
+    ckpts = [c for c in await jobs.checkpoints(tenant) if c.job_id == run_id]
+    ckpts.sort(key=lambda c: c.created_at)
+    return {"checkpoints": [checkpoint_view(c) for c in ckpts]}
+
+
+@router.get("/checkpoints")
+async def user_checkpoints(
+    tenant: Tenant, jobs: Jobs, limit: Limit = 100, offset: Offset = 0
+) -> dict[str, Any]:
+    ckpts = sorted(await jobs.checkpoints(tenant), key=lambda c: c.created_at, reverse=True)
+    cursor = {"offset": offset, "limit": limit, "total_count": len(ckpts)}
+    page = ckpts[offset : offset + limit]
+    return {"checkpoints": [checkpoint_view(c) for c in page], "cursor": cursor}
+
+
+@router.delete("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}")
+async def delete_checkpoint(
+    run_id: str, checkpoint_id: str, tenant: Tenant, jobs: Jobs, gateway: GatewayDep
+) -> dict[str, Any]:
+    if checkpoint_id.count("/") == 2 and checkpoint_id.endswith("/publish"):
+        raise _unsupported("unpublish")
+    path = parse_tinker_path(f"{TINKER_SCHEME}{run_id}/{checkpoint_id}")
+    ckpt = await jobs.checkpoint(tenant, str(path))
+    blob_deleted = await gateway.checkpoints.delete(ckpt)
+    return {"tinker_path": ckpt.path, "deleted": True, "blob_deleted": blob_deleted}
+
+
+@router.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
+async def publish_checkpoint(run_id: str, checkpoint_id: str, _: Tenant) -> None:
+    raise _unsupported("publish")
+
+
+@router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
+async def checkpoint_ttl(run_id: str, checkpoint_id: str, _: Tenant) -> None:
+    raise _unsupported("ttl")
+
+
+@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+async def external_weights_urls(run_id: str, checkpoint_id: str, _: Tenant) -> None:
+    raise _unsupported("external_weights_urls")
+
+
+def _unsupported(action: str) -> ApiError:
+    return ApiError(400, f"checkpoint {action} is not supported by PlexRL")
+
+
+@router.get("/sessions")
+async def list_sessions(
+    tenant: Tenant, jobs: Jobs, limit: Limit = 20, offset: Offset = 0
+) -> dict[str, Any]:
+    sessions = await jobs.sessions(tenant)
+    return {"sessions": [s.session_id for s in sessions[offset : offset + limit]]}
+
+
+@router.get("/sessions/{session_id}")
+async def get_session(session_id: str, tenant: Tenant, jobs: Jobs) -> dict[str, Any]:
+    session = await jobs.session(tenant, session_id)
+    mine = [j for j in await jobs.jobs(tenant) if j.session_id == session_id]
+    return {
+        "training_run_ids": [j.job_id for j in mine if j.kind == JobKind.TRAINING],
+        "sampler_ids": [j.job_id for j in mine if j.kind == JobKind.SAMPLING],
+        "user_metadata": session.user_metadata or None,
+    }
+
+
+async def _run(tenant: str, run_id: str, jobs: Jobs) -> JobRecord:
+    job = await jobs.find_job(tenant, run_id)
+    if job is None or job.kind != JobKind.TRAINING:
+        raise not_found(f"unknown training run {run_id!r}")
+    return job
+
+
+async def _run_view(job: JobRecord, ckpts: list[CheckpointRecord], meta: Meta) -> dict[str, Any]:
+    usage = await meta.usage(job.job_id)
+    mine = sorted((c for c in ckpts if c.job_id == job.job_id), key=lambda c: c.created_at)
+    training = [c for c in mine if parse_tinker_path(c.path).kind == CheckpointKind.WEIGHTS]
+    sampler = [c for c in mine if parse_tinker_path(c.path).kind == CheckpointKind.SAMPLER_WEIGHTS]
+    return {
+        "training_run_id": job.job_id,
+        "base_model": job.spec.base_model,
+        "model_owner": job.tenant,
+        "is_lora": job.spec.lora is not None,
+        "corrupted": False,
+        "lora_rank": job.spec.lora.rank if job.spec.lora else None,
+        "last_request_time": iso(usage.get("last_at", job.created_at)),
+        "last_checkpoint": checkpoint_view(training[-1]) if training else None,
+        "last_sampler_checkpoint": checkpoint_view(sampler[-1]) if sampler else None,
+        "user_metadata": job.metadata or None,
+    }

@@ -1,0 +1,112 @@
+"""Tinker API: client bootstrap, sessions, telemetry, capabilities, health."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+
+from plexrl_gateway.deps import Catalog, GatewayDep, Jobs, Meta, Submit, Tenant
+from plexrl_gateway.schemas import CreateSessionBody, SdkVersionBody, SessionIdBody
+from plexrl_gateway.unload import unload_model
+
+router = APIRouter(prefix="/api/v1")
+
+# What the SDK should do: API keys (no JWT), plain httpx, /retrieve_future long-polls,
+# losses computed here. Every flag is spelled out so an SDK default change cannot bite.
+CLIENT_CONFIG: dict[str, Any] = {
+    "pjwt_auth_enabled": False,
+    "credential_default_source": "api_key",
+    "use_pyqwest_transport": False,
+    "proto_compress_fwdbwd": False,
+    "sample_use_retrieve_futures": False,
+    "custom_loss_server_side": False,
+    "sample_join_sampling_session": False,
+    "parallel_fwdbwd_chunks": True,
+}
+
+
+@router.post("/client/config")
+async def client_config(_: Tenant, body: SdkVersionBody | None = None) -> dict[str, Any]:
+    return CLIENT_CONFIG
+
+
+@router.post("/client/dynamic_config")
+async def dynamic_config(_: Tenant, body: SdkVersionBody | None = None) -> dict[str, Any]:
+    return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+
+@router.post("/create_session")
+async def create_session(body: CreateSessionBody, tenant: Tenant, jobs: Jobs) -> dict[str, Any]:
+    session = await jobs.new_session(tenant, body.tags, body.user_metadata)
+    return {"type": "create_session", "session_id": session.session_id}
+
+
+@router.post("/session_heartbeat")
+async def session_heartbeat(body: SessionIdBody, tenant: Tenant, jobs: Jobs) -> dict[str, Any]:
+    await jobs.heartbeat(tenant, body.session_id)
+    return {"type": "session_heartbeat"}
+
+
+@router.post("/telemetry")
+async def telemetry(_: Tenant) -> dict[str, Any]:
+    # The SDK's events are not kept; traces and metrics cover the server side.
+    return {"status": "accepted"}
+
+
+@router.post("/sessions/{session_id}/finish", status_code=204)
+async def finish_session(session_id: str, tenant: Tenant, jobs: Jobs, submit: Submit) -> Response:
+    """The client is done: its training models are unloaded so their state frees workers
+    (their checkpoints stay)."""
+    await jobs.session(tenant, session_id)
+    for job in await jobs.jobs(tenant):
+        if job.session_id == session_id and job.kind == "training" and not job.unloaded:
+            await unload_model(job, jobs, submit)
+    return Response(status_code=204)
+
+
+@router.get("/get_server_capabilities")
+async def server_capabilities(_: Tenant, catalog: Catalog) -> dict[str, Any]:
+    models = []
+    for name in await catalog.names():
+        info = await catalog.info(name)
+        models.append(
+            {
+                "model_name": name,
+                "max_context_length": info.max_positions,
+                "trainable": True,
+                "sampleable": True,
+            }
+        )
+    return {"supported_models": models}
+
+
+@router.get("/healthz")
+async def tinker_healthz(gateway: GatewayDep, meta: Meta) -> JSONResponse:
+    ok = await _healthy(gateway, meta)
+    return JSONResponse({"status": "ok" if ok else "degraded"}, status_code=200 if ok else 503)
+
+
+health_router = APIRouter()
+
+
+@health_router.get("/healthz")
+async def healthz(gateway: GatewayDep, meta: Meta) -> JSONResponse:
+    """Ok when Redis answers and the Kafka broker answers the producer."""
+    redis_ok = await _redis_ok(meta)
+    kafka_ok = await gateway.publisher.ping()
+    ok = redis_ok and kafka_ok
+    body = {"service": "gateway", "ok": ok, "redis": redis_ok, "kafka": kafka_ok}
+    return JSONResponse(body, status_code=200 if ok else 503)
+
+
+async def _healthy(gateway: GatewayDep, meta: Meta) -> bool:
+    return await _redis_ok(meta) and await gateway.publisher.ping()
+
+
+async def _redis_ok(meta: Meta) -> bool:
+    try:
+        return await meta.ping()
+    except Exception:
+        return False

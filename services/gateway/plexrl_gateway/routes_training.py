@@ -1,0 +1,335 @@
+"""Tinker API: training models (create, info, forward/backward, optimizer, save, load, unload).
+
+Every call that runs on a worker answers at once with a future (`request_id`); the
+client polls /retrieve_future. A model's calls are published in seq_id order, and a
+re-sent call (same model and seq_id) gets its first future back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+from fastapi import APIRouter, Request
+
+from plexrl.messages import (
+    CreateInput,
+    Function,
+    JobSpec,
+    LoadInput,
+    LoraSpec,
+    OptimStepInput,
+    SaveInput,
+    SaveKind,
+)
+from plexrl.meta import CheckpointRecord, JobKind, JobRecord
+from plexrl.models import BaseModelInfo
+from plexrl_gateway.codec import PROTOBUF, CodecError, decode_forward_backward
+from plexrl_gateway.deps import Catalog, Jobs, Submit, Tenant
+from plexrl_gateway.errors import bad_request
+from plexrl_gateway.registry import metadata_strings, new_job
+from plexrl_gateway.render import CTX_MODEL_ID, CTX_SAMPLING_SESSION, ResponseKind
+from plexrl_gateway.schemas import (
+    CreateModelBody,
+    LoadWeightsBody,
+    ModelIdBody,
+    OptimStepBody,
+    SaveWeightsBody,
+    SaveWeightsForSamplerBody,
+)
+from plexrl_gateway.submitter import Call, Submission, Submitter
+from plexrl_gateway.translate import (
+    CheckpointKind,
+    TinkerPath,
+    adam_params,
+    check_seq,
+    checkpoint_name,
+    forward_backward_input,
+    job_spec,
+    parse_tinker_path,
+    sampling_session_id,
+    session_of,
+    training_model_id,
+)
+from plexrl_gateway.unload import unload_model
+
+router = APIRouter(prefix="/api/v1")
+
+
+def model_retry_key(model_id: str, seq_id: int) -> str:
+    return f"model:{model_id}:{seq_id}"
+
+
+def future_ref(request_id: str, model_id: str) -> dict[str, Any]:
+    return {"request_id": request_id, "model_id": model_id}
+
+
+@router.post("/create_model")
+async def create_model(
+    body: CreateModelBody, tenant: Tenant, jobs: Jobs, catalog: Catalog, submit: Submit
+) -> dict[str, Any]:
+    await jobs.session(tenant, body.session_id)
+    model_id = training_model_id(body.session_id, check_seq("model_seq_id", body.model_seq_id))
+    key = model_retry_key(model_id, 0)
+    if earlier := await submit.existing(key):
+        return future_ref(earlier, model_id)
+    spec = job_spec(body, state_bytes=0)
+    info = await catalog.info(body.base_model)
+    spec = msgspec.structs.replace(spec, state_bytes=state_bytes(info, spec.lora))
+    job = new_job(
+        JobKind.TRAINING,
+        model_id,
+        tenant,
+        body.session_id,
+        spec,
+        metadata=metadata_strings(body.user_metadata),
+    )
+    await jobs.put_job(job)
+    call = Call(Function.CREATE, CreateInput(spec), ResponseKind.CREATE_MODEL, spec=spec)
+    request_id = await submit.submit(Submission(model_id, tenant, [call], 0, retry_key=key))
+    return future_ref(request_id, model_id)
+
+
+@router.post("/get_info")
+async def get_info(
+    body: ModelIdBody, tenant: Tenant, jobs: Jobs, catalog: Catalog
+) -> dict[str, Any]:
+    job = await jobs.training_model(tenant, body.model_id)
+    info = await catalog.info(job.spec.base_model)
+    # The SDK cuts tokenizer_id at its first ':' and loads the rest with AutoTokenizer,
+    # so only a path without ':' can be handed out.
+    path = str(info.path.resolve())
+    model_data = {"arch": info.family, "model_name": job.spec.base_model}
+    if ":" not in path:
+        model_data["tokenizer_id"] = path
+    out: dict[str, Any] = {
+        "type": "get_info",
+        "model_id": job.job_id,
+        "model_data": model_data,
+        "model_name": job.spec.base_model,
+        "is_lora": job.spec.lora is not None,
+        "optimizer_config": {"type": "adamw"},
+    }
+    if job.spec.lora is not None:
+        out["lora_rank"] = job.spec.lora.rank
+    return out
+
+
+@router.post("/forward_backward")
+async def forward_backward(
+    request: Request, tenant: Tenant, jobs: Jobs, catalog: Catalog, submit: Submit
+) -> dict[str, Any]:
+    if request.headers.get("content-encoding"):
+        raise bad_request(
+            "compressed forward_backward bodies are not supported (proto_compress_fwdbwd is off)"
+        )
+    if PROTOBUF not in request.headers.get("content-type", ""):
+        raise bad_request("forward_backward takes a tinker_public.ForwardBackwardRequest protobuf")
+    try:
+        proto = decode_forward_backward(await request.body())
+    except CodecError as exc:
+        raise bad_request(str(exc)) from None
+    job = await jobs.training_model(tenant, proto.model_id)
+    seq = check_seq("seq_id", proto.seq_id)
+    key = model_retry_key(job.job_id, seq)
+    if earlier := await submit.existing(key):
+        return future_ref(earlier, job.job_id)
+    inp, work = forward_backward_input(proto, await catalog.limits(job.spec.base_model))
+    if inp.backward:
+        call = Call(Function.FORWARD_BACKWARD, inp, ResponseKind.FORWARD_BACKWARD, work=work)
+    else:
+        call = Call(Function.FORWARD, inp, ResponseKind.FORWARD, work=work)
+    request_id = await submit.submit(Submission(job.job_id, tenant, [call], seq, retry_key=key))
+    return future_ref(request_id, job.job_id)
+
+
+@router.post("/optim_step")
+async def optim_step(
+    body: OptimStepBody, tenant: Tenant, jobs: Jobs, submit: Submit
+) -> dict[str, Any]:
+    job = await jobs.training_model(tenant, body.model_id)
+    seq = check_seq("seq_id", body.seq_id)
+    key = model_retry_key(job.job_id, seq)
+    if earlier := await submit.existing(key):
+        return future_ref(earlier, job.job_id)
+    call = Call(Function.OPTIM_STEP, OptimStepInput(adam_params(body)), ResponseKind.OPTIM_STEP)
+    request_id = await submit.submit(Submission(job.job_id, tenant, [call], seq, retry_key=key))
+    return future_ref(request_id, job.job_id)
+
+
+@router.post("/save_weights")
+async def save_weights(
+    body: SaveWeightsBody, tenant: Tenant, jobs: Jobs, submit: Submit
+) -> dict[str, Any]:
+    job = await jobs.training_model(tenant, body.model_id)
+    seq = check_seq("seq_id", body.seq_id)
+    key = model_retry_key(job.job_id, seq)
+    if earlier := await submit.existing(key):
+        return future_ref(earlier, job.job_id)
+    path = TinkerPath(job.job_id, CheckpointKind.WEIGHTS, checkpoint_name(body.path, f"step-{seq}"))
+    if not body.overwrite and await jobs.find_checkpoint(tenant, str(path)) is not None:
+        raise bad_request(f"checkpoint {path} exists; pass overwrite=True or pick another name")
+    call = Call(Function.SAVE, SaveInput(SaveKind.STATE, str(path)), ResponseKind.SAVE_WEIGHTS)
+    request_id = await submit.submit(Submission(job.job_id, tenant, [call], seq, retry_key=key))
+    return future_ref(request_id, job.job_id)
+
+
+@router.post("/save_weights_for_sampler")
+async def save_weights_for_sampler(
+    body: SaveWeightsForSamplerBody, tenant: Tenant, jobs: Jobs, submit: Submit
+) -> dict[str, Any]:
+    job = await jobs.training_model(tenant, body.model_id)
+    seq = check_seq("seq_id", body.seq_id)
+    key = model_retry_key(job.job_id, seq)
+    if earlier := await submit.existing(key):
+        return future_ref(earlier, job.job_id)
+    if body.path is None and body.sampling_session_seq_id is None:
+        raise bad_request("save_weights_for_sampler needs a path (name) or sampling_session_seq_id")
+    context: dict[str, str] = {}
+    if body.path is not None:
+        name = checkpoint_name(body.path, f"step-{seq}")
+    else:
+        name = f"ephemeral-{check_seq('sampling_session_seq_id', body.sampling_session_seq_id)}"
+    path = TinkerPath(job.job_id, CheckpointKind.SAMPLER_WEIGHTS, name)
+    if body.path is None and body.sampling_session_seq_id is not None:
+        # The ephemeral form: the server names the snapshot and opens the sampling
+        # session over it, which the SDK then uses without asking anything else.
+        session_id = sampling_session_id(session_of(job.job_id), body.sampling_session_seq_id)
+        await jobs.put_job(sampling_job(job, session_id, str(path)))
+        context[CTX_SAMPLING_SESSION] = session_id
+    call = Call(
+        Function.SAVE,
+        SaveInput(SaveKind.SAMPLER, str(path)),
+        ResponseKind.SAVE_WEIGHTS_FOR_SAMPLER,
+        context,
+    )
+    request_id = await submit.submit(Submission(job.job_id, tenant, [call], seq, retry_key=key))
+    return future_ref(request_id, job.job_id)
+
+
+@router.post("/load_weights")
+async def load_weights(
+    body: LoadWeightsBody, tenant: Tenant, jobs: Jobs, catalog: Catalog, submit: Submit
+) -> dict[str, Any]:
+    if body.session_id is not None and body.model_seq_id is not None:
+        return await _create_from_state(body, tenant, jobs, catalog, submit)
+    if body.model_id is None:
+        raise bad_request("load_weights needs model_id and seq_id, or session_id and model_seq_id")
+    job = await jobs.training_model(tenant, body.model_id)
+    seq = check_seq("seq_id", body.seq_id)
+    key = model_retry_key(job.job_id, seq)
+    if earlier := await submit.existing(key):
+        return future_ref(earlier, job.job_id)
+    ckpt = await _loadable(body, tenant, jobs)
+    rank = job.spec.lora.rank if job.spec.lora else None
+    if ckpt.base_model != job.spec.base_model or ckpt.lora_rank != rank:
+        raise bad_request(
+            f"checkpoint {ckpt.path} is {_describe(ckpt.base_model, ckpt.lora_rank)}, but model "
+            f"{job.job_id} is {_describe(job.spec.base_model, rank)}; load it into a matching "
+            "model (or create one from it with create_training_client_from_state)"
+        )
+    call = Call(
+        Function.LOAD,
+        LoadInput(ckpt.path, body.optimizer),
+        ResponseKind.LOAD_WEIGHTS,
+        {CTX_MODEL_ID: job.job_id},
+    )
+    request_id = await submit.submit(Submission(job.job_id, tenant, [call], seq, retry_key=key))
+    return future_ref(request_id, job.job_id)
+
+
+async def _create_from_state(
+    body: LoadWeightsBody, tenant: str, jobs: Jobs, catalog: Catalog, submit: Submitter
+) -> dict[str, Any]:
+    """create_training_client_from_state: a new model (seq 0) made from a checkpoint."""
+    assert body.session_id is not None and body.model_seq_id is not None
+    await jobs.session(tenant, body.session_id)
+    model_id = training_model_id(body.session_id, check_seq("model_seq_id", body.model_seq_id))
+    key = model_retry_key(model_id, 0)
+    if earlier := await submit.existing(key):
+        return future_ref(earlier, model_id)
+    ckpt = await _loadable(body, tenant, jobs)
+    if body.base_model is not None and body.base_model != ckpt.base_model:
+        raise bad_request(
+            f"checkpoint {ckpt.path} was trained on {ckpt.base_model!r}, not {body.base_model!r}; "
+            "leave base_model out"
+        )
+    # The LoRA options and seed are not in the checkpoint record: take them from the
+    # model that saved it while its record lasts, else the defaults.
+    origin = await jobs.find_job(tenant, ckpt.job_id)
+    lora = None
+    if ckpt.lora_rank is not None:
+        saved = origin.spec.lora if origin is not None else None
+        same = saved is not None and saved.rank == ckpt.lora_rank
+        lora = saved if same else LoraSpec(rank=ckpt.lora_rank)
+    info = await catalog.info(ckpt.base_model)
+    spec = JobSpec(
+        base_model=ckpt.base_model,
+        lora=lora,
+        seed=origin.spec.seed if origin is not None else 0,
+        state_bytes=state_bytes(info, lora),
+    )
+    await jobs.put_job(
+        new_job(
+            JobKind.TRAINING,
+            model_id,
+            tenant,
+            body.session_id,
+            spec,
+            metadata=metadata_strings(body.user_metadata),
+        )
+    )
+    calls = [
+        Call(Function.CREATE, CreateInput(spec), ResponseKind.CREATE_MODEL, spec=spec),
+        Call(
+            Function.LOAD,
+            LoadInput(ckpt.path, body.optimizer),
+            ResponseKind.LOAD_WEIGHTS,
+            {CTX_MODEL_ID: model_id},
+        ),
+    ]
+    request_id = await submit.submit(Submission(model_id, tenant, calls, 0, retry_key=key))
+    return future_ref(request_id, model_id)
+
+
+async def _loadable(body: LoadWeightsBody, tenant: str, jobs: Jobs) -> CheckpointRecord:
+    path = parse_tinker_path(body.path)
+    ckpt = await jobs.checkpoint(tenant, str(path))
+    if body.optimizer and path.kind != CheckpointKind.WEIGHTS:
+        raise bad_request(
+            f"{path} holds sampler weights only, no optimizer state; load it without the "
+            "optimizer or use a weights/ checkpoint from save_state"
+        )
+    return ckpt
+
+
+@router.post("/unload_model")
+async def unload(body: ModelIdBody, tenant: Tenant, jobs: Jobs, submit: Submit) -> dict[str, Any]:
+    job = await jobs.training_model(tenant, body.model_id)
+    return future_ref(await unload_model(job, jobs, submit), job.job_id)
+
+
+def sampling_job(owner: JobRecord, session_id: str, path: str) -> JobRecord:
+    """A sampling session over a checkpoint of `owner`, a live training model."""
+    spec = JobSpec(base_model=owner.spec.base_model)
+    return new_job(
+        JobKind.SAMPLING,
+        session_id,
+        owner.tenant,
+        session_of(session_id),
+        spec,
+        sampler_path=path,
+        owner_job=owner.job_id,
+    )
+
+
+def state_bytes(info: BaseModelInfo, lora: LoraSpec | None) -> int:
+    if lora is None:
+        return info.state_bytes(None)
+    return info.state_bytes(
+        lora.rank, attn=lora.train_attn, mlp=lora.train_mlp, unembed=lora.train_unembed
+    )
+
+
+def _describe(base_model: str, rank: int | None) -> str:
+    return f"{base_model!r} with LoRA rank {rank}" if rank else f"{base_model!r} fully fine-tuned"

@@ -1,0 +1,160 @@
+"""The Tinker REST API's JSON request bodies, as the SDK 0.38 sends them.
+
+Unknown fields are ignored (a newer SDK may add some); missing required ones are a 422
+that names the field. `type` discriminators are accepted and not checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+class SdkVersionBody(Body):
+    sdk_version: str | None = None
+
+
+class CreateSessionBody(Body):
+    tags: list[str] = []
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str | None = None
+    project_id: str | None = None
+    display_name: str | None = None
+
+
+class SessionIdBody(Body):
+    session_id: str
+
+
+class LoraConfigBody(Body):
+    rank: int
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class OptimizerConfigBody(Body):
+    model_config = ConfigDict(extra="allow")
+    type: str = "adamw"
+
+
+class CreateModelBody(Body):
+    session_id: str
+    model_seq_id: int
+    base_model: str
+    user_metadata: dict[str, Any] | None = None
+    lora_config: LoraConfigBody | None = None
+    optimizer_config: OptimizerConfigBody = OptimizerConfigBody()
+
+
+class ModelIdBody(Body):
+    model_id: str
+
+
+class AdamParamsBody(Body):
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+class OptimStepBody(Body):
+    model_id: str
+    seq_id: int | None = None
+    adam_params: AdamParamsBody | None = None
+    optimizer_params: dict[str, Any] | None = None
+
+
+class SaveWeightsBody(Body):
+    model_id: str
+    path: str | None = None
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    overwrite: bool = False
+    user_metadata: dict[str, str] | None = None
+
+
+class SaveWeightsForSamplerBody(Body):
+    model_id: str
+    path: str | None = None
+    sampling_session_seq_id: int | None = None
+    kind: str = "snapshot"
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    user_metadata: dict[str, str] | None = None
+
+
+class LoadWeightsBody(Body):
+    model_id: str | None = None
+    seq_id: int | None = None
+    session_id: str | None = None
+    model_seq_id: int | None = None
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    path: str
+    optimizer: bool = False
+    optimizer_config: OptimizerConfigBody | None = None
+
+
+class CreateSamplingSessionBody(Body):
+    session_id: str
+    sampling_session_seq_id: int
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class ChunkBody(Body):
+    model_config = ConfigDict(extra="allow")
+    type: str = "encoded_text"
+    tokens: list[int] | None = None
+
+
+class ModelInputBody(Body):
+    chunks: list[ChunkBody]
+
+
+class SamplingParamsBody(Body):
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[int | str] | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+class SampleBody(Body):
+    num_samples: int = 1
+    prompt: ModelInputBody
+    sampling_params: SamplingParamsBody
+    base_model: str | None = None
+    model_path: str | None = None
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = 0
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: dict[str, Any] | None = None
+    prompt_alt_tokens_k: int = 0
+    prompt_logprobs_last_n: int | None = None
+    record_stability_info: bool | None = None
+
+
+class FutureBody(Body):
+    request_id: str
+    allow_metadata_only: bool = False
+
+
+class TinkerPathBody(Body):
+    tinker_path: str
+
+
+class IdleBody(Body):
+    seconds: float = Field(gt=0, le=24 * 3600, description="expected stall, seconds")

@@ -1,0 +1,106 @@
+"""Per-model call order: a model's calls are published in seq_id order.
+
+The Tinker SDK numbers a training model's calls (create is the implicit 0) and sends
+each once the previous one was accepted, except for the chunks of a big
+forward_backward, which arrive together with the lowest last. The sequencer holds an
+early call until every lower seq_id has been published; Kafka's keying by job id then
+keeps that order all the way to the worker.
+
+The cursor (the next seq_id to publish) is kept in Redis, so a restarted gateway
+resumes where it stopped. Buffering is in-process: one model's calls must reach one
+gateway instance (route by model id when running several).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from plexrl_gateway import metrics
+
+
+class CursorStore(Protocol):
+    """Where each job's next seq_id is remembered (MetaStore in production)."""
+
+    async def get_next_seq(self, job_id: str) -> int | None: ...
+
+    async def set_next_seq(self, job_id: str, next_seq: int) -> None: ...
+
+
+class SequenceGapError(Exception):
+    """A call waited too long for a lower seq_id of its model."""
+
+
+@dataclass
+class _Line:
+    """One job's queue: a condition guarding its cursor, and who is in it."""
+
+    cond: asyncio.Condition = field(default_factory=asyncio.Condition)
+    next_seq: int | None = None
+    loaded: bool = False
+    users: int = 0
+
+
+class Sequencer:
+    def __init__(self, cursors: CursorStore, gap_timeout_s: float) -> None:
+        if gap_timeout_s <= 0:
+            raise ValueError(
+                f"gap_timeout_s is {gap_timeout_s}; it must be positive "
+                "(PLEXRL_SEQUENCE_GAP_TIMEOUT_S)"
+            )
+        self._cursors = cursors
+        self._gap_timeout_s = gap_timeout_s
+        self._lines: dict[str, _Line] = {}
+
+    @contextlib.asynccontextmanager
+    async def turn(self, job_id: str, seq_id: int | None) -> AsyncIterator[None]:
+        """Hold the job's turn for `seq_id` while the body publishes.
+
+        Waits until every lower seq_id was published. A seq_id below the cursor (a
+        client's retry, or a call that outlived a gap) goes at once. `seq_id=None`
+        appends after whatever was published so far, without moving the cursor. The
+        cursor moves past `seq_id` only if the body returns without raising.
+        """
+        line = self._lines.setdefault(job_id, _Line())
+        line.users += 1
+        try:
+            async with line.cond:
+                if not line.loaded:
+                    line.next_seq = await self._cursors.get_next_seq(job_id)
+                    line.loaded = True
+                if seq_id is not None:
+                    await self._wait_for(line, job_id, seq_id)
+                try:
+                    yield
+                finally:
+                    line.cond.notify_all()
+                if seq_id is not None and (line.next_seq is None or seq_id >= line.next_seq):
+                    line.next_seq = seq_id + 1
+                    await self._cursors.set_next_seq(job_id, seq_id + 1)
+                    line.cond.notify_all()
+        finally:
+            line.users -= 1
+            if line.users == 0:
+                # Nobody waits: forget the line; the cursor lives on in the store.
+                del self._lines[job_id]
+
+    async def _wait_for(self, line: _Line, job_id: str, seq_id: int) -> None:
+        def ready() -> bool:
+            return line.next_seq is None or seq_id <= line.next_seq
+
+        if ready():
+            return
+        metrics.SEQUENCER_WAITING.inc()
+        try:
+            await asyncio.wait_for(line.cond.wait_for(ready), self._gap_timeout_s)
+        except TimeoutError:
+            raise SequenceGapError(
+                f"model {job_id}: call seq_id {seq_id} waited {self._gap_timeout_s:g}s for "
+                f"seq_id {line.next_seq}, which never arrived; calls of one model must all be "
+                "sent (seq_ids without gaps), so this call was not run"
+            ) from None
+        finally:
+            metrics.SEQUENCER_WAITING.dec()

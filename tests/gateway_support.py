@@ -1,0 +1,168 @@
+"""Helpers for the gateway tests: a tiny local base model, a fake Kafka edge, a fake worker.
+
+Only the edges are fake: the publisher stand-in records what the gateway would send to
+Kafka, and the fake worker answers phase requests with canned outputs the way a real
+worker records them (Redis first, then the completions topic).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import socket
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from plexrl.messages import (
+    CompletionStatus,
+    CreateOutput,
+    ErrorInfo,
+    ForwardBackwardInput,
+    ForwardBackwardOutput,
+    LoadInput,
+    LoadOutput,
+    NoopOutput,
+    OptimStepOutput,
+    PhaseCompletion,
+    PhaseInput,
+    PhaseOutput,
+    PhaseRequest,
+    SampledSequence,
+    SampleInput,
+    SampleOutput,
+    SaveInput,
+    SaveKind,
+    SaveOutput,
+    StopReason,
+    TensorArray,
+    Timings,
+    UnloadOutput,
+)
+from plexrl.meta import CheckpointRecord, MetaStore
+from plexrl.payloads import resolve
+
+TINY_MODEL = "plexrl/tiny-qwen3"
+
+
+@functools.cache
+def tiny_model_root() -> Path:
+    """A registry root holding one tiny model, built once per test process."""
+    from plexrl.models import init_tiny
+
+    root = Path(tempfile.mkdtemp(prefix="plexrl-gw-models-"))
+    init_tiny(root / "tiny-qwen3", family="qwen3", name=TINY_MODEL)
+    return root
+
+
+def unique_cluster(prefix: str = "gwtest") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def drop_cluster_keys(meta: MetaStore, cluster_id: str) -> None:
+    keys = [k async for k in meta.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
+    if keys:
+        await meta.redis.delete(*keys)
+
+
+@dataclass
+class FakePublisher:
+    """Records what would go to Kafka; `fail` makes every publish raise."""
+
+    sent: list[tuple[str, str | bytes | None, Any]] = field(default_factory=list)
+    fail: bool = False
+
+    async def publish(self, topic: str, key: str | bytes | None, message: Any) -> None:
+        if self.fail:
+            raise ConnectionError("broker unreachable")
+        self.sent.append((topic, key, message))
+
+    async def ping(self, timeout_s: float = 2.0) -> bool:
+        return not self.fail
+
+    def requests(self) -> list[PhaseRequest]:
+        return [m for _, _, m in self.sent if isinstance(m, PhaseRequest)]
+
+
+async def canned_output(meta: MetaStore, request: PhaseRequest) -> PhaseOutput:
+    """What a worker would answer, without a model: fixed numbers of the right shapes."""
+    payload = await resolve(meta, request.payload, PhaseInput)
+    match payload:
+        case ForwardBackwardInput():
+            outputs = [
+                {"logprobs": TensorArray.from_list([-1.5] * len(d.tokens), "float32")}
+                for d in payload.data
+            ]
+            loss = 1.5 * sum(len(d.tokens) for d in payload.data)
+            return ForwardBackwardOutput(loss_fn_outputs=outputs, metrics={"loss:sum": loss})
+        case SampleInput():
+            sequences = [
+                SampledSequence(
+                    tokens=[10 + i, 11, 12],
+                    logprobs=[-0.25] * 3,
+                    stop_reason=StopReason.LENGTH if i % 2 == 0 else StopReason.STOP,
+                )
+                for i in range(payload.num_samples)
+            ]
+            prompt_lp: list[float | None] | None = None
+            if payload.prompt_logprobs:
+                prompt_lp = [None] + [-2.0] * (len(payload.prompt) - 1)
+            return SampleOutput(sequences=sequences, prompt_logprobs=prompt_lp)
+        case SaveInput():
+            kind = "weights" if payload.kind == SaveKind.STATE else "sampler_weights"
+            await meta.put_checkpoint(
+                CheckpointRecord(
+                    path=payload.path,
+                    tenant=request.tenant,
+                    job_id=request.job_id,
+                    kind=kind,
+                    blob_key=f"fake/{payload.path}",
+                    size_bytes=123,
+                    created_at=time.time(),
+                    base_model=TINY_MODEL,
+                    lora_rank=8,
+                )
+            )
+            return SaveOutput(path=payload.path, size_bytes=123)
+        case LoadInput():
+            return LoadOutput(path=payload.path)
+    by_function: dict[str, PhaseOutput] = {
+        "create": CreateOutput(trainable_params=1000, state_bytes=16000),
+        "optim_step": OptimStepOutput(metrics={"grad_norm": 0.5, "lr:mean": 1e-4}),
+        "unload": UnloadOutput(),
+    }
+    return by_function.get(str(request.function), NoopOutput())
+
+
+def completion_for(
+    request: PhaseRequest, output: PhaseOutput | None, error: ErrorInfo | None = None
+) -> PhaseCompletion:
+    return PhaseCompletion(
+        request_id=request.request_id,
+        job_id=request.job_id,
+        tenant=request.tenant,
+        worker_id="fake-worker",
+        function=request.function,
+        status=CompletionStatus.OK if error is None else CompletionStatus.ERROR,
+        timings=Timings(queue_s=0.0, compute_s=0.0),
+        result=output,
+        error=error,
+        finished_at=time.time(),
+    )
+
+
+async def wait_until(predicate: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        await asyncio.sleep(0.01)
