@@ -73,7 +73,10 @@ def _check(i: int, datum: Datum, loss_fn: LossFn, limits: ModelLimits) -> _Check
             f"data[{i}] has {n} tokens, more than the model's {limits.max_positions} positions; "
             "shorten or split it"
         )
-    tokens = torch.tensor(datum.tokens, dtype=torch.int64)
+    try:
+        tokens = torch.tensor(datum.tokens, dtype=torch.int64)
+    except (OverflowError, RuntimeError) as exc:
+        raise EngineInputError(f"data[{i}].tokens holds an id beyond 64 bits: {exc}") from exc
     _check_ids(f"data[{i}].tokens", tokens, limits.vocab_size)
 
     spec = LOSS_INPUTS[loss_fn]
@@ -105,6 +108,8 @@ def _check(i: int, datum: Datum, loss_fn: LossFn, limits: ModelLimits) -> _Check
             inputs[key] = to_tensor(array)
         except ValueError as exc:
             raise EngineInputError(f"{where} {exc}") from exc
+        if want == "float32" and not bool(torch.isfinite(inputs[key]).all()):
+            raise EngineInputError(f"{where} holds NaN or infinity; send finite values")
     _check_ids(
         f"data[{i}].loss_fn_inputs['target_tokens']", inputs["target_tokens"], limits.vocab_size
     )

@@ -99,6 +99,8 @@ class TorchEngine:
         self._samplers: dict[str, _WeightSet] = {}
         self._decoders: dict[Path, Callable[[list[int]], str]] = {}
         self._lock = threading.RLock()
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
 
     # ---- model functions -------------------------------------------------------------
 
@@ -127,9 +129,13 @@ class TorchEngine:
         job = self._trainable(job_id)
         try:
             loss_fn = LossFn(inp.loss_fn)
+        except ValueError as exc:
+            known = [f.value for f in LossFn]
+            raise EngineInputError(f"unknown loss_fn {inp.loss_fn!r}; use one of {known}") from exc
+        try:
             config = loss_config(loss_fn, inp.loss_fn_config)
         except ValueError as exc:
-            raise EngineInputError(f"{exc}; loss_fn is one of {[f.value for f in LossFn]}") from exc
+            raise EngineInputError(str(exc)) from exc
         limits = ModelLimits(job.info.vocab_size, job.info.max_positions)
         batches = prepare(inp.data, loss_fn, limits, self._config.max_batch_tokens)
         model = job.weights.module()
