@@ -274,7 +274,7 @@ def test_micro_batches_sum_like_one_batch(registry: ModelRegistry) -> None:
 # ---- sampling ------------------------------------------------------------------------
 
 
-def test_sampling_is_seeded(engine: TorchEngine) -> None:
+def test_sampling_is_seeded(engine: TorchEngine, registry: ModelRegistry) -> None:
     engine.create("job", LORA)
     a = engine.sample("job", sample_input(seed=7))
     assert a == engine.sample("job", sample_input(seed=7))
@@ -285,7 +285,7 @@ def test_sampling_is_seeded(engine: TorchEngine) -> None:
         assert len(s.tokens) == len(s.logprobs) <= 16
         assert all(lp <= 0 for lp in s.logprobs)
     # Another engine with the same weights draws the same tokens.
-    other = TorchEngine(engine._registry, EngineConfig())
+    other = TorchEngine(registry, EngineConfig())
     other.create("job", LORA)
     assert other.sample("job", sample_input(seed=7)) == a
     # No seed: fresh draws each time.
@@ -569,6 +569,21 @@ BAD_CALLS: list[tuple[str, ForwardBackwardInput, str]] = [
         r"lacks \['advantages'\]",
     ),
     (
+        "not finite",
+        ForwardBackwardInput(
+            data=[
+                _datum(
+                    [1, 2],
+                    target_tokens=_ids([1, 2]),
+                    logprobs=f32([0.0, 0.0]),
+                    advantages=f32([1.0, float("nan")]),
+                )
+            ],
+            loss_fn=LossFn.PPO,
+        ),
+        "NaN or infinity",
+    ),
+    (
         "bytes",
         ce([_datum([1, 2], target_tokens=TensorArray(dtype="int64", shape=[2], data=b"\0" * 9))]),
         "needs 16",
@@ -618,6 +633,18 @@ def test_bad_sample_input(engine: TorchEngine, inp: SampleInput, message: str) -
         engine.sample("job", inp)
 
 
+def test_engine_config_says_what_to_change() -> None:
+    with pytest.raises(ValueError, match="max_batch_tokens"):
+        EngineConfig(max_batch_tokens=0)
+    with pytest.raises(ValueError, match="num_threads"):
+        EngineConfig(num_threads=0)
+    with pytest.raises(ValueError, match="not a torch device"):
+        EngineConfig(device="tpu-ish")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            EngineConfig(device="cuda")
+
+
 def test_unknown_jobs_models_and_bad_specs(engine: TorchEngine) -> None:
     with pytest.raises(UnknownJobError) as err:
         engine.forward_backward("nope", ce(random_batch(0)))
@@ -634,3 +661,31 @@ def test_unknown_jobs_models_and_bad_specs(engine: TorchEngine) -> None:
     engine.create("job", LORA)
     with pytest.raises(EngineInputError, match="beta2"):
         engine.optim_step("job", OptimStepInput(adam=AdamParams(beta2=1.0)))
+
+
+# ---- GPU -------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_matches_cpu_and_swaps(registry: ModelRegistry) -> None:
+    cpu = TorchEngine(registry, EngineConfig())
+    gpu = TorchEngine(registry, EngineConfig(device="cuda"))
+    for engine in (cpu, gpu):
+        engine.create("job", LORA)
+    # Adapters are initialised on the CPU from the seed: the same bits on any device.
+    assert_same_state(
+        gpu.export_state("job", optimizer=False, gradients=False),
+        cpu.export_state("job", optimizer=False, gradients=False),
+    )
+    losses: dict[str, list[float]] = {"cpu": [], "gpu": []}
+    for k in range(3):
+        for name, engine in (("cpu", cpu), ("gpu", gpu)):
+            out = engine.forward_backward("job", ce(random_batch(60 + k)))
+            losses[name].append(out.metrics["loss:sum"])
+            if name == "gpu":
+                swap(engine, "job")
+            engine.optim_step("job", step())
+    assert losses["gpu"] == pytest.approx(losses["cpu"], rel=1e-3)
+    assert losses["gpu"][-1] < losses["gpu"][0]
+    assert gpu.sample("job", sample_input(seed=3)) == gpu.sample("job", sample_input(seed=3))
