@@ -16,6 +16,9 @@ def init_tiny(
     family: Annotated[str, typer.Option(help="qwen3 or llama")] = "qwen3",
     seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
     name: Annotated[str | None, typer.Option(help="Name the registry serves it under.")] = None,
+    warm_steps: Annotated[
+        int, typer.Option(help="Steps of warm-up on synthetic digit tasks (0: random weights).")
+    ] = 400,
     hf_cache: Annotated[
         bool, typer.Option(help="Also make the name resolvable offline via the HF cache.")
     ] = True,
@@ -29,6 +32,11 @@ def init_tiny(
         raise typer.BadParameter(f"family {family!r} is not one of qwen3, llama")
     fam: Literal["qwen3", "llama"] = "qwen3" if family == "qwen3" else "llama"
     path = build(out_dir, family=fam, seed=seed, name=name)
+    if warm_steps > 0:
+        from plexrl.pretrain import pretrain
+
+        loss = pretrain(path, steps=warm_steps, seed=seed)
+        typer.echo(f"warmed for {warm_steps} steps (last loss {loss:.3f})")
     info = ModelRegistry(path.parent).info(str(path.resolve()))
     served = name or f"plexrl/tiny-{family}"
     typer.echo(f"wrote {served} to {path} ({info.num_params:,} parameters)")
