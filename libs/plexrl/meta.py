@@ -142,7 +142,7 @@ class MetaStore:
 
     async def _get(self, key: str, type_: type[T]) -> T | None:
         raw = await self.redis.get(key)
-        return None if raw is None else decode(raw, type_)
+        return None if raw is None else decode(_raw(raw), type_)
 
     # Jobs -------------------------------------------------------------------
 
@@ -164,7 +164,7 @@ class MetaStore:
     async def all_jobs(self) -> list[JobRecord]:
         keys = [k async for k in self.redis.scan_iter(match=self._k("job", "*"), count=500)]
         raws = await self.redis.mget(keys) if keys else []
-        return [decode(r, JobRecord) for r in raws if r is not None]
+        return [decode(_raw(r), JobRecord) for r in raws if r is not None]
 
     async def set_home(self, job_id: str, worker_id: str) -> None:
         await self.redis.set(self._k("home", job_id), worker_id)
@@ -201,7 +201,7 @@ class MetaStore:
         if not ids:
             return {}
         raws = await self.redis.mget([self._k("done", i) for i in ids])
-        return {i: decode(r, PhaseCompletion) for i, r in zip(ids, raws, strict=True) if r}
+        return {i: decode(_raw(r), PhaseCompletion) for i, r in zip(ids, raws, strict=True) if r}
 
     # Payloads by reference ---------------------------------------------------
 
@@ -261,7 +261,9 @@ class MetaStore:
         """The tenant's sessions that have not expired, oldest first."""
         ids = [_text(m) for m in await self.redis.smembers(self._k("tenant", tenant, "sessions"))]
         raws = await self.redis.mget([self._k("session", i) for i in ids]) if ids else []
-        sessions = [decode(r, SessionRecord) for r in raws if r is not None]
+        sessions: list[SessionRecord] = [
+            decode(_raw(r), SessionRecord) for r in raws if r is not None
+        ]
         return sorted(sessions, key=lambda s: (s.created_at, s.session_id))
 
     # Client retries and per-job call order -----------------------------------

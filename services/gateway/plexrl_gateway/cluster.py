@@ -33,7 +33,7 @@ class ClusterView:
         out = []
         for worker_id, raw in (await self._meta.workers()).items():
             try:
-                beat = decode(raw, WorkerHeartbeat)
+                beat: WorkerHeartbeat = decode(raw, WorkerHeartbeat)
             except MessageError as exc:
                 out.append({"worker_id": worker_id, "error": f"unreadable heartbeat: {exc}"})
                 continue
