@@ -14,6 +14,8 @@ class OffsetTracker:
         self._committed: dict[TopicPartition, int] = {}
 
     def seen(self, tp: TopicPartition, offset: int) -> None:
+        # The first offset seen is where the group's committed position already is.
+        self._committed.setdefault(tp, offset)
         self._open.setdefault(tp, set()).add(offset)
         self._next[tp] = max(self._next.get(tp, 0), offset + 1)
 

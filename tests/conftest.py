@@ -1,0 +1,56 @@
+"""Shared fixtures: the real Kafka and Redis that scripts/infra.sh starts, and a tiny model."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+KAFKA = os.environ.get("PLEXRL_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
+REDIS = os.environ.get("PLEXRL_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def _answers(hostport: str) -> bool:
+    host, _, port = hostport.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def infra() -> dict[str, str]:
+    """Kafka and Redis, started by the project's own script if nothing answers."""
+    redis_hostport = REDIS.split("//", 1)[1].split("/", 1)[0]
+    if not (_answers(KAFKA) and _answers(redis_hostport)):
+        subprocess.run([str(ROOT / "scripts" / "infra.sh"), "up"], check=True)
+    return {"kafka": KAFKA, "redis": REDIS}
+
+
+@pytest.fixture()
+def cluster_id() -> str:
+    """A fresh cluster id: its own topics, consumer groups and Redis keys."""
+    return "t" + uuid.uuid4().hex[:10]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def tiny_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """A model registry holding one tiny Qwen3 model (random weights, local tokenizer)."""
+    from plexrl.models import init_tiny
+
+    root = tmp_path_factory.mktemp("models")
+    init_tiny(root / "tiny-qwen3")
+    yield root

@@ -1,0 +1,135 @@
+"""The scheduler's cluster view and offset bookkeeping, with a fake clock and no Kafka."""
+
+from __future__ import annotations
+
+from aiokafka import TopicPartition
+from opentelemetry.context import Context
+
+from plexrl.kafka import Delivery
+from plexrl.messages import (
+    CompletionStatus,
+    Function,
+    JobSpec,
+    NoopInput,
+    PhaseCompletion,
+    PhaseRequest,
+    ResidentState,
+    Tier,
+    Timings,
+    WorkerHeartbeat,
+)
+from plexrl.policy import Move, PolicyConfig, Run, plan
+from plexrl_scheduler.offsets import OffsetTracker
+from plexrl_scheduler.state import ClusterState
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def beat(
+    worker: str, resident: list[ResidentState] | None = None, busy: bool = False
+) -> WorkerHeartbeat:
+    return WorkerHeartbeat(
+        worker_id=worker,
+        device="cpu",
+        device_bytes=100,
+        host_bytes=100,
+        base_models=["m"],
+        resident=resident or [],
+        busy=busy,
+        started_at=0.0,
+        sent_at=0.0,
+    )
+
+
+def req(rid: str, job: str, fn: Function = Function.NOOP) -> PhaseRequest:
+    return PhaseRequest(
+        request_id=rid, job_id=job, tenant="t", function=fn, payload=NoopInput(), arrival_time=1.0
+    )
+
+
+def done(
+    rid: str, job: str, compute_s: float = 0.5, fn: Function = Function.NOOP
+) -> PhaseCompletion:
+    return PhaseCompletion(
+        request_id=rid,
+        job_id=job,
+        tenant="t",
+        worker_id="w0",
+        function=fn,
+        status=CompletionStatus.OK,
+        timings=Timings(compute_s=compute_s),
+    )
+
+
+def delivery(offset: int) -> Delivery:
+    return Delivery("requests", 0, offset, Context())
+
+
+def test_offsets_commit_only_past_finished_prefix() -> None:
+    tracker = OffsetTracker()
+    tp = TopicPartition("requests", 0)
+    for offset in (0, 1, 2):
+        tracker.seen(tp, offset)
+    assert tracker.finished(tp, 1) is None  # 0 still open
+    assert tracker.finished(tp, 0) == 2  # 0 and 1 done: commit up to 2
+    assert tracker.finished(tp, 2) == 3
+    assert tracker.finished(tp, 2) is None  # nothing new
+
+
+def test_run_marks_worker_busy_until_all_its_calls_complete() -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock)
+    state.on_heartbeat(beat("w0"))
+    state.add_job("j", "t", JobSpec(base_model="m", state_bytes=10), home="w0")
+    state.on_request(req("r1", "j"), delivery(0))
+    state.on_request(req("r2", "j"), delivery(1))
+    (run,) = plan(state.snapshot(), PolicyConfig())
+    assert isinstance(run, Run) and run.request_ids == ("r1", "r2")
+    taken = state.take_pending(run.request_ids)
+    state.apply_run("d1", "w0", "j", taken, run.evict)
+    assert state.snapshot().workers["w0"].running == "j"
+    assert state.snapshot().jobs["j"].tier == Tier.DEVICE
+    clock.t += 1
+    assert state.on_completion(done("r1", "j")) == delivery(0)
+    assert "w0" in state.inflight
+    state.on_completion(done("r2", "j", compute_s=0.25))
+    assert "w0" not in state.inflight
+    job = state.snapshot().jobs["j"]
+    assert job.last_active == clock.t
+    assert 0.25 < job.estimates.expected_s(Function.NOOP) < 0.5  # running mean
+
+
+def test_heartbeat_reconciles_residency_only_when_idle() -> None:
+    state = ClusterState(clock=Clock())
+    state.add_job("j", "t", JobSpec(base_model="m"), home="w0")
+    state.on_heartbeat(beat("w0", [ResidentState("j", Tier.HOST, 42, 3)], busy=True))
+    assert state.jobs["j"].tier is None
+    state.on_heartbeat(beat("w0", [ResidentState("j", Tier.HOST, 42, 3)]))
+    assert state.jobs["j"].tier == Tier.HOST and state.jobs["j"].state_bytes == 42
+
+
+def test_worker_goes_unhealthy_without_heartbeats() -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock, worker_timeout_s=5)
+    state.on_heartbeat(beat("w0"))
+    assert state.snapshot().workers["w0"].healthy
+    clock.t += 6
+    assert not state.snapshot().workers["w0"].healthy
+
+
+def test_evictions_update_the_believed_tiers() -> None:
+    state = ClusterState(clock=Clock())
+    state.on_heartbeat(beat("w0"))
+    state.add_job("a", "t", JobSpec(base_model="m", state_bytes=60), home="w0").tier = Tier.DEVICE
+    state.add_job("b", "t", JobSpec(base_model="m", state_bytes=60), home="w0").tier = Tier.HOST
+    state.on_request(req("rb", "b"), delivery(0))
+    (run,) = plan(state.snapshot(), PolicyConfig())
+    assert isinstance(run, Run) and run.evict == (Move("a", Tier.HOST),)
+    state.apply_run("d", "w0", "b", state.take_pending(run.request_ids), run.evict)
+    assert state.jobs["a"].tier == Tier.HOST and state.jobs["b"].tier == Tier.DEVICE
