@@ -94,7 +94,7 @@ def test_request_round_trips_every_payload(payload: object) -> None:
 
 
 def test_completion_dispatch_and_events_round_trip() -> None:
-    outputs = [
+    outputs: list[CreateOutput | ForwardBackwardOutput | SampleOutput] = [
         CreateOutput(trainable_params=10, state_bytes=80),
         ForwardBackwardOutput(
             loss_fn_outputs=[{"logprobs": TensorArray.from_list([-1.0], "float32")}],
@@ -169,7 +169,7 @@ def test_completion_dispatch_and_events_round_trip() -> None:
         IdleHint(job_id="j", tenant="t", seconds=3.0, at=0.0),
     ]
     for event in events:
-        assert decode(encode(event), Event) == event  # type: ignore[arg-type]
+        assert decode(encode(event), Event) == event
 
 
 def test_messages_are_maps_with_a_schema_version() -> None:

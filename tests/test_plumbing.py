@@ -1,0 +1,205 @@
+"""Kafka and Redis helpers against the real broker and Redis (scripts/infra.sh)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from plexrl import tracing
+from plexrl.kafka import Delivery, MessageConsumer, Publisher, ensure_topics
+from plexrl.messages import (
+    CompletionStatus,
+    DeadLetter,
+    DeadLetterReason,
+    Function,
+    NoopInput,
+    PayloadRef,
+    PhaseCompletion,
+    PhaseRequest,
+    SampledSequence,
+    SampleOutput,
+    StopReason,
+    Tier,
+    Timings,
+)
+from plexrl.meta import CheckpointRecord, MetaStore, Residency, TimelineEntry
+from plexrl.payloads import inline_or_ref, resolve
+from plexrl.topics import Topics, core_topics
+from plexrl_state_store.app import build_app
+from plexrl_state_store.blobs import BlobDir
+
+pytestmark = pytest.mark.integration
+
+
+def noop(rid: str) -> PhaseRequest:
+    return PhaseRequest(
+        request_id=rid,
+        job_id="j",
+        tenant="t",
+        function=Function.NOOP,
+        payload=NoopInput(),
+        arrival_time=time.time(),
+    )
+
+
+async def test_publish_consume_carries_trace_and_dead_letters_garbage(
+    infra: dict[str, str], cluster_id: str
+) -> None:
+    exporter = InMemorySpanExporter()
+    tracing.setup_tracing("test", exporter)
+    topics = Topics(cluster_id)
+    await ensure_topics(infra["kafka"], core_topics(topics))
+    publisher = Publisher(infra["kafka"], "test")
+    await publisher.start()
+    got: asyncio.Queue[tuple[PhaseRequest, Delivery]] = asyncio.Queue()
+    letters: asyncio.Queue[DeadLetter] = asyncio.Queue()
+
+    async def on_request(message: PhaseRequest, delivery: Delivery) -> None:
+        await got.put((message, delivery))
+
+    async def on_letter(message: DeadLetter, delivery: Delivery) -> None:
+        await letters.put(message)
+
+    consumers: list[MessageConsumer[PhaseRequest] | MessageConsumer[DeadLetter]] = [
+        MessageConsumer(
+            bootstrap=infra["kafka"],
+            topics=[topics.requests],
+            group=topics.group("t"),
+            message_type=PhaseRequest,
+            handler=on_request,
+            dlq=(publisher, topics.dlq),
+            name="t-requests",
+        ),
+        MessageConsumer(
+            bootstrap=infra["kafka"],
+            topics=[topics.dlq],
+            group=None,
+            message_type=DeadLetter,
+            handler=on_letter,
+            dlq=(publisher, topics.dlq),
+            name="t-dlq",
+        ),
+    ]
+    stop = asyncio.Event()
+    for c in consumers:
+        await c.start()
+    tasks = [asyncio.create_task(c.run(stop)) for c in consumers]
+    try:
+        with tracing.tracer("test").start_as_current_span("api-call") as span:
+            await publisher.publish(topics.requests, "j", noop("r1"))
+        await publisher.publish_raw(topics.requests, b"j", b"\x93not a request")
+        await publisher.publish(topics.requests, "j", noop("r2"))
+
+        first, delivery = await asyncio.wait_for(got.get(), 30)
+        second, _ = await asyncio.wait_for(got.get(), 30)
+        assert (first.request_id, second.request_id) == ("r1", "r2")  # the consumer went on
+        carried = trace.get_current_span(delivery.context).get_span_context()
+        assert carried.trace_id == span.get_span_context().trace_id
+
+        letter = await asyncio.wait_for(letters.get(), 30)
+        assert letter.reason == DeadLetterReason.UNDECODABLE
+        assert letter.source_topic == topics.requests and letter.value == b"\x93not a request"
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+        for c in consumers:
+            await c.stop()
+        await publisher.stop()
+
+
+@pytest.fixture()
+async def meta(infra: dict[str, str], cluster_id: str) -> AsyncIterator[MetaStore]:
+    store = MetaStore.from_url(infra["redis"], cluster_id, ttl_s=60)
+    yield store
+    await store.close()
+
+
+async def test_completion_is_recorded_once_first_wins(meta: MetaStore) -> None:
+    first = PhaseCompletion(
+        request_id="r",
+        job_id="j",
+        tenant="t",
+        worker_id="w0",
+        function=Function.NOOP,
+        status=CompletionStatus.OK,
+        timings=Timings(),
+    )
+    replay = msgspec.structs.replace(first, worker_id="w1")
+    assert await meta.record_completion(first) == first
+    assert await meta.record_completion(replay) == first
+    assert (await meta.get_completions(["r", "missing"])) == {"r": first}
+
+
+async def test_residency_moves_are_compare_and_set(meta: MetaStore) -> None:
+    a = Residency("w0", Tier.DEVICE, 10, 1, 0.0)
+    assert await meta.cas_residency("j", 0, a)
+    assert not await meta.cas_residency("j", 0, a)  # someone already created it
+    b = Residency("w0", Tier.HOST, 10, 2, 1.0)
+    assert await meta.cas_residency("j", 1, b)
+    assert not await meta.cas_residency("j", 1, Residency("w1", Tier.DISK, 10, 2, 2.0))
+    assert await meta.get_residency("j") == b
+
+
+async def test_large_payloads_go_by_reference(meta: MetaStore) -> None:
+    small = SampleOutput(sequences=[SampledSequence([1], [-0.1], StopReason.STOP)])
+    big = SampleOutput(
+        sequences=[SampledSequence(list(range(50_000)), [0.0] * 50_000, StopReason.LENGTH)]
+    )
+    assert await inline_or_ref(meta, small, 1024) is small
+    ref = await inline_or_ref(meta, big, 1024)
+    assert isinstance(ref, PayloadRef) and ref.size > 1024
+    assert await resolve(meta, ref, SampleOutput) == big
+
+
+async def test_timeline_keeps_calls_in_order(meta: MetaStore) -> None:
+    for i in range(3):
+        await meta.append_timeline(
+            TimelineEntry("w0", "j", f"r{i}", "noop", float(i), 0.0, 0.1, True)
+        )
+    assert [e.request_id for e in await meta.timeline()] == ["r0", "r1", "r2"]
+
+
+async def test_state_store_blobs_and_checkpoints(meta: MetaStore, tmp_path: Path) -> None:
+    app = build_app(BlobDir(tmp_path), meta)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://store") as http:
+        assert (await http.put("/v1/blobs/ckpt/t/a.bin", content=b"abc")).json()["size_bytes"] == 3
+        assert (await http.get("/v1/blobs/ckpt/t/a.bin")).content == b"abc"
+        assert (await http.get("/v1/blobs/nope")).status_code == 404
+        bad = await http.put("/v1/blobs/../../etc/passwd", content=b"x")
+        assert bad.status_code in (400, 404)
+        record = CheckpointRecord(
+            path="tinker://j/weights/a",
+            tenant="t",
+            job_id="j",
+            kind="weights",
+            blob_key="ckpt/t/a.bin",
+            size_bytes=3,
+            created_at=0.0,
+            base_model="m",
+        )
+        missing_blob = msgspec.structs.replace(record, blob_key="ckpt/t/none")
+        assert (
+            await http.post("/v1/checkpoints", content=msgspec.json.encode(missing_blob))
+        ).status_code == 400
+        assert (
+            await http.post("/v1/checkpoints", content=msgspec.json.encode(record))
+        ).status_code == 200
+        listed = (await http.get("/v1/checkpoints", headers={"x-plexrl-tenant": "t"})).json()
+        assert [c["path"] for c in listed] == ["tinker://j/weights/a"]
+        other = await http.delete(
+            "/v1/checkpoints", params={"path": record.path}, headers={"x-plexrl-tenant": "u"}
+        )
+        assert other.status_code == 404  # another tenant cannot see it
+        gone = await http.delete(
+            "/v1/checkpoints", params={"path": record.path}, headers={"x-plexrl-tenant": "t"}
+        )
+        assert gone.json()["deleted"] and not (tmp_path / "ckpt/t/a.bin").exists()
