@@ -10,6 +10,7 @@ from collections.abc import Callable
 # No hub is reachable: anything that tried one would fail here instead of hanging.
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import msgspec
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -92,11 +93,10 @@ def step(lr: float = 1e-2) -> OptimStepInput:
 def sample_input(
     num_samples: int = 4, prompt: list[int] | None = None, **params: object
 ) -> SampleInput:
-    params.setdefault("max_tokens", 16)
     return SampleInput(
         prompt=prompt or PROMPT,
         num_samples=num_samples,
-        params=SamplingParams(**params),
+        params=msgspec.structs.replace(SamplingParams(max_tokens=16), **params),
     )
 
 

@@ -7,13 +7,14 @@ import sys
 import torch
 
 from plexrl.messages import TensorArray
+from plexrl.messages.common import TensorDtype
 
 # TensorArray bytes are little-endian; reading them as native memory is only right here.
 if sys.byteorder != "little":
     raise ImportError("the engine's TensorArray conversion assumes a little-endian host")
 
-_TORCH_DTYPES = {"int64": torch.int64, "float32": torch.float32}
-_WIRE_DTYPES = {v: k for k, v in _TORCH_DTYPES.items()}
+_TORCH_DTYPES: dict[TensorDtype, torch.dtype] = {"int64": torch.int64, "float32": torch.float32}
+_WIRE_DTYPES: dict[torch.dtype, TensorDtype] = {v: k for k, v in _TORCH_DTYPES.items()}
 
 
 def to_tensor(array: TensorArray) -> torch.Tensor:

@@ -9,6 +9,7 @@ import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 import torch
 from peft import LoraConfig
@@ -74,7 +75,8 @@ class SharedBase:
         slot = f"plexrl_{next(self._slot_ids)}"
         config = LoraConfig(
             r=lora.rank,
-            lora_alpha=lora.alpha if lora.alpha is not None else lora.rank,
+            # peft annotates an int, but scales by alpha / r in floats: a float alpha works.
+            lora_alpha=cast(int, lora.alpha if lora.alpha is not None else lora.rank),
             target_modules=targets,
             lora_dropout=0.0,
             bias="none",
