@@ -22,8 +22,7 @@ from plexrl.messages import LoraSpec
 from plexrl.models import BaseModelInfo
 from plexrl_worker.engine.config import EngineConfig
 from plexrl_worker.engine.errors import EngineInputError
-
-NamedParams = list[tuple[str, nn.Parameter]]
+from plexrl_worker.engine.state import NamedParams
 
 
 def load_model(path: Path, config: EngineConfig) -> nn.Module:
@@ -107,7 +106,7 @@ class SharedBase:
     def adapter_params(self, slot: str) -> NamedParams:
         """The slot's parameters, named as if the slot did not exist
         (`model.layers.0.self_attn.q_proj.lora_A.weight`)."""
-        out: NamedParams = []
+        out: list[tuple[str, nn.Parameter]] = []
         for name, p in self.model.named_parameters():
             parts = name.split(".")
             for i in range(1, len(parts)):
