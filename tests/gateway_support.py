@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from plexrl import tracing
 from plexrl.messages import (
     CompletionStatus,
     CreateOutput,
@@ -79,12 +80,15 @@ class FakePublisher:
     """Records what would go to Kafka; `fail` makes every publish raise."""
 
     sent: list[tuple[str, str | bytes | None, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    """The Kafka headers each message would carry (the trace context)."""
     fail: bool = False
 
     async def publish(self, topic: str, key: str | bytes | None, message: Any) -> None:
         if self.fail:
             raise ConnectionError("broker unreachable")
         self.sent.append((topic, key, message))
+        self.headers.append({k: v.decode() for k, v in tracing.kafka_headers()})
 
     async def ping(self, timeout_s: float = 2.0) -> bool:
         return not self.fail

@@ -8,6 +8,7 @@ validation, sequencing, dedupe and rendering under test are the real ones.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -24,8 +25,10 @@ from gateway_support import (
     tiny_model_root,
     unique_cluster,
 )
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from tinker.proto import request_conv, response_conv
 
+from plexrl import tracing
 from plexrl.messages import (
     CreateInput,
     ErrorCode,
@@ -34,6 +37,7 @@ from plexrl.messages import (
     Function,
     IdleHint,
     LoadInput,
+    PayloadRef,
     PhaseRequest,
     SampleInput,
     SaveInput,
@@ -108,26 +112,40 @@ class Harness:
         return [r for r in self.publisher.requests() if function is None or r.function == function]
 
 
-@pytest_asyncio.fixture
-async def api() -> AsyncIterator[Harness]:
-    settings = GatewaySettings(
-        cluster_id=unique_cluster("gwapi"),
-        api_keys="tml-alice=alice,tml-bob=bob",
-        model_registry=tiny_model_root(),
-        future_wait_s=0.3,
-        sequence_gap_timeout_s=0.3,
-        scheduler_url="http://127.0.0.1:9",
-        state_store_url="http://127.0.0.1:9",
-    )
+SPANS = InMemorySpanExporter()
+
+
+@contextlib.asynccontextmanager
+async def harness(**overrides: Any) -> AsyncIterator[Harness]:
+    tracing.setup_tracing("plexrl-gateway-test", exporter=SPANS)
+    options: dict[str, Any] = {
+        "cluster_id": unique_cluster("gwapi"),
+        "api_keys": "tml-alice=alice,tml-bob=bob",
+        "model_registry": tiny_model_root(),
+        "future_wait_s": 0.3,
+        "sequence_gap_timeout_s": 0.3,
+        "scheduler_url": "http://127.0.0.1:9",
+        "state_store_url": "http://127.0.0.1:9",
+        **overrides,
+    }
+    settings = GatewaySettings(**options)
     meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
     publisher = FakePublisher()
     gateway = Gateway.build(settings, meta, publisher)
     transport = httpx.ASGITransport(app=build_app(gateway))
-    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
-        yield Harness(http, publisher, gateway, meta)
-    await gateway.close()
-    await drop_cluster_keys(meta, settings.cluster_id)
-    await meta.close()
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+            yield Harness(http, publisher, gateway, meta)
+    finally:
+        await gateway.close()
+        await drop_cluster_keys(meta, settings.cluster_id)
+        await meta.close()
+
+
+@pytest_asyncio.fixture
+async def api() -> AsyncIterator[Harness]:
+    async with harness() as h:
+        yield h
 
 
 def ce(tokens: list[int]) -> tinker.Datum:
@@ -536,3 +554,31 @@ async def test_health_and_metrics(api: Harness) -> None:
     assert "plexrl_gateway_publish_seconds_bucket" in text
     api.publisher.fail = True
     assert (await api.http.get("/healthz")).status_code == 503
+
+
+async def test_one_trace_runs_from_the_http_call_into_kafka(api: Harness) -> None:
+    model_id = await api.model()
+    SPANS.clear()
+    await api.ok("optim_step", {"model_id": model_id, "seq_id": 1, "adam_params": {}})
+    (headers,) = api.publisher.headers[-1:]
+    trace_id = headers["traceparent"].split("-")[1]
+    spans = {s.name: s for s in SPANS.get_finished_spans()}
+    root = spans["gateway POST /api/v1/optim_step"]
+    publish = spans["gateway.publish"]
+    assert f"{root.context.trace_id:032x}" == trace_id
+    # The HTTP span starts the trace; the publish (and the Kafka header) continue it.
+    assert publish.context.trace_id == root.context.trace_id
+    assert publish.attributes is not None and publish.attributes["plexrl.function"] == "optim_step"
+
+
+async def test_big_payloads_go_by_reference() -> None:
+    async with harness(payload_inline_max_bytes=64) as api:
+        model_id = await api.model()
+        response = await api.forward_backward(model_id, 1, [ce(list(range(1, 60)))])
+        assert response.status_code == 200
+        (fb,) = api.published(Function.FORWARD_BACKWARD)
+        assert isinstance(fb.payload, PayloadRef)
+        await api.complete(fb)  # the fake worker resolves the reference like a real one
+        result = await api.post("retrieve_future", {"request_id": fb.request_id})
+        output = response_conv.deserialize_forward_backward_output(result.content)
+        assert len(output.loss_fn_outputs[0]["logprobs"].tolist()) == 59
