@@ -40,6 +40,8 @@ class ClusterConfig:
     worker_device_bytes: int | None = None
     """Device-tier budget of each worker for job states; None keeps the worker default."""
     worker_host_bytes: int | None = None
+    worker_threads: int | None = None
+    """Torch threads per worker; None lets torch use every core."""
     policy: str = "fifo"
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every service (e.g. OTEL_EXPORTER_OTLP_ENDPOINT)."""
@@ -133,6 +135,8 @@ class LocalCluster:
             }
             if c.worker_device_bytes is not None:
                 extra["PLEXRL_WORKER_DEVICE_BYTES"] = str(c.worker_device_bytes)
+            if c.worker_threads is not None:
+                extra["PLEXRL_WORKER_THREADS"] = str(c.worker_threads)
             if c.worker_host_bytes is not None:
                 extra["PLEXRL_WORKER_HOST_BYTES"] = str(c.worker_host_bytes)
             self._spawn(f"worker-{i}", "plexrl_worker", c.worker_port_base + i, extra)

@@ -71,6 +71,9 @@ class WorkerSettings(CommonSettings):
     worker_port: int = 8200
     # Torch device for the engine: "cpu", "cuda", "cuda:1".
     worker_device: str = "cpu"
+    # Intra-op threads of torch on CPU; set it when several processes share the cores
+    # (torch's default, one per core, is several times slower when oversubscribed).
+    worker_threads: int | None = None
     # Bytes of device memory job states may use (base weights excluded).
     worker_device_bytes: int = Field(default=2 * 1024**3)
     # Bytes of host memory for offloaded job states; beyond it states go to disk.

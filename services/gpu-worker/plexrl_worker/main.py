@@ -92,7 +92,10 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
     store = StateStoreClient(settings.state_store_url)
     publisher = Publisher(settings.kafka_bootstrap, f"plexrl-worker-{settings.worker_id}")
     registry = ModelRegistry(settings.model_registry)
-    engine = TorchEngine(registry, EngineConfig(device=settings.worker_device))
+    engine = TorchEngine(
+        registry,
+        EngineConfig(device=settings.worker_device, num_threads=settings.worker_threads),
+    )
     thread = EngineThread()
     states = StateManager(
         worker_id=settings.worker_id,

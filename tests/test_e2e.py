@@ -1,0 +1,225 @@
+"""End to end: the unmodified `tinker` SDK against all four services over real Kafka and Redis."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from plexrl.cluster import ClusterConfig, LocalCluster
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.integration
+
+BASE = "plexrl/tiny-qwen3"
+KEY = "tml-e2e-alpha"
+OTHER_KEY = "tml-e2e-beta"
+
+
+@pytest.fixture(scope="session")
+def cluster(
+    infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    config = ClusterConfig(
+        model_registry=tiny_registry,
+        state_dir=tmp_path_factory.mktemp("cluster"),
+        cluster_id="e2e" + uuid.uuid4().hex[:8],
+        workers=1,
+        gateway_port=free_port(),
+        scheduler_port=free_port(),
+        worker_port_base=free_port(),
+        state_store_port=free_port(),
+        api_keys=f"{KEY}=alpha,{OTHER_KEY}=beta",
+    )
+    with LocalCluster(config) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def service(cluster: LocalCluster) -> tinker.ServiceClient:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    return tinker.ServiceClient(base_url=cluster.config.gateway_url, api_key=KEY)
+
+
+def datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tokens[1:],
+            "weights": weights or [1.0] * (len(tokens) - 1),
+        },
+    )
+
+
+BATCH = [datum([5, 6, 7, 8, 9, 10, 11]), datum([20, 21, 22, 23, 24])]
+ADAM = types.AdamParams(learning_rate=5e-3)
+
+
+def train_steps(client: Any, steps: int) -> list[float]:
+    losses = []
+    for _ in range(steps):
+        fb = client.forward_backward(BATCH, "cross_entropy")
+        opt = client.optim_step(ADAM)
+        losses.append(fb.result().metrics["loss:sum"])
+        opt.result()
+    return losses
+
+
+def forward_loss(client: Any) -> float:
+    return float(client.forward(BATCH, "cross_entropy").result().metrics["loss:sum"])
+
+
+def sample_tokens(sampler: Any, seed: int = 7) -> list[list[int]]:
+    if hasattr(sampler, "result"):
+        sampler = sampler.result()
+    response = sampler.sample(
+        types.ModelInput.from_ints([5, 6, 7]),
+        num_samples=2,
+        sampling_params=types.SamplingParams(max_tokens=6, seed=seed, temperature=1.0),
+    ).result()
+    return [list(s.tokens) for s in response.sequences]
+
+
+def test_lora_training_loss_decreases_and_sampler_sees_new_weights(
+    service: tinker.ServiceClient,
+) -> None:
+    client = service.create_lora_training_client(base_model=BASE, rank=8, seed=1).result()
+    info = client.get_info()
+    assert info.is_lora and info.model_data.model_name == BASE
+    assert client.get_tokenizer().encode("12", add_special_tokens=False)  # offline tokenizer
+
+    before = client.save_weights_and_get_sampling_client()
+    first = sample_tokens(before)
+    assert sample_tokens(before) == first  # seeded: reproducible
+
+    losses = train_steps(client, 6)
+    assert losses[-1] < losses[0] * 0.9, losses
+
+    after = client.save_weights_and_get_sampling_client()
+    assert sample_tokens(after) != first  # the new sampler reads the trained weights
+    assert sample_tokens(before) == first  # the old one still reads its own snapshot
+
+    named = client.save_weights_for_sampler("named").result()
+    assert named.path.endswith("/sampler_weights/named")
+    by_path = service.create_sampling_client(model_path=named.path)
+    assert sample_tokens(by_path) == sample_tokens(after)
+
+
+def test_save_and_load_state_round_trip_is_exact(service: tinker.ServiceClient) -> None:
+    client = service.create_lora_training_client(base_model=BASE, rank=8, seed=2).result()
+    train_steps(client, 3)
+    saved_loss = forward_loss(client)
+    path = client.save_state("ckpt").result().path
+    assert path.endswith("/weights/ckpt")
+
+    continued = train_steps(client, 3)
+    assert forward_loss(client) != saved_loss
+
+    restored = service.create_training_client_from_state_with_optimizer(path).result()
+    assert forward_loss(restored) == saved_loss  # bit-identical weights
+    assert train_steps(restored, 3) == continued  # and optimizer state: same trajectory
+
+
+def test_full_fine_tuning_model(service: tinker.ServiceClient) -> None:
+    """`create_model` with no LoRA config (the wire allows it; the SDK's public API does not)."""
+    from tinker.lib.api_future_impl import _APIFuture
+    from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+    from tinker.lib.public_interfaces.training_client import TrainingClient, fetch_training_info
+
+    holder = service.holder
+    seq = holder.get_training_client_id()
+    model_id = f"{holder.get_session_id()}:train:{seq}"
+
+    async def create() -> TrainingClient:
+        request = types.CreateModelRequest(
+            session_id=holder.get_session_id(), model_seq_id=seq, base_model=BASE
+        )
+        with holder.aclient(ClientConnectionPoolType.TRAIN) as http:
+            future = await http.models.create(request=request)
+        created = await _APIFuture(
+            types.CreateModelResponse, holder, future, time.time(), "CreateModel"
+        ).result_async()
+        assert created.model_id == model_id
+        return TrainingClient(
+            holder,
+            model_seq_id=seq,
+            model_id=model_id,
+            info=await fetch_training_info(holder, model_id),
+        )
+
+    client = holder.run_coroutine_threadsafe(create()).result()
+    assert client.get_info().is_lora is False
+    losses = train_steps(client, 4)
+    assert losses[-1] < losses[0], losses
+
+
+def test_tenants_are_isolated(cluster: LocalCluster, service: tinker.ServiceClient) -> None:
+    client = service.create_lora_training_client(base_model=BASE, rank=4).result()
+    url = cluster.config.gateway_url
+    with httpx.Client(base_url=url, timeout=30) as http:
+        body = {"model_id": client.model_id, "type": "get_info"}
+        assert http.post("/api/v1/get_info", json=body).status_code == 401
+        assert (
+            http.post(
+                "/api/v1/get_info", json=body, headers={"X-API-Key": "tml-nobody"}
+            ).status_code
+            == 401
+        )
+        foreign = http.post("/api/v1/get_info", json=body, headers={"X-API-Key": OTHER_KEY})
+        assert (foreign.status_code == 404 and "error" in foreign.text.lower()) or foreign.json()
+        mine = http.post("/api/v1/get_info", json=body, headers={"X-API-Key": KEY})
+        assert mine.status_code == 200
+
+
+def test_bad_input_gets_a_clear_4xx(cluster: LocalCluster, service: tinker.ServiceClient) -> None:
+    client = service.create_lora_training_client(base_model=BASE, rank=4).result()
+    with pytest.raises(tinker.APIStatusError) as unknown_model:
+        service.create_lora_training_client(base_model="no/such-model", rank=4).result()
+    assert unknown_model.value.status_code in (400, 404)
+    assert BASE in str(unknown_model.value)  # says what is available
+
+    with pytest.raises(tinker.APIStatusError) as bad_loss:
+        client.forward_backward(BATCH, "no_such_loss").result()
+    assert bad_loss.value.status_code == 400 and "cross_entropy" in str(bad_loss.value)
+
+    mismatched = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]},
+    )
+    with pytest.raises(tinker.APIStatusError) as lengths:
+        client.forward_backward([mismatched], "cross_entropy").result()
+    assert lengths.value.status_code == 400 and "tokens" in str(lengths.value)
+
+    with pytest.raises(tinker.APIStatusError) as vocab:
+        client.forward_backward([datum([1, 2, 10_000_000])], "cross_entropy").result()
+    assert vocab.value.status_code == 400 and "vocab" in str(vocab.value).lower()
+
+    # The services are still up and serving after all of that.
+    assert train_steps(client, 1)
+
+
+def test_metrics_and_plexrl_api(cluster: LocalCluster, service: tinker.ServiceClient) -> None:
+    client = service.create_lora_training_client(base_model=BASE, rank=4).result()
+    train_steps(client, 2)
+    url = cluster.config.gateway_url
+    with httpx.Client(base_url=url, timeout=30, headers={"X-API-Key": KEY}) as http:
+        assert "plexrl" in http.get("/metrics").text
+        workers = http.get("/plexrl/v1/workers").json()
+        assert workers and "worker-0" in str(workers)
+        echo = http.post("/plexrl/v1/echo").json()
+        assert echo["latency_s"] < 5
+        job = http.get(f"/plexrl/v1/jobs/{client.model_id}").json()
+        assert (job and "accounting" in str(job).lower()) or "device" in str(job)
+        timeline = http.get("/plexrl/v1/timeline").json()
+        assert any(client.model_id in str(entry) for entry in timeline)
+        hint = http.post(f"/plexrl/v1/jobs/{client.model_id}/idle", json={"seconds": 2.0})
+        assert hint.status_code in (200, 202)
+    time.sleep(0)  # keep the cluster fixture alive through this test
