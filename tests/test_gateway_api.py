@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +44,7 @@ from plexrl.messages import (
     SaveInput,
     SaveKind,
 )
-from plexrl.meta import MetaStore
+from plexrl.meta import MetaStore, TimelineEntry
 from plexrl.settings import GatewaySettings
 from plexrl_gateway.app import build_app
 from plexrl_gateway.components import Gateway
@@ -363,6 +364,19 @@ async def test_bad_training_input_is_refused_before_publishing(api: Harness) -> 
     assert api.published(Function.FORWARD_BACKWARD) == []
 
 
+async def test_a_refused_call_uses_up_its_seq_id(api: Harness) -> None:
+    """The SDK gives the next call the next seq_id even when this one got a 400."""
+    model_id = await api.model()
+    refused = await api.forward_backward(model_id, 1, [ce([1])], "no_such_loss")
+    assert refused.status_code == 400
+    bad_adam = {"model_id": model_id, "seq_id": 2, "adam_params": {"beta1": 2.0}}
+    assert (await api.post("optim_step", bad_adam)).status_code == 400
+    started = asyncio.get_running_loop().time()
+    ok = await api.forward_backward(model_id, 3, [ce([1])])
+    assert ok.status_code == 200 and asyncio.get_running_loop().time() - started < 0.25
+    assert len(api.published(Function.FORWARD_BACKWARD)) == 1
+
+
 async def test_a_json_schema_error_names_the_field(api: Harness) -> None:
     response = await api.post("optim_step", {"seq_id": 1, "adam_params": {}})
     assert response.status_code == 422
@@ -524,7 +538,7 @@ async def test_idle_hint_and_job_views(api: Harness) -> None:
     ((topic, key, message),) = [s for s in api.publisher.sent if isinstance(s[2], IdleHint)]
     assert topic == api.gateway.topics.events and key == model_id
     assert message.seconds == 12 and message.tenant == "alice"
-    jobs = (await api.http.get("/plexrl/v1/jobs", headers=ALICE)).json()["jobs"]
+    jobs = (await api.http.get("/plexrl/v1/jobs", headers=ALICE)).json()
     assert [j["job_id"] for j in jobs] == [model_id]
     view = (await api.http.get(f"/plexrl/v1/jobs/{model_id}", headers=ALICE)).json()
     assert view["job"]["job_id"] == model_id and view["accounting"]["device_s"] == 0.0
@@ -582,3 +596,25 @@ async def test_big_payloads_go_by_reference() -> None:
         result = await api.post("retrieve_future", {"request_id": fb.request_id})
         output = response_conv.deserialize_forward_backward_output(result.content)
         assert len(output.loss_fn_outputs[0]["logprobs"].tolist()) == 59
+
+
+async def test_timeline_shows_only_the_tenants_calls(api: Harness) -> None:
+    mine, theirs = await api.model(ALICE), await api.model(BOB)
+    for job_id in (mine, theirs):
+        entry = TimelineEntry(
+            worker_id="w0",
+            job_id=job_id,
+            request_id=f"r-{job_id}",
+            function="forward_backward",
+            started_at=time.time(),
+            swap_s=0.1,
+            compute_s=0.5,
+            ok=True,
+        )
+        await api.meta.append_timeline(entry)
+    timeline = (await api.http.get("/plexrl/v1/timeline", headers=ALICE)).json()
+    assert [e["job_id"] for e in timeline] == [mine]
+    later = await api.http.get(
+        "/plexrl/v1/timeline", params={"since": time.time() + 60}, headers=ALICE
+    )
+    assert later.json() == []

@@ -131,3 +131,17 @@ async def test_a_restarted_gateway_resumes_from_the_stored_cursor() -> None:
 def test_a_non_positive_timeout_is_refused_with_the_setting_to_change() -> None:
     with pytest.raises(ValueError, match="PLEXRL_SEQUENCE_GAP_TIMEOUT_S"):
         Sequencer(MemoryCursors(), gap_timeout_s=0)
+
+
+async def test_a_settled_refusal_uses_up_its_seq_id() -> None:
+    """The SDK numbers the next call after one the gateway refused with a 4xx."""
+    cursors = MemoryCursors()
+    seq = Sequencer(cursors, gap_timeout_s=5)
+    await _publish(seq, "m", 0, [])
+    with pytest.raises(ValueError, match="bad loss"):
+        async with seq.turn("m", 1) as turn:
+            turn.settle()
+            raise ValueError("bad loss")
+    published: list[object] = []
+    await asyncio.wait_for(_publish(seq, "m", 2, published), 1)
+    assert published == [2] and cursors.next["m"] == 3

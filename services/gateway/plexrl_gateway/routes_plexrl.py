@@ -14,7 +14,7 @@ from plexrl_gateway.deps import Futures, GatewayDep, Jobs, Meta, Submit, Tenant
 from plexrl_gateway.errors import ApiError, Category, not_found
 from plexrl_gateway.render import ResponseKind
 from plexrl_gateway.schemas import IdleBody
-from plexrl_gateway.submitter import Call, Submission
+from plexrl_gateway.submitter import Call, Submission, ready
 
 router = APIRouter(prefix="/plexrl/v1")
 
@@ -49,13 +49,13 @@ async def cluster(tenant: Tenant, gateway: GatewayDep, jobs: Jobs, meta: Meta) -
 
 
 @router.get("/workers")
-async def workers(_: Tenant, gateway: GatewayDep) -> dict[str, Any]:
-    return {"workers": await gateway.cluster.workers()}
+async def workers(_: Tenant, gateway: GatewayDep) -> list[dict[str, Any]]:
+    return await gateway.cluster.workers()
 
 
 @router.get("/jobs")
-async def list_jobs(tenant: Tenant, jobs: Jobs) -> dict[str, Any]:
-    return {"jobs": [msgspec.to_builtins(j) for j in await jobs.jobs(tenant)]}
+async def list_jobs(tenant: Tenant, jobs: Jobs) -> list[dict[str, Any]]:
+    return [msgspec.to_builtins(j) for j in await jobs.jobs(tenant)]
 
 
 @router.get("/jobs/{job_id}")
@@ -73,10 +73,10 @@ async def timeline(
     meta: Meta,
     since: Annotated[float, Query(ge=0)] = 0.0,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
-) -> dict[str, Any]:
+) -> list[dict[str, Any]]:
     mine = {j.job_id for j in await jobs.jobs(tenant)} | {echo_job_id(tenant)}
     entries = [e for e in await meta.timeline(since, limit) if e.job_id in mine]
-    return {"entries": [msgspec.to_builtins(e) for e in entries]}
+    return [msgspec.to_builtins(e) for e in entries]
 
 
 @router.post("/jobs/{job_id}/idle")
@@ -98,8 +98,8 @@ async def echo(
     """One NOOP through the whole control plane; answers when its completion is recorded."""
     start = time.perf_counter()
     call = Call(Function.NOOP, NoopInput(), ResponseKind.NOOP, spec=ECHO_SPEC)
-    sub = Submission(echo_job_id(tenant), tenant, [call], sequenced=False)
-    request_id = await submit.submit(sub)
+    sub = Submission(echo_job_id(tenant), tenant, sequenced=False)
+    request_id = await submit.submit(sub, ready(call))
     completion = await futures.wait(request_id, gateway.future_wait_s)
     if completion is None:
         raise ApiError(

@@ -19,7 +19,7 @@ from plexrl_gateway.errors import bad_request
 from plexrl_gateway.registry import new_job
 from plexrl_gateway.render import CTX_LAST_N, ResponseKind
 from plexrl_gateway.schemas import CreateSamplingSessionBody, SampleBody
-from plexrl_gateway.submitter import Call, Submission
+from plexrl_gateway.submitter import Call, Submission, ready
 from plexrl_gateway.translate import (
     check_seq,
     parse_tinker_path,
@@ -98,6 +98,8 @@ async def asample(
         spec=None if owner else session.spec,
         work=work,
     )
-    job_id = owner or session.job_id
-    sub = Submission(job_id, tenant, [call], sequenced=False, retry_key=key)
-    return {"request_id": await submit.submit(sub), "sample_sequence_ids": sequence_ids}
+    sub = Submission(owner or session.job_id, tenant, sequenced=False, retry_key=key)
+    return {
+        "request_id": await submit.submit(sub, ready(call)),
+        "sample_sequence_ids": sequence_ids,
+    }

@@ -37,7 +37,7 @@ from plexrl_gateway.schemas import (
     SaveWeightsBody,
     SaveWeightsForSamplerBody,
 )
-from plexrl_gateway.submitter import Call, Submission, Submitter
+from plexrl_gateway.submitter import Call, CallBuilder, Submission, Submitter
 from plexrl_gateway.translate import (
     CheckpointKind,
     TinkerPath,
@@ -70,24 +70,18 @@ async def create_model(
 ) -> dict[str, Any]:
     await jobs.session(tenant, body.session_id)
     model_id = training_model_id(body.session_id, check_seq("model_seq_id", body.model_seq_id))
-    key = model_retry_key(model_id, 0)
-    if earlier := await submit.existing(key):
-        return future_ref(earlier, model_id)
-    spec = job_spec(body, state_bytes=0)
-    info = await catalog.info(body.base_model)
-    spec = msgspec.structs.replace(spec, state_bytes=state_bytes(info, spec.lora))
-    job = new_job(
-        JobKind.TRAINING,
-        model_id,
-        tenant,
-        body.session_id,
-        spec,
-        metadata=metadata_strings(body.user_metadata),
-    )
-    await jobs.put_job(job)
-    call = Call(Function.CREATE, CreateInput(spec), ResponseKind.CREATE_MODEL, spec=spec)
-    request_id = await submit.submit(Submission(model_id, tenant, [call], 0, retry_key=key))
-    return future_ref(request_id, model_id)
+
+    async def build() -> list[Call]:
+        spec = job_spec(body, state_bytes=0)
+        info = await catalog.info(body.base_model)
+        spec = msgspec.structs.replace(spec, state_bytes=state_bytes(info, spec.lora))
+        metadata = metadata_strings(body.user_metadata)
+        job = new_job(JobKind.TRAINING, model_id, tenant, body.session_id, spec, metadata=metadata)
+        await jobs.put_job(job)
+        return [Call(Function.CREATE, CreateInput(spec), ResponseKind.CREATE_MODEL, spec=spec)]
+
+    sub = Submission(model_id, tenant, 0, retry_key=model_retry_key(model_id, 0))
+    return future_ref(await submit.submit(sub, build), model_id)
 
 
 @router.post("/get_info")
@@ -131,16 +125,14 @@ async def forward_backward(
         raise bad_request(str(exc)) from None
     job = await jobs.training_model(tenant, proto.model_id)
     seq = check_seq("seq_id", proto.seq_id)
-    key = model_retry_key(job.job_id, seq)
-    if earlier := await submit.existing(key):
-        return future_ref(earlier, job.job_id)
-    inp, work = forward_backward_input(proto, await catalog.limits(job.spec.base_model))
-    if inp.backward:
-        call = Call(Function.FORWARD_BACKWARD, inp, ResponseKind.FORWARD_BACKWARD, work=work)
-    else:
-        call = Call(Function.FORWARD, inp, ResponseKind.FORWARD, work=work)
-    request_id = await submit.submit(Submission(job.job_id, tenant, [call], seq, retry_key=key))
-    return future_ref(request_id, job.job_id)
+
+    async def build() -> list[Call]:
+        inp, work = forward_backward_input(proto, await catalog.limits(job.spec.base_model))
+        if inp.backward:
+            return [Call(Function.FORWARD_BACKWARD, inp, ResponseKind.FORWARD_BACKWARD, work=work)]
+        return [Call(Function.FORWARD, inp, ResponseKind.FORWARD, work=work)]
+
+    return await _submit_training(job, seq, build, submit)
 
 
 @router.post("/optim_step")
@@ -148,13 +140,12 @@ async def optim_step(
     body: OptimStepBody, tenant: Tenant, jobs: Jobs, submit: Submit
 ) -> dict[str, Any]:
     job = await jobs.training_model(tenant, body.model_id)
-    seq = check_seq("seq_id", body.seq_id)
-    key = model_retry_key(job.job_id, seq)
-    if earlier := await submit.existing(key):
-        return future_ref(earlier, job.job_id)
-    call = Call(Function.OPTIM_STEP, OptimStepInput(adam_params(body)), ResponseKind.OPTIM_STEP)
-    request_id = await submit.submit(Submission(job.job_id, tenant, [call], seq, retry_key=key))
-    return future_ref(request_id, job.job_id)
+
+    async def build() -> list[Call]:
+        inp = OptimStepInput(adam_params(body))
+        return [Call(Function.OPTIM_STEP, inp, ResponseKind.OPTIM_STEP)]
+
+    return await _submit_training(job, check_seq("seq_id", body.seq_id), build, submit)
 
 
 @router.post("/save_weights")
@@ -163,15 +154,16 @@ async def save_weights(
 ) -> dict[str, Any]:
     job = await jobs.training_model(tenant, body.model_id)
     seq = check_seq("seq_id", body.seq_id)
-    key = model_retry_key(job.job_id, seq)
-    if earlier := await submit.existing(key):
-        return future_ref(earlier, job.job_id)
-    path = TinkerPath(job.job_id, CheckpointKind.WEIGHTS, checkpoint_name(body.path, f"step-{seq}"))
-    if not body.overwrite and await jobs.find_checkpoint(tenant, str(path)) is not None:
-        raise bad_request(f"checkpoint {path} exists; pass overwrite=True or pick another name")
-    call = Call(Function.SAVE, SaveInput(SaveKind.STATE, str(path)), ResponseKind.SAVE_WEIGHTS)
-    request_id = await submit.submit(Submission(job.job_id, tenant, [call], seq, retry_key=key))
-    return future_ref(request_id, job.job_id)
+
+    async def build() -> list[Call]:
+        name = checkpoint_name(body.path, f"step-{seq}")
+        path = TinkerPath(job.job_id, CheckpointKind.WEIGHTS, name)
+        if not body.overwrite and await jobs.find_checkpoint(tenant, str(path)) is not None:
+            raise bad_request(f"checkpoint {path} exists; pass overwrite=True or pick another name")
+        inp = SaveInput(SaveKind.STATE, str(path))
+        return [Call(Function.SAVE, inp, ResponseKind.SAVE_WEIGHTS)]
+
+    return await _submit_training(job, seq, build, submit)
 
 
 @router.post("/save_weights_for_sampler")
@@ -180,31 +172,28 @@ async def save_weights_for_sampler(
 ) -> dict[str, Any]:
     job = await jobs.training_model(tenant, body.model_id)
     seq = check_seq("seq_id", body.seq_id)
-    key = model_retry_key(job.job_id, seq)
-    if earlier := await submit.existing(key):
-        return future_ref(earlier, job.job_id)
-    if body.path is None and body.sampling_session_seq_id is None:
-        raise bad_request("save_weights_for_sampler needs a path (name) or sampling_session_seq_id")
-    context: dict[str, str] = {}
-    if body.path is not None:
-        name = checkpoint_name(body.path, f"step-{seq}")
-    else:
-        name = f"ephemeral-{check_seq('sampling_session_seq_id', body.sampling_session_seq_id)}"
-    path = TinkerPath(job.job_id, CheckpointKind.SAMPLER_WEIGHTS, name)
-    if body.path is None and body.sampling_session_seq_id is not None:
-        # The ephemeral form: the server names the snapshot and opens the sampling
-        # session over it, which the SDK then uses without asking anything else.
-        session_id = sampling_session_id(session_of(job.job_id), body.sampling_session_seq_id)
-        await jobs.put_job(sampling_job(job, session_id, str(path)))
-        context[CTX_SAMPLING_SESSION] = session_id
-    call = Call(
-        Function.SAVE,
-        SaveInput(SaveKind.SAMPLER, str(path)),
-        ResponseKind.SAVE_WEIGHTS_FOR_SAMPLER,
-        context,
-    )
-    request_id = await submit.submit(Submission(job.job_id, tenant, [call], seq, retry_key=key))
-    return future_ref(request_id, job.job_id)
+
+    async def build() -> list[Call]:
+        if body.path is not None:
+            name = checkpoint_name(body.path, f"step-{seq}")
+        elif body.sampling_session_seq_id is not None:
+            name = f"ephemeral-{check_seq('sampling_session_seq_id', body.sampling_session_seq_id)}"
+        else:
+            raise bad_request(
+                "save_weights_for_sampler needs a path (name) or sampling_session_seq_id"
+            )
+        path = TinkerPath(job.job_id, CheckpointKind.SAMPLER_WEIGHTS, name)
+        context: dict[str, str] = {}
+        if body.path is None and body.sampling_session_seq_id is not None:
+            # The ephemeral form: the server names the snapshot and opens the sampling
+            # session over it, which the SDK then uses without asking anything else.
+            session_id = sampling_session_id(session_of(job.job_id), body.sampling_session_seq_id)
+            await jobs.put_job(sampling_job(job, session_id, str(path)))
+            context[CTX_SAMPLING_SESSION] = session_id
+        inp = SaveInput(SaveKind.SAMPLER, str(path))
+        return [Call(Function.SAVE, inp, ResponseKind.SAVE_WEIGHTS_FOR_SAMPLER, context)]
+
+    return await _submit_training(job, seq, build, submit)
 
 
 @router.post("/load_weights")
@@ -216,26 +205,20 @@ async def load_weights(
     if body.model_id is None:
         raise bad_request("load_weights needs model_id and seq_id, or session_id and model_seq_id")
     job = await jobs.training_model(tenant, body.model_id)
-    seq = check_seq("seq_id", body.seq_id)
-    key = model_retry_key(job.job_id, seq)
-    if earlier := await submit.existing(key):
-        return future_ref(earlier, job.job_id)
-    ckpt = await _loadable(body, tenant, jobs)
-    rank = job.spec.lora.rank if job.spec.lora else None
-    if ckpt.base_model != job.spec.base_model or ckpt.lora_rank != rank:
-        raise bad_request(
-            f"checkpoint {ckpt.path} is {_describe(ckpt.base_model, ckpt.lora_rank)}, but model "
-            f"{job.job_id} is {_describe(job.spec.base_model, rank)}; load it into a matching "
-            "model (or create one from it with create_training_client_from_state)"
-        )
-    call = Call(
-        Function.LOAD,
-        LoadInput(ckpt.path, body.optimizer),
-        ResponseKind.LOAD_WEIGHTS,
-        {CTX_MODEL_ID: job.job_id},
-    )
-    request_id = await submit.submit(Submission(job.job_id, tenant, [call], seq, retry_key=key))
-    return future_ref(request_id, job.job_id)
+
+    async def build() -> list[Call]:
+        ckpt = await _loadable(body, tenant, jobs)
+        rank = job.spec.lora.rank if job.spec.lora else None
+        if ckpt.base_model != job.spec.base_model or ckpt.lora_rank != rank:
+            raise bad_request(
+                f"checkpoint {ckpt.path} is {_describe(ckpt.base_model, ckpt.lora_rank)}, but "
+                f"model {job.job_id} is {_describe(job.spec.base_model, rank)}; load it into a "
+                "matching model (or create one from it with create_training_client_from_state)"
+            )
+        inp = LoadInput(ckpt.path, body.optimizer)
+        return [Call(Function.LOAD, inp, ResponseKind.LOAD_WEIGHTS, {CTX_MODEL_ID: job.job_id})]
+
+    return await _submit_training(job, check_seq("seq_id", body.seq_id), build, submit)
 
 
 async def _create_from_state(
@@ -243,53 +226,52 @@ async def _create_from_state(
 ) -> dict[str, Any]:
     """create_training_client_from_state: a new model (seq 0) made from a checkpoint."""
     assert body.session_id is not None and body.model_seq_id is not None
-    await jobs.session(tenant, body.session_id)
-    model_id = training_model_id(body.session_id, check_seq("model_seq_id", body.model_seq_id))
-    key = model_retry_key(model_id, 0)
-    if earlier := await submit.existing(key):
-        return future_ref(earlier, model_id)
-    ckpt = await _loadable(body, tenant, jobs)
-    if body.base_model is not None and body.base_model != ckpt.base_model:
-        raise bad_request(
-            f"checkpoint {ckpt.path} was trained on {ckpt.base_model!r}, not {body.base_model!r}; "
-            "leave base_model out"
+    session_id = body.session_id
+    await jobs.session(tenant, session_id)
+    model_id = training_model_id(session_id, check_seq("model_seq_id", body.model_seq_id))
+
+    async def build() -> list[Call]:
+        ckpt = await _loadable(body, tenant, jobs)
+        if body.base_model is not None and body.base_model != ckpt.base_model:
+            raise bad_request(
+                f"checkpoint {ckpt.path} was trained on {ckpt.base_model!r}, not "
+                f"{body.base_model!r}; leave base_model out"
+            )
+        # The LoRA options and seed are not in the checkpoint record: take them from the
+        # model that saved it while its record lasts, else the defaults.
+        origin = await jobs.find_job(tenant, ckpt.job_id)
+        lora = None
+        if ckpt.lora_rank is not None:
+            saved = origin.spec.lora if origin is not None else None
+            same = saved is not None and saved.rank == ckpt.lora_rank
+            lora = saved if same else LoraSpec(rank=ckpt.lora_rank)
+        info = await catalog.info(ckpt.base_model)
+        spec = JobSpec(
+            base_model=ckpt.base_model,
+            lora=lora,
+            seed=origin.spec.seed if origin is not None else 0,
+            state_bytes=state_bytes(info, lora),
         )
-    # The LoRA options and seed are not in the checkpoint record: take them from the
-    # model that saved it while its record lasts, else the defaults.
-    origin = await jobs.find_job(tenant, ckpt.job_id)
-    lora = None
-    if ckpt.lora_rank is not None:
-        saved = origin.spec.lora if origin is not None else None
-        same = saved is not None and saved.rank == ckpt.lora_rank
-        lora = saved if same else LoraSpec(rank=ckpt.lora_rank)
-    info = await catalog.info(ckpt.base_model)
-    spec = JobSpec(
-        base_model=ckpt.base_model,
-        lora=lora,
-        seed=origin.spec.seed if origin is not None else 0,
-        state_bytes=state_bytes(info, lora),
-    )
-    await jobs.put_job(
-        new_job(
-            JobKind.TRAINING,
-            model_id,
-            tenant,
-            body.session_id,
-            spec,
-            metadata=metadata_strings(body.user_metadata),
+        metadata = metadata_strings(body.user_metadata)
+        await jobs.put_job(
+            new_job(JobKind.TRAINING, model_id, tenant, session_id, spec, metadata=metadata)
         )
-    )
-    calls = [
-        Call(Function.CREATE, CreateInput(spec), ResponseKind.CREATE_MODEL, spec=spec),
-        Call(
-            Function.LOAD,
-            LoadInput(ckpt.path, body.optimizer),
-            ResponseKind.LOAD_WEIGHTS,
-            {CTX_MODEL_ID: model_id},
-        ),
-    ]
-    request_id = await submit.submit(Submission(model_id, tenant, calls, 0, retry_key=key))
-    return future_ref(request_id, model_id)
+        load = LoadInput(ckpt.path, body.optimizer)
+        return [
+            Call(Function.CREATE, CreateInput(spec), ResponseKind.CREATE_MODEL, spec=spec),
+            Call(Function.LOAD, load, ResponseKind.LOAD_WEIGHTS, {CTX_MODEL_ID: model_id}),
+        ]
+
+    sub = Submission(model_id, tenant, 0, retry_key=model_retry_key(model_id, 0))
+    return future_ref(await submit.submit(sub, build), model_id)
+
+
+async def _submit_training(
+    job: JobRecord, seq: int, build: CallBuilder, submit: Submitter
+) -> dict[str, Any]:
+    """One call in the model's seq_id stream; a re-send gets its first future back."""
+    sub = Submission(job.job_id, job.tenant, seq, retry_key=model_retry_key(job.job_id, seq))
+    return future_ref(await submit.submit(sub, build), job.job_id)
 
 
 async def _loadable(body: LoadWeightsBody, tenant: str, jobs: Jobs) -> CheckpointRecord:

@@ -3,8 +3,8 @@
 The Tinker SDK numbers a training model's calls (create is the implicit 0) and sends
 each once the previous one was accepted, except for the chunks of a big
 forward_backward, which arrive together with the lowest last. The sequencer holds an
-early call until every lower seq_id has been published; Kafka's keying by job id then
-keeps that order all the way to the worker.
+early call until every lower seq_id has been published or refused; Kafka's keying by
+job id then keeps that order all the way to the worker.
 
 The cursor (the next seq_id to publish) is kept in Redis, so a restarted gateway
 resumes where it stopped. Buffering is in-process: one model's calls must reach one
@@ -34,6 +34,16 @@ class SequenceGapError(Exception):
     """A call waited too long for a lower seq_id of its model."""
 
 
+class Turn:
+    """A call's turn in its model's order; `settle()` says its seq_id is used up."""
+
+    def __init__(self) -> None:
+        self.settled = False
+
+    def settle(self) -> None:
+        self.settled = True
+
+
 @dataclass
 class _Line:
     """One job's queue: a condition guarding its cursor, and who is in it."""
@@ -56,16 +66,20 @@ class Sequencer:
         self._lines: dict[str, _Line] = {}
 
     @contextlib.asynccontextmanager
-    async def turn(self, job_id: str, seq_id: int | None) -> AsyncIterator[None]:
-        """Hold the job's turn for `seq_id` while the body publishes.
+    async def turn(self, job_id: str, seq_id: int | None) -> AsyncIterator[Turn]:
+        """Hold the job's turn for `seq_id` while the body validates and publishes.
 
-        Waits until every lower seq_id was published. A seq_id below the cursor (a
-        client's retry, or a call that outlived a gap) goes at once. `seq_id=None`
-        appends after whatever was published so far, without moving the cursor. The
-        cursor moves past `seq_id` only if the body returns without raising.
+        Waits until every lower seq_id is settled. A seq_id below the cursor (a client's
+        retry, or a call that outlived a gap) goes at once. `seq_id=None` appends after
+        whatever was settled so far, without moving the cursor. The cursor moves past
+        `seq_id` when the body returns, or when it raises after `Turn.settle()` (a call
+        refused for good still used up its seq_id: the client numbers the next one
+        after it). A body that raises unsettled (a publish failure the client will
+        re-send) leaves the cursor where it was.
         """
         line = self._lines.setdefault(job_id, _Line())
         line.users += 1
+        turn = Turn()
         try:
             async with line.cond:
                 if not line.loaded:
@@ -74,18 +88,22 @@ class Sequencer:
                 if seq_id is not None:
                     await self._wait_for(line, job_id, seq_id)
                 try:
-                    yield
+                    yield turn
+                    turn.settle()
                 finally:
-                    line.cond.notify_all()
-                if seq_id is not None and (line.next_seq is None or seq_id >= line.next_seq):
-                    line.next_seq = seq_id + 1
-                    await self._cursors.set_next_seq(job_id, seq_id + 1)
+                    if turn.settled and seq_id is not None:
+                        await self._advance(line, job_id, seq_id)
                     line.cond.notify_all()
         finally:
             line.users -= 1
             if line.users == 0:
                 # Nobody waits: forget the line; the cursor lives on in the store.
                 del self._lines[job_id]
+
+    async def _advance(self, line: _Line, job_id: str, seq_id: int) -> None:
+        if line.next_seq is None or seq_id >= line.next_seq:
+            line.next_seq = seq_id + 1
+            await self._cursors.set_next_seq(job_id, seq_id + 1)
 
     async def _wait_for(self, line: _Line, job_id: str, seq_id: int) -> None:
         def ready() -> bool:

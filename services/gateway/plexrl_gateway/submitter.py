@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -64,13 +64,26 @@ class Call:
     work: WorkHint = field(default_factory=WorkHint)
 
 
+CallBuilder = Callable[[], Awaitable[list[Call]]]
+"""Validates a request and returns its calls; runs in the model's turn, so a call it
+refuses (ApiError 4xx) still uses up its seq_id, as the client assumes."""
+
+
+def ready(*calls: Call) -> CallBuilder:
+    """A builder for calls that need no more validation."""
+
+    async def build() -> list[Call]:
+        return list(calls)
+
+    return build
+
+
 @dataclass(frozen=True)
 class Submission:
     """Calls of one job published together, in order, under one seq_id and retry key."""
 
     job_id: str
     tenant: str
-    calls: list[Call]
     seq_id: int | None = None
     """The model's seq_id; None appends after what the job published so far."""
     sequenced: bool = True
@@ -104,24 +117,31 @@ class Submitter:
         """The request id an earlier send of this call got, if there was one."""
         return await self._meta.claimed_request(retry_key)
 
-    async def submit(self, sub: Submission) -> str:
-        """Publish the calls; returns the request id of the last (the one the client polls)."""
+    async def submit(self, sub: Submission, build: CallBuilder) -> str:
+        """Build and publish the calls; returns the request id of the last (the one the
+        client polls), or of the earlier send when this call was sent before."""
         if sub.retry_key is not None:
             earlier = await self.existing(sub.retry_key)
             if earlier is not None:
                 return earlier
         if not sub.sequenced:
-            return await self._publish_in_turn(sub)
+            return await self._publish_all(sub, await build())
         try:
-            async with self._sequencer.turn(sub.job_id, sub.seq_id):
-                return await self._publish_in_turn(sub)
+            async with self._sequencer.turn(sub.job_id, sub.seq_id) as turn:
+                try:
+                    calls = await build()
+                except ApiError as exc:
+                    if exc.status < 500:
+                        turn.settle()
+                    raise
+                return await self._publish_all(sub, calls)
         except SequenceGapError as exc:
             raise ApiError(400, str(exc)) from None
 
-    async def _publish_in_turn(self, sub: Submission) -> str:
+    async def _publish_all(self, sub: Submission, calls: list[Call]) -> str:
         now = self._clock()
-        ids = [new_request_id() for _ in sub.calls]
-        for request_id, call in zip(ids, sub.calls, strict=True):
+        ids = [new_request_id() for _ in calls]
+        for request_id, call in zip(ids, calls, strict=True):
             await self._meta.put_future(
                 FutureRecord(
                     request_id=request_id,
@@ -138,10 +158,10 @@ class Submitter:
             if standing != ids[-1]:
                 return standing  # a concurrent send of the same call won
         try:
-            for request_id, call in zip(ids, sub.calls, strict=True):
+            for request_id, call in zip(ids, calls, strict=True):
                 await self._publish(sub, request_id, call, now)
         except Exception as exc:
-            await self._unpublished(sub, ids, exc)
+            await self._unpublished(sub, ids, calls, exc)
             raise ApiError(
                 503,
                 f"could not queue the call ({type(exc).__name__}: {exc}); try again",
@@ -175,13 +195,15 @@ class Submitter:
             await self._publisher.publish(self._topics.requests, sub.job_id, request)
         metrics.PUBLISH_LATENCY.labels(str(call.function)).observe(time.perf_counter() - start)
 
-    async def _unpublished(self, sub: Submission, ids: list[str], exc: Exception) -> None:
+    async def _unpublished(
+        self, sub: Submission, ids: list[str], calls: list[Call], exc: Exception
+    ) -> None:
         """Free the retry key and fail the futures, so nobody polls a call that never left."""
         log.error("publishing %s for %s failed: %r", ids, sub.job_id, exc)
         try:
             if sub.retry_key is not None:
                 await self._meta.release_request(sub.retry_key, ids[-1])
-            for request_id, call in zip(ids, sub.calls, strict=True):
+            for request_id, call in zip(ids, calls, strict=True):
                 await self._meta.record_completion(
                     PhaseCompletion(
                         request_id=request_id,
