@@ -1,4 +1,4 @@
-"""Helpers for the gateway tests: a tiny local base model, a fake Kafka edge, a fake worker.
+"""Helpers for the gateway tests: a fake Kafka edge and a fake worker's answers.
 
 Only the edges are fake: the publisher stand-in records what the gateway would send to
 Kafka, and the fake worker answers phase requests with canned outputs the way a real
@@ -8,13 +8,10 @@ worker records them (Redis first, then the completions topic).
 from __future__ import annotations
 
 import asyncio
-import functools
 import socket
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from plexrl import tracing
@@ -47,16 +44,7 @@ from plexrl.meta import CheckpointRecord, MetaStore
 from plexrl.payloads import resolve
 
 TINY_MODEL = "plexrl/tiny-qwen3"
-
-
-@functools.cache
-def tiny_model_root() -> Path:
-    """A registry root holding one tiny model, built once per test process."""
-    from plexrl.models import init_tiny
-
-    root = Path(tempfile.mkdtemp(prefix="plexrl-gw-models-"))
-    init_tiny(root / "tiny-qwen3", family="qwen3", name=TINY_MODEL)
-    return root
+"""The name conftest's `tiny_registry` model answers to."""
 
 
 def unique_cluster(prefix: str = "gwtest") -> str:

@@ -12,6 +12,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -23,7 +24,6 @@ from gateway_support import (
     canned_output,
     completion_for,
     drop_cluster_keys,
-    tiny_model_root,
     unique_cluster,
 )
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -117,12 +117,14 @@ SPANS = InMemorySpanExporter()
 
 
 @contextlib.asynccontextmanager
-async def harness(**overrides: Any) -> AsyncIterator[Harness]:
+async def harness(infra: dict[str, str], models: Path, **overrides: Any) -> AsyncIterator[Harness]:
     tracing.setup_tracing("plexrl-gateway-test", exporter=SPANS)
     options: dict[str, Any] = {
         "cluster_id": unique_cluster("gwapi"),
+        "kafka_bootstrap": infra["kafka"],
+        "redis_url": infra["redis"],
         "api_keys": "tml-alice=alice,tml-bob=bob",
-        "model_registry": tiny_model_root(),
+        "model_registry": models,
         "future_wait_s": 0.3,
         "sequence_gap_timeout_s": 0.3,
         "scheduler_url": "http://127.0.0.1:9",
@@ -144,8 +146,8 @@ async def harness(**overrides: Any) -> AsyncIterator[Harness]:
 
 
 @pytest_asyncio.fixture
-async def api() -> AsyncIterator[Harness]:
-    async with harness() as h:
+async def api(infra: dict[str, str], tiny_registry: Path) -> AsyncIterator[Harness]:
+    async with harness(infra, tiny_registry) as h:
         yield h
 
 
@@ -217,7 +219,9 @@ async def test_create_model_publishes_create_with_the_spec(api: Harness) -> None
     assert spec.state_bytes == expected > 0
 
 
-async def test_get_info_names_the_model_and_its_local_tokenizer(api: Harness) -> None:
+async def test_get_info_names_the_model_and_its_local_tokenizer(
+    api: Harness, tiny_registry: Path
+) -> None:
     model_id = await api.model()
     info = tinker.types.GetInfoResponse.model_validate(
         await api.ok("get_info", {"model_id": model_id, "type": "get_info"})
@@ -226,7 +230,7 @@ async def test_get_info_names_the_model_and_its_local_tokenizer(api: Harness) ->
     assert info.model_data.model_name == TINY_MODEL and info.model_data.arch == "qwen3"
     tokenizer = info.model_data.tokenizer_id
     assert tokenizer is not None and tokenizer.startswith("/") and ":" not in tokenizer
-    assert tokenizer == str((tiny_model_root() / "tiny-qwen3").resolve())
+    assert tokenizer == str((tiny_registry / "tiny-qwen3").resolve())
 
 
 async def test_unknown_base_model_lists_the_available_ones(api: Harness) -> None:
@@ -585,8 +589,8 @@ async def test_one_trace_runs_from_the_http_call_into_kafka(api: Harness) -> Non
     assert publish.attributes is not None and publish.attributes["plexrl.function"] == "optim_step"
 
 
-async def test_big_payloads_go_by_reference() -> None:
-    async with harness(payload_inline_max_bytes=64) as api:
+async def test_big_payloads_go_by_reference(infra: dict[str, str], tiny_registry: Path) -> None:
+    async with harness(infra, tiny_registry, payload_inline_max_bytes=64) as api:
         model_id = await api.model()
         response = await api.forward_backward(model_id, 1, [ce(list(range(1, 60)))])
         assert response.status_code == 200

@@ -12,6 +12,7 @@ import statistics
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -24,7 +25,6 @@ from gateway_support import (
     completion_for,
     drop_cluster_keys,
     free_port,
-    tiny_model_root,
     unique_cluster,
 )
 
@@ -64,13 +64,15 @@ class FakeWorker:
 
 
 @pytest_asyncio.fixture
-async def cluster() -> AsyncIterator[Cluster]:
+async def cluster(infra: dict[str, str], tiny_registry: Path) -> AsyncIterator[Cluster]:
     port = free_port()
     settings = GatewaySettings(
         cluster_id=unique_cluster("gwsdk"),
+        kafka_bootstrap=infra["kafka"],
+        redis_url=infra["redis"],
         gateway_port=port,
         api_keys=f"{API_KEY}=integration",
-        model_registry=tiny_model_root(),
+        model_registry=tiny_registry,
         scheduler_url="http://127.0.0.1:9",
     )
     stop = asyncio.Event()
