@@ -355,3 +355,16 @@ def test_errors_carry_their_category() -> None:
         future(ResponseKind.OPTIM_STEP), done(error=ErrorInfo(ErrorCode.INTERNAL, "oom")), None
     )
     assert json.loads(bytes(server.body))["category"] == "server"
+
+
+def test_a_nan_metric_is_still_a_result_the_sdk_can_read() -> None:
+    import json
+
+    output = OptimStepOutput({"grad_norm": float("nan")})
+    response = render(future(ResponseKind.OPTIM_STEP), done(output), output)
+    assert response.status_code == 200
+    metrics = json.loads(bytes(response.body))["metrics"]
+    assert (
+        metrics.keys() == {"grad_norm:mean"}
+        and metrics["grad_norm:mean"] != metrics["grad_norm:mean"]
+    )

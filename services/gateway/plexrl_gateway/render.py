@@ -7,6 +7,7 @@ that and the completion, never the request.
 from __future__ import annotations
 
 import enum
+import json
 from typing import Any
 
 from fastapi import Response
@@ -57,6 +58,17 @@ class ResponseKind(enum.StrEnum):
     """`{"type":"noop"}`; PlexRL's echo calls."""
 
 
+class ResultJSON(JSONResponse):
+    """JSON that may carry NaN and infinities (a diverged loss is still a result).
+
+    Starlette refuses them, which would turn a finished call into a 500 that the SDK
+    retries forever; Python's json, which the SDK reads with, accepts them.
+    """
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 # Keys of FutureRecord.response_context.
 CTX_MODEL_ID = "model_id"
 CTX_SAMPLING_SESSION = "sampling_session_id"
@@ -93,9 +105,9 @@ def render(
             return Response(encode_sample_output(output, last_n), media_type=PROTOBUF)
         case OptimStepOutput() if kind == ResponseKind.OPTIM_STEP:
             metrics = tinker_metrics(output.metrics, default_reduction="mean")
-            return JSONResponse({"type": "optim_step", "metrics": metrics})
+            return ResultJSON({"type": "optim_step", "metrics": metrics})
         case CreateOutput() if kind == ResponseKind.CREATE_MODEL:
-            return JSONResponse({"type": "create_model", "model_id": future.job_id})
+            return ResultJSON({"type": "create_model", "model_id": future.job_id})
         case SaveOutput() if kind in (
             ResponseKind.SAVE_WEIGHTS,
             ResponseKind.SAVE_WEIGHTS_FOR_SAMPLER,
@@ -103,14 +115,14 @@ def render(
             body: dict[str, Any] = {"type": str(kind), "path": output.path}
             if CTX_SAMPLING_SESSION in ctx:
                 body["sampling_session_id"] = ctx[CTX_SAMPLING_SESSION]
-            return JSONResponse(body)
+            return ResultJSON(body)
         case LoadOutput() if kind == ResponseKind.LOAD_WEIGHTS:
             model_id = ctx.get(CTX_MODEL_ID, future.job_id)
-            return JSONResponse({"type": "load_weights", "path": output.path, "model_id": model_id})
+            return ResultJSON({"type": "load_weights", "path": output.path, "model_id": model_id})
         case _ if kind == ResponseKind.UNLOAD_MODEL:
-            return JSONResponse({"type": "unload_model", "model_id": future.job_id})
+            return ResultJSON({"type": "unload_model", "model_id": future.job_id})
         case _ if kind == ResponseKind.NOOP:
-            return JSONResponse({"type": "noop"})
+            return ResultJSON({"type": "noop"})
     got = type(output).__name__ if output is not None else "nothing"
     message = f"the worker answered a {future.function} call with {got}, not a {kind} result"
     return JSONResponse(error_body(message, Category.SERVER))

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 
+from plexrl.meta import JobKind
 from plexrl_gateway.deps import Catalog, GatewayDep, Jobs, Meta, Submit, Tenant
 from plexrl_gateway.schemas import CreateSessionBody, SdkVersionBody, SessionIdBody
 from plexrl_gateway.unload import unload_model
@@ -61,7 +62,7 @@ async def finish_session(session_id: str, tenant: Tenant, jobs: Jobs, submit: Su
     (their checkpoints stay)."""
     await jobs.session(tenant, session_id)
     for job in await jobs.jobs(tenant):
-        if job.session_id == session_id and job.kind == "training" and not job.unloaded:
+        if job.session_id == session_id and job.kind == JobKind.TRAINING and not job.unloaded:
             await unload_model(job, jobs, submit)
     return Response(status_code=204)
 
