@@ -381,6 +381,21 @@ def test_stop_tokens_and_strings(engine: TorchEngine, registry: ModelRegistry) -
     assert stop_string not in decode(by_string.tokens[:-1])
 
 
+def test_eos_stops_unless_told_not_to(engine: TorchEngine, registry: ModelRegistry) -> None:
+    """Tinker's `stop: []` means no stop at all, not even end-of-sequence."""
+    engine.create("job", FULL)
+    eos = int(AutoTokenizer.from_pretrained(registry.resolve(BASE)).eos_token_id)
+    for _ in range(15):  # teach it to end right after the prompt
+        engine.forward_backward("job", ce([ce_datum([*PROMPT, eos])]))
+        engine.optim_step("job", step(3e-2))
+    greedy = {"num_samples": 1, "temperature": 0.0, "max_tokens": 6}
+    ended = engine.sample("job", sample_input(**greedy)).sequences[0]
+    assert ended.tokens == [eos] and ended.stop_reason == StopReason.STOP
+    free = engine.sample("job", sample_input(**greedy, stop_at_eos=False)).sequences[0]
+    assert free.tokens[0] == eos and len(free.tokens) == 6
+    assert free.stop_reason == StopReason.LENGTH
+
+
 def test_base_sampling_ignores_adapters(engine: TorchEngine) -> None:
     engine.create("job", LORA)
     inp = sample_input(seed=4)

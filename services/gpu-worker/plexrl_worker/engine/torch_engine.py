@@ -214,7 +214,8 @@ class TorchEngine:
             info, model = weight_set.info, weight_set.weights.module()
         sampling.validate(inp, ModelLimits(info.vocab_size, info.max_positions))
         stop = sampling.StopRule(
-            token_ids=frozenset(inp.params.stop_tokens) | _eos_ids(model),
+            token_ids=frozenset(inp.params.stop_tokens)
+            | (_eos_ids(model) if inp.params.stop_at_eos else frozenset()),
             strings=tuple(inp.params.stop_strings),
             decode=self._decoder(info.path) if inp.params.stop_strings else None,
         )
