@@ -12,9 +12,14 @@ import asyncio
 import contextlib
 from typing import Protocol
 
+from opentelemetry import trace
+
+from plexrl import tracing
 from plexrl.kafka import Delivery
 from plexrl.messages import PhaseCompletion
 from plexrl_gateway import metrics
+
+_tracer = tracing.tracer("plexrl.gateway")
 
 
 class CompletionStore(Protocol):
@@ -27,9 +32,21 @@ class FutureWaiter:
         self._events: dict[str, asyncio.Event] = {}
         self._waiters: dict[str, int] = {}
 
-    async def on_completion(self, completion: PhaseCompletion, _: Delivery | None = None) -> None:
+    async def on_completion(
+        self, completion: PhaseCompletion, delivery: Delivery | None = None
+    ) -> None:
         """Consumer handler for the completions topic."""
-        self.wake(completion.request_id)
+        if delivery is None or completion.request_id not in self._events:
+            self.wake(completion.request_id)
+            return
+        # The last hop of the call's trace: the worker's context came in the Kafka header.
+        with _tracer.start_as_current_span(
+            "gateway.completion",
+            context=delivery.context,
+            kind=trace.SpanKind.CONSUMER,
+            attributes={"plexrl.request_id": completion.request_id},
+        ):
+            self.wake(completion.request_id)
 
     def wake(self, request_id: str) -> None:
         event = self._events.get(request_id)
