@@ -47,7 +47,7 @@ async def test_echo_is_one_trace_through_every_service(
 ) -> None:
     exporter = InMemorySpanExporter()
     tracing.setup_tracing("plexrl-test", exporter)
-    common = {
+    common: dict[str, Any] = {
         "kafka_bootstrap": infra["kafka"],
         "redis_url": infra["redis"],
         "cluster_id": cluster_id,
