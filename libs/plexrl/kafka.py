@@ -112,6 +112,14 @@ class Publisher:
             topic, encode(message), key=_key_bytes(key), headers=tracing.kafka_headers()
         )
 
+    async def publish_soon(self, topic: str, key: str | bytes | None, message: Any) -> None:
+        """Queue a message without waiting for the broker: for announcements whose loss
+        a later one repairs (heartbeats, residency changes). Failures are logged."""
+        delivery = await self._producer.send(
+            topic, encode(message), key=_key_bytes(key), headers=tracing.kafka_headers()
+        )
+        delivery.add_done_callback(_log_failure)
+
     async def publish_raw(self, topic: str, key: bytes | None, value: bytes) -> None:
         await self._producer.send_and_wait(topic, value, key=key)
 
@@ -122,6 +130,11 @@ class Publisher:
         except Exception:
             return False
         return True
+
+
+def _log_failure(delivery: asyncio.Future[Any]) -> None:
+    if not delivery.cancelled() and delivery.exception() is not None:
+        log.warning("a queued message was not delivered: %s", delivery.exception())
 
 
 class MessageConsumer(Generic[T]):

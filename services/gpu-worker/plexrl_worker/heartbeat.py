@@ -51,7 +51,7 @@ class Heartbeat:
 
     async def send(self) -> None:
         beat = self.beat()
-        await self._publisher.publish(self._topic, beat.worker_id, beat)
+        await self._publisher.publish_soon(self._topic, beat.worker_id, beat)
         ttl = max(2, int(self._settings.heartbeat_s * 10))
         await self._meta.put_worker(beat.worker_id, encode(beat), ttl)
 

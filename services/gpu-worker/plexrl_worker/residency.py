@@ -172,4 +172,4 @@ class StateManager:
             seconds=seconds,
             at=time.time(),
         )
-        await self._publisher.publish(self._events_topic, self._worker_id, event)
+        await self._publisher.publish_soon(self._events_topic, self._worker_id, event)

@@ -141,6 +141,31 @@ def import_adam(
         }
 
 
+def empty_params(params: NamedParams, optimizer: torch.optim.Optimizer | None) -> None:
+    """Free a job's tensors but keep its modules and optimizer, for `refill_params`."""
+    with torch.no_grad():
+        for _, p in params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            p.grad = None
+    if optimizer is not None:
+        optimizer.state.clear()
+
+
+def refill_params(
+    params: NamedParams,
+    optimizer: torch.optim.Optimizer,
+    tensors: dict[str, torch.Tensor],
+    device: torch.device,
+) -> None:
+    """Put back exactly what `export_params` + `export_adam` took from emptied parameters."""
+    with torch.no_grad():
+        for name, p in params:
+            p.data = tensors[WEIGHTS + name].to(device, p.dtype, copy=True)
+            grad = tensors.get(GRADS + name)
+            p.grad = None if grad is None else grad.to(device, p.dtype, copy=True)
+    import_adam(params, optimizer, tensors)
+
+
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
     # clone() even on CPU: the copy must not alias live, still-training memory.
     return t.detach().to("cpu", copy=True).contiguous()
