@@ -9,8 +9,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from plexrl.policy.actions import Action, Admit, Move, Plan, Prefetch, Reject, RejectReason, Run
+from plexrl.policy.backfill import plan_spread_backfill
 from plexrl.policy.config import PolicyConfig
 from plexrl.policy.fifo import plan_fifo
+from plexrl.policy.pack import plan_pack
+from plexrl.policy.plexrl_policy import plan_plexrl
 from plexrl.policy.snapshot import (
     CallEstimates,
     ClusterSnapshot,
@@ -19,12 +22,19 @@ from plexrl.policy.snapshot import (
     SwapCosts,
     WorkerView,
 )
+from plexrl.policy.spread import plan_spread
 
 PolicyFn = Callable[[ClusterSnapshot, PolicyConfig], Plan]
 
 POLICIES: dict[str, PolicyFn] = {
     "fifo": plan_fifo,
+    "pack": plan_pack,
+    "spread": plan_spread,
+    "spread-backfill": plan_spread_backfill,
+    "plexrl": plan_plexrl,
 }
+"""Every policy by the name `PolicyConfig.name` selects. `pack`, `spread` and
+`spread-backfill` are the reference paper's; `plexrl` is this project's own."""
 
 
 def plan(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:

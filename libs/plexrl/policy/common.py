@@ -1,11 +1,14 @@
-"""Building blocks shared by every policy: admission checks and making room on a group."""
+"""Building blocks shared by every policy: admission checks, making room on a group,
+the admission loop and the dispatch loop."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from plexrl.messages import Tier
-from plexrl.policy.actions import Admit, Move, Reject, RejectReason
+from plexrl.policy.actions import Action, Admit, Move, Reject, RejectReason, Run
+from plexrl.policy.config import PolicyConfig
 from plexrl.policy.snapshot import ClusterSnapshot, JobView, WorkerView
 
 
@@ -55,11 +58,22 @@ def admit_least_loaded(snapshot: ClusterSnapshot, job: JobView) -> Admit | Rejec
     return Admit(job.job_id, min(fits, key=load).worker_id)
 
 
-def make_room(snapshot: ClusterSnapshot, worker_id: str, job: JobView) -> tuple[Move, ...] | None:
-    """Evictions (least recently active first) that let `job` onto the group's device tier.
+def lru_key(job: JobView) -> tuple[float, ...]:
+    """Eviction order: least recently active first."""
+    return (job.last_active,)
+
+
+def make_room(
+    snapshot: ClusterSnapshot,
+    worker_id: str,
+    job: JobView,
+    key: Callable[[JobView], tuple[float, ...]] = lru_key,
+) -> tuple[Move, ...] | None:
+    """Evictions (smallest `key` first; least recently active by default) that let `job`
+    onto the group's device tier.
 
     Returns None when even evicting every idle resident would not make room (a
-    running job cannot be evicted).
+    running or pinned job cannot be evicted).
     """
     worker = snapshot.workers[worker_id]
     if job.tier == Tier.DEVICE:
@@ -72,9 +86,11 @@ def make_room(snapshot: ClusterSnapshot, worker_id: str, job: JobView) -> tuple[
         (
             j
             for j in snapshot.homed(worker_id)
-            if j.tier == Tier.DEVICE and j.job_id not in (job.job_id, worker.running)
+            if j.tier == Tier.DEVICE
+            and not j.pinned
+            and j.job_id not in (job.job_id, worker.running)
         ),
-        key=lambda j: (j.last_active, j.job_id),
+        key=lambda j: (*key(j), j.job_id),
     )
     moves: list[Move] = []
     for victim in candidates:
@@ -122,3 +138,181 @@ def with_home(snapshot: ClusterSnapshot, job_id: str, worker_id: str) -> Cluster
     jobs = dict(snapshot.jobs)
     jobs[job_id] = replace(jobs[job_id], home=worker_id)
     return replace(snapshot, jobs=jobs)
+
+
+# Admission -------------------------------------------------------------------------------
+
+Placement = Callable[[ClusterSnapshot, JobView], str | None]
+"""Chooses a home group for a job now, or None to make it wait."""
+
+
+def reserved_bytes(snapshot: ClusterSnapshot, worker_id: str) -> int:
+    """Bytes of every state homed on the group, whatever tier it is in (or not yet created)."""
+    return sum(j.state_bytes for j in snapshot.homed(worker_id))
+
+
+def fits_memory(snapshot: ClusterSnapshot, worker: WorkerView, job: JobView) -> bool:
+    """Whether the group's device and host tiers together can hold `job` beside its homed jobs.
+
+    The disk tier is overflow, never planned on: a state parked on disk costs seconds
+    to bring back.
+    """
+    if not (worker.healthy and can_ever_hold(worker, job)):
+        return False
+    return (
+        reserved_bytes(snapshot, worker.worker_id) + job.state_bytes
+        <= worker.device_bytes + worker.host_bytes
+    )
+
+
+def load(snapshot: ClusterSnapshot, worker_id: str) -> float:
+    """Sum of the duty cycles of the jobs homed on the group."""
+    return sum(j.duty_cycle for j in snapshot.homed(worker_id))
+
+
+def waiting_jobs(snapshot: ClusterSnapshot) -> list[JobView]:
+    """Jobs with pending calls and no home yet, oldest first call first."""
+    seen: set[str] = set()
+    waiting: list[JobView] = []
+    for call in snapshot.pending:
+        if call.job_id in seen:
+            continue
+        seen.add(call.job_id)
+        job = snapshot.jobs.get(call.job_id)
+        if job is not None and job.home is None:
+            waiting.append(job)
+    return waiting
+
+
+def admit_waiting(
+    snapshot: ClusterSnapshot, place: Placement, backfill: bool
+) -> tuple[list[Action], ClusterSnapshot]:
+    """Home waiting jobs in arrival order with `place`; refuse those no group can ever hold.
+
+    Without `backfill` admission is strict FIFO: the first job that must wait holds
+    back every later one. With it, later jobs that fit are admitted past it.
+    """
+    actions: list[Action] = []
+    healthy = [w for w in snapshot.workers.values() if w.healthy]
+    blocked = False
+    for job in waiting_jobs(snapshot):
+        if not any(can_ever_hold(w, job) for w in healthy):
+            actions.append(refuse(snapshot, job))
+            continue
+        if blocked:
+            continue
+        worker_id = place(snapshot, job)
+        if worker_id is None:
+            blocked = not backfill
+            continue
+        actions.append(Admit(job.job_id, worker_id))
+        snapshot = with_home(snapshot, job.job_id, worker_id)
+    return actions, snapshot
+
+
+# Dispatch --------------------------------------------------------------------------------
+
+DispatchOrder = Callable[[ClusterSnapshot, WorkerView, list[JobView]], Sequence[JobView]]
+"""Orders a free group's candidate jobs, most preferred first."""
+
+
+def ready_by_worker(snapshot: ClusterSnapshot) -> dict[str, list[JobView]]:
+    """Free healthy groups and their homed jobs that have pending calls."""
+    ready: dict[str, list[JobView]] = {}
+    seen: set[str] = set()
+    for call in snapshot.pending:
+        if call.job_id in seen:
+            continue
+        seen.add(call.job_id)
+        job = snapshot.jobs.get(call.job_id)
+        if job is None or job.home is None:
+            continue
+        worker = snapshot.workers.get(job.home)
+        if worker is None or not worker.healthy or worker.running is not None:
+            continue
+        ready.setdefault(worker.worker_id, []).append(job)
+    return ready
+
+
+def oldest_call_first(
+    snapshot: ClusterSnapshot, worker: WorkerView, jobs: list[JobView]
+) -> Sequence[JobView]:
+    """FIFO: the job whose oldest pending call arrived first."""
+    return sorted(jobs, key=lambda j: (snapshot.calls_of(j.job_id)[0].arrival_time, j.job_id))
+
+
+def run_of(
+    snapshot: ClusterSnapshot,
+    config: PolicyConfig,
+    worker_id: str,
+    job: JobView,
+    evict: tuple[Move, ...],
+) -> Run:
+    """A Run of the job's oldest pending calls (at most `max_calls_per_run`)."""
+    calls = snapshot.calls_of(job.job_id)[: config.max_calls_per_run]
+    return Run(
+        worker_id,
+        job.job_id,
+        tuple(c.request_id for c in calls),
+        evict,
+        switch_s(snapshot, job, evict),
+        sum(job.estimates.expected_s(c.function) for c in calls),
+    )
+
+
+def dispatch(
+    snapshot: ClusterSnapshot,
+    config: PolicyConfig,
+    order: DispatchOrder,
+    key: Callable[[JobView], tuple[float, ...]] = lru_key,
+) -> tuple[list[Run], ClusterSnapshot]:
+    """On every free group, run the first job in `order` that can be brought in.
+
+    A job whose state cannot be made room for is passed over for the next (backfill
+    within the group), so one oversized state never idles a group.
+    """
+    runs: list[Run] = []
+    for worker_id, jobs in ready_by_worker(snapshot).items():
+        worker = snapshot.workers[worker_id]
+        for job in order(snapshot, worker, jobs):
+            evict = make_room(snapshot, worker_id, job, key)
+            if evict is None:
+                continue
+            run = run_of(snapshot, config, worker_id, job, evict)
+            runs.append(run)
+            snapshot = apply_moves(snapshot, job.job_id, worker_id, evict, now_running=True)
+            snapshot = with_busy_until(
+                snapshot, worker_id, snapshot.now + run.expected_swap_s + run.expected_compute_s
+            )
+            break
+    return runs, snapshot
+
+
+def with_busy_until(snapshot: ClusterSnapshot, worker_id: str, until: float) -> ClusterSnapshot:
+    workers = dict(snapshot.workers)
+    workers[worker_id] = replace(workers[worker_id], busy_until=until)
+    return replace(snapshot, workers=workers)
+
+
+def size_class(snapshot: ClusterSnapshot, job: JobView) -> list[WorkerView]:
+    """Healthy groups that can hold the job, of the smallest device count that can.
+
+    A Run occupies a whole group, so a job on a group bigger than it needs would idle
+    the difference: jobs share groups only with jobs of their own size class.
+    """
+    fitting = [w for w in snapshot.workers.values() if w.healthy and can_ever_hold(w, job)]
+    if not fitting:
+        return []
+    smallest = min(w.devices for w in fitting)
+    return sorted((w for w in fitting if w.devices == smallest), key=lambda w: w.worker_id)
+
+
+def under_load_cap(
+    snapshot: ClusterSnapshot, worker: WorkerView, job: JobView, max_load: float
+) -> bool:
+    """Memory holds the job, and the group's planned load stays within `max_load`
+    (an empty group takes any job)."""
+    if not fits_memory(snapshot, worker, job):
+        return False
+    homed = snapshot.homed(worker.worker_id)
+    return not homed or sum(j.duty_cycle for j in homed) + job.duty_cycle <= max_load

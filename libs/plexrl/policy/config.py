@@ -11,9 +11,33 @@ class PolicyConfig:
     """Which policy `plan` runs; one of `plexrl.policy.POLICIES`."""
     max_calls_per_run: int = 8
     """Most consecutive calls of one job sent in one Run (one dispatch)."""
+    max_load: float = 1.0
+    """Admission cap of the load-aware policies (pack, spread, spread-backfill): the sum
+    of the duty cycles of the jobs homed on one group may not exceed it. 1.0 plans a
+    group to be at most fully busy; a job whose own duty cycle exceeds it still gets an
+    empty group."""
+    slowdown_budget: float = 0.05
+    """The plexrl policy admits a job onto a shared group only while the mean predicted
+    step-time slowdown of the jobs there stays within this fraction (and no job's
+    exceeds twice it)."""
+    switch_weight: float = 1.0
+    """How strongly the plexrl policy's dispatch discounts a job by the seconds needed
+    to bring its state onto the device (0: ignore switch cost)."""
+    prefetch: bool = True
+    """Whether the plexrl policy prefetches the state of the job most likely next."""
 
     def __post_init__(self) -> None:
         if self.max_calls_per_run < 1:
             raise ValueError(
                 f"max_calls_per_run is {self.max_calls_per_run}; it must be at least 1"
             )
+        if self.max_load <= 0:
+            raise ValueError(
+                f"max_load is {self.max_load}; it must be positive (1.0 = a fully busy group)"
+            )
+        if self.slowdown_budget < 0:
+            raise ValueError(
+                f"slowdown_budget is {self.slowdown_budget}; it must be 0 or more (0.05 = 5%)"
+            )
+        if self.switch_weight < 0:
+            raise ValueError(f"switch_weight is {self.switch_weight}; it must be 0 or more")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from plexrl.messages import Function, Tier
 
@@ -94,6 +95,9 @@ class JobView:
     estimates: CallEstimates = field(default_factory=CallEstimates)
     duty_cycle: float = 0.5
     """Estimated fraction of wall time the job keeps a device busy."""
+    pinned: bool = False
+    """Its device-tier state is in use outside any Run (e.g. a rollout's straggler
+    sequences still decoding after the group was released); never evict it."""
 
 
 @dataclass(frozen=True)
@@ -115,17 +119,32 @@ class ClusterSnapshot:
     """In arrival order."""
     swap: SwapCosts = field(default_factory=SwapCosts)
 
+    @cached_property
+    def _by_home(self) -> dict[str, list[JobView]]:
+        # Built once per snapshot so per-group questions cost O(jobs on the group),
+        # not O(all jobs): admission asks them for every group.
+        index: dict[str, list[JobView]] = {}
+        for job in self.jobs.values():
+            if job.home is not None:
+                index.setdefault(job.home, []).append(job)
+        return index
+
+    @cached_property
+    def _pending_by_job(self) -> dict[str, list[PendingCall]]:
+        index: dict[str, list[PendingCall]] = {}
+        for call in self.pending:
+            index.setdefault(call.job_id, []).append(call)
+        return index
+
+    def calls_of(self, job_id: str) -> list[PendingCall]:
+        """The job's pending calls, in arrival order."""
+        return list(self._pending_by_job.get(job_id, ()))
+
     def device_used(self, worker_id: str) -> int:
-        return sum(
-            j.state_bytes
-            for j in self.jobs.values()
-            if j.home == worker_id and j.tier == Tier.DEVICE
-        )
+        return sum(j.state_bytes for j in self.homed(worker_id) if j.tier == Tier.DEVICE)
 
     def host_used(self, worker_id: str) -> int:
-        return sum(
-            j.state_bytes for j in self.jobs.values() if j.home == worker_id and j.tier == Tier.HOST
-        )
+        return sum(j.state_bytes for j in self.homed(worker_id) if j.tier == Tier.HOST)
 
     def homed(self, worker_id: str) -> list[JobView]:
-        return [j for j in self.jobs.values() if j.home == worker_id]
+        return list(self._by_home.get(worker_id, ()))

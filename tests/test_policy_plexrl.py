@@ -1,0 +1,207 @@
+"""The project's own policy on hand-built snapshots."""
+
+from __future__ import annotations
+
+import pytest
+
+from plexrl.messages import Function, Tier
+from plexrl.policy import (
+    Admit,
+    CallEstimates,
+    ClusterSnapshot,
+    JobView,
+    Move,
+    PendingCall,
+    PolicyConfig,
+    Prefetch,
+    Run,
+    WorkerView,
+    plan,
+)
+from plexrl.policy.plexrl_policy import InterferenceFit, predicted_slowdown, residual_s, step_runs
+
+GB = 10**9
+EST = CallEstimates(
+    {
+        Function.SAMPLE: 60.0,
+        Function.FORWARD_BACKWARD: 30.0,
+        Function.OPTIM_STEP: 5.0,
+        Function.SAVE: 5.0,
+    }
+)
+
+
+def job(jid: str, home: str | None = None, duty: float = 0.2, **kw) -> JobView:
+    kw.setdefault("tier", Tier.DEVICE if home else None)
+    return JobView(
+        jid,
+        state_bytes=kw.pop("state", 10 * GB),
+        home=home,
+        duty_cycle=duty,
+        estimates=kw.pop("estimates", EST),
+        **kw,
+    )
+
+
+def worker(wid: str, running: str | None = None, device_gb: int = 80, busy_until: float = 0.0):
+    return WorkerView(
+        wid,
+        device_bytes=device_gb * GB,
+        host_bytes=400 * GB,
+        running=running,
+        busy_until=busy_until,
+    )
+
+
+def snap(workers, jobs, calls, now: float = 100.0) -> ClusterSnapshot:
+    return ClusterSnapshot(
+        now=now,
+        workers={w.worker_id: w for w in workers},
+        jobs={j.job_id: j for j in jobs},
+        pending=tuple(sorted(calls, key=lambda c: c.arrival_time)),
+    )
+
+
+def call(jid: str, at: float, fn: Function = Function.CREATE) -> PendingCall:
+    return PendingCall(f"{jid}/{fn.value}", jid, fn, at)
+
+
+CFG = PolicyConfig(name="plexrl")
+
+
+def test_predicted_slowdown_matches_the_formula():
+    a, b = job("a", duty=0.2), job("b", duty=0.3)
+    # Runs per step: sample 60, train 40 -> residual (3600 + 1600) / (2 * 100) = 26.
+    assert step_runs(a) == (60.0, 40.0)
+    assert residual_s(b) == pytest.approx(26.0)
+    # wait_a = 2 * 0.3 * 26 / (1 - 0.3); period_a = 100 / 0.2.
+    assert predicted_slowdown(a, [b]) == pytest.approx(2 * 0.3 * 26 / 0.7 / 500)
+    assert predicted_slowdown(a, []) == 0.0
+    assert predicted_slowdown(a, [job("c", duty=1.0)]) == float("inf")
+
+
+def test_placement_prefers_the_fullest_group_within_budget():
+    fit = InterferenceFit(budget=0.05)
+    s = snap(
+        [worker("g0"), worker("g1"), worker("g2")],
+        [job("x", "g0", duty=0.1), job("y", "g1", duty=0.2), job("new", duty=0.1)],
+        [call("new", 1.0)],
+    )
+    assert fit(s, s.jobs["new"]) == "g1"
+    assert admits(plan(s, CFG)) == {"new": "g1"}
+
+
+def test_placement_falls_back_to_an_empty_group_then_waits():
+    s = snap(
+        [worker("g0"), worker("g1")],
+        [job("x", "g0", duty=0.6), job("new", duty=0.5)],
+        [call("new", 1.0)],
+    )
+    assert admits(plan(s, CFG)) == {"new": "g1"}
+    s_full = snap(
+        [worker("g0")],
+        [
+            job("x", "g0", duty=0.6),
+            job("new", duty=0.5),
+            job("tiny", duty=0.0005, estimates=CallEstimates({Function.SAMPLE: 1.0})),
+        ],
+        [call("new", 1.0), call("tiny", 2.0)],
+    )
+    # "new" must wait; admission backfills "tiny": two dispatches per step (a 1 s sample,
+    # 0.15 s of training by the default estimates) every 2300 s, each expected to wait
+    # 0.6 * 26 / 0.4 = 39 s behind x: 78 / 2300 = 3.4% < 5%.
+    assert admits(plan(s_full, CFG)) == {"tiny": "g0"}
+
+
+def test_a_bigger_budget_packs_deeper():
+    s = snap(
+        [worker("g0"), worker("g1")],
+        [job("x", "g0", duty=0.3), job("new", duty=0.3)],
+        [call("new", 1.0)],
+    )
+    assert admits(plan(s, PolicyConfig(name="plexrl", slowdown_budget=0.02))) == {"new": "g1"}
+    assert admits(plan(s, PolicyConfig(name="plexrl", slowdown_budget=0.5))) == {"new": "g0"}
+
+
+def test_dispatch_prefers_the_resident_job_at_equal_wait():
+    s = snap(
+        [worker("g0", device_gb=20)],
+        [job("off", "g0", tier=Tier.HOST), job("on", "g0")],
+        [call("off", 50.0, Function.SAMPLE), call("on", 50.0, Function.SAMPLE)],
+    )
+    runs = [a for a in plan(s, CFG) if isinstance(a, Run)]
+    assert [r.job_id for r in runs] == ["on"]
+
+
+def test_dispatch_by_response_ratio_lets_a_long_waiter_through():
+    s = snap(
+        [worker("g0")],
+        [job("a", "g0"), job("b", "g0")],
+        [call("a", 90.0, Function.SAMPLE), call("b", 95.0, Function.OPTIM_STEP)],
+    )
+    # a: (10 + 60) / 60 = 1.17; b: (5 + 5) / 5 = 2.0 -> the short call goes first.
+    (run,) = [a for a in plan(s, CFG) if isinstance(a, Run)]
+    assert run.job_id == "b"
+
+
+def test_switch_cost_discounts_a_job_whose_state_is_away():
+    slow_disk = snap(
+        [worker("g0", device_gb=30)],
+        [job("away", "g0", tier=Tier.DISK, state=20 * GB), job("here", "g0", state=20 * GB)],
+        [call("away", 0.0, Function.OPTIM_STEP), call("here", 30.0, Function.OPTIM_STEP)],
+    )
+    # away: (100 + 5) / (5 + 4.4 s from disk) = 11.2; here: (70 + 5) / 5 = 15.
+    (run,) = [a for a in plan(slow_disk, CFG) if isinstance(a, Run)]
+    assert run.job_id == "here"
+    (run,) = [
+        a
+        for a in plan(slow_disk, PolicyConfig(name="plexrl", switch_weight=0.0))
+        if isinstance(a, Run)
+    ]
+    assert run.job_id == "away"
+
+
+def test_eviction_takes_the_job_with_the_longest_idle_hint_and_never_a_pinned_one():
+    s = snap(
+        [worker("g0", device_gb=25)],
+        [
+            job("new", "g0", tier=Tier.HOST),
+            job("stalled", "g0", idle_until=400.0, last_active=90.0),
+            job("recent", "g0", idle_until=0.0, last_active=10.0),
+        ],
+        [call("new", 1.0, Function.SAMPLE)],
+    )
+    (run,) = [a for a in plan(s, CFG) if isinstance(a, Run)]
+    assert run.evict == (Move("stalled", Tier.HOST),)
+    pinned = snap(
+        [worker("g0", device_gb=15)],
+        [job("new", "g0", tier=Tier.HOST), job("tail", "g0", pinned=True)],
+        [call("new", 1.0, Function.SAMPLE)],
+    )
+    assert not [a for a in plan(pinned, CFG) if isinstance(a, Run)]
+
+
+def test_prefetch_brings_up_the_next_job_while_the_group_computes():
+    s = snap(
+        [worker("g0", running="busy", busy_until=200.0)],
+        [job("busy", "g0"), job("next", "g0", tier=Tier.HOST)],
+        [call("next", 99.0, Function.SAMPLE)],
+    )
+    (prefetch,) = plan(s, CFG)
+    assert prefetch == Prefetch("g0", "next", ())
+    hinted = snap(
+        [worker("g0", running="busy", busy_until=200.0)],
+        [
+            job("busy", "g0"),
+            job("soon", "g0", tier=Tier.HOST, idle_until=150.0),
+            job("late", "g0", tier=Tier.HOST, idle_until=900.0),
+        ],
+        [],
+    )
+    (prefetch,) = plan(hinted, CFG)
+    assert prefetch.job_id == "soon"
+    assert plan(hinted, PolicyConfig(name="plexrl", prefetch=False)) == ()
+
+
+def admits(actions) -> dict[str, str]:
+    return {a.job_id: a.worker_id for a in actions if isinstance(a, Admit)}
