@@ -152,6 +152,7 @@ class MessageConsumer(Generic[T]):
         name: str,
         from_latest: bool = False,
         commit_after_handler: bool = True,
+        commit_interval_s: float = 0.05,
     ) -> None:
         self._topics = topics
         self._message_type = message_type
@@ -161,6 +162,8 @@ class MessageConsumer(Generic[T]):
         self._group = group
         # False: the owner commits with `commit_upto` once the message's effect is durable.
         self._commit_after_handler = commit_after_handler and group is not None
+        self._commit_interval_s = commit_interval_s
+        self._to_commit: dict[TopicPartition, int] = {}
         self._consumer = AIOKafkaConsumer(
             *topics,
             bootstrap_servers=bootstrap,
@@ -197,19 +200,45 @@ class MessageConsumer(Generic[T]):
                 await self._consumer.position(tp)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Consume until `stop` is set; a message in hand is finished first."""
-        while not stop.is_set():
-            batches = await self._consumer.getmany(timeout_ms=200, max_records=64)
-            for tp, records in batches.items():
-                for record in records:
-                    handled = await self._handle(record)
-                    if self._commit_after_handler or (not handled and self._group is not None):
-                        await self._consumer.commit({tp: record.offset + 1})
+        """Consume until `stop` is set; a message in hand is finished first.
+
+        Offsets are committed in the background (every `commit_interval_s`, and once
+        more on the way out), never before their message's handler returned: still
+        at-least-once, without a broker round trip between one message and the next.
+        """
+        committer = asyncio.create_task(self._commit_periodically(stop))
+        try:
+            while not stop.is_set():
+                batches = await self._consumer.getmany(timeout_ms=200, max_records=64)
+                for tp, records in batches.items():
+                    for record in records:
+                        await self._handle(record)
+                        if self._commit_after_handler:
+                            self._to_commit[tp] = record.offset + 1
+        finally:
+            committer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await committer
+            await self._flush_commits()
 
     async def commit_upto(self, tp: TopicPartition, next_offset: int) -> None:
-        """Commit: every message of `tp` before `next_offset` has had its effect."""
+        """Every message of `tp` before `next_offset` has had its effect: commit it soon."""
         if self._group is not None:
-            await self._consumer.commit({tp: next_offset})
+            self._to_commit[tp] = max(next_offset, self._to_commit.get(tp, 0))
+
+    async def _commit_periodically(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await asyncio.sleep(self._commit_interval_s)
+            await self._flush_commits()
+
+    async def _flush_commits(self) -> None:
+        if not self._to_commit or self._group is None:
+            return
+        offsets, self._to_commit = self._to_commit, {}
+        try:
+            await self._consumer.commit(offsets)
+        except Exception:  # a rebalance, say: the next flush (or a replay) covers it
+            log.warning("%s: committing %s failed", self._name, offsets, exc_info=True)
 
     async def _handle(self, record: ConsumerRecord[bytes, bytes]) -> bool:
         """Hand the message on; False when it went to the dead-letter topic instead."""

@@ -31,12 +31,18 @@ class FutureWaiter:
         self._store = store
         self._events: dict[str, asyncio.Event] = {}
         self._waiters: dict[str, int] = {}
+        self._arrived: dict[str, PhaseCompletion] = {}
 
     async def on_completion(
         self, completion: PhaseCompletion, delivery: Delivery | None = None
     ) -> None:
         """Consumer handler for the completions topic."""
-        if delivery is None or completion.request_id not in self._events:
+        if completion.request_id not in self._events:
+            return
+        # The message is a copy of the recorded completion (the worker publishes what
+        # Redis holds), so a waiter can answer from it without reading Redis again.
+        self._arrived[completion.request_id] = completion
+        if delivery is None:
             self.wake(completion.request_id)
             return
         # The last hop of the call's trace: the worker's context came in the Kafka header.
@@ -55,9 +61,7 @@ class FutureWaiter:
 
     async def wait(self, request_id: str, timeout_s: float) -> PhaseCompletion | None:
         """The completion, as soon as it exists; None if it did not within `timeout_s`."""
-        done = await self._store.get_completion(request_id)
-        if done is not None:
-            return done
+        # Register first, then read Redis: a completion landing in between sets the event.
         event = self._events.setdefault(request_id, asyncio.Event())
         self._waiters[request_id] = self._waiters.get(request_id, 0) + 1
         metrics.FUTURES_WAITING.inc()
@@ -67,10 +71,12 @@ class FutureWaiter:
                 return done
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(event.wait(), timeout_s)
-            return await self._store.get_completion(request_id)
+            arrived = self._arrived.get(request_id)
+            return arrived or await self._store.get_completion(request_id)
         finally:
             metrics.FUTURES_WAITING.dec()
             self._waiters[request_id] -= 1
             if self._waiters[request_id] == 0:
                 del self._waiters[request_id]
                 del self._events[request_id]
+                self._arrived.pop(request_id, None)

@@ -27,9 +27,9 @@ class ResultRecorder:
         self._topic = completions_topic
         self._inline_max_bytes = inline_max_bytes
 
-    async def recorded(self, request: PhaseRequest) -> PhaseCompletion | None:
-        """The completion recorded earlier for this request, if it already ran."""
-        return await self._meta.get_completion(request.request_id)
+    async def recorded(self, requests: list[PhaseRequest]) -> dict[str, PhaseCompletion]:
+        """Completions recorded earlier for any of these requests (those already ran)."""
+        return await self._meta.get_completions(r.request_id for r in requests)
 
     async def record(
         self, request: PhaseRequest, ran: Ran, dispatch_id: str, last: bool
