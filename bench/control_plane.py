@@ -4,8 +4,8 @@
 
 Starts a local cluster (one worker), measures `POST /plexrl/v1/echo` one at a time
 (p50/p99 latency) and with many concurrent clients (calls/s), and, side by side, a
-plain HTTP round trip to the gateway (`POST /api/v1/client/config`, no I/O behind it) so the Kafka path's
-added cost is visible. Ends with one JSON line of its figures.
+plain HTTP round trip to the gateway (`POST /api/v1/client/config`, no I/O behind
+it) so the Kafka path's added cost is visible. Ends with one JSON line of figures.
 """
 
 from __future__ import annotations
