@@ -74,8 +74,8 @@ def test_predicted_slowdown_matches_the_formula():
     # Runs per step: sample 60, train 40 -> residual (3600 + 1600) / (2 * 100) = 26.
     assert step_runs(a) == (60.0, 40.0)
     assert residual_s(b) == pytest.approx(26.0)
-    # wait_a = 2 * 0.3 * 26 / (1 - 0.3); period_a = 100 / 0.2.
-    assert predicted_slowdown(a, [b]) == pytest.approx(2 * 0.3 * 26 / 0.7 / 500)
+    # wait_a = 2 * 0.3 * 26 / (1 - 0.3 / 2); period_a = 100 / 0.2.
+    assert predicted_slowdown(a, [b]) == pytest.approx(2 * 0.3 * 26 / 0.85 / 500)
     assert predicted_slowdown(a, []) == 0.0
     assert predicted_slowdown(a, [job("c", duty=1.0)]) == float("inf")
 
@@ -109,7 +109,7 @@ def test_placement_falls_back_to_an_empty_group_then_waits():
     )
     # "new" must wait; admission backfills "tiny": two dispatches per step (a 1 s sample,
     # 0.15 s of training by the default estimates) every 2300 s, each expected to wait
-    # 0.6 * 26 / 0.4 = 39 s behind x: 78 / 2300 = 3.4% < 5%.
+    # 0.6 * 26 / (1 - 0.6 / 2) = 22 s behind x: 45 / 2300 = 1.9% < 5%.
     assert admits(plan(s_full, CFG)) == {"tiny": "g0"}
 
 

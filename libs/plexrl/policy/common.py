@@ -265,11 +265,14 @@ def dispatch(
     config: PolicyConfig,
     order: DispatchOrder,
     key: Callable[[JobView], tuple[float, ...]] = lru_key,
+    keep_snapshot: bool = False,
 ) -> tuple[list[Run], ClusterSnapshot]:
     """On every free group, run the first job in `order` that can be brought in.
 
     A job whose state cannot be made room for is passed over for the next (backfill
-    within the group), so one oversized state never idles a group.
+    within the group), so one oversized state never idles a group. Groups share no
+    jobs, so each group's choice reads the snapshot as given; with `keep_snapshot` the
+    returned snapshot shows the runs started (for later decisions in the same plan).
     """
     runs: list[Run] = []
     for worker_id, jobs in ready_by_worker(snapshot).items():
@@ -278,20 +281,27 @@ def dispatch(
             evict = make_room(snapshot, worker_id, job, key)
             if evict is None:
                 continue
-            run = run_of(snapshot, config, worker_id, job, evict)
-            runs.append(run)
-            snapshot = apply_moves(snapshot, job.job_id, worker_id, evict, now_running=True)
-            snapshot = with_busy_until(
-                snapshot, worker_id, snapshot.now + run.expected_swap_s + run.expected_compute_s
-            )
+            runs.append(run_of(snapshot, config, worker_id, job, evict))
             break
+    if keep_snapshot and runs:
+        snapshot = after_runs(snapshot, runs)
     return runs, snapshot
 
 
-def with_busy_until(snapshot: ClusterSnapshot, worker_id: str, until: float) -> ClusterSnapshot:
+def after_runs(snapshot: ClusterSnapshot, runs: Sequence[Run]) -> ClusterSnapshot:
+    """The snapshot once `runs` have started: moves applied, their groups busy."""
+    jobs = dict(snapshot.jobs)
     workers = dict(snapshot.workers)
-    workers[worker_id] = replace(workers[worker_id], busy_until=until)
-    return replace(snapshot, workers=workers)
+    for run in runs:
+        for move in run.evict:
+            jobs[move.job_id] = replace(jobs[move.job_id], tier=move.to_tier)
+        jobs[run.job_id] = replace(jobs[run.job_id], tier=Tier.DEVICE)
+        workers[run.worker_id] = replace(
+            workers[run.worker_id],
+            running=run.job_id,
+            busy_until=snapshot.now + run.expected_swap_s + run.expected_compute_s,
+        )
+    return replace(snapshot, jobs=jobs, workers=workers)
 
 
 def size_class(snapshot: ClusterSnapshot, job: JobView) -> list[WorkerView]:

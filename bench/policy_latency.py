@@ -1,0 +1,139 @@
+"""Decision latency of the live policy on a 2,048-GPU cluster snapshot.
+
+The snapshot is real, not synthetic: the three-month trace is simulated under the
+policy up to `--at-days` (by then the cluster is full and jobs wait for admission), and
+three snapshots of that moment are timed:
+
+- `cluster`: the simulator's whole-cluster snapshot as it is (what the live scheduler
+  hands the policy: every worker, every job, every pending call);
+- `cluster_all_free`: the same with every group free and every homed job holding a
+  pending call, so one decision must admit and dispatch the whole cluster (worst case);
+- `group`: one group free with a pending call from each of its jobs (the simulator's
+  per-event dispatch decision).
+
+    .venv/bin/python bench/policy_latency.py [--policy plexrl] [--at-days 30] [--repeat 300]
+
+Ends with one JSON line: p50 / p99 / mean milliseconds per `plan` call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from plexrl.messages import Function
+from plexrl.policy import ClusterSnapshot, PendingCall, PolicyConfig, plan
+from plexrl.sim.multiplexed import MultiplexedSim
+from plexrl.sim.run import policy_config, prepare
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+def time_plan(snapshot: ClusterSnapshot, config: PolicyConfig, repeat: int) -> list[float]:
+    samples: list[float] = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        plan(snapshot, config)
+        samples.append((time.perf_counter() - t0) * 1e3)
+    return samples
+
+
+def summary(samples: list[float]) -> dict[str, float]:
+    return {
+        "p50": percentile(samples, 50),
+        "p99": percentile(samples, 99),
+        "mean": statistics.fmean(samples),
+        "n": len(samples),
+    }
+
+
+def all_free(snapshot: ClusterSnapshot) -> ClusterSnapshot:
+    """Every group free, every homed job with one pending call (plus the waiting jobs')."""
+    workers = {wid: replace(w, running=None) for wid, w in snapshot.workers.items()}
+    calls = list(snapshot.pending)
+    for job in snapshot.jobs.values():
+        if job.home is not None and not snapshot.calls_of(job.job_id):
+            calls.append(
+                PendingCall(f"{job.job_id}/bench", job.job_id, Function.SAMPLE, snapshot.now)
+            )
+    calls.sort(key=lambda c: c.arrival_time)
+    return replace(snapshot, workers=workers, pending=tuple(calls))
+
+
+def group_of(snapshot: ClusterSnapshot, worker_id: str) -> ClusterSnapshot:
+    jobs = {j.job_id: j for j in snapshot.homed(worker_id)}
+    return replace(
+        snapshot,
+        workers={worker_id: snapshot.workers[worker_id]},
+        jobs=jobs,
+        pending=tuple(c for c in snapshot.pending if c.job_id in jobs),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workload", default=str(ROOT / "workloads" / "trace-3mo.yaml"))
+    parser.add_argument("--policy", default="plexrl")
+    parser.add_argument("--gpus", type=int, default=2048)
+    parser.add_argument("--at-days", type=float, default=30.0)
+    parser.add_argument("--repeat", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    setup = prepare(args.workload, seed=args.seed, gpus=args.gpus)
+    config = policy_config(setup, args.policy, {})
+    layout = setup.groups_for(args.policy, setup.factory)
+    sim = MultiplexedSim(setup.factory, setup.jobs, layout, config, setup.gpus)
+    t0 = time.perf_counter()
+    sim.run(until_s=args.at_days * 86400)
+    warmup_s = time.perf_counter() - t0
+
+    full = sim.full_snapshot()
+    stress = all_free(full)
+    per_group = [group_of(stress, wid) for wid in stress.workers if stress.homed(wid)]
+    full_ms = time_plan(full, config, args.repeat)
+    stress_ms = time_plan(stress, config, args.repeat)
+    group_ms: list[float] = []
+    for _ in range(max(1, 20 * args.repeat // max(len(per_group), 1))):
+        for snapshot in per_group:
+            group_ms += time_plan(snapshot, config, 1)
+
+    homed = sum(1 for j in full.jobs.values() if j.home is not None)
+    figures = {
+        "bench": "policy_latency",
+        "policy": args.policy,
+        "gpus": setup.gpus,
+        "workers": len(full.workers),
+        "jobs": len(full.jobs),
+        "homed_jobs": homed,
+        "waiting_jobs": len(full.jobs) - homed,
+        "pending_calls": len(full.pending),
+        "at_days": args.at_days,
+        "cluster_ms": summary(full_ms),
+        "cluster_all_free_ms": summary(stress_ms),
+        "group_ms": summary(group_ms),
+        "warmup_sim_s": warmup_s,
+    }
+    print(
+        f"{args.policy} on {setup.gpus} GPUs, day {args.at_days:g}: {len(full.workers)} groups, "
+        f"{homed} homed + {len(full.jobs) - homed} waiting jobs, {len(full.pending)} pending "
+        f"calls"
+    )
+    for key in ("cluster_ms", "cluster_all_free_ms", "group_ms"):
+        f = figures[key]
+        print(f"  {key[:-3]:17s} p50 {f['p50']:.3f} ms  p99 {f['p99']:.3f} ms  (n={f['n']})")
+    print(json.dumps(figures, separators=(",", ":")))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""`plexrl sim`: simulate a workload under one deployment or all of them side by side,
+write the report, and end with one JSON line of the figures."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+DEFAULT_OUT = Path("sim-out")
+
+
+def _parse_sets(values: list[str]) -> dict[str, float | int | bool]:
+    out: dict[str, float | int | bool] = {}
+    for item in values:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--set {item!r}: write it as key=value, e.g. max_load=0.9")
+        if raw.lower() in ("true", "false"):
+            out[key] = raw.lower() == "true"
+        else:
+            try:
+                out[key] = int(raw)
+            except ValueError:
+                try:
+                    out[key] = float(raw)
+                except ValueError:
+                    raise typer.BadParameter(f"--set {item!r}: {raw!r} is not a number") from None
+    return out
+
+
+def _clean(value: Any) -> Any:
+    """JSON has no NaN: write null instead."""
+    if isinstance(value, float) and (math.isnan(value) or math.isinf(value)):
+        return None
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def sim(
+    workload: Annotated[
+        Path,
+        typer.Option("--workload", "-w", help="Workload YAML (see workloads/)."),
+    ],
+    policy: Annotated[
+        str,
+        typer.Option(
+            "--policy",
+            "-p",
+            help="Deployment(s), comma-separated: isolated, colocated, split-async, a policy "
+            "(pack, spread, spread-backfill, plexrl, fifo) optionally suffixed +tail, or all.",
+        ),
+    ] = "all",
+    gpus: Annotated[
+        int | None, typer.Option(help="Cluster size (default: the workload's).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed for every random draw.")] = 0,
+    out: Annotated[Path, typer.Option(help="Directory for the report.")] = DEFAULT_OUT,
+    days: Annotated[
+        float | None,
+        typer.Option(help="Arrival window in days (default: the workload's; same rate)."),
+    ] = None,
+    jobs: Annotated[
+        int | None, typer.Option(help="Jobs in the trace (default: the workload's).")
+    ] = None,
+    parallel: Annotated[int, typer.Option(help="Run deployments in this many processes.")] = 1,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--set",
+            help="PolicyConfig override for the shared deployments, e.g. --set max_load=0.9.",
+        ),
+    ] = None,
+    charts: Annotated[bool, typer.Option(help="Write the PNG charts.")] = True,
+) -> None:
+    """Simulate RLVR jobs on a cluster under the scheduler's own policy code."""
+    from tqdm import tqdm
+
+    from plexrl.sim.report import write_report
+    from plexrl.sim.run import DEPLOYMENTS, label, prepare, run_many
+
+    started = time.perf_counter()
+    try:
+        setup = prepare(workload, seed=seed, gpus=gpus, days=days, jobs=jobs)
+    except (OSError, ValueError) as err:
+        typer.echo(f"plexrl sim: {err}", err=True)
+        raise typer.Exit(2) from None
+    names = list(DEPLOYMENTS) if policy == "all" else [p.strip() for p in policy.split(",")]
+    overrides = _parse_sets(set_ or [])
+    # The report compares against the dedicated baselines, which cost next to nothing.
+    for base in ("isolated", "split-async", "colocated"):
+        if base not in names:
+            names.insert(0, base)
+    typer.echo(
+        f"plexrl sim: {setup.workload.name}, {len(setup.jobs)} jobs on {setup.gpus} GPUs "
+        f"({len(setup.groups)} groups), seed {seed}: {', '.join(label(n) for n in names)}",
+        err=True,
+    )
+    if parallel > 1:
+        bar = tqdm(total=len(names), unit="deployment", file=sys.stderr)
+
+        def done(result: Any) -> None:
+            bar.set_postfix_str(label(result.name))
+            bar.update(1)
+
+        try:
+            results = run_many(setup, names, parallel, overrides, on_done=done)
+        except ValueError as err:
+            typer.echo(f"plexrl sim: {err}", err=True)
+            raise typer.Exit(2) from None
+        bar.close()
+    else:
+        results = {}
+        bars: dict[str, Any] = {}
+        horizon_days = [1.0]
+
+        def tick(name: str, x: float) -> None:
+            if name not in bars:
+                kind_days = name not in ("isolated", "colocated", "split-async")
+                bars[name] = tqdm(
+                    total=round(horizon_days[0], 1) if kind_days else 1.0,
+                    desc=label(name),
+                    unit="day" if kind_days else "",
+                    file=sys.stderr,
+                    bar_format="{l_bar}{bar}| {n:.1f}/{total_fmt} {unit}",
+                )
+            b = bars[name]
+            value = x / 86400 if b.unit == "day" else x
+            b.update(min(value, b.total) - b.n)
+
+        for name in names:
+            try:
+                part = run_many(setup, [name], 1, overrides, progress=tick)
+            except ValueError as err:
+                typer.echo(f"plexrl sim: {err}", err=True)
+                raise typer.Exit(2) from None
+            results.update(part)
+            if name in bars:
+                bars[name].close()
+            if name == "isolated":
+                horizon_days[0] = max(part[name].makespan_s / 86400, 1.0)
+    figs = write_report(out, setup, results, charts=charts)
+    figs["out"] = str(out)
+    figs["wall_s"] = time.perf_counter() - started
+    typer.echo(f"plexrl sim: report in {out}/report.md", err=True)
+    typer.echo(json.dumps(_clean(figs), separators=(",", ":")))

@@ -1,0 +1,205 @@
+"""Setting up a simulation and running deployments of it, one or all side by side."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from plexrl.policy import POLICIES, PolicyConfig
+from plexrl.sim.dedicated import DEDICATED, simulate_dedicated
+from plexrl.sim.multiplexed import MultiplexedSim
+from plexrl.sim.results import DeploymentResult
+from plexrl.sim.workload import (
+    TAIL_RELEASE,
+    GroupSpec,
+    JobFactory,
+    JobSpec,
+    Workload,
+    build_groups,
+    load_workload,
+)
+
+MULTIPLEXED = (
+    "pack",
+    "spread",
+    "spread-backfill",
+    "plexrl",
+    "spread-backfill+tail",
+    "plexrl+tail",
+)
+"""Deployments decided by `plexrl.policy.plan`, in report order. `<policy>+tail` runs
+the policy on an engine that releases the group early in a rollout's straggler tail
+(`workload.TAIL_RELEASE`); every registered policy can be named, with or without it."""
+DEPLOYMENTS = (*DEDICATED, *MULTIPLEXED)
+"""What `plexrl sim --policy all` runs (any registered policy may also be named)."""
+TAIL_SUFFIX = "+tail"
+LABELS = {
+    "isolated": "Isolated",
+    "colocated": "Colocated",
+    "split-async": "Split-Async",
+    "pack": "Pack",
+    "spread": "Spread",
+    "spread-backfill": "Spread+Backfill",
+    "plexrl": "PlexRL (own)",
+    "fifo": "FIFO",
+}
+
+
+def label(name: str) -> str:
+    if name.endswith(TAIL_SUFFIX):
+        return f"{label(name[: -len(TAIL_SUFFIX)])} + tail release"
+    return LABELS.get(name, name)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything one seed of one workload fixes: the jobs, their steps, the groups."""
+
+    workload_path: str
+    workload: Workload
+    seed: int
+    gpus: int
+    days: float | None
+    job_count: int | None
+    factory: JobFactory
+    jobs: list[JobSpec]
+    groups: list[GroupSpec]
+    """The dedicated split (or the named workers): what the dedicated deployments use."""
+    partition: str = "auto"
+
+    def groups_for(self, name: str, factory: JobFactory) -> list[GroupSpec]:
+        """The groups a deployment runs on (see `ClusterSpec.partition`)."""
+        shared = self.partition == "shared" or (self.partition == "auto" and name not in DEDICATED)
+        if not shared or self.workload.workers or self.workload.cluster.groups:
+            return self.groups
+        return build_groups(self.workload, factory, self.jobs, self.gpus, shared=True)
+
+    @property
+    def device_gpus(self) -> int:
+        return sum(g.devices for g in self.groups)
+
+
+def prepare(
+    workload_path: str | Path,
+    seed: int = 0,
+    gpus: int | None = None,
+    days: float | None = None,
+    jobs: int | None = None,
+    partition: str | None = None,
+) -> Setup:
+    workload = load_workload(workload_path)
+    split = partition or workload.cluster.partition
+    if split not in ("auto", "dedicated", "shared"):
+        raise ValueError(f"partition {split!r}: use auto, dedicated or shared")
+    factory = JobFactory(workload, seed)
+    specs = factory.jobs(days=days, jobs=jobs)
+    groups = build_groups(workload, factory, specs, gpus, shared=split == "shared")
+    total = (
+        gpus
+        if gpus is not None
+        else (sum(g.devices for g in groups) if workload.workers else workload.cluster.gpus)
+    )
+    return Setup(
+        str(workload_path), workload, seed, total, days, jobs, factory, specs, groups, split
+    )
+
+
+def policy_config(
+    setup: Setup, name: str, overrides: dict[str, float | int | bool]
+) -> PolicyConfig:
+    """The workload's policy settings, then `overrides`, for policy `name`."""
+    params: dict[str, Any] = {**setup.workload.policy, **overrides}
+    known = {f.name for f in fields(PolicyConfig)} - {"name"}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ValueError(f"unknown policy setting(s) {unknown}; known: {sorted(known)}")
+    return replace(PolicyConfig(name=name), **params)
+
+
+def run_deployment(
+    setup: Setup,
+    name: str,
+    progress: Callable[[float], None] | None = None,
+    overrides: dict[str, float | int | bool] | None = None,
+) -> DeploymentResult:
+    """Simulate one deployment; `progress` gets simulated seconds (multiplexed) or the
+    finished fraction of jobs (dedicated)."""
+    if name in DEDICATED:
+        groups = setup.groups_for(name, setup.factory)
+        return simulate_dedicated(name, setup.factory, setup.jobs, groups, setup.gpus, progress)
+    policy, factory = name, setup.factory
+    if name.endswith(TAIL_SUFFIX):
+        policy = name[: -len(TAIL_SUFFIX)]
+        factory = factory.with_tail_release(TAIL_RELEASE)
+    if policy not in POLICIES:
+        raise ValueError(
+            f"unknown deployment {name!r}; choose from {', '.join(DEDICATED)}, a policy "
+            f"({', '.join(sorted(POLICIES))}) optionally suffixed {TAIL_SUFFIX}, or all"
+        )
+    config = policy_config(setup, policy, overrides or {})
+    groups = setup.groups_for(name, factory)
+    sim = MultiplexedSim(factory, setup.jobs, groups, config, setup.gpus, name=name)
+    return sim.run(progress)
+
+
+_ChildArgs = tuple[
+    str, int, int | None, float | None, int | None, str, str, dict[str, float | int | bool]
+]
+
+
+def _run_in_child(args: _ChildArgs) -> DeploymentResult:
+    path, seed, gpus, days, jobs, partition, name, overrides = args
+    setup = prepare(path, seed, gpus, days, jobs, partition)
+    return run_deployment(setup, name, None, overrides)
+
+
+def run_many(
+    setup: Setup,
+    names: Sequence[str],
+    parallel: int = 1,
+    overrides: dict[str, float | int | bool] | None = None,
+    on_done: Callable[[DeploymentResult], None] | None = None,
+    progress: Callable[[str, float], None] | None = None,
+) -> dict[str, DeploymentResult]:
+    """Run several deployments of one setup; in `parallel` processes when above 1."""
+    results: dict[str, DeploymentResult] = {}
+    if parallel <= 1 or len(names) <= 1:
+        for name in names:
+            tick = _named(progress, name) if progress else None
+            result = run_deployment(setup, name, tick, overrides)
+            results[name] = result
+            if on_done:
+                on_done(result)
+        return results
+    gpus = setup.gpus if setup.gpus != setup.workload.cluster.gpus else None
+    jobs_arg: list[_ChildArgs] = [
+        (
+            setup.workload_path,
+            setup.seed,
+            gpus,
+            setup.days,
+            setup.job_count,
+            setup.partition,
+            n,
+            overrides or {},
+        )
+        for n in names
+    ]
+    workers = min(parallel, len(names), os.cpu_count() or 1)
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        for name, result in zip(names, pool.map(_run_in_child, jobs_arg), strict=True):
+            results[name] = result
+            if on_done:
+                on_done(result)
+    return results
+
+
+def _named(progress: Callable[[str, float], None], name: str) -> Callable[[float], None]:
+    def tick(x: float) -> None:
+        progress(name, x)
+
+    return tick

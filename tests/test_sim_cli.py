@@ -1,0 +1,87 @@
+"""`plexrl sim` end to end on the shipped small setting: report files and the JSON line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from plexrl.sim.cli import sim
+from plexrl.sim.workload import load_workload
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = sorted((ROOT / "workloads").glob("*.yaml"))
+
+
+def app() -> typer.Typer:
+    a = typer.Typer()
+    a.command()(sim)
+    return a
+
+
+def test_small_setting_report_and_json_line(tmp_path):
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        app(),
+        [
+            "--workload",
+            str(ROOT / "workloads" / "small-cpu.yaml"),
+            "--policy",
+            "all",
+            "--out",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    last = result.stdout.strip().splitlines()[-1]
+    figures = json.loads(last)
+    assert figures["workload"] == "small-cpu" and figures["jobs"] == 3
+    assert set(figures["deployments"]) >= {"isolated", "split-async", "colocated", "plexrl"}
+    for name in (
+        "report.md",
+        "summary.csv",
+        "cost.csv",
+        "jobs.csv",
+        "timeline.csv",
+        "gpu_hours_per_step.png",
+        "makespan.png",
+        "slowdown_cdf.png",
+        "queueing_delay.png",
+        "busy_fraction.png",
+    ):
+        assert (out / name).stat().st_size > 0, name
+    report = (out / "report.md").read_text()
+    assert "GPU-hours per training step" in report and "Per-job prediction" in report
+
+
+def test_unknown_policy_says_what_to_choose(tmp_path):
+    result = CliRunner().invoke(
+        app(),
+        [
+            "--workload",
+            str(ROOT / "workloads" / "small-cpu.yaml"),
+            "--policy",
+            "nope",
+            "--out",
+            str(tmp_path),
+            "--no-charts",
+        ],
+    )
+    assert result.exit_code == 2
+    assert "unknown deployment 'nope'" in result.output
+
+
+@pytest.mark.parametrize("path", WORKLOADS, ids=lambda p: p.name)
+def test_shipped_workloads_load(path):
+    workload = load_workload(path)
+    assert workload.profiles
+
+
+def test_a_bad_workload_names_the_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nprofiles: {p: {devices: two}}\njobs: []\n")
+    with pytest.raises(ValueError, match="devices"):
+        load_workload(bad)

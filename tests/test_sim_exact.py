@@ -1,0 +1,80 @@
+"""A scenario small enough to compute by hand, checked to the last second."""
+
+from __future__ import annotations
+
+import pytest
+
+from plexrl.messages import Function
+from plexrl.sim.multiplexed import MultiplexedSim
+from plexrl.sim.run import policy_config, prepare, run_deployment
+from tests.sim_fixtures import two_jobs_one_worker, write_workload
+
+
+@pytest.mark.parametrize("policy", ["fifo", "spread-backfill"])
+def test_two_jobs_share_one_worker_exactly(tmp_path, policy):
+    # A and B arrive at 0 on the only worker. A's create (0 s) runs first, then A's sample
+    # [0,2]; B's create and sample [2,4]; A trains [5,6] after its 3 s reward, samples
+    # again [6,8]; B's train is ready at 7 but waits for A's sample: [8,9]; B samples
+    # [9,11]; A trains [11,12] and is done; B trains [14,15] and is done.
+    setup = prepare(write_workload(tmp_path, two_jobs_one_worker()))
+    result = run_deployment(setup, policy)
+    a, b = (next(j for j in result.jobs if j.job_id == x) for x in ("A", "B"))
+    assert result.makespan_s == pytest.approx(15.0)
+    assert a.finish_s == pytest.approx(12.0) and b.finish_s == pytest.approx(15.0)
+    assert a.step_time_s == pytest.approx(12.0) and a.isolated_step_time_s == pytest.approx(12.0)
+    assert b.step_time_s == pytest.approx(13.0)
+    assert a.slowdown == pytest.approx(0.0) and b.slowdown == pytest.approx(1 / 12)
+    # B waited 2 s to create, then 1 s for its first train: each of its 3 train calls
+    # (forward_backward, optim_step, save) counts the wait.
+    assert b.call_queue_s == pytest.approx(2.0 + 3 * 1.0)
+    assert a.call_queue_s == pytest.approx(0.0)
+    assert a.used_device_s == pytest.approx(6.0) and b.used_device_s == pytest.approx(6.0)
+    # The worker was held 15 s, split by use.
+    assert a.occupied_gpu_s == pytest.approx(7.5) and b.occupied_gpu_s == pytest.approx(7.5)
+    assert a.swaps == b.swaps == 0
+
+
+def test_isolated_reference_is_the_same_steps_alone(tmp_path):
+    setup = prepare(write_workload(tmp_path, two_jobs_one_worker()))
+    result = run_deployment(setup, "isolated")
+    a, b = result.jobs
+    # One worker, so B waits for A's whole run: 12 s.
+    assert a.finish_s == pytest.approx(12.0)
+    assert b.start_s == pytest.approx(12.0) and b.finish_s == pytest.approx(24.0)
+    assert result.bubble_ratio() == pytest.approx(1 - 6 / 12)
+
+
+def test_swaps_cost_bytes_over_bandwidth(tmp_path):
+    # Only one 10-byte state fits on the 10-byte device tier; 10 B/s makes every move 1 s.
+    doc = two_jobs_one_worker(device_bytes=10, bandwidth=10.0)
+    setup = prepare(write_workload(tmp_path, doc))
+    result = run_deployment(setup, "fifo")
+    a, b = (next(j for j in result.jobs if j.job_id == x) for x in ("A", "B"))
+    # A samples [0,2]. B's create needs room: evict A (1 s), create (free): [2,3]; B
+    # samples [3,5]. A's train (ready 5): evict B + onload A + 1 s: [5,8]. At 8 B's
+    # reward stall ends and A's next step begins; simultaneous events are handled in a
+    # fixed order (a stall's end before a step's start), so B trains first: [8,11]. A
+    # samples [11,15], B samples [15,19], A trains [19,22] and is done, B trains
+    # [22,25] and is done. Every switch after the first costs 2 s of swaps.
+    assert a.finish_s == pytest.approx(22.0)
+    assert b.finish_s == pytest.approx(25.0)
+    assert a.swap_s == pytest.approx(6.0) and b.swap_s == pytest.approx(7.0)
+    # Moves of each job's state: A evicted 4 times and onloaded 3; B evicted 3, onloaded 3.
+    assert (a.swaps, b.swaps) == (7, 6)
+    assert a.swapped_bytes == pytest.approx(70.0)
+
+
+def test_trail_records_every_phase_in_order(tmp_path):
+    setup = prepare(write_workload(tmp_path, two_jobs_one_worker()))
+    sim = MultiplexedSim(
+        setup.factory,
+        setup.jobs,
+        setup.groups,
+        policy_config(setup, "fifo", {}),
+        setup.gpus,
+        record_trail=True,
+    )
+    sim.run()
+    step = [Function.SAMPLE, Function.FORWARD_BACKWARD, Function.OPTIM_STEP, Function.SAVE]
+    for trail in sim.trails().values():
+        assert trail == [(0, Function.CREATE)] + [(k, f) for k in range(2) for f in step]
