@@ -55,8 +55,8 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--jobs", type=int, default=3, help="RLVR jobs to run at once")
     p.add_argument("--workers", type=int, default=2, help="worker groups in the pool")
-    p.add_argument("--sft-steps", type=int, default=20)
-    p.add_argument("--rl-steps", type=int, default=20)
+    p.add_argument("--sft-steps", type=int, default=30)
+    p.add_argument("--rl-steps", type=int, default=25)
     p.add_argument("--stall", type=float, default=2.0, help="reward/tool stall per RL step, s")
     p.add_argument(
         "--device-jobs",

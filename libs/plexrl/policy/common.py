@@ -82,6 +82,8 @@ def make_room(
     if need <= 0:
         return ()
     host_free = worker.host_bytes - snapshot.host_used(worker_id)
+    if job.tier == Tier.HOST:
+        host_free += job.state_bytes  # it leaves the host tier as the victims arrive
     candidates = sorted(
         (
             j
