@@ -11,6 +11,10 @@ from pathlib import Path
 
 import pytest
 
+# No model hub is reachable: every Hugging Face lookup must stay local (read at import).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
 ROOT = Path(__file__).resolve().parent.parent
 KAFKA = os.environ.get("PLEXRL_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
 REDIS = os.environ.get("PLEXRL_REDIS_URL", "redis://127.0.0.1:6379/0")

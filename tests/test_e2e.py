@@ -41,6 +41,9 @@ def cluster(
     )
     with LocalCluster(config) as running:
         yield running
+        codes = running.stop()
+    # SIGTERM stops every service cleanly: each finishes what it holds and exits 0.
+    assert codes and all(code == 0 for code in codes.values()), codes
 
 
 @pytest.fixture(scope="session")
