@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from plexrl.losses import LOSS_INPUTS, LossInputs, loss_config
 from plexrl.messages import (
     AdamParams,
     Datum,
@@ -44,28 +45,6 @@ class ModelLimits:
     """Token ids must lie in [0, vocab_size)."""
     max_positions: int
     """Longest sequence, prompt plus completion."""
-
-
-# Per loss: inputs it requires, inputs it may take, and its config keys. `target_tokens`
-# is int64; every other input is float32, one value per token.
-@dataclass(frozen=True)
-class LossShape:
-    required: tuple[str, ...]
-    optional: tuple[str, ...]
-    config_keys: tuple[str, ...]
-
-
-LOSSES: dict[LossFn, LossShape] = {
-    LossFn.CROSS_ENTROPY: LossShape(("target_tokens",), ("weights",), ()),
-    LossFn.IMPORTANCE_SAMPLING: LossShape(
-        ("target_tokens", "logprobs", "advantages"), ("weights",), ()
-    ),
-    LossFn.PPO: LossShape(
-        ("target_tokens", "logprobs", "advantages"),
-        ("weights",),
-        ("clip_low_threshold", "clip_high_threshold"),
-    ),
-}
 
 
 # Ids ---------------------------------------------------------------------------------------
@@ -187,11 +166,11 @@ def forward_backward_input(
     try:
         loss_fn = LossFn(request.loss_fn)
     except ValueError:
-        valid = ", ".join(LOSSES)
+        valid = ", ".join(LOSS_INPUTS)
         raise bad_request(
             f"loss_fn {request.loss_fn!r} is not supported; use one of: {valid}"
         ) from None
-    shape = LOSSES[loss_fn]
+    shape = LOSS_INPUTS[loss_fn]
     if not request.data:
         raise bad_request("data is empty; send at least one datum")
     data = [_datum(i, d, shape, limits) for i, d in enumerate(request.data)]
@@ -205,7 +184,7 @@ def forward_backward_input(
     return inp, WorkHint(tokens=sum(len(d.tokens) for d in data), sequences=len(data))
 
 
-def _datum(i: int, datum: pb.Datum, shape: LossShape, limits: ModelLimits) -> Datum:
+def _datum(i: int, datum: pb.Datum, shape: LossInputs, limits: ModelLimits) -> Datum:
     try:
         tokens: list[int] = []
         for j, chunk in enumerate(datum.model_input):
@@ -225,12 +204,11 @@ def _datum(i: int, datum: pb.Datum, shape: LossShape, limits: ModelLimits) -> Da
             "positions; shorten or split it"
         )
     check_token_ids(f"data[{i}].model_input", tokens, limits)
-    missing = [k for k in shape.required if k not in given]
+    needed = ["target_tokens", *shape.required]
+    missing = [k for k in needed if k not in given]
     if missing:
-        raise bad_request(
-            f"data[{i}].loss_fn_inputs lacks {missing}; this loss needs {list(shape.required)}"
-        )
-    accepted = (*shape.required, *shape.optional)
+        raise bad_request(f"data[{i}].loss_fn_inputs lacks {missing}; this loss needs {needed}")
+    accepted = shape.accepted
     unknown = sorted(set(given) - set(accepted))
     if unknown:
         raise bad_request(
@@ -270,26 +248,19 @@ def check_token_ids(where: str, ids: list[int] | np.ndarray, limits: ModelLimits
 
 
 def _loss_config(
-    request: pb.ForwardBackwardRequest, loss_fn: LossFn, shape: LossShape
+    request: pb.ForwardBackwardRequest, loss_fn: LossFn, shape: LossInputs
 ) -> dict[str, float]:
     config = {k: float(v) for k, v in request.loss_fn_config.items()}
     for key, value in request.loss_fn_config_v2.items():
         if value.WhichOneof("value") == "text":
             raise bad_request(f"loss_fn_config[{key!r}] is text; {loss_fn} takes numbers only")
         config[key] = value.number
-    unknown = sorted(set(config) - set(shape.config_keys))
-    if unknown:
-        takes = ", ".join(shape.config_keys) or "no keys"
-        raise bad_request(
-            f"loss_fn_config keys {unknown} mean nothing to {loss_fn}; it takes {takes}"
-        )
     if not all(math.isfinite(v) for v in config.values()):
         raise bad_request("loss_fn_config holds NaN or infinity; send finite numbers")
-    low, high = config.get("clip_low_threshold", 0.8), config.get("clip_high_threshold", 1.2)
-    if loss_fn == LossFn.PPO and not 0.0 <= low <= high:
-        raise bad_request(
-            f"ppo needs 0 <= clip_low_threshold <= clip_high_threshold; got {low} and {high}"
-        )
+    try:
+        loss_config(loss_fn, config)  # the engine's rules: keys, ranges
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
     return config
 
 
