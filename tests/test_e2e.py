@@ -56,8 +56,8 @@ def datum(tokens: list[int], weights: list[float] | None = None) -> types.Datum:
     return types.Datum(
         model_input=types.ModelInput.from_ints(tokens[:-1]),
         loss_fn_inputs={
-            "target_tokens": tokens[1:],
-            "weights": weights or [1.0] * (len(tokens) - 1),
+            "target_tokens": types.TensorData(data=tokens[1:], dtype="int64"),
+            "weights": types.TensorData(data=weights or [1.0] * (len(tokens) - 1), dtype="float32"),
         },
     )
 
@@ -190,12 +190,15 @@ def test_bad_input_gets_a_clear_4xx(cluster: LocalCluster, service: tinker.Servi
     assert BASE in str(unknown_model.value)  # says what is available
 
     with pytest.raises(tinker.APIStatusError) as bad_loss:
-        client.forward_backward(BATCH, "no_such_loss").result()
+        client.forward_backward(BATCH, "no_such_loss").result()  # type: ignore[arg-type]
     assert bad_loss.value.status_code == 400 and "cross_entropy" in str(bad_loss.value)
 
     mismatched = types.Datum(
         model_input=types.ModelInput.from_ints([1, 2, 3]),
-        loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]},
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=[2, 3], dtype="int64"),
+            "weights": types.TensorData(data=[1.0, 1.0], dtype="float32"),
+        },
     )
     with pytest.raises(tinker.APIStatusError) as lengths:
         client.forward_backward([mismatched], "cross_entropy").result()

@@ -388,10 +388,13 @@ def test_eos_stops_unless_told_not_to(engine: TorchEngine, registry: ModelRegist
     for _ in range(15):  # teach it to end right after the prompt
         engine.forward_backward("job", ce([ce_datum([*PROMPT, eos])]))
         engine.optim_step("job", step(3e-2))
-    greedy = {"num_samples": 1, "temperature": 0.0, "max_tokens": 6}
-    ended = engine.sample("job", sample_input(**greedy)).sequences[0]
+    ended = engine.sample(
+        "job", sample_input(num_samples=1, temperature=0.0, max_tokens=6)
+    ).sequences[0]
     assert ended.tokens == [eos] and ended.stop_reason == StopReason.STOP
-    free = engine.sample("job", sample_input(**greedy, stop_at_eos=False)).sequences[0]
+    free = engine.sample(
+        "job", sample_input(num_samples=1, temperature=0.0, max_tokens=6, stop_at_eos=False)
+    ).sequences[0]
     assert free.tokens[0] == eos and len(free.tokens) == 6
     assert free.stop_reason == StopReason.LENGTH
 

@@ -147,6 +147,13 @@ def test_bfloat16_is_widened() -> None:
     assert tensor_array("w", tensor).tolist() == [1.5, -2.0]
 
 
+def test_a_tensor_sent_without_shape_is_a_flat_list() -> None:
+    # tinker.TensorData(data=[...], dtype=...) with no shape goes out with shape [].
+    values = np.array([1.0, 0.5, 0.0], dtype="<f4")
+    tensor = ours.Tensor(dense=values.tobytes(), dtype=ours.DTYPE_FLOAT32)
+    assert tensor_array("w", tensor).tolist() == [1.0, 0.5, 0.0]
+
+
 def test_forward_backward_output_reads_back_through_the_sdk() -> None:
     output = ForwardBackwardOutput(
         loss_fn_outputs=[

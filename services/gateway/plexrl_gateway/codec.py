@@ -69,6 +69,10 @@ def tensor_array(where: str, tensor: pb.Tensor) -> np.ndarray:
     if tensor.WhichOneof("encoding") == "sparse_csr":
         return _dense_from_csr(where, tensor.sparse_csr, dtype, shape)
     values = _values(where, tensor.dense, dtype)
+    if not shape:
+        # The SDK sends no shape for a TensorData built without one (`shape=None`): the
+        # values are a flat list, one per token.
+        shape = [values.size]
     if values.size != math.prod(shape):
         raise CodecError(
             f"{where} carries {values.size} values, but its shape {shape} needs {math.prod(shape)}"
