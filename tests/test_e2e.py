@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import pytest
@@ -24,9 +27,46 @@ KEY = "tml-e2e-alpha"
 OTHER_KEY = "tml-e2e-beta"
 
 
+class _Collector(BaseHTTPRequestHandler):
+    """An OTLP/HTTP trace receiver: keeps each export's service names."""
+
+    services: ClassVar[set[str]] = set()
+
+    def do_POST(self) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        body = self.rfile.read(int(self.headers.get("content-length", 0)))
+        export = ExportTraceServiceRequest()
+        export.ParseFromString(body)
+        for spans in export.resource_spans:
+            for attribute in spans.resource.attributes:
+                if attribute.key == "service.name":
+                    self.services.add(attribute.value.string_value)
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="session")
+def otlp_collector() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
 @pytest.fixture(scope="session")
 def cluster(
-    infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
+    infra: dict[str, str],
+    tiny_registry: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    otlp_collector: str,
 ) -> Iterator[LocalCluster]:
     config = ClusterConfig(
         model_registry=tiny_registry,
@@ -38,6 +78,7 @@ def cluster(
         worker_port_base=free_port(),
         state_store_port=free_port(),
         api_keys=f"{KEY}=alpha,{OTHER_KEY}=beta",
+        env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_collector, "OTEL_BSP_SCHEDULE_DELAY": "200"},
     )
     with LocalCluster(config) as running:
         yield running
@@ -229,3 +270,59 @@ def test_metrics_and_plexrl_api(cluster: LocalCluster, service: tinker.ServiceCl
         hint = http.post(f"/plexrl/v1/jobs/{client.model_id}/idle", json={"seconds": 2.0})
         assert hint.status_code in (200, 202)
     time.sleep(0)  # keep the cluster fixture alive through this test
+
+
+def test_services_export_traces_over_otlp(service: tinker.ServiceClient) -> None:
+    client = service.create_lora_training_client(base_model=BASE, rank=4).result()
+    train_steps(client, 1)
+    deadline = time.monotonic() + 20
+    wanted = {"plexrl-gateway", "plexrl-scheduler", "plexrl-worker-0"}
+    while not wanted <= _Collector.services and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert wanted <= _Collector.services, _Collector.services
+
+
+def test_garbage_on_a_topic_is_dead_lettered_and_the_cluster_goes_on(
+    cluster: LocalCluster, service: tinker.ServiceClient, infra: dict[str, str]
+) -> None:
+    from plexrl.kafka import Delivery, MessageConsumer, Publisher
+    from plexrl.messages import DeadLetter, DeadLetterReason
+    from plexrl.topics import Topics
+
+    topics = Topics(cluster.config.cluster_id)
+
+    async def poison_and_read() -> DeadLetter:
+        publisher = Publisher(infra["kafka"], "e2e-poison")
+        await publisher.start()
+        letters: asyncio.Queue[DeadLetter] = asyncio.Queue()
+
+        async def on_letter(letter: DeadLetter, _: Delivery) -> None:
+            if letter.value == b"\x81\xa1?not a request":
+                await letters.put(letter)
+
+        reader = MessageConsumer[DeadLetter](
+            bootstrap=infra["kafka"],
+            topics=[topics.dlq],
+            group=None,
+            message_type=DeadLetter,
+            handler=on_letter,
+            dlq=(publisher, topics.dlq),
+            name="e2e-dlq",
+        )
+        await reader.start()
+        stop = asyncio.Event()
+        task = asyncio.create_task(reader.run(stop))
+        try:
+            await publisher.publish_raw(topics.requests, b"x", b"\x81\xa1?not a request")
+            return await asyncio.wait_for(letters.get(), 30)
+        finally:
+            stop.set()
+            await task
+            await reader.stop()
+            await publisher.stop()
+
+    letter = asyncio.run(poison_and_read())
+    assert letter.reason == DeadLetterReason.UNDECODABLE and letter.detail
+    assert letter.source_topic == topics.requests and "scheduler" in letter.consumer
+    client = service.create_lora_training_client(base_model=BASE, rank=4).result()
+    assert train_steps(client, 1)  # the scheduler went on
