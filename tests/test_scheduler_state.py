@@ -133,3 +133,21 @@ def test_evictions_update_the_believed_tiers() -> None:
     assert isinstance(run, Run) and run.evict == (Move("a", Tier.HOST),)
     state.apply_run("d", "w0", "b", state.take_pending(run.request_ids), run.evict)
     assert state.jobs["a"].tier == Tier.HOST and state.jobs["b"].tier == Tier.DEVICE
+
+
+async def test_calls_wait_for_a_worker_instead_of_failing() -> None:
+    from plexrl.policy import Reject, RejectReason
+    from plexrl_scheduler.actuator import Actuator
+
+    state = ClusterState(clock=Clock())
+    state.add_job("j", "t", JobSpec(base_model="m"), home=None)
+    state.on_request(req("r1", "j"), delivery(0))
+    (reject,) = plan(state.snapshot(), PolicyConfig())
+    assert isinstance(reject, Reject) and reject.reason == RejectReason.NO_WORKERS
+
+    async def finished(_: object) -> None:
+        raise AssertionError("nothing may be answered yet")
+
+    actuator = Actuator(state, None, None, None, finished)  # type: ignore[arg-type]
+    await actuator.carry_out((reject,))
+    assert "r1" in state.pending and "j" in state.jobs

@@ -23,7 +23,7 @@ from plexrl.messages import (
     Timings,
 )
 from plexrl.meta import MetaStore
-from plexrl.policy import Admit, Plan, Prefetch, Reject, Run
+from plexrl.policy import Admit, Plan, Prefetch, Reject, RejectReason, Run
 from plexrl.topics import Topics
 from plexrl_scheduler.state import ClusterState, Pending
 
@@ -77,6 +77,8 @@ class Actuator:
         log.info("admitted %s on %s", job.job_id, action.worker_id)
 
     async def _reject(self, action: Reject) -> None:
+        if action.reason == RejectReason.NO_WORKERS:
+            return  # not a refusal: the calls wait until a worker reports
         log.warning("rejected job %s: %s", action.job_id, action.detail)
         doomed = [p for p in self._state.pending.values() if p.request.job_id == action.job_id]
         self._state.take_pending(tuple(p.request.request_id for p in doomed))
