@@ -326,3 +326,42 @@ def test_garbage_on_a_topic_is_dead_lettered_and_the_cluster_goes_on(
     assert letter.source_topic == topics.requests and "scheduler" in letter.consumer
     client = service.create_lora_training_client(base_model=BASE, rank=4).result()
     assert train_steps(client, 1)  # the scheduler went on
+
+
+def test_rl_losses_and_stop_sequences_through_the_sdk(service: tinker.ServiceClient) -> None:
+    client = service.create_lora_training_client(base_model=BASE, rank=4, seed=5).result()
+    sampler = client.save_weights_and_get_sampling_client()
+    prompt = [5, 6, 7]
+    params = types.SamplingParams(max_tokens=8, seed=3, temperature=1.0)
+    free = sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result().sequences[0]
+    stop_at = int(free.tokens[3])
+    stopped = (
+        sampler.sample(
+            types.ModelInput.from_ints(prompt),
+            1,
+            types.SamplingParams(max_tokens=8, seed=3, temperature=1.0, stop=[stop_at]),
+        )
+        .result()
+        .sequences[0]
+    )
+    assert stopped.stop_reason == "stop" and stopped.tokens[-1] == stop_at
+    assert len(stopped.tokens) <= 4 and len(stopped.logprobs or []) == len(stopped.tokens)
+
+    tokens = prompt + list(free.tokens)
+    n = len(tokens) - 1
+    pad = [0.0] * (len(prompt) - 1)
+    rl = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=tokens[1:], dtype="int64"),
+            "logprobs": types.TensorData(data=pad + list(free.logprobs or []), dtype="float32"),
+            "advantages": types.TensorData(data=pad + [1.0] * len(free.tokens), dtype="float32"),
+        },
+    )
+    for loss in ("importance_sampling", "ppo"):
+        out = client.forward_backward([rl], loss).result()
+        value = out.metrics["loss:sum"]
+        # At the sampler's own weights every ratio is 1: the loss is -sum(advantages).
+        assert abs(value + len(free.tokens)) < 1e-2, (loss, value)
+        assert len(out.loss_fn_outputs[0]["logprobs"].tolist()) == n
+    client.optim_step(ADAM).result()
