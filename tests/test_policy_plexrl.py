@@ -205,3 +205,25 @@ def test_prefetch_brings_up_the_next_job_while_the_group_computes():
 
 def admits(actions) -> dict[str, str]:
     return {a.job_id: a.worker_id for a in actions if isinstance(a, Admit)}
+
+
+def test_runs_on_a_shared_group_stop_at_the_quantum():
+    train = [PendingCall(f"a/fb{i}", "a", Function.FORWARD_BACKWARD, 90.0) for i in range(4)] + [
+        call("a", 90.0, Function.OPTIM_STEP),
+        call("a", 90.0, Function.SAVE),
+    ]
+    shared = snap([worker("g0")], [job("a", "g0"), job("b", "g0")], train)
+    (run,) = [a for a in plan(shared, CFG) if isinstance(a, Run)]
+    assert run.request_ids == ("a/fb0", "a/fb1")  # 30 s each; a third would pass 60 s
+    alone = snap([worker("g0")], [job("a", "g0")], train)
+    (run,) = [a for a in plan(alone, CFG) if isinstance(a, Run)]
+    assert len(run.request_ids) == 6
+
+
+def test_step_calls_and_quantum_shape_the_interference_model():
+    calls = (Function.SAMPLE, *[Function.FORWARD_BACKWARD] * 4, Function.OPTIM_STEP, Function.SAVE)
+    a = job("a", duty=0.3, step_calls=calls)
+    # sample 60; fb 30 x 4, optim 5, save 5 in quanta of 60: 60 | 60 | 10.
+    assert step_runs(a, 60.0) == (60.0, 60.0, 60.0, 10.0)
+    assert step_runs(a) == (60.0, 130.0)
+    assert residual_s(a, 60.0) < residual_s(a)

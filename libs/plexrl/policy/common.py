@@ -249,9 +249,19 @@ def run_of(
     worker_id: str,
     job: JobView,
     evict: tuple[Move, ...],
+    quantum_s: float | None = None,
 ) -> Run:
-    """A Run of the job's oldest pending calls (at most `max_calls_per_run`)."""
+    """A Run of the job's oldest pending calls: at most `max_calls_per_run`, and with a
+    `quantum_s` only as many as fit in it by their expected seconds (at least one)."""
     calls = snapshot.calls_of(job.job_id)[: config.max_calls_per_run]
+    if quantum_s is not None:
+        total, keep = 0.0, 0
+        for c in calls:
+            total += job.estimates.expected_s(c.function)
+            if keep and total > quantum_s:
+                break
+            keep += 1
+        calls = calls[:keep]
     return Run(
         worker_id,
         job.job_id,
@@ -268,6 +278,7 @@ def dispatch(
     order: DispatchOrder,
     key: Callable[[JobView], tuple[float, ...]] = lru_key,
     keep_snapshot: bool = False,
+    quantum_s: float | None = None,
 ) -> tuple[list[Run], ClusterSnapshot]:
     """On every free group, run the first job in `order` that can be brought in.
 
@@ -275,6 +286,8 @@ def dispatch(
     within the group), so one oversized state never idles a group. Groups share no
     jobs, so each group's choice reads the snapshot as given; with `keep_snapshot` the
     returned snapshot shows the runs started (for later decisions in the same plan).
+    With `quantum_s`, a Run on a group shared with other jobs stops at the quantum, so
+    the group is decided again after it (time-slicing at call boundaries).
     """
     runs: list[Run] = []
     for worker_id, jobs in ready_by_worker(snapshot).items():
@@ -283,7 +296,10 @@ def dispatch(
             evict = make_room(snapshot, worker_id, job, key)
             if evict is None:
                 continue
-            runs.append(run_of(snapshot, config, worker_id, job, evict))
+            shared = quantum_s is not None and len(snapshot.homed(worker_id)) > 1
+            runs.append(
+                run_of(snapshot, config, worker_id, job, evict, quantum_s if shared else None)
+            )
             break
     if keep_snapshot and runs:
         snapshot = after_runs(snapshot, runs)

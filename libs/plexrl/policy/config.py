@@ -25,6 +25,10 @@ class PolicyConfig:
     to bring its state onto the device (0: ignore switch cost)."""
     prefetch: bool = True
     """Whether the plexrl policy prefetches the state of the job most likely next."""
+    quantum_s: float = 60.0
+    """On a group shared by several jobs, the plexrl policy sends a job's consecutive
+    calls in one Run only up to about this many expected seconds (at least one call), so
+    a call that becomes ready waits for at most about one quantum of another job."""
 
     def __post_init__(self) -> None:
         if self.max_calls_per_run < 1:
@@ -39,5 +43,7 @@ class PolicyConfig:
             raise ValueError(
                 f"slowdown_budget is {self.slowdown_budget}; it must be 0 or more (0.05 = 5%)"
             )
+        if self.quantum_s <= 0:
+            raise ValueError(f"quantum_s is {self.quantum_s}; it must be positive (seconds)")
         if self.switch_weight < 0:
             raise ValueError(f"switch_weight is {self.switch_weight}; it must be 0 or more")

@@ -26,6 +26,7 @@ amplification is halved.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import partial
 
 from plexrl.messages import Function, Tier
@@ -33,7 +34,6 @@ from plexrl.policy.actions import Action, Move, Plan, Prefetch, Run
 from plexrl.policy.common import (
     admit_waiting,
     dispatch,
-    fits_memory,
     make_room,
     size_class,
     switch_s,
@@ -45,33 +45,54 @@ _TRAIN = (Function.FORWARD_BACKWARD, Function.OPTIM_STEP, Function.SAVE)
 _UNBOUNDED = float("inf")
 
 
-def step_runs(job: JobView) -> tuple[float, ...]:
-    """Expected seconds of each dispatch of one training step: the rollout's sample, then
-    the training calls (sent together, so one dispatch)."""
+def step_runs(job: JobView, quantum_s: float | None = None) -> tuple[float, ...]:
+    """Expected seconds of each dispatch of one training step: the sample, then the
+    training calls, sent together, or (given the job's `step_calls` and a quantum) in
+    runs of about `quantum_s`."""
     sample = job.estimates.expected_s(Function.SAMPLE)
-    train = sum(job.estimates.expected_s(f) for f in _TRAIN)
-    return tuple(s for s in (sample, train) if s > 0)
+    if not job.step_calls:
+        train = sum(job.estimates.expected_s(f) for f in _TRAIN)
+        return tuple(s for s in (sample, train) if s > 0)
+    if quantum_s is None:
+        quantum_s = float("inf")
+    runs: list[float] = []
+    current = 0.0
+    for function in job.step_calls:
+        seconds = job.estimates.expected_s(function)
+        if function == Function.SAMPLE:
+            runs.append(seconds)
+            continue
+        if current and current + seconds > quantum_s:
+            runs.append(current)
+            current = 0.0
+        current += seconds
+    if current:
+        runs.append(current)
+    return tuple(s for s in runs if s > 0)
 
 
-def residual_s(job: JobView) -> float:
-    runs = step_runs(job)
+def residual_s(job: JobView, quantum_s: float | None = None) -> float:
+    runs = step_runs(job, quantum_s)
     total = sum(runs)
     return sum(s * s for s in runs) / (2 * total) if total > 0 else 0.0
 
 
-def predicted_slowdown(job: JobView, neighbours: Sequence[JobView]) -> float:
+def predicted_slowdown(
+    job: JobView, neighbours: Sequence[JobView], quantum_s: float | None = None
+) -> float:
     """Expected fractional step-time increase of `job` from sharing with `neighbours`."""
     if not neighbours:
         return 0.0
     others = sum(k.duty_cycle for k in neighbours)
     if others >= 1.0:
         return _UNBOUNDED
-    runs = step_runs(job)
+    runs = step_runs(job, quantum_s)
     busy = sum(runs)
     if busy <= 0 or job.duty_cycle <= 0:
         return 0.0
     period = busy / job.duty_cycle
-    wait = len(runs) * sum(k.duty_cycle * residual_s(k) for k in neighbours) / (1.0 - others / 2)
+    interference = sum(k.duty_cycle * residual_s(k, quantum_s) for k in neighbours)
+    wait = len(runs) * interference / (1.0 - others / 2)
     return wait / period
 
 
@@ -83,32 +104,50 @@ def worst_slowdown(jobs: Sequence[JobView]) -> float:
     )
 
 
+_Figures = tuple[int, float, float, float]
+"""(dispatches per step, duty, duty * residual, step period) of one job."""
+
+
+@dataclass
+class _Group:
+    load: float
+    """Sum of the duty cycles."""
+    dr: float
+    """Sum of duty * residual."""
+    reserved: int
+    figures: list[_Figures]
+
+
 class InterferenceFit:
-    """Placement: the fullest group of the job's size class where everyone stays within
+    """Placement: the fullest group of the job's size class where the jobs stay within
     budget; else an empty group; else None (wait).
 
-    One instance serves one plan: it caches each job's step figures, since admission
-    asks about every waiting job against every group.
+    One instance serves one admission pass (`admit_waiting`), which admits the job
+    wherever this returns: it caches job figures, size classes and group totals, and
+    adds each placed job to its group's totals, so asking about every waiting job
+    against every group costs arithmetic, not snapshot scans.
     """
 
-    def __init__(self, budget: float) -> None:
+    def __init__(self, budget: float, quantum_s: float | None = None) -> None:
         self.budget = budget
-        self._figures: dict[str, tuple[int, float, float, float]] = {}
+        self.quantum_s = quantum_s
+        self._figures: dict[str, _Figures] = {}
+        self._groups: dict[str, _Group] = {}
+        self._classes: dict[tuple[int, str], list[WorkerView]] = {}
 
-    def figures(self, job: JobView) -> tuple[int, float, float, float]:
-        """(dispatches per step, duty, duty * residual, step period) of a job."""
+    def figures(self, job: JobView) -> _Figures:
         cached = self._figures.get(job.job_id)
         if cached is None:
-            runs = step_runs(job)
+            runs = step_runs(job, self.quantum_s)
             busy = sum(runs)
             period = busy / job.duty_cycle if job.duty_cycle > 0 and busy > 0 else 0.0
-            cached = (len(runs), job.duty_cycle, job.duty_cycle * residual_s(job), period)
+            residual = sum(x * x for x in runs) / (2 * busy) if busy > 0 else 0.0
+            cached = (len(runs), job.duty_cycle, job.duty_cycle * residual, period)
             self._figures[job.job_id] = cached
         return cached
 
-    def slowdowns(self, members: Sequence[JobView]) -> list[float]:
-        """The predicted slowdown of each of `members` sharing one group."""
-        figs = [self.figures(j) for j in members]
+    def slowdowns(self, figs: Sequence[_Figures]) -> list[float]:
+        """The predicted slowdown of each of the jobs (by figures) sharing one group."""
         total_duty = sum(f[1] for f in figs)
         total_dr = sum(f[2] for f in figs)
         out: list[float] = []
@@ -125,33 +164,81 @@ class InterferenceFit:
     def within_budget(self, members: Sequence[JobView]) -> bool:
         """The group's mean predicted slowdown is within budget and nobody's exceeds
         twice the budget (the target is a mean; the guard keeps it fair)."""
-        slow = self.slowdowns(members)
+        return self._within([self.figures(j) for j in members])
+
+    def _within(self, figs: Sequence[_Figures]) -> bool:
+        slow = self.slowdowns(figs)
         return sum(slow) / len(slow) <= self.budget and max(slow) <= 2 * self.budget
 
+    def _within_adding(self, group: _Group, fig: _Figures) -> bool:
+        """`_within(group + fig)` without building the list: the new job's own slowdown
+        is checked first, as it most often fails."""
+        total_duty = group.load + fig[1]
+        total_dr = group.dr + fig[2]
+        guard = 2 * self.budget
+        runs, duty, dr, period = fig
+        first = runs * (total_dr - dr) / (1.0 - (total_duty - duty) / 2) / period if period else 0
+        if first > guard:
+            return False
+        total = first
+        for runs, duty, dr, period in group.figures:
+            if not period:
+                continue
+            slow = runs * (total_dr - dr) / (1.0 - (total_duty - duty) / 2) / period
+            if slow > guard:
+                return False
+            total += slow
+        return total / (len(group.figures) + 1) <= self.budget
+
+    def _group(self, snapshot: ClusterSnapshot, worker_id: str) -> _Group:
+        group = self._groups.get(worker_id)
+        if group is None:
+            homed = snapshot.homed(worker_id)
+            figs = [self.figures(j) for j in homed]
+            group = _Group(
+                load=sum(f[1] for f in figs),
+                dr=sum(f[2] for f in figs),
+                reserved=sum(j.state_bytes for j in homed),
+                figures=figs,
+            )
+            self._groups[worker_id] = group
+        return group
+
+    def _size_class(self, snapshot: ClusterSnapshot, job: JobView) -> list[WorkerView]:
+        key = (job.devices, job.base_model)
+        if key not in self._classes:
+            self._classes[key] = size_class(snapshot, job)
+        return self._classes[key]
+
     def __call__(self, snapshot: ClusterSnapshot, job: JobView) -> str | None:
-        best: tuple[float, str] | None = None
-        empty: str | None = None
-        duty = job.duty_cycle
-        for worker in size_class(snapshot, job):
-            if not fits_memory(snapshot, worker, job):
+        best: tuple[float, WorkerView] | None = None
+        empty: WorkerView | None = None
+        fig = self.figures(job)
+        for worker in self._size_class(snapshot, job):
+            group = self._group(snapshot, worker.worker_id)
+            if group.reserved + job.state_bytes > worker.device_bytes + worker.host_bytes:
                 continue
-            homed = snapshot.homed(worker.worker_id)
-            if not homed:
-                empty = empty or worker.worker_id
+            if not group.figures:
+                empty = empty or worker
                 continue
-            group_load = sum(j.duty_cycle for j in homed)
-            if group_load + duty >= 1.0 or (best is not None and group_load <= best[0]):
+            if group.load + fig[1] >= 1.0 or (best is not None and group.load <= best[0]):
                 continue
-            if not self.within_budget([*homed, job]):
+            if not self._within_adding(group, fig):
                 continue
-            best = (group_load, worker.worker_id)
-        if best is not None:
-            return best[1]
-        return empty
+            best = (group.load, worker)
+        chosen = best[1] if best is not None else empty
+        if chosen is None:
+            return None
+        group = self._groups[chosen.worker_id]
+        group.load += fig[1]
+        group.dr += fig[2]
+        group.reserved += job.state_bytes
+        group.figures.append(fig)
+        return chosen.worker_id
 
 
 def interference_fit(snapshot: ClusterSnapshot, job: JobView, budget: float) -> str | None:
-    """`InterferenceFit` for a single question."""
+    """`InterferenceFit` for a single question about the snapshot as it is."""
     return InterferenceFit(budget)(snapshot, job)
 
 
@@ -218,12 +305,17 @@ def _has_calls(snapshot: ClusterSnapshot, move: Move) -> bool:
 def plan_plexrl(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
     actions: list[Action] = []
     admitted, snapshot = admit_waiting(
-        snapshot, InterferenceFit(config.slowdown_budget), backfill=True
+        snapshot, InterferenceFit(config.slowdown_budget, config.quantum_s), backfill=True
     )
     actions.extend(admitted)
     order = partial(response_ratio_order, switch_weight=config.switch_weight)
     runs, snapshot = dispatch(
-        snapshot, config, order, key=_idle_first(snapshot.now), keep_snapshot=config.prefetch
+        snapshot,
+        config,
+        order,
+        key=_idle_first(snapshot.now),
+        keep_snapshot=config.prefetch,
+        quantum_s=config.quantum_s,
     )
     actions.extend(runs)
     if config.prefetch:

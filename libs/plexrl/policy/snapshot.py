@@ -98,6 +98,9 @@ class JobView:
     pinned: bool = False
     """Its device-tier state is in use outside any Run (e.g. a rollout's straggler
     sequences still decoding after the group was released); never evict it."""
+    step_calls: tuple[Function, ...] = ()
+    """The calls one training step of the job makes, in order, when known (from its
+    profile or its observed loop); empty: unknown."""
 
 
 @dataclass(frozen=True)

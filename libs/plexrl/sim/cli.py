@@ -96,9 +96,7 @@ def sim(
     names = list(DEPLOYMENTS) if policy == "all" else [p.strip() for p in policy.split(",")]
     overrides = _parse_sets(set_ or [])
     # The report compares against the dedicated baselines, which cost next to nothing.
-    for base in ("isolated", "split-async", "colocated"):
-        if base not in names:
-            names.insert(0, base)
+    names = [b for b in ("isolated", "colocated", "split-async") if b not in names] + names
     typer.echo(
         f"plexrl sim: {setup.workload.name}, {len(setup.jobs)} jobs on {setup.gpus} GPUs "
         f"({len(setup.groups)} groups), seed {seed}: {', '.join(label(n) for n in names)}",
@@ -120,21 +118,23 @@ def sim(
     else:
         results = {}
         bars: dict[str, Any] = {}
-        horizon_days = [1.0]
+        horizon_s = [86400.0]
 
         def tick(name: str, x: float) -> None:
+            # Shared deployments report simulated seconds, dedicated ones a fraction.
+            in_time = name not in ("isolated", "colocated", "split-async")
+            scale = 86400.0 if horizon_s[0] >= 2 * 86400 else 1.0
             if name not in bars:
-                kind_days = name not in ("isolated", "colocated", "split-async")
                 bars[name] = tqdm(
-                    total=round(horizon_days[0], 1) if kind_days else 1.0,
+                    total=round(horizon_s[0] / scale, 1) if in_time else 1.0,
                     desc=label(name),
-                    unit="day" if kind_days else "",
+                    unit=("day" if scale > 1 else "s") if in_time else "",
                     file=sys.stderr,
                     bar_format="{l_bar}{bar}| {n:.1f}/{total_fmt} {unit}",
                 )
             b = bars[name]
-            value = x / 86400 if b.unit == "day" else x
-            b.update(min(value, b.total) - b.n)
+            value = x / scale if in_time else x
+            b.update(max(0.0, min(value, b.total) - b.n))
 
         for name in names:
             try:
@@ -146,7 +146,7 @@ def sim(
             if name in bars:
                 bars[name].close()
             if name == "isolated":
-                horizon_days[0] = max(part[name].makespan_s / 86400, 1.0)
+                horizon_s[0] = max(part[name].makespan_s, 1.0)
     figs = write_report(out, setup, results, charts=charts)
     figs["out"] = str(out)
     figs["wall_s"] = time.perf_counter() - started

@@ -61,6 +61,7 @@ class _Job:
     reward_hint_s: float
     misc_hint_s: float
     result: JobResult
+    step_calls: tuple[Function, ...] = ()
     home: str | None = None
     tier: Tier | None = None
     last_active: float = 0.0
@@ -90,6 +91,7 @@ class _Job:
                 estimates=self.estimates,
                 duty_cycle=self.duty,
                 pinned=self.pinned,
+                step_calls=self.step_calls,
             )
         return self.view
 
@@ -202,6 +204,12 @@ class MultiplexedSim:
             reward_hint_s=float(steps.reward_s.mean()),
             misc_hint_s=float(steps.misc_s.mean()),
             result=result,
+            step_calls=(
+                Function.SAMPLE,
+                *[Function.FORWARD_BACKWARD] * steps.fb_calls,
+                Function.OPTIM_STEP,
+                Function.SAVE,
+            ),
         )
 
     # Event queue -------------------------------------------------------------------------
