@@ -151,3 +151,16 @@ async def test_calls_wait_for_a_worker_instead_of_failing() -> None:
     actuator = Actuator(state, None, None, None, finished)  # type: ignore[arg-type]
     await actuator.carry_out((reject,))
     assert "r1" in state.pending and "j" in state.jobs
+
+
+def test_duty_cycle_is_measured_once_a_job_has_history() -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock)
+    state.on_heartbeat(beat("w0"))
+    state.add_job("j", "t", JobSpec(base_model="m"), home="w0")
+    state.on_request(req("r1", "j"), delivery(0))
+    assert state.snapshot().jobs["j"].duty_cycle == 0.5  # no history yet
+    state.apply_run("d", "w0", "j", state.take_pending(("r1",)), ())
+    clock.t += 10
+    state.on_completion(done("r1", "j", compute_s=2.0))
+    assert abs(state.snapshot().jobs["j"].duty_cycle - 0.2) < 1e-9

@@ -35,6 +35,8 @@ Clock = Callable[[], float]
 
 # Weight of the newest observation in a job's running mean of call durations.
 _EWMA = 0.3
+# Wall time a job must have been seen for before its measured duty cycle is used.
+_MIN_HISTORY_S = 5.0
 
 
 @dataclass
@@ -48,10 +50,20 @@ class JobState:
     last_active: float = 0.0
     idle_until: float = 0.0
     durations: dict[Function, float] = field(default_factory=dict)
+    first_seen: float | None = None
+    """When its first call arrived here: the start of the span its duty cycle covers."""
+    busy_s: float = 0.0
+    """Device-seconds (swap + compute) its calls have used."""
 
     def observe(self, function: Function, seconds: float) -> None:
         old = self.durations.get(function)
         self.durations[function] = seconds if old is None else old + _EWMA * (seconds - old)
+
+    def duty_cycle(self, now: float) -> float:
+        """Fraction of its wall time the job kept a device busy (0.5 until it has a history)."""
+        if self.first_seen is None or now - self.first_seen < _MIN_HISTORY_S:
+            return 0.5
+        return min(1.0, max(0.01, self.busy_s / (now - self.first_seen)))
 
 
 @dataclass
@@ -106,6 +118,9 @@ class ClusterState:
         return job
 
     def on_request(self, request: PhaseRequest, delivery: Delivery | None) -> None:
+        job = self.jobs.get(request.job_id)
+        if job is not None and job.first_seen is None:
+            job.first_seen = self._clock()
         self.pending[request.request_id] = Pending(request, delivery)
         self._changed.set()
 
@@ -119,6 +134,7 @@ class ClusterState:
         if job is not None:
             job.last_active = self._clock()
             job.observe(completion.function, completion.timings.compute_s)
+            job.busy_s += completion.timings.compute_s + completion.timings.swap_s
             if completion.function == Function.UNLOAD:
                 del self.jobs[job.job_id]
         run = self.inflight.get(worker_id)
@@ -210,6 +226,7 @@ class ClusterState:
                 last_active=j.last_active,
                 idle_until=j.idle_until,
                 estimates=CallEstimates(dict(j.durations)),
+                duty_cycle=j.duty_cycle(now),
             )
             for jid, j in self.jobs.items()
         }
