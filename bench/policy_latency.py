@@ -1,8 +1,9 @@
 """Decision latency of the live policy on a 2,048-GPU cluster snapshot.
 
 The snapshot is real, not synthetic: the three-month trace is simulated under the
-policy up to `--at-days` (by then the cluster is full and jobs wait for admission), and
-three snapshots of that moment are timed:
+policy (on the engine with the early tail release, so groups hold several jobs) up to
+`--at-days`, by when the cluster is full and jobs wait for admission, and three
+snapshots of that moment are timed:
 
 - `cluster`: the simulator's whole-cluster snapshot as it is (what the live scheduler
   hands the policy: every worker, every job, every pending call);
@@ -29,6 +30,7 @@ from plexrl.messages import Function
 from plexrl.policy import ClusterSnapshot, PendingCall, PolicyConfig, plan
 from plexrl.sim.multiplexed import MultiplexedSim
 from plexrl.sim.run import policy_config, prepare
+from plexrl.sim.workload import TAIL_RELEASE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -88,12 +90,19 @@ def main() -> None:
     parser.add_argument("--at-days", type=float, default=30.0)
     parser.add_argument("--repeat", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tail-release",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="warm up on the engine with the early tail release (denser groups)",
+    )
     args = parser.parse_args()
 
     setup = prepare(args.workload, seed=args.seed, gpus=args.gpus)
     config = policy_config(setup, args.policy, {})
-    layout = setup.groups_for(args.policy, setup.factory)
-    sim = MultiplexedSim(setup.factory, setup.jobs, layout, config, setup.gpus)
+    factory = setup.factory.with_tail_release(TAIL_RELEASE if args.tail_release else None)
+    layout = setup.groups_for(args.policy, factory)
+    sim = MultiplexedSim(factory, setup.jobs, layout, config, setup.gpus)
     t0 = time.perf_counter()
     sim.run(until_s=args.at_days * 86400)
     warmup_s = time.perf_counter() - t0
@@ -119,6 +128,7 @@ def main() -> None:
         "waiting_jobs": len(full.jobs) - homed,
         "pending_calls": len(full.pending),
         "at_days": args.at_days,
+        "tail_release": args.tail_release,
         "cluster_ms": summary(full_ms),
         "cluster_all_free_ms": summary(stress_ms),
         "group_ms": summary(group_ms),

@@ -14,13 +14,15 @@ The interference model (per job i, neighbours k on the same group):
     wait_i  = runs_i * sum_k(duty_k * residual_k) / (1 - sum_k duty_k / 2)
     slow_i  = wait_i / period_i
 
-where `runs_i` is the number of dispatches i makes per step (a sample, then the
-training calls), `residual_k` the mean remaining time of a k dispatch found in
-progress (sum s^2 / 2 sum s over k's dispatches) and `period_i` the job's step time
-(its busy seconds over its duty cycle). With `1 - sum duty` in the denominator it would
-be the M/G/1 wait of Poisson arrivals; RLVR jobs are periodic and queue far less
-(the simulator measures about half of that at the loads that matter), so the
-amplification is halved.
+where `runs_i` is the number of dispatches job i makes per step (its sample, then its
+training calls in time slices of `quantum_s`: each may find the group busy),
+`residual_k` the mean remaining time of a k dispatch found in progress
+(sum s^2 / 2 sum s over k's dispatches, which the slices keep short) and `period_i` the
+job's step time (its busy seconds over its duty cycle). With `1 - sum duty` in the
+denominator it would be the M/G/1 wait of Poisson arrivals; RLVR jobs are periodic and
+queue far less (the simulator measures about half of that at the loads that matter),
+so the amplification is halved. On the three-month trace with the early tail release,
+a 5% budget gives a measured mean slowdown of 5.6% (per size 5.9%, 5.7%, 4.7%).
 """
 
 from __future__ import annotations

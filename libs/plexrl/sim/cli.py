@@ -79,6 +79,13 @@ def sim(
             help="PolicyConfig override for the shared deployments, e.g. --set max_load=0.9.",
         ),
     ] = None,
+    partition: Annotated[
+        str | None,
+        typer.Option(
+            help="Split of the GPUs into groups per model size: dedicated (default; the "
+            "same layout for every deployment), shared, or auto.",
+        ),
+    ] = None,
     charts: Annotated[bool, typer.Option(help="Write the PNG charts.")] = True,
 ) -> None:
     """Simulate RLVR jobs on a cluster under the scheduler's own policy code."""
@@ -89,7 +96,7 @@ def sim(
 
     started = time.perf_counter()
     try:
-        setup = prepare(workload, seed=seed, gpus=gpus, days=days, jobs=jobs)
+        setup = prepare(workload, seed=seed, gpus=gpus, days=days, jobs=jobs, partition=partition)
     except (OSError, ValueError) as err:
         typer.echo(f"plexrl sim: {err}", err=True)
         raise typer.Exit(2) from None

@@ -402,8 +402,10 @@ class MultiplexedSim:
         job.idle_until = 0.0
         job.touch()
         r = job.result
-        # Waiting for a home is admission wait, counted apart from waiting for the group.
-        r.call_queue_s += sum(self.now - max(c.arrival_time, r.start_s) for c in calls)
+        # Time the job was ready but the group was not: from its oldest call's arrival
+        # (or its home, or the end of its own previous Run, whichever is later) to now.
+        ready = max(calls[0].arrival_time, r.start_s, job.last_active)
+        r.call_queue_s += max(0.0, self.now - ready)
         r.swap_s += swap
         r.compute_s += end - start
         used = group.spec.devices * (swap + work)

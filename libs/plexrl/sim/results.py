@@ -35,7 +35,8 @@ class JobResult:
     """Cluster view of its cost: its pool, or its share (by use) of every second its
     group was held, idle time included."""
     call_queue_s: float = 0.0
-    """Summed wait of its calls for the group."""
+    """Seconds it was ready to run (a call pending, its previous Run over) while its
+    group ran something else, summed over its Runs."""
     swap_s: float = 0.0
     compute_s: float = 0.0
     swaps: int = 0

@@ -69,7 +69,7 @@ class Setup:
     jobs: list[JobSpec]
     groups: list[GroupSpec]
     """The dedicated split (or the named workers): what the dedicated deployments use."""
-    partition: str = "auto"
+    partition: str = "dedicated"
 
     def groups_for(self, name: str, factory: JobFactory) -> list[GroupSpec]:
         """The groups a deployment runs on (see `ClusterSpec.partition`)."""

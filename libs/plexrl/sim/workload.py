@@ -198,11 +198,11 @@ class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     swap: SwapSpec = SwapSpec()
     groups: dict[str, int] | None = None
     """Groups per profile; by default the GPUs are split by each profile's expected demand."""
-    partition: str = "auto"
-    """How the default split weighs demand: `dedicated` (device-seconds of whole runs),
-    `shared` (device-seconds the jobs' calls hold a group), or `auto` (each deployment
-    on the split a planner would choose for it: dedicated for Isolated, Colocated and
-    Split-Async, shared for the PlexRL policies)."""
+    partition: str = "dedicated"
+    """How the default split weighs demand: `dedicated` (device-seconds of whole runs;
+    every deployment on the same layout), `shared` (device-seconds the jobs' calls hold
+    a group: a layout for a cluster that multiplexes), or `auto` (dedicated for
+    Isolated, Colocated and Split-Async, shared for the policies)."""
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
