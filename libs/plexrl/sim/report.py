@@ -105,6 +105,21 @@ def figures(setup: Setup, results: dict[str, DeploymentResult]) -> dict[str, Any
     }
 
 
+def _bytes(n: float) -> str:
+    for unit, size in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _span(seconds: float) -> str:
+    if seconds >= 2 * DAY:
+        return f"{seconds / DAY:.1f} d"
+    if seconds >= 2 * HOUR:
+        return f"{seconds / HOUR:.1f} h"
+    return f"{seconds:.1f} s"
+
+
 def _mean(values: list[float]) -> float:
     return float(np.mean(values)) if values else math.nan
 
@@ -128,17 +143,17 @@ def markdown(setup: Setup, results: dict[str, DeploymentResult], figs: dict[str,
     add("## Deployments")
     add("")
     add(
-        "| deployment | makespan (days) | vs Isolated | mean slowdown | p95 slowdown | "
-        "admission wait (h) | call wait per step (s) | busy fraction | swapped (TB) |"
+        "| deployment | makespan | vs Isolated | mean slowdown | p95 slowdown | "
+        "admission wait (h) | call wait per step (s) | busy fraction | swapped |"
     )
     add("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for e in dep.values():
         add(
-            f"| {e['label']} | {_f(e['makespan_days'])} | "
+            f"| {e['label']} | {_span(e['makespan_days'] * DAY)} | "
             f"{_f(e.get('makespan_vs_isolated', math.nan), 1, pct=True)} | "
             f"{_f(e['mean_slowdown'], 1, pct=True)} | {_f(e['p95_slowdown'], 1, pct=True)} | "
             f"{_f(e['mean_admission_wait_h'], 1)} | {_f(e['mean_call_wait_per_step_s'], 1)} | "
-            f"{_f(e['busy_fraction'], 1, pct=True)} | {_f(e['swapped_tb'], 1)} |"
+            f"{_f(e['busy_fraction'], 1, pct=True)} | {_bytes(e['swapped_tb'] * 1e12)} |"
         )
     add("")
     add(
