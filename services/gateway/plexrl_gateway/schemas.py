@@ -10,6 +10,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from plexrl.messages import AdamParams
+
 
 class Body(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
@@ -57,13 +59,16 @@ class ModelIdBody(Body):
     model_id: str
 
 
+_ADAM = AdamParams()  # Tinker's defaults are the contract's: one place for them
+
+
 class AdamParamsBody(Body):
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
+    learning_rate: float = _ADAM.learning_rate
+    beta1: float = _ADAM.beta1
+    beta2: float = _ADAM.beta2
+    eps: float = _ADAM.eps
+    weight_decay: float = _ADAM.weight_decay
+    grad_clip_norm: float = _ADAM.grad_clip_norm
 
 
 class OptimStepBody(Body):
