@@ -6,6 +6,33 @@ import asyncio
 import logging
 import signal
 from collections.abc import Awaitable, Callable
+from typing import NamedTuple
+
+from plexrl import tracing
+from plexrl.kafka import Publisher, ensure_topics, wait_for_kafka
+from plexrl.meta import MetaStore
+from plexrl.settings import CommonSettings
+from plexrl.topics import Topics, core_topics
+
+
+class ClusterLink(NamedTuple):
+    """What every service opens first: its topics, the metadata store, a (stopped) producer."""
+
+    topics: Topics
+    meta: MetaStore
+    publisher: Publisher
+
+
+async def join_cluster(
+    settings: CommonSettings, name: str, extra_topics: dict[str, int] | None = None
+) -> ClusterLink:
+    """Tracing under `name`; wait for Kafka; create the topics; connect to Redis."""
+    tracing.setup_tracing(name)
+    topics = Topics(settings.cluster_id)
+    await wait_for_kafka(settings.kafka_bootstrap)
+    await ensure_topics(settings.kafka_bootstrap, {**core_topics(topics), **(extra_topics or {})})
+    meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
+    return ClusterLink(topics, meta, Publisher(settings.kafka_bootstrap, name))
 
 
 def configure_logging(level: str) -> None:

@@ -6,13 +6,11 @@ import asyncio
 import contextlib
 import logging
 
-from plexrl import tracing
 from plexrl.health import HttpServer
-from plexrl.kafka import MessageConsumer, Publisher, ensure_topics, wait_for_kafka
+from plexrl.kafka import MessageConsumer
 from plexrl.messages import PhaseCompletion
-from plexrl.meta import MetaStore
+from plexrl.service import join_cluster
 from plexrl.settings import GatewaySettings
-from plexrl.topics import Topics, core_topics
 from plexrl_gateway.app import build_app
 from plexrl_gateway.components import Gateway
 
@@ -20,12 +18,7 @@ log = logging.getLogger("plexrl.gateway")
 
 
 async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
-    tracing.setup_tracing("plexrl-gateway")
-    topics = Topics(settings.cluster_id)
-    await wait_for_kafka(settings.kafka_bootstrap)
-    await ensure_topics(settings.kafka_bootstrap, core_topics(topics))
-    meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
-    publisher = Publisher(settings.kafka_bootstrap, "plexrl-gateway")
+    topics, meta, publisher = await join_cluster(settings, "plexrl-gateway")
     gateway = Gateway.build(settings, meta, publisher)
     # Every gateway sees every completion (no group, from now on): they only wake
     # waiters; Redis holds the results.

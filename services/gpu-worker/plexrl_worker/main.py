@@ -11,13 +11,13 @@ from opentelemetry import trace
 
 from plexrl import tracing
 from plexrl.health import HttpServer, health_app
-from plexrl.kafka import Delivery, MessageConsumer, Publisher, ensure_topics, wait_for_kafka
+from plexrl.kafka import Delivery, MessageConsumer
 from plexrl.messages import Dispatch
-from plexrl.meta import MetaStore
 from plexrl.models import ModelRegistry
+from plexrl.service import join_cluster
 from plexrl.settings import WorkerSettings
 from plexrl.state_store_client import StateStoreClient
-from plexrl.topics import Topics, core_topics
+from plexrl.topics import Topics
 from plexrl_worker.engine import EngineConfig, TorchEngine
 from plexrl_worker.engine_thread import EngineThread
 from plexrl_worker.heartbeat import Heartbeat
@@ -83,15 +83,10 @@ class DispatchHandler:
 
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
-    tracing.setup_tracing(f"plexrl-worker-{settings.worker_id}")
-    topics = Topics(settings.cluster_id)
-    await wait_for_kafka(settings.kafka_bootstrap)
-    await ensure_topics(
-        settings.kafka_bootstrap, {**core_topics(topics), topics.dispatch(settings.worker_id): 1}
-    )
-    meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
+    name = f"plexrl-worker-{settings.worker_id}"
+    own_topic = Topics(settings.cluster_id).dispatch(settings.worker_id)
+    topics, meta, publisher = await join_cluster(settings, name, {own_topic: 1})
     store = StateStoreClient(settings.state_store_url)
-    publisher = Publisher(settings.kafka_bootstrap, f"plexrl-worker-{settings.worker_id}")
     registry = ModelRegistry(settings.model_registry)
     engine = TorchEngine(
         registry,

@@ -7,14 +7,14 @@ import contextlib
 import logging
 from typing import Any
 
-from plexrl import tracing
 from plexrl.health import HttpServer, health_app
-from plexrl.kafka import MessageConsumer, Publisher, ensure_topics, wait_for_kafka
+from plexrl.kafka import MessageConsumer, ensure_topics
 from plexrl.messages import Event, PhaseCompletion, PhaseRequest
 from plexrl.meta import MetaStore
 from plexrl.policy import PolicyConfig, plan
+from plexrl.service import join_cluster
 from plexrl.settings import SchedulerSettings
-from plexrl.topics import Topics, core_topics
+from plexrl.topics import Topics
 from plexrl_scheduler.actuator import Actuator
 from plexrl_scheduler.receiver import Receiver
 from plexrl_scheduler.state import ClusterState
@@ -23,12 +23,7 @@ log = logging.getLogger("plexrl.scheduler")
 
 
 async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
-    tracing.setup_tracing("plexrl-scheduler")
-    topics = Topics(settings.cluster_id)
-    await wait_for_kafka(settings.kafka_bootstrap)
-    await ensure_topics(settings.kafka_bootstrap, core_topics(topics))
-    meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
-    publisher = Publisher(settings.kafka_bootstrap, "plexrl-scheduler")
+    topics, meta, publisher = await join_cluster(settings, "plexrl-scheduler")
     state = ClusterState(worker_timeout_s=settings.worker_timeout_s)
     await restore(state, meta)
     policy = PolicyConfig(name=settings.policy, max_calls_per_run=settings.max_calls_per_run)
