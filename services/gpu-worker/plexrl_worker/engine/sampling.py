@@ -118,18 +118,29 @@ def generate(
         logits = out.logits[0].float()
         if full:
             prompt_lp, topk_lp = _prompt_logprobs(logits, inp.prompt, inp)
-        cache = out.cache
+        cache, cache_kw = kv_cache(out)
         cache.batch_repeat_interleave(rows)
         first = logits[-1].expand(rows, -1)
-        sequences += _decode(model, cache, first, rows, params, stop, generator)
+        sequences += _decode(model, cache, cache_kw, first, rows, params, stop, generator)
     return SampleOutput(
         sequences=sequences, prompt_logprobs=prompt_lp, topk_prompt_logprobs=topk_lp
     )
 
 
+def kv_cache(out: Any) -> tuple[Any, str]:
+    """The KV cache a forward pass returned, and the keyword that passes it back in:
+    `cache` from transformers 5.2x on, `past_key_values` before (the engine runs on
+    any 5.x; GPU images often hold an older one than this project's lock)."""
+    cache = getattr(out, "cache", None)
+    if cache is not None:
+        return cache, "cache"
+    return out.past_key_values, "past_key_values"
+
+
 def _decode(
     model: nn.Module,
     cache: Any,
+    cache_kw: str,
     logits: torch.Tensor,
     rows: int,
     params: SamplingParams,
@@ -159,7 +170,7 @@ def _decode(
             cache.batch_select_indices(index)
             chosen = chosen[index]
             active = [active[j] for j in keep]
-        out = model(input_ids=chosen[:, None], cache=cache, use_cache=True)
+        out = model(input_ids=chosen[:, None], use_cache=True, **{cache_kw: cache})
         logits = out.logits[:, -1].float()
     return [
         SampledSequence(tokens=t, logprobs=lp, stop_reason=r)
