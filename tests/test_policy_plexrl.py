@@ -18,7 +18,12 @@ from plexrl.policy import (
     WorkerView,
     plan,
 )
-from plexrl.policy.plexrl_policy import InterferenceFit, predicted_slowdown, residual_s, step_runs
+from plexrl.policy.plexrl_policy import (
+    InterferenceFit,
+    call_residual_s,
+    predicted_slowdown,
+    step_phases,
+)
 
 GB = 10**9
 EST = CallEstimates(
@@ -71,13 +76,26 @@ CFG = PolicyConfig(name="plexrl")
 
 def test_predicted_slowdown_matches_the_formula():
     a, b = job("a", duty=0.2), job("b", duty=0.3)
-    # Runs per step: sample 60, train 40 -> residual (3600 + 1600) / (2 * 100) = 26.
-    assert step_runs(a) == (60.0, 40.0)
-    assert residual_s(b) == pytest.approx(26.0)
-    # wait_a = 2 * 0.3 * 26 / (1 - 0.3 / 2); period_a = 100 / 0.2.
-    assert predicted_slowdown(a, [b]) == pytest.approx(2 * 0.3 * 26 / 0.85 / 500)
+    # Phases per step: sample 60, training 40; b's calls in progress have 26 s left on
+    # average ((3600 + 1600) / 200) and its step lasts 100 / 0.3 s.
+    assert step_phases(a) == (60.0, 40.0)
+    assert call_residual_s(b) == pytest.approx(26.0)
+    # a's 60 s sample meets b's sample (60^2 / 2) and training (40^2 / 2 + 20 x 40 cutting
+    # in); a's 40 s training meets b's sample (40^2 / 2 + 20 x 26) and training (40^2 / 2).
+    meeting = 1800 + 1600 + 1320 + 800
+    wait = meeting / (100 / 0.3)
+    assert predicted_slowdown(a, [b]) == pytest.approx(wait / 500 / (1 - 0.3 / 2))
     assert predicted_slowdown(a, []) == 0.0
     assert predicted_slowdown(a, [job("c", duty=1.0)]) == float("inf")
+
+
+def test_interference_grows_with_neighbours_and_their_load():
+    calls = (Function.SAMPLE, Function.FORWARD_BACKWARD, Function.OPTIM_STEP, Function.SAVE)
+    a = job("a", duty=0.25, step_calls=calls)
+    one = predicted_slowdown(a, [job("b", duty=0.25, step_calls=calls)])
+    two = predicted_slowdown(a, [job(k, duty=0.25, step_calls=calls) for k in "bc"])
+    busier = predicted_slowdown(a, [job("b", duty=0.5, step_calls=calls)])
+    assert 0 < one < busier and two > 2 * one
 
 
 def test_placement_prefers_the_fullest_group_within_budget():
@@ -107,9 +125,9 @@ def test_placement_falls_back_to_an_empty_group_then_waits():
         ],
         [call("new", 1.0), call("tiny", 2.0)],
     )
-    # "new" must wait; admission backfills "tiny": two dispatches per step (a 1 s sample,
-    # 0.15 s of training by the default estimates) every 2300 s, each expected to wait
-    # 0.6 * 26 / (1 - 0.6 / 2) = 22 s behind x: 45 / 2300 = 1.9% < 5%.
+    # "new" must wait; admission backfills "tiny": two phases per step (a 1 s sample,
+    # 0.15 s of training by the default estimates) every 2300 s, expected to wait about
+    # 31 s a step behind x (mostly x's calls in progress): 31 / 2300 / (1 - 0.6 / 2) = 1.9%.
     assert admits(plan(s_full, CFG)) == {"tiny": "g0"}
 
 
@@ -133,24 +151,37 @@ def test_dispatch_prefers_the_resident_job_at_equal_wait():
     assert [r.job_id for r in runs] == ["on"]
 
 
-def test_dispatch_by_response_ratio_lets_a_long_waiter_through():
+def test_dispatch_runs_the_least_remaining_work_first():
     s = snap(
         [worker("g0")],
         [job("a", "g0"), job("b", "g0")],
         [call("a", 90.0, Function.SAMPLE), call("b", 95.0, Function.OPTIM_STEP)],
     )
-    # a: (10 + 60) / 60 = 1.17; b: (5 + 5) / 5 = 2.0 -> the short call goes first.
+    # a: 60 s of work, waiting longer; b: 5 s -> the short one goes first.
     (run,) = [a for a in plan(s, CFG) if isinstance(a, Run)]
+    assert run.job_id == "b"
+    training = [PendingCall(f"a/fb{i}", "a", Function.FORWARD_BACKWARD, 50.0) for i in range(3)]
+    cut_in = snap(
+        [worker("g0")],
+        [job("a", "g0"), job("b", "g0")],
+        [*training, call("b", 99.0, Function.SAMPLE)],
+    )
+    # a still has 90 s of training queued; b's 60 s sample cuts in at the call boundary.
+    (run,) = [a for a in plan(cut_in, CFG) if isinstance(a, Run)]
     assert run.job_id == "b"
 
 
-def test_switch_cost_discounts_a_job_whose_state_is_away():
+def test_switch_cost_counts_as_remaining_work():
+    here_est = CallEstimates({Function.SAVE: 7.0})
     slow_disk = snap(
         [worker("g0", device_gb=30)],
-        [job("away", "g0", tier=Tier.DISK, state=20 * GB), job("here", "g0", state=20 * GB)],
-        [call("away", 0.0, Function.OPTIM_STEP), call("here", 30.0, Function.OPTIM_STEP)],
+        [
+            job("away", "g0", tier=Tier.DISK, state=20 * GB),
+            job("here", "g0", state=20 * GB, estimates=here_est),
+        ],
+        [call("away", 0.0, Function.OPTIM_STEP), call("here", 30.0, Function.SAVE)],
     )
-    # away: (100 + 5) / (5 + 4.4 s from disk) = 11.2; here: (70 + 5) / 5 = 15.
+    # away: 5 s + 4.4 s from disk = 9.4 s; here: 7 s.
     (run,) = [a for a in plan(slow_disk, CFG) if isinstance(a, Run)]
     assert run.job_id == "here"
     (run,) = [
@@ -214,16 +245,31 @@ def test_runs_on_a_shared_group_stop_at_the_quantum():
     ]
     shared = snap([worker("g0")], [job("a", "g0"), job("b", "g0")], train)
     (run,) = [a for a in plan(shared, CFG) if isinstance(a, Run)]
-    assert run.request_ids == ("a/fb0", "a/fb1")  # 30 s each; a third would pass 60 s
+    assert run.request_ids == ("a/fb0",)  # 30 s is past the 10 s quantum: one call
+    wide = PolicyConfig(name="plexrl", quantum_s=60.0)
+    (run,) = [a for a in plan(shared, wide) if isinstance(a, Run)]
+    assert run.request_ids == ("a/fb0", "a/fb1")  # a third would pass 60 s
     alone = snap([worker("g0")], [job("a", "g0")], train)
     (run,) = [a for a in plan(alone, CFG) if isinstance(a, Run)]
     assert len(run.request_ids) == 6
 
 
-def test_step_calls_and_quantum_shape_the_interference_model():
+def test_step_calls_shape_the_phases():
     calls = (Function.SAMPLE, *[Function.FORWARD_BACKWARD] * 4, Function.OPTIM_STEP, Function.SAVE)
     a = job("a", duty=0.3, step_calls=calls)
-    # sample 60; fb 30 x 4, optim 5, save 5 in quanta of 60: 60 | 60 | 10.
-    assert step_runs(a, 60.0) == (60.0, 60.0, 60.0, 10.0)
-    assert step_runs(a) == (60.0, 130.0)
-    assert residual_s(a, 60.0) < residual_s(a)
+    # sample 60, then fb 30 x 4, optim 5 and save 5 together: one 130 s phase.
+    assert step_phases(a) == (60.0, 130.0)
+    # Calls in progress: (60^2 + 4 x 30^2 + 2 x 5^2) / (2 x 190).
+    assert call_residual_s(a) == pytest.approx((3600 + 3600 + 50) / 380)
+    assert call_residual_s(a) < call_residual_s(job("b", duty=0.3))
+
+
+def test_a_run_goes_on_while_every_neighbour_said_it_stays_idle():
+    train = [PendingCall(f"a/fb{i}", "a", Function.FORWARD_BACKWARD, 90.0) for i in range(4)]
+    stalled = snap([worker("g0")], [job("a", "g0"), job("b", "g0", idle_until=175.0)], train)
+    # b stays idle for 75 s more: two 30 s calls fit before it may call, the third passes.
+    (run,) = [a for a in plan(stalled, CFG) if isinstance(a, Run)]
+    assert run.request_ids == ("a/fb0", "a/fb1")
+    awake = snap([worker("g0")], [job("a", "g0"), job("b", "g0", idle_until=50.0)], train)
+    (run,) = [a for a in plan(awake, CFG) if isinstance(a, Run)]
+    assert run.request_ids == ("a/fb0",)

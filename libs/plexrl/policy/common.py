@@ -272,6 +272,19 @@ def run_of(
     )
 
 
+def quiet_s(snapshot: ClusterSnapshot, worker_id: str, job: JobView) -> float:
+    """Seconds before any other job homed on the group may want it: the nearest end of
+    their idle hints; 0 when one has calls pending or gave no hint (it may call now)."""
+    quiet = float("inf")
+    for other in snapshot.homed(worker_id):
+        if other.job_id == job.job_id:
+            continue
+        if other.idle_until <= snapshot.now or snapshot.calls_of(other.job_id):
+            return 0.0
+        quiet = min(quiet, other.idle_until - snapshot.now)
+    return quiet if quiet != float("inf") else 0.0
+
+
 def dispatch(
     snapshot: ClusterSnapshot,
     config: PolicyConfig,
@@ -287,7 +300,9 @@ def dispatch(
     jobs, so each group's choice reads the snapshot as given; with `keep_snapshot` the
     returned snapshot shows the runs started (for later decisions in the same plan).
     With `quantum_s`, a Run on a group shared with other jobs stops at the quantum, so
-    the group is decided again after it (time-slicing at call boundaries).
+    the group is decided again after it (time-slicing at call boundaries), unless every
+    other job there said it will stay idle longer (`quiet_s`): then the Run goes on to
+    that point, as nobody could cut in before it anyway.
     """
     runs: list[Run] = []
     for worker_id, jobs in ready_by_worker(snapshot).items():
@@ -296,10 +311,10 @@ def dispatch(
             evict = make_room(snapshot, worker_id, job, key)
             if evict is None:
                 continue
-            shared = quantum_s is not None and len(snapshot.homed(worker_id)) > 1
-            runs.append(
-                run_of(snapshot, config, worker_id, job, evict, quantum_s if shared else None)
-            )
+            quantum = None
+            if quantum_s is not None and len(snapshot.homed(worker_id)) > 1:
+                quantum = max(quantum_s, quiet_s(snapshot, worker_id, job))
+            runs.append(run_of(snapshot, config, worker_id, job, evict, quantum))
             break
     if keep_snapshot and runs:
         snapshot = after_runs(snapshot, runs)

@@ -25,10 +25,11 @@ class PolicyConfig:
     to bring its state onto the device (0: ignore switch cost)."""
     prefetch: bool = True
     """Whether the plexrl policy prefetches the state of the job most likely next."""
-    quantum_s: float = 60.0
+    quantum_s: float = 10.0
     """On a group shared by several jobs, the plexrl policy sends a job's consecutive
     calls in one Run only up to about this many expected seconds (at least one call), so
-    a call that becomes ready waits for at most about one quantum of another job."""
+    the group is decided again at the next call boundary after it: a job with less
+    remaining work cuts in after at most about one quantum (or one call) of another."""
 
     def __post_init__(self) -> None:
         if self.max_calls_per_run < 1:

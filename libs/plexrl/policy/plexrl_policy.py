@@ -1,35 +1,49 @@
-"""PlexRL's own policy: interference-aware placement, backfilled admission, response-ratio
-dispatch discounted by switch cost, idle-hint-aware eviction and prefetch.
+"""PlexRL's own policy: interference-aware placement, backfilled admission, shortest
+remaining work first at call boundaries, idle-hint-aware eviction and prefetch.
+
+Dispatch on a shared group is preemptive at call boundaries: Runs there stop after about
+`quantum_s` seconds of calls, and the group then goes to the job with the least
+remaining pending work (its pending calls' expected seconds plus the seconds to bring
+its state onto the device), ties to the resident job, then the oldest call. Shortest
+remaining work first minimises the summed waiting of the jobs (and so, for jobs of one
+size class, their mean slowdown): a job back from its reward stall with a short sample
+cuts in between a neighbour's training calls instead of waiting for all of them.
+Nobody starves: admission keeps each group's planned load (the sum of its jobs' duty
+cycles) below 1, so a group always drains.
 
 Placement predicts, for every job on a candidate group, the extra seconds per training
-step it would wait behind its neighbours' calls, and homes the new job on the *fullest*
-group where the mean of those predictions stays within `slowdown_budget` of the jobs'
-step times (and none exceeds twice the budget). Jobs whose busy periods rarely
-coincide (low duty cycles, short calls) therefore stack deep; jobs with long calls get
+step it would wait behind its neighbours under that dispatch, and homes the new job on
+the *fullest* group where the mean of those predictions stays within `slowdown_budget`
+of the jobs' step times (and none exceeds twice the budget). Jobs whose busy periods
+rarely coincide (low duty cycles, short calls) stack deep; jobs with long calls get
 fewer neighbours. When no shared group is within budget the job takes an empty group,
 and when none is empty it waits while later jobs that do fit are admitted past it.
 
-The interference model (per job i, neighbours k on the same group):
+The interference model. A job's step is a sequence of *phases* (its sample, then its
+training calls, which arrive together); phase x of job i meets neighbour k (step period
+p_k, phases q of l_q seconds, mean remaining call c_k) in three ways:
 
-    wait_i  = runs_i * sum_k(duty_k * residual_k) / (1 - sum_k duty_k / 2)
-    slow_i  = wait_i / period_i
+    k is in a phase no longer than x:        (l_q / p_k) * l_q / 2    (it finishes first)
+    k is in a longer phase:                  (l_q / p_k) * ((x/l_q) * x/2 + (1 - x/l_q) * c_k)
+                                             (its remaining work goes first if shorter than
+                                             x, else i waits for its call in progress)
+    k starts a shorter phase during x:       max(x - l_q, 0) * l_q / p_k   (it cuts in)
 
-where `runs_i` is the number of dispatches job i makes per step (its sample, then its
-training calls in time slices of `quantum_s`: each may find the group busy),
-`residual_k` the mean remaining time of a k dispatch found in progress
-(sum s^2 / 2 sum s over k's dispatches, which the slices keep short) and `period_i` the
-job's step time (its busy seconds over its duty cycle). With `1 - sum duty` in the
-denominator it would be the M/G/1 wait of Poisson arrivals; RLVR jobs are periodic and
-queue far less (the simulator measures about half of that at the loads that matter),
-so the amplification is halved. On the three-month trace with the early tail release,
-a 5% budget gives a measured mean slowdown of 5.6% (per size 5.9%, 5.7%, 4.7%).
+    slow_i = sum_x sum_k wait(x, k) / p_i / (1 - sum_k duty_k / 2)
+
+The pairwise terms are first order (neighbours do not meet each other); the
+denominator amplifies them with the group's load, at half the M/G/1 rate, since RLVR
+jobs are periodic and queue far less than Poisson arrivals would. Calibrated on the
+simulator with the paper mix's profiles (measured against predicted mean slowdown,
+pairs: 7B 3.2% / 3.8%, 30B 6.6% / 9.4%, 235B 3.3% / 4.0%; triples 7.8% / 8.9%,
+21% / 24%, 9.5% / 9.3%): slightly pessimistic for pairs, close for triples.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, field
+from functools import lru_cache, partial
 
 from plexrl.messages import Function, Tier
 from plexrl.policy.actions import Action, Move, Plan, Prefetch, Run
@@ -47,55 +61,91 @@ _TRAIN = (Function.FORWARD_BACKWARD, Function.OPTIM_STEP, Function.SAVE)
 _UNBOUNDED = float("inf")
 
 
-def step_runs(job: JobView, quantum_s: float | None = None) -> tuple[float, ...]:
-    """Expected seconds of each dispatch of one training step: the sample, then the
-    training calls, sent together, or (given the job's `step_calls` and a quantum) in
-    runs of about `quantum_s`."""
-    sample = job.estimates.expected_s(Function.SAMPLE)
+def step_phases(job: JobView) -> tuple[float, ...]:
+    """Expected seconds of each phase of one training step: the sample, then the
+    training calls together (from the job's `step_calls` when known)."""
     if not job.step_calls:
+        sample = job.estimates.expected_s(Function.SAMPLE)
         train = sum(job.estimates.expected_s(f) for f in _TRAIN)
         return tuple(s for s in (sample, train) if s > 0)
-    if quantum_s is None:
-        quantum_s = float("inf")
-    runs: list[float] = []
+    phases: list[float] = []
     current = 0.0
     for function in job.step_calls:
         seconds = job.estimates.expected_s(function)
         if function == Function.SAMPLE:
-            runs.append(seconds)
-            continue
-        if current and current + seconds > quantum_s:
-            runs.append(current)
-            current = 0.0
-        current += seconds
+            if current:
+                phases.append(current)
+                current = 0.0
+            phases.append(seconds)
+        else:
+            current += seconds
     if current:
-        runs.append(current)
-    return tuple(s for s in runs if s > 0)
+        phases.append(current)
+    return tuple(s for s in phases if s > 0)
 
 
-def residual_s(job: JobView, quantum_s: float | None = None) -> float:
-    runs = step_runs(job, quantum_s)
-    total = sum(runs)
-    return sum(s * s for s in runs) / (2 * total) if total > 0 else 0.0
+def call_residual_s(job: JobView) -> float:
+    """Mean remaining seconds of one of the job's calls found in progress."""
+    calls = [job.estimates.expected_s(f) for f in job.step_calls] or list(step_phases(job))
+    total = sum(calls)
+    return sum(s * s for s in calls) / (2 * total) if total > 0 else 0.0
 
 
-def predicted_slowdown(
-    job: JobView, neighbours: Sequence[JobView], quantum_s: float | None = None
-) -> float:
+@lru_cache(maxsize=4096)
+def _meeting_s(mine: tuple[float, ...], theirs: tuple[float, ...], residual: float) -> float:
+    """Seconds per step my phases wait behind a neighbour with step period 1 (divide
+    by the neighbour's period): the three terms of the module's model."""
+    total = 0.0
+    for x in mine:
+        for length in theirs:
+            if length <= x:
+                total += length * length / 2 + (x - length) * length
+            else:
+                total += x * x / 2 + (length - x) * residual
+    return total
+
+
+@dataclass(frozen=True)
+class Figures:
+    """What the interference model needs of one job."""
+
+    phases: tuple[float, ...]
+    period: float
+    """Seconds of one step (its busy seconds over its duty cycle); 0 if unknown."""
+    residual: float
+    duty: float
+
+
+def figures_of(job: JobView) -> Figures:
+    phases = step_phases(job)
+    busy = sum(phases)
+    period = busy / job.duty_cycle if job.duty_cycle > 0 and busy > 0 else 0.0
+    return Figures(phases, period, call_residual_s(job), job.duty_cycle)
+
+
+def pair_wait_s(me: Figures, neighbour: Figures) -> float:
+    """First-order seconds per step `me` waits behind `neighbour`."""
+    if neighbour.period <= 0:
+        return 0.0
+    return _meeting_s(me.phases, neighbour.phases, neighbour.residual) / neighbour.period
+
+
+def _slowdown(me: Figures, waits: float, others: float) -> float:
+    if others >= 1.0:
+        return _UNBOUNDED
+    if me.period <= 0:
+        return 0.0
+    return waits / me.period / (1.0 - others / 2)
+
+
+def predicted_slowdown(job: JobView, neighbours: Sequence[JobView]) -> float:
     """Expected fractional step-time increase of `job` from sharing with `neighbours`."""
     if not neighbours:
         return 0.0
-    others = sum(k.duty_cycle for k in neighbours)
-    if others >= 1.0:
-        return _UNBOUNDED
-    runs = step_runs(job, quantum_s)
-    busy = sum(runs)
-    if busy <= 0 or job.duty_cycle <= 0:
-        return 0.0
-    period = busy / job.duty_cycle
-    interference = sum(k.duty_cycle * residual_s(k, quantum_s) for k in neighbours)
-    wait = len(runs) * interference / (1.0 - others / 2)
-    return wait / period
+    me = figures_of(job)
+    others = [figures_of(k) for k in neighbours]
+    waits = sum(pair_wait_s(me, k) for k in others)
+    return _slowdown(me, waits, sum(k.duty for k in others))
 
 
 def worst_slowdown(jobs: Sequence[JobView]) -> float:
@@ -106,18 +156,24 @@ def worst_slowdown(jobs: Sequence[JobView]) -> float:
     )
 
 
-_Figures = tuple[int, float, float, float]
-"""(dispatches per step, duty, duty * residual, step period) of one job."""
-
-
 @dataclass
 class _Group:
-    load: float
+    load: float = 0.0
     """Sum of the duty cycles."""
-    dr: float
-    """Sum of duty * residual."""
-    reserved: int
-    figures: list[_Figures]
+    reserved: int = 0
+    members: list[Figures] = field(default_factory=list)
+    waits: list[float] = field(default_factory=list)
+    """Each member's summed first-order wait behind the others (seconds per step)."""
+
+    def add(self, fig: Figures, state_bytes: int) -> None:
+        mine = 0.0
+        for i, other in enumerate(self.members):
+            self.waits[i] += pair_wait_s(other, fig)
+            mine += pair_wait_s(fig, other)
+        self.members.append(fig)
+        self.waits.append(mine)
+        self.load += fig.duty
+        self.reserved += state_bytes
 
 
 class InterferenceFit:
@@ -126,84 +182,55 @@ class InterferenceFit:
 
     One instance serves one admission pass (`admit_waiting`), which admits the job
     wherever this returns: it caches job figures, size classes and group totals, and
-    adds each placed job to its group's totals, so asking about every waiting job
-    against every group costs arithmetic, not snapshot scans.
+    adds each placed job to its group, so asking about every waiting job against every
+    group costs arithmetic, not snapshot scans.
     """
 
-    def __init__(self, budget: float, quantum_s: float | None = None) -> None:
+    def __init__(self, budget: float) -> None:
         self.budget = budget
-        self.quantum_s = quantum_s
-        self._figures: dict[str, _Figures] = {}
+        self._figures: dict[str, Figures] = {}
         self._groups: dict[str, _Group] = {}
         self._classes: dict[tuple[int, str], list[WorkerView]] = {}
 
-    def figures(self, job: JobView) -> _Figures:
+    def figures(self, job: JobView) -> Figures:
         cached = self._figures.get(job.job_id)
         if cached is None:
-            runs = step_runs(job, self.quantum_s)
-            busy = sum(runs)
-            period = busy / job.duty_cycle if job.duty_cycle > 0 and busy > 0 else 0.0
-            residual = sum(x * x for x in runs) / (2 * busy) if busy > 0 else 0.0
-            cached = (len(runs), job.duty_cycle, job.duty_cycle * residual, period)
-            self._figures[job.job_id] = cached
+            cached = self._figures[job.job_id] = figures_of(job)
         return cached
-
-    def slowdowns(self, figs: Sequence[_Figures]) -> list[float]:
-        """The predicted slowdown of each of the jobs (by figures) sharing one group."""
-        total_duty = sum(f[1] for f in figs)
-        total_dr = sum(f[2] for f in figs)
-        out: list[float] = []
-        for runs, duty, dr, period in figs:
-            others = total_duty - duty
-            if others >= 1.0:
-                out.append(_UNBOUNDED)
-            elif period <= 0:
-                out.append(0.0)
-            else:
-                out.append(runs * (total_dr - dr) / (1.0 - others / 2) / period)
-        return out
 
     def within_budget(self, members: Sequence[JobView]) -> bool:
         """The group's mean predicted slowdown is within budget and nobody's exceeds
         twice the budget (the target is a mean; the guard keeps it fair)."""
-        return self._within([self.figures(j) for j in members])
+        group = _Group()
+        for job in members[:-1]:
+            group.add(self.figures(job), job.state_bytes)
+        return not members or self._within_adding(group, self.figures(members[-1]))
 
-    def _within(self, figs: Sequence[_Figures]) -> bool:
-        slow = self.slowdowns(figs)
-        return sum(slow) / len(slow) <= self.budget and max(slow) <= 2 * self.budget
-
-    def _within_adding(self, group: _Group, fig: _Figures) -> bool:
-        """`_within(group + fig)` without building the list: the new job's own slowdown
+    def _within_adding(self, group: _Group, fig: Figures) -> bool:
+        """Whether `group` plus `fig` stays within budget; the new job's own slowdown
         is checked first, as it most often fails."""
-        total_duty = group.load + fig[1]
-        total_dr = group.dr + fig[2]
         guard = 2 * self.budget
-        runs, duty, dr, period = fig
-        first = runs * (total_dr - dr) / (1.0 - (total_duty - duty) / 2) / period if period else 0
-        if first > guard:
+        if not group.members:
+            return True
+        mine = sum(pair_wait_s(fig, other) for other in group.members)
+        total = _slowdown(fig, mine, group.load)
+        if total > guard:
             return False
-        total = first
-        for runs, duty, dr, period in group.figures:
-            if not period:
-                continue
-            slow = runs * (total_dr - dr) / (1.0 - (total_duty - duty) / 2) / period
+        for other, waits in zip(group.members, group.waits, strict=True):
+            slow = _slowdown(
+                other, waits + pair_wait_s(other, fig), group.load - other.duty + fig.duty
+            )
             if slow > guard:
                 return False
             total += slow
-        return total / (len(group.figures) + 1) <= self.budget
+        return total / (len(group.members) + 1) <= self.budget
 
     def _group(self, snapshot: ClusterSnapshot, worker_id: str) -> _Group:
         group = self._groups.get(worker_id)
         if group is None:
-            homed = snapshot.homed(worker_id)
-            figs = [self.figures(j) for j in homed]
-            group = _Group(
-                load=sum(f[1] for f in figs),
-                dr=sum(f[2] for f in figs),
-                reserved=sum(j.state_bytes for j in homed),
-                figures=figs,
-            )
-            self._groups[worker_id] = group
+            group = self._groups[worker_id] = _Group()
+            for job in snapshot.homed(worker_id):
+                group.add(self.figures(job), job.state_bytes)
         return group
 
     def _size_class(self, snapshot: ClusterSnapshot, job: JobView) -> list[WorkerView]:
@@ -220,10 +247,10 @@ class InterferenceFit:
             group = self._group(snapshot, worker.worker_id)
             if group.reserved + job.state_bytes > worker.device_bytes + worker.host_bytes:
                 continue
-            if not group.figures:
+            if not group.members:
                 empty = empty or worker
                 continue
-            if group.load + fig[1] >= 1.0 or (best is not None and group.load <= best[0]):
+            if group.load + fig.duty >= 1.0 or (best is not None and group.load <= best[0]):
                 continue
             if not self._within_adding(group, fig):
                 continue
@@ -231,11 +258,7 @@ class InterferenceFit:
         chosen = best[1] if best is not None else empty
         if chosen is None:
             return None
-        group = self._groups[chosen.worker_id]
-        group.load += fig[1]
-        group.dr += fig[2]
-        group.reserved += job.state_bytes
-        group.figures.append(fig)
+        self._groups[chosen.worker_id].add(fig, job.state_bytes)
         return chosen.worker_id
 
 
@@ -253,26 +276,26 @@ def _idle_key(now: float, job: JobView) -> tuple[float, ...]:
     return (-max(job.idle_until - now, 0.0), job.last_active)
 
 
-def response_ratio_order(
+def shortest_remaining_first(
     snapshot: ClusterSnapshot, worker: WorkerView, jobs: list[JobView], switch_weight: float
 ) -> Sequence[JobView]:
-    """Highest (waiting + service) / (service + weight * switch seconds) first; a resident
-    job (no switch) wins ties."""
+    """Least remaining work first: the expected seconds of the job's pending calls plus
+    `switch_weight` times the seconds to bring its state onto the device; ties to the
+    resident job, then the oldest call."""
 
     def key(job: JobView) -> tuple[float, int, float, str]:
         calls = snapshot.calls_of(job.job_id)
-        service = max(sum(job.estimates.expected_s(c.function) for c in calls), 1e-6)
-        waiting = max(snapshot.now - calls[0].arrival_time, 0.0)
+        service = sum(job.estimates.expected_s(c.function) for c in calls)
         switch = switch_s(snapshot, job, ()) if job.tier != Tier.DEVICE else 0.0
-        ratio = (waiting + service) / (service + switch_weight * switch)
-        return (-ratio, 0 if job.tier == Tier.DEVICE else 1, calls[0].arrival_time, job.job_id)
+        resident = 0 if job.tier == Tier.DEVICE else 1
+        return (service + switch_weight * switch, resident, calls[0].arrival_time, job.job_id)
 
     return sorted(jobs, key=key)
 
 
 def prefetches(snapshot: ClusterSnapshot, config: PolicyConfig, runs: list[Run]) -> list[Prefetch]:
     """On each busy group, bring up the off-device job most likely to run next: one with
-    pending calls (highest response ratio), else the one whose idle hint ends first,
+    pending calls (least remaining work), else the one whose idle hint ends first,
     provided that ends before the group frees up."""
     out: list[Prefetch] = []
     key = _idle_first(snapshot.now)
@@ -287,7 +310,7 @@ def prefetches(snapshot: ClusterSnapshot, config: PolicyConfig, runs: list[Run])
             continue
         with_calls = [j for j in candidates if snapshot.calls_of(j.job_id)]
         if with_calls:
-            target = response_ratio_order(snapshot, worker, with_calls, config.switch_weight)[0]
+            target = shortest_remaining_first(snapshot, worker, with_calls, config.switch_weight)[0]
         else:
             hinted = [j for j in candidates if snapshot.now < j.idle_until <= worker.busy_until]
             if not hinted:
@@ -304,22 +327,30 @@ def _has_calls(snapshot: ClusterSnapshot, move: Move) -> bool:
     return bool(snapshot.calls_of(move.job_id))
 
 
+def _off_device(snapshot: ClusterSnapshot) -> bool:
+    """Whether any homed job's state is away from its group's device tier."""
+    return any(
+        j.home is not None and j.tier not in (Tier.DEVICE, None) for j in snapshot.jobs.values()
+    )
+
+
 def plan_plexrl(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
     actions: list[Action] = []
     admitted, snapshot = admit_waiting(
-        snapshot, InterferenceFit(config.slowdown_budget, config.quantum_s), backfill=True
+        snapshot, InterferenceFit(config.slowdown_budget), backfill=True
     )
     actions.extend(admitted)
-    order = partial(response_ratio_order, switch_weight=config.switch_weight)
+    order = partial(shortest_remaining_first, switch_weight=config.switch_weight)
+    prefetch = config.prefetch and _off_device(snapshot)
     runs, snapshot = dispatch(
         snapshot,
         config,
         order,
         key=_idle_first(snapshot.now),
-        keep_snapshot=config.prefetch,
+        keep_snapshot=prefetch,
         quantum_s=config.quantum_s,
     )
     actions.extend(runs)
-    if config.prefetch:
+    if prefetch:
         actions.extend(prefetches(snapshot, config, runs))
     return tuple(actions)
