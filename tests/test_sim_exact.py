@@ -6,6 +6,7 @@ import pytest
 
 from plexrl.messages import Function
 from plexrl.sim.multiplexed import MultiplexedSim
+from plexrl.sim.report import makespan_floor_s
 from plexrl.sim.run import policy_config, prepare, run_deployment
 from tests.sim_fixtures import two_jobs_one_worker, write_workload
 
@@ -41,6 +42,8 @@ def test_isolated_reference_is_the_same_steps_alone(tmp_path):
     assert a.finish_s == pytest.approx(12.0)
     assert b.start_s == pytest.approx(12.0) and b.finish_s == pytest.approx(24.0)
     assert result.bubble_ratio() == pytest.approx(1 - 6 / 12)
+    # Both arrived at 0 and take 12 s alone: nothing can finish them before 12 s.
+    assert makespan_floor_s(result) == pytest.approx(12.0)
 
 
 def test_swaps_cost_bytes_over_bandwidth(tmp_path):

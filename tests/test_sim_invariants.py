@@ -7,6 +7,7 @@ import pytest
 
 from plexrl.messages import Function
 from plexrl.sim.multiplexed import MultiplexedSim
+from plexrl.sim.report import makespan_floor_s
 from plexrl.sim.results import HOUR
 from plexrl.sim.run import DEPLOYMENTS, TAIL_SUFFIX, policy_config, prepare, run_deployment
 from plexrl.sim.workload import TAIL_RELEASE
@@ -62,9 +63,11 @@ def test_charged_never_exceeds_occupied_and_occupied_covers_the_groups(results):
 
 
 def test_no_job_runs_faster_than_alone(results):
+    floor = makespan_floor_s(results["isolated"])
     for name in POLICY_RUNS:
         for j in results[name].finished:
             assert j.slowdown >= -1e-9, (name, j.job_id)
+        assert results[name].makespan_s >= floor * (1 - 1e-9), name
 
 
 @pytest.mark.parametrize("name", ["spread-backfill", "plexrl+tail"])

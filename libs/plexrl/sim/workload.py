@@ -241,14 +241,16 @@ class TraceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Arrival rate at the start of the window relative to its end (a research push)."""
 
 
-TAIL_RELEASE = 0.1
-"""The early tail release of `<policy>+tail` deployments: the group is handed to other
-jobs once 90% of a rollout's sequences have finished."""
-
 PHYSICAL_TAIL = 0.25
 """Where a rollout stops being throughput-bound: after 75% of the sequences finish,
 decoding is latency-bound, so more devices no longer shorten it. Used to rescale
 rollouts to another pool width (Split-Async's rollout pool, Colocated's training width)."""
+
+TAIL_RELEASE = PHYSICAL_TAIL
+"""The early tail release of `<policy>+tail` deployments: the group is handed to other
+jobs once 75% of a rollout's sequences have finished, where decoding turns
+latency-bound (`PHYSICAL_TAIL`): the stragglers then use a small share of the group
+(their fraction of the batch), and keeping the whole group for them idles the rest."""
 
 
 class JobDecl(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
