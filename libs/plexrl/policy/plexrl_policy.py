@@ -41,9 +41,10 @@ pairs: 7B 3.2% / 3.8%, 30B 6.6% / 9.4%, 235B 3.3% / 4.0%; triples 7.8% / 8.9%,
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
-from functools import lru_cache, partial
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from functools import partial
 
 from plexrl.messages import Function, Tier
 from plexrl.policy.actions import Action, Move, Plan, Prefetch, Run
@@ -91,7 +92,6 @@ def call_residual_s(job: JobView) -> float:
     return sum(s * s for s in calls) / (2 * total) if total > 0 else 0.0
 
 
-@lru_cache(maxsize=4096)
 def _meeting_s(mine: tuple[float, ...], theirs: tuple[float, ...], residual: float) -> float:
     """Seconds per step my phases wait behind a neighbour with step period 1 (divide
     by the neighbour's period): the three terms of the module's model."""
@@ -114,6 +114,10 @@ class Figures:
     """Seconds of one step (its busy seconds over its duty cycle); 0 if unknown."""
     residual: float
     duty: float
+    shape: int = 0
+    """Which (phases, residual), to 1%, this is among the jobs one `InterferenceFit`
+    has seen: jobs of one shape meet a neighbour alike, so a meeting of two shapes is
+    computed once (from the first job of each) per admission pass."""
 
 
 def figures_of(job: JobView) -> Figures:
@@ -121,6 +125,11 @@ def figures_of(job: JobView) -> Figures:
     busy = sum(phases)
     period = busy / job.duty_cycle if job.duty_cycle > 0 and busy > 0 else 0.0
     return Figures(phases, period, call_residual_s(job), job.duty_cycle)
+
+
+def _to_1pct(seconds: float) -> int:
+    """A bucket of about 1% width: seconds within 1% of each other share it."""
+    return round(math.log(seconds) * 100) if seconds > 0 else -(10**9)
 
 
 def pair_wait_s(me: Figures, neighbour: Figures) -> float:
@@ -165,11 +174,13 @@ class _Group:
     waits: list[float] = field(default_factory=list)
     """Each member's summed first-order wait behind the others (seconds per step)."""
 
-    def add(self, fig: Figures, state_bytes: int) -> None:
+    def add(
+        self, fig: Figures, state_bytes: int, pair: Callable[[Figures, Figures], float]
+    ) -> None:
         mine = 0.0
         for i, other in enumerate(self.members):
-            self.waits[i] += pair_wait_s(other, fig)
-            mine += pair_wait_s(fig, other)
+            self.waits[i] += pair(other, fig)
+            mine += pair(fig, other)
         self.members.append(fig)
         self.waits.append(mine)
         self.load += fig.duty
@@ -189,21 +200,40 @@ class InterferenceFit:
     def __init__(self, budget: float) -> None:
         self.budget = budget
         self._figures: dict[str, Figures] = {}
+        self._shapes: dict[tuple[tuple[int, ...], int], int] = {}
+        self._representatives: list[Figures] = []
+        self._meetings: dict[tuple[int, int], float] = {}
         self._groups: dict[str, _Group] = {}
         self._classes: dict[tuple[int, str], list[WorkerView]] = {}
 
     def figures(self, job: JobView) -> Figures:
         cached = self._figures.get(job.job_id)
         if cached is None:
-            cached = self._figures[job.job_id] = figures_of(job)
+            fig = figures_of(job)
+            key = (tuple(_to_1pct(x) for x in fig.phases), _to_1pct(fig.residual))
+            shape = self._shapes.setdefault(key, len(self._shapes))
+            if shape == len(self._representatives):
+                self._representatives.append(fig)
+            cached = self._figures[job.job_id] = replace(fig, shape=shape)
         return cached
+
+    def pair(self, me: Figures, neighbour: Figures) -> float:
+        """`pair_wait_s`, each meeting of two shapes computed once per pass."""
+        if neighbour.period <= 0:
+            return 0.0
+        key = (me.shape, neighbour.shape)
+        meeting = self._meetings.get(key)
+        if meeting is None:
+            mine, theirs = self._representatives[me.shape], self._representatives[neighbour.shape]
+            meeting = self._meetings[key] = _meeting_s(mine.phases, theirs.phases, theirs.residual)
+        return meeting / neighbour.period
 
     def within_budget(self, members: Sequence[JobView]) -> bool:
         """The group's mean predicted slowdown is within budget and nobody's exceeds
         twice the budget (the target is a mean; the guard keeps it fair)."""
         group = _Group()
         for job in members[:-1]:
-            group.add(self.figures(job), job.state_bytes)
+            group.add(self.figures(job), job.state_bytes, self.pair)
         return not members or self._within_adding(group, self.figures(members[-1]))
 
     def _within_adding(self, group: _Group, fig: Figures) -> bool:
@@ -212,14 +242,13 @@ class InterferenceFit:
         guard = 2 * self.budget
         if not group.members:
             return True
-        mine = sum(pair_wait_s(fig, other) for other in group.members)
+        pair = self.pair
+        mine = sum(pair(fig, other) for other in group.members)
         total = _slowdown(fig, mine, group.load)
         if total > guard:
             return False
         for other, waits in zip(group.members, group.waits, strict=True):
-            slow = _slowdown(
-                other, waits + pair_wait_s(other, fig), group.load - other.duty + fig.duty
-            )
+            slow = _slowdown(other, waits + pair(other, fig), group.load - other.duty + fig.duty)
             if slow > guard:
                 return False
             total += slow
@@ -230,7 +259,7 @@ class InterferenceFit:
         if group is None:
             group = self._groups[worker_id] = _Group()
             for job in snapshot.homed(worker_id):
-                group.add(self.figures(job), job.state_bytes)
+                group.add(self.figures(job), job.state_bytes, self.pair)
         return group
 
     def _size_class(self, snapshot: ClusterSnapshot, job: JobView) -> list[WorkerView]:
@@ -240,25 +269,26 @@ class InterferenceFit:
         return self._classes[key]
 
     def __call__(self, snapshot: ClusterSnapshot, job: JobView) -> str | None:
-        best: tuple[float, WorkerView] | None = None
         empty: WorkerView | None = None
+        shared: list[tuple[float, int, WorkerView, _Group]] = []
         fig = self.figures(job)
-        for worker in self._size_class(snapshot, job):
+        for i, worker in enumerate(self._size_class(snapshot, job)):
             group = self._group(snapshot, worker.worker_id)
             if group.reserved + job.state_bytes > worker.device_bytes + worker.host_bytes:
                 continue
             if not group.members:
                 empty = empty or worker
-                continue
-            if group.load + fig.duty >= 1.0 or (best is not None and group.load <= best[0]):
-                continue
-            if not self._within_adding(group, fig):
-                continue
-            best = (group.load, worker)
-        chosen = best[1] if best is not None else empty
+            elif group.load + fig.duty < 1.0:
+                shared.append((-group.load, i, worker, group))
+        # Fullest first: the first group within budget is the answer.
+        chosen = empty
+        for _, _, worker, group in sorted(shared, key=lambda c: (c[0], c[1])):
+            if self._within_adding(group, fig):
+                chosen = worker
+                break
         if chosen is None:
             return None
-        self._groups[chosen.worker_id].add(fig, job.state_bytes)
+        self._groups[chosen.worker_id].add(fig, job.state_bytes, self.pair)
         return chosen.worker_id
 
 
@@ -282,6 +312,8 @@ def shortest_remaining_first(
     """Least remaining work first: the expected seconds of the job's pending calls plus
     `switch_weight` times the seconds to bring its state onto the device; ties to the
     resident job, then the oldest call."""
+    if len(jobs) < 2:
+        return jobs
 
     def key(job: JobView) -> tuple[float, int, float, str]:
         calls = snapshot.calls_of(job.job_id)
