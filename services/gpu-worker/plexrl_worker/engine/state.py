@@ -136,8 +136,8 @@ def import_adam(
         optimizer.state[p] = {
             # AdamW keeps `step` on the CPU unless it runs capturable or fused.
             "step": step.clone(),
-            "exp_avg": exp_avg.to(p.device, copy=True),
-            "exp_avg_sq": exp_avg_sq.to(p.device, copy=True),
+            "exp_avg": exp_avg.to(p.device, copy=True, non_blocking=True),
+            "exp_avg_sq": exp_avg_sq.to(p.device, copy=True, non_blocking=True),
         }
 
 
@@ -160,12 +160,31 @@ def refill_params(
     """Put back exactly what `export_params` + `export_adam` took from emptied parameters."""
     with torch.no_grad():
         for name, p in params:
-            p.data = tensors[WEIGHTS + name].to(device, p.dtype, copy=True)
+            # Asynchronous from pinned memory; later kernels on the stream wait for it.
+            p.data = tensors[WEIGHTS + name].to(device, p.dtype, copy=True, non_blocking=True)
             grad = tensors.get(GRADS + name)
-            p.grad = None if grad is None else grad.to(device, p.dtype, copy=True)
+            p.grad = (
+                None if grad is None else grad.to(device, p.dtype, copy=True, non_blocking=True)
+            )
     import_adam(params, optimizer, tensors)
 
 
 def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
-    # clone() even on CPU: the copy must not alias live, still-training memory.
+    """A CPU copy that aliases nothing live (a copy even on the CPU: training goes on).
+
+    From a CUDA device it lands in pinned host memory, asynchronously (call
+    `wait_for_copies` before reading it): torch's caching host allocator hands the
+    pinned blocks of states dropped earlier to later copies, so after the first swap a
+    job's state moves at the host link's speed instead of page-faulting fresh memory.
+    """
+    if t.is_cuda:
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t.detach(), non_blocking=True)
+        return out
     return t.detach().to("cpu", copy=True).contiguous()
+
+
+def wait_for_copies(device: torch.device) -> None:
+    """Block until the asynchronous device-to-host copies of `_cpu_copy` have landed."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

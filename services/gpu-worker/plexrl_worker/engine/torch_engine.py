@@ -242,6 +242,7 @@ class TorchEngine:
         if optimizer:
             assert job.optimizer is not None
             tensors |= state.export_adam(params, job.optimizer)
+        state.wait_for_copies(self._config.torch_device)
         return JobTensors(tensors, state.make_metadata(job.spec, job.steps))
 
     @_locked
