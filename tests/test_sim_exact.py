@@ -80,3 +80,26 @@ def test_trail_records_every_phase_in_order(tmp_path):
     step = [Function.SAMPLE, Function.FORWARD_BACKWARD, Function.OPTIM_STEP, Function.SAVE]
     for trail in sim.trails().values():
         assert trail == [(0, Function.CREATE)] + [(k, f) for k in range(2) for f in step]
+
+
+def test_plexrl_runs_the_shortest_remaining_work_first(tmp_path):
+    # A at 0 and B at 3: sample 2 s, reward 7 s, then four 1 s forward_backward calls
+    # (optim_step and save take no time), two steps each, one worker, a budget that
+    # lets them share, decisions at every call boundary (quantum 0.5 s).
+    doc = two_jobs_one_worker()
+    doc["profiles"]["p"].update(reward_s=7.0, train_s=4.0, fb_calls=4)
+    doc["jobs"][1]["arrival_s"] = 3.0
+    doc["policy"] = {"slowdown_budget": 10.0, "quantum_s": 0.5}
+    setup = prepare(write_workload(tmp_path, doc))
+    # A samples [0,2], B [3,5]. A's training: [9,12] in one Run (B said it stays idle
+    # until 12), then at 12 B's 4 s of training arrive but A's last 1 s call goes first
+    # [12,13]. A's next sample comes just after B took the group [13,14]; it cuts in
+    # [14,16] before B's remaining 3 s [16,19]. B samples [19,21]; A trains [23,27]
+    # and is done; B trains [28,32] and is done.
+    result = run_deployment(setup, "plexrl")
+    a, b = (next(j for j in result.jobs if j.job_id == x) for x in ("A", "B"))
+    assert a.finish_s == pytest.approx(27.0) and b.finish_s == pytest.approx(32.0)
+    assert a.call_queue_s == pytest.approx(1.0) and b.call_queue_s == pytest.approx(3.0)
+    # Oldest call first instead: A 30, B 34.
+    fifo = run_deployment(setup, "fifo")
+    assert [j.finish_s for j in fifo.jobs] == pytest.approx([30.0, 34.0])
