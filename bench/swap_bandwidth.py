@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -79,14 +80,16 @@ def raw_copies(nbytes: int, device: torch.device, repeats: int) -> dict[str, flo
     out: dict[str, float] = {}
     if device.type != "cuda":
         src, dst = torch.empty(n), torch.empty(n)
-        out["memcpy"] = nbytes / _timed(lambda: dst.copy_(src), device, repeats)
+        out["memcpy"] = nbytes / _timed(partial(dst.copy_, src), device, repeats)
         return out
     on_device = torch.empty(n, device=device)
     for kind, pin in (("pageable", False), ("pinned", True)):
         host = torch.empty(n, pin_memory=pin)
-        out[f"{kind}_d2h"] = nbytes / _timed(lambda h=host: h.copy_(on_device), device, repeats)
-        out[f"{kind}_h2d"] = nbytes / _timed(lambda h=host: on_device.copy_(h), device, repeats)
-        del host
+        d2h = partial(host.copy_, on_device)
+        h2d = partial(on_device.copy_, host)
+        out[f"{kind}_d2h"] = nbytes / _timed(d2h, device, repeats)
+        out[f"{kind}_h2d"] = nbytes / _timed(h2d, device, repeats)
+        del host, d2h, h2d
     return out
 
 
