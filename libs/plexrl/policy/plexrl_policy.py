@@ -157,14 +157,6 @@ def predicted_slowdown(job: JobView, neighbours: Sequence[JobView]) -> float:
     return _slowdown(me, waits, sum(k.duty for k in others))
 
 
-def worst_slowdown(jobs: Sequence[JobView]) -> float:
-    """The largest `predicted_slowdown` among jobs sharing one group."""
-    return max(
-        (predicted_slowdown(j, [k for k in jobs if k.job_id != j.job_id]) for j in jobs),
-        default=0.0,
-    )
-
-
 @dataclass
 class _Group:
     load: float = 0.0
@@ -228,17 +220,10 @@ class InterferenceFit:
             meeting = self._meetings[key] = _meeting_s(mine.phases, theirs.phases, theirs.residual)
         return meeting / neighbour.period
 
-    def within_budget(self, members: Sequence[JobView]) -> bool:
-        """The group's mean predicted slowdown is within budget and nobody's exceeds
-        twice the budget (the target is a mean; the guard keeps it fair)."""
-        group = _Group()
-        for job in members[:-1]:
-            group.add(self.figures(job), job.state_bytes, self.pair)
-        return not members or self._within_adding(group, self.figures(members[-1]))
-
     def _within_adding(self, group: _Group, fig: Figures) -> bool:
-        """Whether `group` plus `fig` stays within budget; the new job's own slowdown
-        is checked first, as it most often fails."""
+        """Whether `group` plus `fig` stays within budget: the mean predicted slowdown
+        within it and nobody's above twice it (the target is a mean; the guard keeps it
+        fair). The new job's own slowdown is checked first, as it most often fails."""
         guard = 2 * self.budget
         if not group.members:
             return True
@@ -290,11 +275,6 @@ class InterferenceFit:
             return None
         self._groups[chosen.worker_id].add(fig, job.state_bytes, self.pair)
         return chosen.worker_id
-
-
-def interference_fit(snapshot: ClusterSnapshot, job: JobView, budget: float) -> str | None:
-    """`InterferenceFit` for a single question about the snapshot as it is."""
-    return InterferenceFit(budget)(snapshot, job)
 
 
 def _idle_first(now: float) -> partial[tuple[float, ...]]:
