@@ -64,6 +64,11 @@ def parse() -> argparse.Namespace:
         default=1.5,
         help="device memory per worker, in job states (forces swapping below 2)",
     )
+    p.add_argument(
+        "--policy",
+        default="fifo",
+        help="the scheduler's policy (fifo, pack, spread, spread-backfill, plexrl)",
+    )
     p.add_argument("--state-dir", type=Path, default=ROOT / ".plexrl" / "demo")
     p.add_argument("--registry", type=Path, default=ROOT / ".plexrl" / "models")
     return p.parse_args()
@@ -85,8 +90,13 @@ def main() -> int:
         api_keys=f"{API_KEY}=demo",
         worker_device_bytes=int(job_bytes * args.device_jobs),
         worker_threads=1,
+        policy=args.policy,
     )
-    print(f"starting PlexRL: {args.workers} workers, gateway {config.gateway_url}", flush=True)
+    print(
+        f"starting PlexRL: {args.workers} workers, policy {args.policy}, "
+        f"gateway {config.gateway_url}",
+        flush=True,
+    )
     with LocalCluster(config) as cluster:
         print("\n[1/2] dedicated baseline: each job alone, one worker to itself", flush=True)
         alone = [run_jobs(cluster, args, [i])[0][0] for i in range(args.jobs)]
