@@ -164,3 +164,27 @@ def test_duty_cycle_is_measured_once_a_job_has_history() -> None:
     clock.t += 10
     state.on_completion(done("r1", "j", compute_s=2.0))
     assert abs(state.snapshot().jobs["j"].duty_cycle - 0.2) < 1e-9
+
+
+def test_a_new_job_borrows_the_figures_of_its_kind() -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock)
+    state.on_heartbeat(beat("w0"))
+    state.add_job("old", "t", JobSpec(base_model="m"), home="w0")
+    state.on_request(req("r1", "old", Function.SAMPLE), delivery(0))
+    state.apply_run("d", "w0", "old", state.take_pending(("r1",)), ())
+    clock.t += 10
+    state.on_completion(done("r1", "old", compute_s=1.0, fn=Function.SAMPLE))
+    # Same tenant, base model and kind (full fine-tuning): the old job's duty (0.1) and
+    # call durations stand in until the newcomer has a history of its own.
+    state.add_job("new", "t", JobSpec(base_model="m"), home=None)
+    state.on_request(req("r2", "new", Function.FORWARD_BACKWARD), delivery(1))
+    view = state.snapshot().jobs["new"]
+    assert abs(view.duty_cycle - 0.1) < 1e-9
+    assert view.estimates.expected_s(Function.SAMPLE) == 1.0
+    # Another tenant's job learns nothing from it.
+    state.add_job("other", "u", JobSpec(base_model="m"), home=None)
+    assert state.snapshot().jobs["other"].duty_cycle == 0.5
+    # Once the newcomer has its own history, its own figures count.
+    clock.t += 10
+    assert state.snapshot().jobs["new"].duty_cycle == 0.01

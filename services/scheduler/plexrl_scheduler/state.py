@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from plexrl.kafka import Delivery
@@ -59,11 +59,52 @@ class JobState:
         old = self.durations.get(function)
         self.durations[function] = seconds if old is None else old + _EWMA * (seconds - old)
 
+    def has_history(self, now: float) -> bool:
+        return self.first_seen is not None and now - self.first_seen >= _MIN_HISTORY_S
+
     def duty_cycle(self, now: float) -> float:
         """Fraction of its wall time the job kept a device busy (0.5 until it has a history)."""
-        if self.first_seen is None or now - self.first_seen < _MIN_HISTORY_S:
+        if self.first_seen is None or not self.has_history(now):
             return 0.5
         return min(1.0, max(0.01, self.busy_s / (now - self.first_seen)))
+
+    @property
+    def kind(self) -> tuple[str, str, bool]:
+        """Jobs of one kind (tenant, base model, LoRA or full) lend a newcomer their figures."""
+        return (self.tenant, self.spec.base_model, self.spec.lora is None)
+
+
+@dataclass(frozen=True)
+class Prior:
+    """What a job without a history is taken to look like: the mean of its kind's."""
+
+    duty_cycle: float
+    durations: dict[Function, float]
+
+
+def priors(jobs: Iterable[JobState], now: float) -> dict[tuple[str, str, bool], Prior]:
+    """Per job kind, the mean duty cycle and call durations of the jobs with a history.
+
+    Without it a new job counts as half busy with near-instant calls until it has run
+    for `_MIN_HISTORY_S`, and an interference-aware policy finds no group for it (a
+    0.5 duty leaves room for one such job; tiny calls make any neighbour look costly).
+    """
+    duties: dict[tuple[str, str, bool], list[float]] = {}
+    durations: dict[tuple[str, str, bool], dict[Function, list[float]]] = {}
+    for job in jobs:
+        if not job.has_history(now):
+            continue
+        duties.setdefault(job.kind, []).append(job.duty_cycle(now))
+        by_function = durations.setdefault(job.kind, {})
+        for function, seconds in job.durations.items():
+            by_function.setdefault(function, []).append(seconds)
+    return {
+        kind: Prior(
+            duty_cycle=sum(values) / len(values),
+            durations={f: sum(v) / len(v) for f, v in durations[kind].items()},
+        )
+        for kind, values in duties.items()
+    }
 
 
 @dataclass
@@ -198,6 +239,24 @@ class ClusterState:
             await asyncio.wait_for(self._changed.wait(), timeout_s)
         self._changed.clear()
 
+    @staticmethod
+    def _view(job: JobState, now: float, learned: dict[tuple[str, str, bool], Prior]) -> JobView:
+        duty, durations = job.duty_cycle(now), dict(job.durations)
+        prior = None if job.has_history(now) else learned.get(job.kind)
+        if prior is not None:
+            duty, durations = prior.duty_cycle, prior.durations | durations
+        return JobView(
+            job_id=job.job_id,
+            state_bytes=job.state_bytes,
+            home=job.home,
+            tier=job.tier,
+            base_model=job.spec.base_model,
+            last_active=job.last_active,
+            idle_until=job.idle_until,
+            estimates=CallEstimates(durations),
+            duty_cycle=duty,
+        )
+
     def healthy(self, worker_id: str) -> bool:
         state = self.workers.get(worker_id)
         return state is not None and self._clock() - state.seen_at < self._worker_timeout_s
@@ -216,20 +275,8 @@ class ClusterState:
             )
             for wid, w in self.workers.items()
         }
-        jobs = {
-            jid: JobView(
-                job_id=jid,
-                state_bytes=j.state_bytes,
-                home=j.home,
-                tier=j.tier,
-                base_model=j.spec.base_model,
-                last_active=j.last_active,
-                idle_until=j.idle_until,
-                estimates=CallEstimates(dict(j.durations)),
-                duty_cycle=j.duty_cycle(now),
-            )
-            for jid, j in self.jobs.items()
-        }
+        learned = priors(self.jobs.values(), now)
+        jobs = {jid: self._view(j, now, learned) for jid, j in self.jobs.items()}
         pending = tuple(
             PendingCall(rid, p.request.job_id, p.request.function, p.request.arrival_time)
             for rid, p in self.pending.items()
