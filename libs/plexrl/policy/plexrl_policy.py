@@ -132,13 +132,6 @@ def _to_1pct(seconds: float) -> int:
     return round(math.log(seconds) * 100) if seconds > 0 else -(10**9)
 
 
-def pair_wait_s(me: Figures, neighbour: Figures) -> float:
-    """First-order seconds per step `me` waits behind `neighbour`."""
-    if neighbour.period <= 0:
-        return 0.0
-    return _meeting_s(me.phases, neighbour.phases, neighbour.residual) / neighbour.period
-
-
 def _slowdown(me: Figures, waits: float, others: float) -> float:
     if others >= 1.0:
         return _UNBOUNDED
@@ -151,9 +144,10 @@ def predicted_slowdown(job: JobView, neighbours: Sequence[JobView]) -> float:
     """Expected fractional step-time increase of `job` from sharing with `neighbours`."""
     if not neighbours:
         return 0.0
-    me = figures_of(job)
-    others = [figures_of(k) for k in neighbours]
-    waits = sum(pair_wait_s(me, k) for k in others)
+    fit = InterferenceFit(budget=0.0)
+    me = fit.figures(job)
+    others = [fit.figures(k) for k in neighbours]
+    waits = sum(fit.pair(me, k) for k in others)
     return _slowdown(me, waits, sum(k.duty for k in others))
 
 
@@ -210,7 +204,8 @@ class InterferenceFit:
         return cached
 
     def pair(self, me: Figures, neighbour: Figures) -> float:
-        """`pair_wait_s`, each meeting of two shapes computed once per pass."""
+        """First-order seconds per step `me` waits behind `neighbour`; each meeting of
+        two shapes is computed once per pass."""
         if neighbour.period <= 0:
             return 0.0
         key = (me.shape, neighbour.shape)
