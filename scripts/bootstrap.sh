@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Make this checkout ready to run: .venv (Python 3.11) with PlexRL installed editable with
-# its test extras, plus Java 17+ and Maven for the local Kafka broker (scripts/infra.sh).
+# Make this checkout ready to run: .venv (Python 3.11) with PlexRL installed editable and
+# every dependency at the exact version in requirements.lock (scripts/lock.sh updates it),
+# plus Java 17+ and Maven for the local Kafka broker (scripts/infra.sh).
 #
-# Reinstalls only when what the install depends on changed (pyproject.toml, the set of
-# top-level packages, the checkout's path, the interpreter); PLEXRL_REINSTALL=1 forces it.
+# Reinstalls only when what the install depends on changed (pyproject.toml, the lock, the
+# set of top-level packages, the checkout's path, the interpreter); PLEXRL_REINSTALL=1
+# forces it.
 # Non-interactive; on a Debian host it installs missing system packages with apt-get.
 set -euo pipefail
 
@@ -13,6 +15,9 @@ PLEXRL_LOG_TAG=bootstrap
 source "$ROOT/scripts/_lib.sh"
 
 VENV=$ROOT/.venv
+LOCK=$ROOT/requirements.lock
+# The installer, pinned like everything else; it also resolves the lock (scripts/lock.sh).
+UV_VERSION=0.13.9
 STAMP=$VENV/.plexrl-install-stamp
 export PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 [[ ${CI:-} == true ]] && export PIP_PROGRESS_BAR=off
@@ -28,7 +33,7 @@ install_stamp() {
   packages=("$ROOT"/libs/*/__init__.py "$ROOT"/services/*/*/__init__.py)
   shopt -u nullglob
   {
-    sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1
+    sha256sum "$ROOT/pyproject.toml" "$LOCK" | cut -d' ' -f1
     "$VENV/bin/python" -VV
     printf '%s\n' "$ROOT" "${packages[@]%/__init__.py}"
   } | sha256sum | cut -d' ' -f1
@@ -70,10 +75,20 @@ main() {
     log ".venv is up to date ($("$VENV/bin/python" -V 2>&1))"
     return 0
   fi
-  log "installing PlexRL and its test extras into .venv (first run downloads torch: minutes)"
+  [[ -f $LOCK ]] || die "$LOCK is missing; restore it from git (or create it: scripts/lock.sh)"
+  log "installing the locked dependencies into .venv (first run downloads torch: minutes)"
   local started=$SECONDS
-  (cd "$ROOT" && "$VENV/bin/python" -m pip install -e '.[test]') ||
-    die "pip install -e '.[test]' failed; see pip's output above"
+  "$VENV/bin/python" -m pip install -q "uv==$UV_VERSION" ||
+    die "pip install uv==$UV_VERSION failed; see pip's output above"
+  local -a uv=("$VENV/bin/uv" pip install --python "$VENV/bin/python")
+  [[ ${CI:-} == true ]] && uv+=(--no-progress)
+  "${uv[@]}" -r "$LOCK" ||
+    die "installing requirements.lock failed; see the output above"
+  # The project itself, editable, with nothing beyond the lock.
+  (cd "$ROOT" && "${uv[@]}" --no-deps -e .) ||
+    die "installing PlexRL (editable) failed; see the output above"
+  "$VENV/bin/uv" pip check --python "$VENV/bin/python" ||
+    die "the installed packages conflict; regenerate the lock with scripts/lock.sh"
   echo "$want" >"$STAMP"
   log "installed in $((SECONDS - started))s"
 }
