@@ -9,18 +9,21 @@ the cluster is a queue of jobs waiting for a free pool of their size.
   switch between trainer and rollout engine.
 - Split-Async: a rollout pool and a trainer pool; rollouts may use weights
   `staleness` steps old, so generation overlaps training; new weights are broadcast
-  between the pools every step.
+  between the pools every step. Only the throughput-bound part of a rollout scales
+  with its pool; rewards are scored beside the pools (`SplitAsync.scoring`); the
+  split is searched per job; partial rollouts are an option.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from plexrl.sim.results import DeploymentResult, GroupUsage, JobResult, Timeline
-from plexrl.sim.workload import GroupSpec, JobFactory, JobSpec, Profile, Steps
+from plexrl.sim.workload import GroupSpec, JobFactory, JobSpec, Profile, SplitAsync, Steps
 
 DEDICATED = ("isolated", "colocated", "split-async")
 
@@ -35,23 +38,120 @@ def colocated_wall_s(steps: Steps, profile: Profile) -> float:
     return steps.create_s + float(per_step.sum())
 
 
-def split_async_wall_s(steps: Steps, profile: Profile) -> float:
-    """The disaggregated pipeline's run time (steady-state recurrence over the steps)."""
-    s = profile.split
-    d = profile.devices
-    d_roll = max(1, round(s.rollout_fraction * d))
-    d_train = max(1, d - d_roll)
-    rollout = (steps.dense_s * (d / d_roll) + steps.tail_s + steps.reward_s).tolist()
-    train = ((steps.fb_s + steps.optim_s) * (d / d_train) + steps.misc_s).tolist()
+@dataclass(frozen=True)
+class SplitStages:
+    """Per-step stage seconds of a Split-Async pipeline at one split of the devices."""
+
+    rollout: list[float]
+    """The rollout pool's seconds per step (with the reward stall when it waits for it)."""
+    scoring: list[float]
+    """The reward service's seconds per step after the rollout (0 when the pool waits)."""
+    train: list[float]
+    """The trainer pool's seconds per step (forward_backward, optim_step, host-side gap)."""
+
+
+def split_stages(steps: Steps, split: SplitAsync, rollout_share: float) -> SplitStages:
+    """Stage times when `rollout_share` of the devices generate and the rest train.
+
+    Only the throughput-bound part of a rollout (`Steps.scalable_s`: up to the point
+    where 75% of its sequences are done) shrinks or grows with the pool; the latency-
+    bound tail after it takes as long on any number of devices. With partial rollouts
+    the pool's batch stays full, so an iteration is all throughput (its tokens at
+    full-batch speed, `useful` rollout work), but no shorter than the longest response
+    spread over the `staleness + 1` iterations it may span.
+    """
+    roll_scale = 1.0 / rollout_share
+    train_scale = 1.0 / (1.0 - rollout_share)
+    whole = steps.dense_s + steps.tail_s
+    if split.partial_rollouts:
+        throughput = (steps.dense_work + steps.tail_work) * roll_scale
+        rollout = np.maximum(throughput, whole / (split.staleness + 1))
+    else:
+        rollout = steps.scalable_s * roll_scale + (whole - steps.scalable_s)
+    if split.scoring == "rollout":
+        rollout, scoring = rollout + steps.reward_s, np.zeros(steps.n)
+    else:
+        scoring = steps.reward_s
+    train = (steps.fb_s + steps.optim_s) * train_scale + steps.misc_s
+    return SplitStages(rollout.tolist(), scoring.tolist(), train.tolist())
+
+
+def pipeline_s(stages: SplitStages, split: SplitAsync) -> float:
+    """The pipeline's run time, step by step: rollout k starts when the pool is free and
+    the weights of step k - 1 - staleness have reached it; training k starts when batch
+    k is scored and the trainer has sent its previous weights."""
+    s = split.staleness
     roll_end = 0.0
     train_end: list[float] = []
-    for k in range(steps.n):
-        ready = k - 1 - s.staleness
-        weights = train_end[ready] + s.sync_s if ready >= 0 else 0.0
-        roll_end = max(roll_end, weights) + rollout[k]
-        prev = train_end[-1] + s.sync_s if train_end else 0.0
-        train_end.append(max(roll_end, prev) + train[k])
-    return steps.create_s + (train_end[-1] if train_end else 0.0) + s.sync_s
+    for k, (roll, score, train) in enumerate(
+        zip(stages.rollout, stages.scoring, stages.train, strict=True)
+    ):
+        ready = k - 1 - s
+        weights = train_end[ready] + split.sync_s if ready >= 0 else 0.0
+        roll_end = max(roll_end, weights) + roll
+        prev = train_end[-1] + split.sync_s if train_end else 0.0
+        train_end.append(max(roll_end + score, prev) + train)
+    return (train_end[-1] + split.sync_s) if train_end else 0.0
+
+
+def rollout_shares(devices: int) -> list[float]:
+    """The splits searched: every whole number of rollout devices (a one-device job
+    is split in twentieths of its device)."""
+    if devices >= 2:
+        return [k / devices for k in range(1, devices)]
+    return [k / 20 for k in range(1, 20)]
+
+
+def best_rollout_share(steps: Steps, profile: Profile) -> float:
+    """The split that minimises this job's Split-Async run time.
+
+    Every split is ranked by the pipeline's steady-state bound (the slower pool, or the
+    dependency chain rollout -> scoring -> training -> sync spread over `staleness + 1`
+    steps); from the best by that bound, splits are run step by step, moving one device
+    at a time in the direction that shortens the run, until neither neighbour does
+    (per-step variance makes the exact optimum differ from the bound's by a few devices).
+    """
+    split = profile.split
+    if split.rollout_fraction is not None:
+        d = profile.devices
+        return max(1, round(split.rollout_fraction * d)) / d if d >= 2 else split.rollout_fraction
+    shares = np.array(rollout_shares(profile.devices))
+    scalable, whole = float(steps.scalable_s.mean()), float((steps.dense_s + steps.tail_s).mean())
+    work = float((steps.dense_work + steps.tail_work).mean())
+    reward, misc = float(steps.reward_s.mean()), float(steps.misc_s.mean())
+    fb = float((steps.fb_s + steps.optim_s).mean())
+    if split.partial_rollouts:
+        roll = np.maximum(work / shares, whole / (split.staleness + 1))
+    else:
+        roll = scalable / shares + (whole - scalable)
+    score = 0.0
+    if split.scoring == "rollout":
+        roll = roll + reward
+    else:
+        score = reward
+    train = fb / (1.0 - shares) + misc + split.sync_s
+    chain = (roll + score + train) / (split.staleness + 1)
+    bound = np.maximum(np.maximum(roll, train), chain)
+    walls: dict[int, float] = {}
+
+    def wall(i: int) -> float:
+        if i not in walls:
+            stages = split_stages(steps, split, float(shares[i]))
+            walls[i] = pipeline_s(stages, split)
+        return walls[i]
+
+    best = int(np.argmin(bound))
+    for step in (1, -1):
+        while 0 <= best + step < len(shares) and wall(best + step) < wall(best):
+            best += step
+    return float(shares[best])
+
+
+def split_async_wall_s(steps: Steps, profile: Profile, rollout_share: float | None = None) -> float:
+    """The disaggregated pipeline's run time at `rollout_share` (default: the best)."""
+    share = rollout_share if rollout_share is not None else best_rollout_share(steps, profile)
+    stages = split_stages(steps, profile.split, share)
+    return steps.create_s + pipeline_s(stages, profile.split)
 
 
 def simulate_dedicated(
@@ -83,7 +183,8 @@ def simulate_dedicated(
         elif name == "colocated":
             wall = colocated_wall_s(steps, profile)
         else:
-            wall = split_async_wall_s(steps, profile)
+            share = best_rollout_share(steps, profile)
+            wall = split_async_wall_s(steps, profile, share)
         useful = float(steps.useful_work.sum()) * profile.devices
         result = JobResult(
             job_id=job.job_id,
@@ -94,6 +195,8 @@ def simulate_dedicated(
             isolated_step_time_s=float(steps.isolated_step_s.sum()),
             useful_device_s=useful,
         )
+        if name == "split-async":
+            result.rollout_share = share
         results.append(result)
         size = next((s for s in sizes if s >= profile.devices), None)
         if size is None:

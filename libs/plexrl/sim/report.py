@@ -31,15 +31,24 @@ def profiles_of(setup: Setup) -> list[str]:
     return sorted(present, key=lambda p: setup.workload.profiles[p].devices)
 
 
-def dedicated_bubbles(setup: Setup) -> dict[str, dict[str, float]]:
+def dedicated_bubbles(
+    setup: Setup, results: dict[str, DeploymentResult] | None = None
+) -> dict[str, dict[str, float]]:
     """Per profile and dedicated layout: the idle fraction of the job's pool, over the
-    workload's jobs of that profile."""
+    workload's jobs of that profile (from the layout's result when it was run)."""
     out: dict[str, dict[str, float]] = {}
     for name in profiles_of(setup):
         profile = setup.workload.profiles[name]
         jobs = [j for j in setup.jobs if j.profile == name]
         out[name] = {}
         for layout in ("isolated", "colocated", "split-async"):
+            ran = (results or {}).get(layout)
+            if ran is not None:
+                sel = [j for j in ran.finished if j.profile == name]
+                useful = sum(j.useful_device_s / j.devices for j in sel)
+                wall = sum(j.finish_s - j.start_s for j in sel)
+                out[name][layout] = 1 - useful / wall if wall else math.nan
+                continue
             useful = wall = 0.0
             for job in jobs:
                 steps = setup.factory.steps(job)
@@ -101,7 +110,7 @@ def figures(setup: Setup, results: dict[str, DeploymentResult]) -> dict[str, Any
         "jobs": len(setup.jobs),
         "steps": sum(j.steps for j in setup.jobs),
         "groups": len(setup.groups),
-        "bubble": {p: b["isolated"] for p, b in dedicated_bubbles(setup).items()},
+        "bubble": {p: b["isolated"] for p, b in dedicated_bubbles(setup, results).items()},
         "makespan_floor_days": floor / DAY,
         "makespan_floor_vs_isolated": (
             floor / base_iso.makespan_s
@@ -216,7 +225,7 @@ def markdown(setup: Setup, results: dict[str, DeploymentResult], figs: dict[str,
     add("")
     add("| size | Isolated (sim) | reference | Split-Async | Colocated |")
     add("|---|---:|---:|---:|---:|")
-    for p, b in dedicated_bubbles(setup).items():
+    for p, b in dedicated_bubbles(setup, results).items():
         add(
             f"| {p} | {_f(b['isolated'], 2, True)} | {_f(ref.bubble.get(p, math.nan), 2, True)} | "
             f"{_f(b['split-async'], 2, True)} | {_f(b['colocated'], 2, True)} |"

@@ -43,6 +43,8 @@ class JobResult:
     swapped_bytes: float = 0.0
     group: str = ""
     rejected: str = ""
+    rollout_share: float = math.nan
+    """Split-Async only: the share of its pool the job's rollouts got (searched per job)."""
 
     @property
     def admission_wait_s(self) -> float:

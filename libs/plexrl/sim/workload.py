@@ -128,12 +128,25 @@ class Rollout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class SplitAsync(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The disaggregated asynchronous layout of the job (the Split-Async deployment)."""
 
-    rollout_fraction: float = 0.75
-    """Share of the job's devices in the rollout pool; the rest train."""
+    rollout_fraction: float | None = None
+    """Share of the job's devices in the rollout pool; the rest train. None (the
+    default): for each job the split that minimises its run time, found by search over
+    every whole number of rollout devices (the baseline is tuned, not strawmanned)."""
     sync_s: float = 10.0
     """Seconds to broadcast new weights from the trainer pool to the rollout pool."""
     staleness: int = 1
-    """Rollouts may use weights this many steps old."""
+    """Rollouts may use weights this many steps old (0: synchronous; 1-2 is what
+    asynchronous RLVR systems run)."""
+    scoring: str = "rollout"
+    """Where reward scoring and tool stalls sit: `rollout` (the documented model: the
+    rollout pool waits for its batch's scores and tool results before it generates
+    again) or `scorer` (a reward service off the accelerators scores batch k while the
+    rollout pool generates batch k+1, as disaggregated deployments can place it)."""
+    partial_rollouts: bool = False
+    """Partial rollouts: the engine keeps its batch full, carrying unfinished sequences
+    into the next iteration (at most `staleness` iterations later), so a rollout
+    iteration is throughput-bound: its tokens at full-batch speed, but never shorter
+    than the longest response's decode time over `staleness + 1` iterations."""
 
 
 class Colocated(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -315,10 +328,20 @@ class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(
                     f"profile {name!r}: give the rollout either `lengths` or `sample_s`"
                 )
-            if not 0 < p.split.rollout_fraction < 1:
+            frac = p.split.rollout_fraction
+            if frac is not None and not 0 < frac < 1:
                 raise ValueError(
-                    f"profile {name!r}: split.rollout_fraction is {p.split.rollout_fraction}; "
-                    f"it must be between 0 and 1"
+                    f"profile {name!r}: split.rollout_fraction is {frac}; it must be between "
+                    f"0 and 1, or left out to search the best split per job"
+                )
+            if p.split.scoring not in ("scorer", "rollout"):
+                raise ValueError(
+                    f"profile {name!r}: split.scoring is {p.split.scoring!r}; use `scorer` "
+                    f"(a reward service beside the pools) or `rollout` (the rollout pool waits)"
+                )
+            if not 0 <= p.split.staleness <= 8:
+                raise ValueError(
+                    f"profile {name!r}: split.staleness is {p.split.staleness}; use 0 to 8 steps"
                 )
             if p.devices < 1 or p.fb_calls < 1:
                 raise ValueError(f"profile {name!r}: devices and fb_calls must be at least 1")
