@@ -14,12 +14,13 @@ def write_workload(tmp_path: Path, doc: dict) -> Path:
 
 
 def two_jobs_one_worker(
-    device_bytes: int = 100, bandwidth: float = 1e12, state_bytes: int = 10
+    device_bytes: int = 100, bandwidth: float = 1e12, state_bytes: int = 10, switch_s: float = 0.0
 ) -> dict:
     """Two identical deterministic jobs (2 steps: sample 2 s, reward 3 s, train 1 s) on one
-    worker; the hand-computed scenario of test_sim_exact."""
+    worker; the hand-computed scenario of test_sim_exact (engine switches cost `switch_s`)."""
     return {
         "name": "two-jobs",
+        "cluster": {"colocation": {"switch_s": switch_s}},
         "workers": [
             {
                 "id": "w0",

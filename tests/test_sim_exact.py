@@ -34,6 +34,21 @@ def test_two_jobs_share_one_worker_exactly(tmp_path, policy):
     assert a.swaps == b.swaps == 0
 
 
+def test_switching_between_resident_jobs_costs_the_engine_switch(tmp_path):
+    # As above, with 1 s whenever the worker runs another job than its previous Run's
+    # (both states resident): A create+sample [0,2]; B switch, create+sample [3,5];
+    # A switch, train [6,7], samples [7,9]; B (train ready at 8) switch, train [10,11],
+    # samples [11,13]; A (ready at 12) switch, train [14,15], done; B (ready at 16)
+    # switch, train [17,18], done.
+    setup = prepare(write_workload(tmp_path, two_jobs_one_worker(switch_s=1.0)))
+    result = run_deployment(setup, "fifo")
+    a, b = (next(j for j in result.jobs if j.job_id == x) for x in ("A", "B"))
+    assert a.finish_s == pytest.approx(15.0) and b.finish_s == pytest.approx(18.0)
+    # Switches are charged like swaps: 2 to A, 3 to B, on top of 6 s of calls each.
+    assert a.swap_s == pytest.approx(2.0) and b.swap_s == pytest.approx(3.0)
+    assert a.used_device_s == pytest.approx(8.0) and b.used_device_s == pytest.approx(9.0)
+
+
 def test_isolated_reference_is_the_same_steps_alone(tmp_path):
     setup = prepare(write_workload(tmp_path, two_jobs_one_worker()))
     result = run_deployment(setup, "isolated")
@@ -83,23 +98,30 @@ def test_trail_records_every_phase_in_order(tmp_path):
 
 
 def test_plexrl_runs_the_shortest_remaining_work_first(tmp_path):
-    # A at 0 and B at 3: sample 2 s, reward 7 s, then four 1 s forward_backward calls
-    # (optim_step and save take no time), two steps each, one worker, a budget that
-    # lets them share, decisions at every call boundary (quantum 0.5 s).
+    # A at 0 and B at 14: sample 2 s, reward 7 s, then four 1 s forward_backward calls
+    # (optim_step and save take no time), three steps each, one worker, a budget that
+    # lets them share, decisions at every call boundary (quantum 0.5 s), and figures
+    # learned from the calls after 10 s of history.
     doc = two_jobs_one_worker()
     doc["profiles"]["p"].update(reward_s=7.0, train_s=4.0, fb_calls=4)
-    doc["jobs"][1]["arrival_s"] = 3.0
+    doc["jobs"][1]["arrival_s"] = 14.0
+    for job in doc["jobs"]:
+        job["steps"] = 3
     doc["policy"] = {"slowdown_budget": 10.0, "quantum_s": 0.5}
+    doc["estimates"] = {"min_history_s": 10.0}
     setup = prepare(write_workload(tmp_path, doc))
-    # A samples [0,2], B [3,5]. A's training: [9,12] in one Run (B said it stays idle
-    # until 12), then at 12 B's 4 s of training arrive but A's last 1 s call goes first
-    # [12,13]. A's next sample comes just after B took the group [13,14]; it cuts in
-    # [14,16] before B's remaining 3 s [16,19]. B samples [19,21]; A trains [23,27]
-    # and is done; B trains [28,32] and is done.
+    # A alone: samples [0,2], trains [9,13] in one Run, samples [13,15]. B, admitted at
+    # 14 on A's measured figures, creates and samples [15,17]. A's training arrives at
+    # 22 and goes one call per Run (B is homed and has no idle hint yet): [22,26]. B's
+    # training arrives at 24 and starts at 26 [26,27]; at 27 A's next 2 s sample cuts in
+    # before B's remaining 3 s [27,29]; B [29,32], samples [32,34]. A trains [36,40] in
+    # one Run (B's idle hint, the mean of its one stall, says it is quiet until 41) and
+    # is done; B trains [41,45], samples [45,47], trains [54,58] and is done.
     result = run_deployment(setup, "plexrl")
     a, b = (next(j for j in result.jobs if j.job_id == x) for x in ("A", "B"))
-    assert a.finish_s == pytest.approx(27.0) and b.finish_s == pytest.approx(32.0)
-    assert a.call_queue_s == pytest.approx(1.0) and b.call_queue_s == pytest.approx(3.0)
-    # Oldest call first instead: A 30, B 34.
+    assert a.finish_s == pytest.approx(40.0) and b.finish_s == pytest.approx(58.0)
+    assert a.call_queue_s == pytest.approx(1.0) and b.call_queue_s == pytest.approx(5.0)
+    # Oldest call first instead: A 43, B 60, and they wait 4 s and 7 s.
     fifo = run_deployment(setup, "fifo")
-    assert [j.finish_s for j in fifo.jobs] == pytest.approx([30.0, 34.0])
+    assert [j.finish_s for j in fifo.jobs] == pytest.approx([43.0, 60.0])
+    assert [j.call_queue_s for j in fifo.jobs] == pytest.approx([4.0, 7.0])

@@ -37,8 +37,9 @@ from plexrl.policy import (
     WorkerView,
     plan,
 )
+from plexrl.policy.history import CallHistory, Prior, describe, priors
 from plexrl.sim.results import DeploymentResult, GroupUsage, JobResult, Timeline
-from plexrl.sim.workload import GroupSpec, JobFactory, JobSpec, Steps, nbytes
+from plexrl.sim.workload import CoLocation, GroupSpec, JobFactory, JobSpec, Steps, nbytes
 
 _TRAIN = (Function.FORWARD_BACKWARD, Function.OPTIM_STEP, Function.SAVE)
 
@@ -56,12 +57,13 @@ class _Job:
     steps: Steps
     devices: int
     state_bytes: int
-    estimates: CallEstimates
-    duty: float
-    reward_hint_s: float
-    misc_hint_s: float
     result: JobResult
-    step_calls: tuple[Function, ...] = ()
+    history: CallHistory = field(default_factory=CallHistory)
+    """What the scheduler has learned of the job from its calls so far."""
+    stalls_s: float = 0.0
+    """Sum of its reward / tool stalls so far: the job's own idle hint is their mean."""
+    gaps_s: float = 0.0
+    """Sum of its host-side gaps between steps so far."""
     home: str | None = None
     tier: Tier | None = None
     last_active: float = 0.0
@@ -78,8 +80,11 @@ class _Job:
     def touch(self) -> None:
         self.view = None
 
-    def as_view(self) -> JobView:
+    def as_view(self, now: float, learned: dict[str, Prior], min_history_s: float) -> JobView:
+        """The job as the live scheduler would describe it: its measured figures, or its
+        kind's (`learned`, by profile) until it has a history. Cached until `touch`."""
         if self.view is None:
+            seen = describe(self.history, learned.get(self.spec.profile), now, min_history_s)
             self.view = JobView(
                 job_id=self.spec.job_id,
                 state_bytes=self.state_bytes,
@@ -88,10 +93,10 @@ class _Job:
                 devices=self.devices,
                 last_active=self.last_active,
                 idle_until=self.idle_until,
-                estimates=self.estimates,
-                duty_cycle=self.duty,
+                estimates=CallEstimates(seen.durations),
+                duty_cycle=seen.duty_cycle,
                 pinned=self.pinned,
-                step_calls=self.step_calls,
+                step_calls=seen.step_calls,
             )
         return self.view
 
@@ -105,6 +110,8 @@ class _Group:
     busy_until: float = 0.0
     tails: list[tuple[float, float]] = field(default_factory=list)
     """(end, fraction of the group) of straggler tails decoding in the background."""
+    last_job: str | None = None
+    """The job of its previous Run: a Run of another job pays the engine switch."""
     held_since: float | None = None
     link_free: float = 0.0
     view: WorkerView | None = None
@@ -129,6 +136,9 @@ class _Group:
 class _RunInFlight:
     job: _Job
     calls: list[PendingCall]
+    swap_s: float
+    started: float
+    """When its calls began (after its swaps)."""
 
 
 class MultiplexedSim:
@@ -143,8 +153,12 @@ class MultiplexedSim:
         gpus: int,
         record_trail: bool = False,
         name: str | None = None,
+        colocation: CoLocation | None = None,
     ) -> None:
         self.config = config
+        self.costs = colocation if colocation is not None else factory.workload.cluster.colocation
+        self._priors: dict[str, Prior] = {}
+        self.min_history_s = factory.workload.estimates.min_history_s
         self.name = name or config.name
         self.gpus = gpus
         self.now = 0.0
@@ -172,19 +186,6 @@ class MultiplexedSim:
 
     @staticmethod
     def _make_job(spec: JobSpec, steps: Steps, devices: int, state_bytes: int) -> _Job:
-        # What a profiler of the job would know: mean call durations and duty cycle.
-        fb_call = float(steps.fb_s.mean()) / steps.fb_calls
-        estimates = CallEstimates(
-            {
-                Function.CREATE: steps.create_s,
-                Function.SAMPLE: float(steps.dense_s.mean()),
-                Function.FORWARD_BACKWARD: fb_call,
-                Function.OPTIM_STEP: steps.optim_s,
-                Function.SAVE: steps.save_s,
-            }
-        )
-        iso = float(steps.isolated_step_s.mean())
-        duty = float(steps.exclusive_s.mean()) / iso if iso > 0 else 1.0
         result = JobResult(
             job_id=spec.job_id,
             profile=spec.profile,
@@ -194,23 +195,7 @@ class MultiplexedSim:
             isolated_step_time_s=float(steps.isolated_step_s.sum()),
             useful_device_s=float(steps.useful_work.sum()) * devices,
         )
-        return _Job(
-            spec=spec,
-            steps=steps,
-            devices=devices,
-            state_bytes=state_bytes,
-            estimates=estimates,
-            duty=duty,
-            reward_hint_s=float(steps.reward_s.mean()),
-            misc_hint_s=float(steps.misc_s.mean()),
-            result=result,
-            step_calls=(
-                Function.SAMPLE,
-                *[Function.FORWARD_BACKWARD] * steps.fb_calls,
-                Function.OPTIM_STEP,
-                Function.SAVE,
-            ),
-        )
+        return _Job(spec=spec, steps=steps, devices=devices, state_bytes=state_bytes, result=result)
 
     # Event queue -------------------------------------------------------------------------
 
@@ -277,7 +262,10 @@ class MultiplexedSim:
     def group_snapshot(self, group_id: str) -> ClusterSnapshot:
         """What the policy sees when something happens on one group."""
         group = self.groups[group_id]
-        jobs = {jid: j.as_view() for jid, j in group.homed.items()}
+        jobs = {
+            jid: j.as_view(self.now, self._priors, self.min_history_s)
+            for jid, j in group.homed.items()
+        }
         calls = [c for j in group.homed.values() for c in j.pending]
         calls.sort(key=lambda c: c.arrival_time)
         return ClusterSnapshot(
@@ -290,14 +278,16 @@ class MultiplexedSim:
 
     def full_snapshot(self) -> ClusterSnapshot:
         """What the policy sees when admission is due: every group, job and pending call."""
+        homed = [j for g in self.groups.values() for j in g.homed.values()]
+        learned = priors(((j.spec.profile, j.history) for j in homed), self.now, self.min_history_s)
+        if learned != self._priors:
+            self._priors = learned
+            for j in (*homed, *self.waiting.values()):
+                j.touch()
         jobs: dict[str, JobView] = {}
         calls: list[PendingCall] = []
-        for group in self.groups.values():
-            for jid, j in group.homed.items():
-                jobs[jid] = j.as_view()
-                calls.extend(j.pending)
-        for jid, j in self.waiting.items():
-            jobs[jid] = j.as_view()
+        for j in (*homed, *self.waiting.values()):
+            jobs[j.spec.job_id] = j.as_view(self.now, self._priors, self.min_history_s)
             calls.extend(j.pending)
         calls.sort(key=lambda c: c.arrival_time)
         return ClusterSnapshot(
@@ -332,6 +322,8 @@ class MultiplexedSim:
         if group.spec.devices < job.devices:
             raise SimulationError(f"{action.job_id} admitted to a group too small for it")
         job.home = action.worker_id
+        # The duty cycle counts from here: waiting for a home is not the job's idleness.
+        job.history.first_seen = self.now
         job.touch()
         job.result.start_s = self.now
         job.result.group = action.worker_id
@@ -392,6 +384,9 @@ class MultiplexedSim:
             swap += self._move_s(group, job, job.tier, Tier.DEVICE)
             job.tier = Tier.DEVICE
         swap += max(0.0, job.ready_at - self.now)
+        if group.last_job not in (None, job.spec.job_id):
+            swap += self.costs.switch_s
+        group.last_job = job.spec.job_id
         self._check_memory(group)
         work = sum(self._call_s(job, c.function) for c in calls)
         start = self.now + swap
@@ -413,7 +408,7 @@ class MultiplexedSim:
         group.usage.used_device_s += used
         useful = sum(self._call_useful(job, c.function) for c in calls) * group.spec.devices
         self.timeline.add("busy", start, end, useful)
-        self._push(end, _RUN_DONE, _RunInFlight(job, calls))
+        self._push(end, _RUN_DONE, _RunInFlight(job, calls, swap, start))
 
     def _prefetch(self, action: Prefetch) -> None:
         group = self.groups[action.worker_id]
@@ -482,6 +477,7 @@ class MultiplexedSim:
     # The job's life ----------------------------------------------------------------------
 
     def _issue(self, job: _Job, function: Function, index: int = 0) -> None:
+        job.history.arrived(function, self.now)
         job.pending.append(
             PendingCall(
                 f"{job.spec.job_id}/{job.step}/{function.value}{index}",
@@ -504,6 +500,12 @@ class MultiplexedSim:
         job.last_active = self.now
         job.touch()
         self._dirty.add(group.spec.group_id)
+        # What the live scheduler sees of it: each call's compute seconds (the Run's,
+        # stretched by any stragglers beside it, split in proportion) and its swaps.
+        planned = [self._call_s(job, c.function) for c in done.calls]
+        stretch = (self.now - done.started) / sum(planned) if sum(planned) > 0 else 1.0
+        for i, (call, seconds) in enumerate(zip(done.calls, planned, strict=True)):
+            job.history.observe(call.function, seconds * stretch, done.swap_s if i == 0 else 0.0)
         for call in done.calls:
             if job.trail is not None:
                 job.trail.append((job.step, call.function))
@@ -529,21 +531,31 @@ class MultiplexedSim:
             self._tail_done(job)
             return
         util = float(s.tail_work[k]) / tail_s
+        if len(group.homed) > 1:
+            # Another job may run beside the stragglers: they keep their KV cache's share
+            # of the group, and decode slower beside its kernels.
+            util = max(util, self.costs.tail_min_share)
+            tail_s *= self.costs.tail_contention
         group.tails.append((self.now + tail_s, util))
         job.pinned = True
         job.touch()
-        used = group.spec.devices * float(s.tail_work[k])
+        used = group.spec.devices * util * tail_s
         job.result.used_device_s += used
         group.usage.used_device_s += used
-        self.timeline.add("busy", self.now, self.now + tail_s, used)
+        self.timeline.add(
+            "busy", self.now, self.now + tail_s, group.spec.devices * float(s.tail_work[k])
+        )
         self._push(self.now + tail_s, _TAIL_DONE, job)
 
     def _tail_done(self, job: _Job) -> None:
         job.pinned = False
-        # The job's idle hint: "reward / tool stall for about this long".
-        job.idle_until = self.now + job.reward_hint_s * job.spec.stall_scale
+        # The job's idle hint, "reward / tool stall for about this long": the mean of its
+        # own stalls so far (no hint before its first).
+        job.idle_until = self.now + job.stalls_s / job.step if job.step else 0.0
         job.touch()
-        self._push(self.now + float(job.steps.reward_s[job.step]), _TRAIN_CALLS, job)
+        stall = float(job.steps.reward_s[job.step])
+        job.stalls_s += stall
+        self._push(self.now + stall, _TRAIN_CALLS, job)
         self._dirty.add(job.home or "")
 
     def _issue_train(self, job: _Job) -> None:
@@ -557,11 +569,13 @@ class MultiplexedSim:
 
     def _step_done(self, job: _Job) -> None:
         misc = float(job.steps.misc_s[job.step])
+        hint = job.gaps_s / job.step if job.step else 0.0
+        job.gaps_s += misc
         job.step += 1
         if job.step >= job.steps.n:
             self._push(self.now + misc, _FINISH, job)
             return
-        job.idle_until = self.now + job.misc_hint_s
+        job.idle_until = self.now + hint if hint else 0.0
         job.touch()
         self._push(self.now + misc, _NEXT_STEP, job)
 

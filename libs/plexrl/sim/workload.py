@@ -201,6 +201,44 @@ class SwapSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Per move: allocator, engine memory release / resume, communicator re-init."""
 
 
+class CoLocation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What sharing a group costs beyond the swaps (`SwapCosts`): each figure can be set
+    from a measurement of the live worker, and `bench/sim_tail_sensitivity.py` sweeps
+    the two that the tail release rests on."""
+
+    switch_s: float = 1.0
+    """Seconds a group spends when a Run's job is not the job of its previous Run, with
+    both states already on the device: the inference engine's sleep / wake (SGLang's
+    `release_memory_occupation` / `resume_memory_occupation`), the KV cache handed to
+    the other job, communicators and CUDA graphs re-bound. Calibrate from the live
+    worker's timeline (the gap between two jobs' calls on one worker, swaps excluded);
+    `bench/swap_bandwidth.py` measures the swaps themselves."""
+    tail_min_share: float = 0.25
+    """The least share of the group a rollout's stragglers take while they decode beside
+    another job's Run, however few sequences are left: their KV cache stays allocated
+    and the engine keeps its batch's memory, so the other job's training runs with that
+    much less memory and bandwidth. Calibrate from the engine's KV cache reservation
+    against the group's memory."""
+    tail_contention: float = 1.25
+    """How much longer a straggler tail decodes on a group where another job may run
+    beside it (its decode steps co-batched with, or interleaved between, the other job's
+    kernels); 1.0: no contention. Calibrate from `bench/sampling.py` (a rollout's tail
+    decoded alone and beside a training step) when it exists."""
+
+    def validate(self) -> None:
+        if self.switch_s < 0:
+            raise ValueError(f"cluster.colocation.switch_s is {self.switch_s}; use 0 or more")
+        if not 0 <= self.tail_min_share < 0.9:
+            raise ValueError(
+                f"cluster.colocation.tail_min_share is {self.tail_min_share}; use 0 to 0.9"
+            )
+        if self.tail_contention < 1:
+            raise ValueError(
+                f"cluster.colocation.tail_contention is {self.tail_contention}; use 1.0 (none) "
+                f"or more"
+            )
+
+
 class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     gpus: int = 2048
     device_bytes_per_gpu: Size = "80 GB"
@@ -216,6 +254,8 @@ class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     every deployment on the same layout), `shared` (device-seconds the jobs' calls hold
     a group: a layout for a cluster that multiplexes), or `auto` (dedicated for
     Isolated, Colocated and Split-Async, shared for the policies)."""
+    colocation: CoLocation = CoLocation()
+    """Costs of sharing a group (engine switches, the stragglers' memory and contention)."""
 
 
 class WorkerSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -284,6 +324,16 @@ class Reference(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     makespan_vs_isolated: dict[str, float] = {}
 
 
+class Estimates(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How the simulated scheduler learns a job from its calls (`plexrl.policy.history`,
+    the live scheduler's rules)."""
+
+    min_history_s: float = 1800.0
+    """Seconds a job must have been homed before its measured duty cycle is used; until
+    then it borrows its kind's figures. The live scheduler's 5 s span two steps of the
+    demo's jobs; 30 min spans two to four steps of the H200 profiles' jobs."""
+
+
 class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: str
     profiles: dict[str, Profile]
@@ -296,6 +346,7 @@ class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Named jobs (small setting); used instead of, or besides, the trace."""
     policy: dict[str, float | int | bool] = {}
     """PolicyConfig overrides for every PlexRL deployment (e.g. max_load)."""
+    estimates: Estimates = Estimates()
     reference: Reference = Reference()
 
     def validate(self) -> None:
@@ -303,6 +354,7 @@ class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError(
                 f"cluster.partition is {self.cluster.partition!r}; use auto, dedicated or shared"
             )
+        self.cluster.colocation.validate()
         if self.trace is None and not self.jobs:
             raise ValueError(f"workload {self.name!r} has neither a trace nor jobs; add one")
         names = set(self.profiles)

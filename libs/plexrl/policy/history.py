@@ -1,0 +1,133 @@
+"""What a scheduler can learn of a job from the calls it has seen, and nothing more.
+
+The live scheduler and the simulator both describe a job to the policy from these
+figures: running means of its calls' durations, the fraction of its wall time its calls
+kept a device busy (its duty cycle), and the calls one of its training steps makes, as
+observed in its loop. Neither may use what only the future or a profile would tell, so
+the simulator's decisions are ones the live scheduler could make.
+
+The rules are the live scheduler's (`plexrl_scheduler.state.JobState`): an exponential
+running mean per function with weight `EWMA` on the newest observation, and a measured
+duty cycle only once the job has been seen for `min_history_s`; until then a job of a
+known kind borrows the mean figures of its kind (`priors`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from plexrl.messages import Function
+
+EWMA = 0.3
+"""Weight of the newest observation in a job's running mean of call durations."""
+UNKNOWN_DUTY = 0.5
+"""Duty cycle of a job with no history and no kind to borrow from."""
+
+Kind = TypeVar("Kind", bound=Hashable)
+
+
+@dataclass
+class CallHistory:
+    """One job's observed calls. Changes only through `arrived`, `observe` and `calls`."""
+
+    durations: dict[Function, float] = field(default_factory=dict)
+    """Running mean of each function's compute seconds (swaps excluded)."""
+    first_seen: float | None = None
+    """When its first call arrived: the start of the span its duty cycle covers."""
+    busy_s: float = 0.0
+    """Seconds (swap + compute) its calls have held a device."""
+    step_calls: tuple[Function, ...] = ()
+    """The calls of its last whole training step, sample first (empty until one step
+    has been seen from one sample to the next)."""
+    _since_sample: list[Function] = field(default_factory=list)
+
+    def arrived(self, function: Function, now: float) -> None:
+        """A call of the job arrived: it starts the history and shows the job's loop."""
+        if self.first_seen is None:
+            self.first_seen = now
+        if function == Function.SAMPLE:
+            if self._since_sample and self._since_sample[0] == Function.SAMPLE:
+                self.step_calls = tuple(self._since_sample)
+            self._since_sample = [function]
+        elif self._since_sample:
+            self._since_sample.append(function)
+
+    def observe(self, function: Function, compute_s: float, swap_s: float = 0.0) -> None:
+        """A call of the job completed after `compute_s` (and `swap_s` of swaps first)."""
+        old = self.durations.get(function)
+        self.durations[function] = compute_s if old is None else old + EWMA * (compute_s - old)
+        self.busy_s += compute_s + swap_s
+
+    def has_history(self, now: float, min_history_s: float) -> bool:
+        return self.first_seen is not None and now - self.first_seen >= min_history_s
+
+    def duty_cycle(self, now: float, min_history_s: float) -> float:
+        """Fraction of its wall time the job kept a device busy (`UNKNOWN_DUTY` until it
+        has a history)."""
+        if self.first_seen is None or not self.has_history(now, min_history_s):
+            return UNKNOWN_DUTY
+        return min(1.0, max(0.01, self.busy_s / (now - self.first_seen)))
+
+
+@dataclass(frozen=True)
+class Prior:
+    """What a job without a history is taken to look like: the mean of its kind's."""
+
+    duty_cycle: float
+    durations: dict[Function, float]
+    step_calls: tuple[Function, ...] = ()
+
+
+def priors(
+    histories: Iterable[tuple[Kind, CallHistory]], now: float, min_history_s: float
+) -> dict[Kind, Prior]:
+    """Per job kind, the mean duty cycle and call durations of the jobs with a history
+    (and the step of the first of them whose loop is known)."""
+    duties: dict[Kind, list[float]] = {}
+    durations: dict[Kind, dict[Function, list[float]]] = {}
+    steps: dict[Kind, tuple[Function, ...]] = {}
+    for kind, history in histories:
+        if not history.has_history(now, min_history_s):
+            continue
+        duties.setdefault(kind, []).append(history.duty_cycle(now, min_history_s))
+        by_function = durations.setdefault(kind, {})
+        for function, seconds in history.durations.items():
+            by_function.setdefault(function, []).append(seconds)
+        if history.step_calls and kind not in steps:
+            steps[kind] = history.step_calls
+    return {
+        kind: Prior(
+            duty_cycle=sum(values) / len(values),
+            durations={f: sum(v) / len(v) for f, v in durations[kind].items()},
+            step_calls=steps.get(kind, ()),
+        )
+        for kind, values in duties.items()
+    }
+
+
+@dataclass(frozen=True)
+class Described:
+    """A job's figures as the policy is to see them (`JobView`'s learned fields)."""
+
+    duty_cycle: float
+    durations: dict[Function, float]
+    step_calls: tuple[Function, ...]
+
+
+def describe(
+    history: CallHistory, prior: Prior | None, now: float, min_history_s: float
+) -> Described:
+    """The job's own figures; its kind's (`prior`) for the duty cycle until it has a
+    history, and for any function or step loop it has not shown yet (a job that has
+    only sampled so far would otherwise look as if its training took no time)."""
+    duty = history.duty_cycle(now, min_history_s)
+    durations = dict(history.durations)
+    step = history.step_calls
+    if prior is not None:
+        if not history.has_history(now, min_history_s):
+            duty = prior.duty_cycle
+        durations = prior.durations | durations
+        step = step or prior.step_calls
+    return Described(duty, durations, step)

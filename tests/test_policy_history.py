@@ -1,0 +1,45 @@
+"""What a scheduler learns of a job from its calls (`plexrl.policy.history`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from plexrl.messages import Function
+from plexrl.policy.history import EWMA, UNKNOWN_DUTY, CallHistory, describe, priors
+
+F = Function
+
+
+def test_running_means_duty_cycle_and_the_step_loop_come_from_calls_seen():
+    h = CallHistory()
+    for function in (F.CREATE, F.SAMPLE, F.FORWARD_BACKWARD, F.FORWARD_BACKWARD, F.OPTIM_STEP):
+        h.arrived(function, now=0.0)
+    assert h.step_calls == ()  # no whole step seen yet
+    h.arrived(F.SAMPLE, now=10.0)
+    assert h.step_calls == (F.SAMPLE, F.FORWARD_BACKWARD, F.FORWARD_BACKWARD, F.OPTIM_STEP)
+    h.observe(F.SAMPLE, 4.0, swap_s=1.0)
+    h.observe(F.SAMPLE, 2.0)
+    assert h.durations[F.SAMPLE] == pytest.approx(4.0 + EWMA * (2.0 - 4.0))
+    assert h.busy_s == pytest.approx(7.0)
+    assert h.duty_cycle(now=5.0, min_history_s=10.0) == UNKNOWN_DUTY
+    assert h.duty_cycle(now=14.0, min_history_s=10.0) == pytest.approx(0.5)
+
+
+def test_a_job_borrows_its_kinds_figures_for_what_it_has_not_shown():
+    old, new = CallHistory(), CallHistory()
+    old.arrived(F.SAMPLE, 0.0)
+    old.arrived(F.FORWARD_BACKWARD, 0.0)
+    old.arrived(F.SAMPLE, 0.0)
+    old.observe(F.SAMPLE, 3.0)
+    old.observe(F.FORWARD_BACKWARD, 1.0)
+    new.arrived(F.SAMPLE, 90.0)
+    new.observe(F.SAMPLE, 5.0)
+    learned = priors([("7B", old), ("7B", new)], now=100.0, min_history_s=50.0)
+    assert learned["7B"].duty_cycle == pytest.approx(0.04)
+    seen = describe(new, learned["7B"], now=100.0, min_history_s=50.0)
+    assert seen.duty_cycle == pytest.approx(0.04)
+    assert seen.durations == {F.SAMPLE: 5.0, F.FORWARD_BACKWARD: 1.0}
+    assert seen.step_calls == (F.SAMPLE, F.FORWARD_BACKWARD)
+    # With a history of its own, its own duty cycle counts.
+    assert describe(old, learned["7B"], 100.0, 50.0).duty_cycle == pytest.approx(0.04)
+    assert describe(new, None, 100.0, 5.0).duty_cycle == pytest.approx(0.5)
