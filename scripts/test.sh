@@ -13,6 +13,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit
 
 scripts/bootstrap.sh || exit
+scripts/chromium.sh >/dev/null || exit  # headless Chromium for the dashboard test
 
 lint_status=0
 if [[ ${PLEXRL_LINT:-0} == 1 || ${CI:-} == true ]]; then

@@ -6,6 +6,7 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from plexrl_gateway import (
+    dashboard,
     routes_futures,
     routes_plexrl,
     routes_rest,
@@ -29,6 +30,7 @@ def build_app(gateway: Gateway) -> FastAPI:
         routes_futures,
         routes_rest,
         routes_plexrl,
+        dashboard,
     ):
         app.include_router(module.router)
     app.include_router(routes_session.health_router)

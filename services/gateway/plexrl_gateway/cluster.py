@@ -12,7 +12,7 @@ import httpx
 import msgspec
 
 from plexrl.messages import MessageError, WorkerHeartbeat, decode
-from plexrl.meta import JobRecord, MetaStore
+from plexrl.meta import JobRecord, MetaStore, TimelineEntry
 
 log = logging.getLogger(__name__)
 
@@ -86,3 +86,37 @@ def accounting(usage: dict[str, float], devices: int) -> dict[str, Any]:
         "dedicated_device_s": dedicated,
         "savings_fraction": (1.0 - used / dedicated) if dedicated > 0 else None,
     }
+
+
+def activity(entries: list[TimelineEntry]) -> dict[str, dict[str, Any]]:
+    """Per job, what its calls in a window of the timeline show: calls, optimizer steps and
+    their rate, and how many calls first had to swap the job's state in.
+
+    The step rate is taken over the span between the first and the last `optim_step` in the
+    window (the job's pace while it ran), so a paused job keeps its last pace and a job
+    with fewer than two steps in the window has none."""
+    by_job: dict[str, list[TimelineEntry]] = {}
+    for entry in entries:
+        by_job.setdefault(entry.job_id, []).append(entry)
+    out: dict[str, dict[str, Any]] = {}
+    for job_id, calls in by_job.items():
+        steps = sorted(e.started_at for e in calls if e.function == "optim_step")
+        span = steps[-1] - steps[0] if len(steps) > 1 else 0.0
+        out[job_id] = {
+            "calls": len(calls),
+            "steps": len(steps),
+            "steps_per_min": 60.0 * (len(steps) - 1) / span if span > 0 else None,
+            "swaps": sum(1 for e in calls if e.swap_s > 0),
+            "last_at": max(e.started_at + e.swap_s + e.compute_s for e in calls),
+        }
+    return out
+
+
+NO_ACTIVITY: dict[str, Any] = {
+    "calls": 0,
+    "steps": 0,
+    "steps_per_min": None,
+    "swaps": 0,
+    "last_at": None,
+}
+"""What `activity` reports for a job with no call in the window."""

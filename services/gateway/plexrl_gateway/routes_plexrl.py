@@ -10,6 +10,7 @@ import msgspec
 from fastapi import APIRouter, Query
 
 from plexrl.messages import Function, IdleHint, JobSpec, NoopInput
+from plexrl_gateway.cluster import NO_ACTIVITY, activity
 from plexrl_gateway.deps import Futures, GatewayDep, Jobs, Meta, Submit, Tenant
 from plexrl_gateway.errors import ApiError, Category, not_found
 from plexrl_gateway.render import ResponseKind
@@ -21,6 +22,9 @@ router = APIRouter(prefix="/plexrl/v1")
 # The echo job holds no state and names no model: its NOOP calls measure the control
 # plane alone (gateway → Kafka → scheduler → worker → back).
 ECHO_SPEC = JobSpec(base_model="", lora=None, state_bytes=0)
+
+# Calls read to work out each job's recent activity; past it the window shows the oldest.
+TIMELINE_WINDOW_MAX = 10_000
 
 
 def echo_job_id(tenant: str) -> str:
@@ -54,8 +58,25 @@ async def workers(_: Tenant, gateway: GatewayDep) -> list[dict[str, Any]]:
 
 
 @router.get("/jobs")
-async def list_jobs(tenant: Tenant, jobs: Jobs) -> list[dict[str, Any]]:
-    return [msgspec.to_builtins(j) for j in await jobs.jobs(tenant)]
+async def list_jobs(
+    tenant: Tenant,
+    jobs: Jobs,
+    meta: Meta,
+    gateway: GatewayDep,
+    details: Annotated[bool, Query()] = False,
+    window_s: Annotated[float, Query(gt=0, le=86400)] = 300.0,
+) -> list[dict[str, Any]]:
+    """The tenant's jobs, oldest first. With `details`, each as `/jobs/{id}` shows it plus
+    its `activity` (calls, steps and step rate, swaps) over the last `window_s` seconds of
+    the timeline: what a dashboard needs in one request."""
+    records = sorted(await jobs.jobs(tenant), key=lambda j: j.created_at)
+    if not details:
+        return [msgspec.to_builtins(j) for j in records]
+    recent = activity(await meta.timeline(time.time() - window_s, TIMELINE_WINDOW_MAX))
+    return [
+        {**await gateway.cluster.job(r), "activity": recent.get(r.job_id, NO_ACTIVITY)}
+        for r in records
+    ]
 
 
 @router.get("/jobs/{job_id}")
