@@ -108,9 +108,11 @@ def test_forward_only_and_ppo_config_are_kept() -> None:
 
 
 def test_unknown_loss_names_the_valid_ones() -> None:
-    message = error_of(forward_backward_input, fb_proto([ce_datum([1], [2])], "cispo"), LIMITS)
-    assert "'cispo' is not supported" in message
-    assert "cross_entropy, importance_sampling, ppo" in message
+    message = error_of(forward_backward_input, fb_proto([ce_datum([1], [2])], "dpo"), LIMITS)
+    assert "'dpo' is not supported" in message
+    assert "cross_entropy, importance_sampling, ppo, cispo, dro, gspo, stable_reinforce" in message
+    message = error_of(forward_backward_input, fb_proto([ce_datum([1], [2])], "custom"), LIMITS)
+    assert "forward_backward_custom" in message
 
 
 def test_loss_inputs_whose_length_differs_from_the_tokens_are_refused() -> None:

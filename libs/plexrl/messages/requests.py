@@ -24,6 +24,14 @@ class LossFn(enum.StrEnum):
     """-sum(exp(logp - sampling_logp) * advantages); inputs: target_tokens, logprobs, advantages."""
     PPO = "ppo"
     """Clipped importance sampling; inputs as importance_sampling, config clip thresholds."""
+    CISPO = "cispo"
+    """-sum(sg(clip(ratio)) * logp * advantages); inputs as importance_sampling."""
+    DRO = "dro"
+    """-sum(logp * advantages - beta/2 * (logp - sampling_logp)^2); inputs as IS."""
+    GSPO = "gspo"
+    """PPO on the sequence's geometric-mean ratio (GSPO-token); optional sequence_ratio_mask."""
+    STABLE_REINFORCE = "stable_reinforce"
+    """REINFORCE with a truncated, detached importance weight; inputs as importance_sampling."""
 
 
 class LoraSpec(msgspec.Struct, frozen=True):

@@ -167,8 +167,13 @@ def forward_backward_input(
         loss_fn = LossFn(request.loss_fn)
     except ValueError:
         valid = ", ".join(LOSS_INPUTS)
+        # "custom" names a loss uploaded with create_custom_loss, which PlexRL does not
+        # host; forward_backward_custom with a Python callable runs on forward and
+        # cross_entropy and needs nothing more.
+        hint = "; for a custom loss pass a Python callable to forward_backward_custom"
         raise bad_request(
             f"loss_fn {request.loss_fn!r} is not supported; use one of: {valid}"
+            + (hint if request.loss_fn == "custom" else "")
         ) from None
     shape = LOSS_INPUTS[loss_fn]
     if not request.data:
