@@ -15,6 +15,7 @@ from plexrl.sim.multiplexed import MultiplexedSim
 from plexrl.sim.results import DeploymentResult
 from plexrl.sim.workload import (
     TAIL_RELEASE,
+    CoLocation,
     GroupSpec,
     JobFactory,
     JobSpec,
@@ -125,16 +126,21 @@ def run_deployment(
     name: str,
     progress: Callable[[float], None] | None = None,
     overrides: dict[str, float | int | bool] | None = None,
+    tail_release: float | None = None,
+    colocation: CoLocation | None = None,
 ) -> DeploymentResult:
     """Simulate one deployment; `progress` gets simulated seconds (multiplexed) or the
-    finished fraction of jobs (dedicated)."""
+    finished fraction of jobs (dedicated). `tail_release` replaces `TAIL_RELEASE` for a
+    `+tail` deployment, `colocation` the workload's costs of sharing (sensitivity runs)."""
     if name in DEDICATED:
         groups = setup.groups_for(name, setup.factory)
         return simulate_dedicated(name, setup.factory, setup.jobs, groups, setup.gpus, progress)
     policy, factory = name, setup.factory
     if name.endswith(TAIL_SUFFIX):
         policy = name[: -len(TAIL_SUFFIX)]
-        factory = factory.with_tail_release(TAIL_RELEASE)
+        factory = factory.with_tail_release(
+            tail_release if tail_release is not None else TAIL_RELEASE
+        )
     if policy not in POLICIES:
         raise ValueError(
             f"unknown deployment {name!r}; choose from {', '.join(DEDICATED)}, a policy "
@@ -142,7 +148,9 @@ def run_deployment(
         )
     config = policy_config(setup, policy, overrides or {})
     groups = setup.groups_for(name, factory)
-    sim = MultiplexedSim(factory, setup.jobs, groups, config, setup.gpus, name=name)
+    sim = MultiplexedSim(
+        factory, setup.jobs, groups, config, setup.gpus, name=name, colocation=colocation
+    )
     return sim.run(progress)
 
 
