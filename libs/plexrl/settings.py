@@ -59,8 +59,12 @@ class SchedulerSettings(CommonSettings):
     policy: str = "fifo"
     # Most consecutive calls of one job sent to a worker in one dispatch.
     max_calls_per_run: int = 8
-    # A worker whose last heartbeat is older than this is treated as down.
+    # A worker whose last heartbeat is older than this is treated as down (its jobs
+    # are re-homed and restored elsewhere).
     worker_timeout_s: float = 10.0
+    # A dispatch whose worker reports idle this long after it was sent was lost: its
+    # calls are requeued (see plexrl_scheduler.liveness.LivenessConfig).
+    lease_grace_s: float = 5.0
 
 
 class WorkerSettings(CommonSettings):
@@ -82,6 +86,9 @@ class WorkerSettings(CommonSettings):
     model_registry: Path = Path(".plexrl/models")
     # Seconds between heartbeats.
     heartbeat_s: float = 1.0
+    # Snapshot a job to the disk tier after this many state-changing calls (a restore
+    # replays at most this many); see plexrl_worker.recovery.SnapshotConfig.
+    snapshot_every_calls: int = 4
 
 
 class StateStoreSettings(CommonSettings):

@@ -37,7 +37,7 @@ from plexrl.messages.completions import (
     StopReason,
     UnloadOutput,
 )
-from plexrl.messages.dispatch import Dispatch, StateMove
+from plexrl.messages.dispatch import Dispatch, Lease, StateMove
 from plexrl.messages.dlq import DeadLetter, DeadLetterReason
 from plexrl.messages.events import (
     Event,
@@ -128,6 +128,7 @@ __all__ = [
     "JobAdmitted",
     "JobFinished",
     "JobSpec",
+    "Lease",
     "LoadInput",
     "LoadOutput",
     "LoraSpec",

@@ -19,6 +19,19 @@ class StateMove(msgspec.Struct, frozen=True):
     to_tier: Tier
 
 
+class Lease(msgspec.Struct, frozen=True):
+    """The dispatch's hold on its job: a fencing token and the numbers of its calls.
+
+    A worker applies a numbered call only while `epoch` is the job's current epoch and
+    only as the successor of the job's last applied call (see `plexrl.ledger`).
+    """
+
+    epoch: int
+    """Bumped each time the job is (re-)homed; an older epoch is stale."""
+    seqs: list[int]
+    """Parallel to `calls`: each call's seq in its job; 0 for an unnumbered call."""
+
+
 class Dispatch(msgspec.Struct, frozen=True):
     dispatch_id: str
     worker_id: str
@@ -31,4 +44,6 @@ class Dispatch(msgspec.Struct, frozen=True):
     prefetch: list[StateMove] = []
     """Moves up for a job likely next, applied after the calls."""
     issued_at: float = 0.0
+    lease: Lease | None = None
+    """None (an older scheduler): the calls run unnumbered and unfenced."""
     schema_version: int = SCHEMA_VERSION

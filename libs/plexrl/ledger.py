@@ -1,0 +1,259 @@
+"""A job's ledger: which of its calls applied, in what order, under which lease.
+
+Exactly-once effects come from a per-job high-water mark, not from keys that expire.
+The scheduler numbers a job's state-touching calls 1, 2, 3, ... (`seq`, bound to the
+request id the first time it dispatches the call and kept for the job's lifetime, so
+a replayed request gets the number it had). A worker applies call `seq` only when the
+job's last applied call is `seq - 1`; an older call is answered from the result the
+ledger kept (see `verdict`).
+
+Every (re-)homing of a job bumps its `epoch`. A dispatch carries the epoch it was
+issued under, and a worker commits a call only while that epoch still stands: a
+worker that comes back late, after its jobs were re-homed, cannot apply a stale call
+(fencing).
+
+The ledger also holds what recovery needs: the job's latest snapshot (a blob in the
+state-store and the seq it covers) and the log of mutating calls applied since, with
+their payloads resolved (payload refs expire). Snapshot + log, replayed in seq order,
+rebuild the job's state bit for bit on any worker.
+
+Redis keys (no TTL: they live as long as the job; `close` trims them at UNLOAD):
+`<cluster>:ledger:<job>` a hash (next, epoch, owner, applied, snap_seq, snap_blob);
+`...:ids` request id → seq; `...:log` seq → PhaseRequest; `...:results` seq → PhaseCompletion.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from plexrl.messages import Function, PhaseCompletion, PhaseRequest, decode, encode
+
+SEQUENCED = frozenset(
+    {
+        Function.CREATE,
+        Function.FORWARD,
+        Function.FORWARD_BACKWARD,
+        Function.OPTIM_STEP,
+        Function.SAVE,
+        Function.LOAD,
+        Function.UNLOAD,
+    }
+)
+"""Calls that read or change a job's training state: they run in seq order, once.
+SAMPLE and NOOP are pure functions of their input and run unnumbered."""
+
+MUTATING = frozenset(
+    {Function.CREATE, Function.FORWARD_BACKWARD, Function.OPTIM_STEP, Function.LOAD}
+)
+"""Sequenced calls that change the state: logged, and replayed on restore."""
+
+
+class Verdict(enum.StrEnum):
+    """What a worker does with call `seq` of a job, given the job's last applied call."""
+
+    APPLY = "apply"
+    """The next call (`seq == applied + 1`): run it, then commit it."""
+    ANSWERED = "answered"
+    """Applied before (`seq <= applied`): answer with its stored result, never rerun."""
+    AHEAD = "ahead"
+    """A lower call has not applied yet (`seq > applied + 1`): do not run it."""
+
+
+def verdict(seq: int, applied: int) -> Verdict:
+    """The high-water-mark rule of exactly-once effects (pure)."""
+    if seq < 1:
+        raise ValueError(f"seq {seq} is not a call number; sequenced calls count from 1")
+    if applied < 0:
+        raise ValueError(f"applied {applied} is negative; a fresh job has applied 0")
+    if seq <= applied:
+        return Verdict.ANSWERED
+    if seq == applied + 1:
+        return Verdict.APPLY
+    return Verdict.AHEAD
+
+
+class Committed(enum.StrEnum):
+    """The outcome of committing a call to the ledger."""
+
+    OK = "ok"
+    """The call is the job's last applied one now."""
+    FENCED = "fenced"
+    """The job was re-homed under a newer epoch: this worker no longer owns it."""
+    OUT_OF_ORDER = "out_of_order"
+    """The ledger's last applied call is not `seq - 1` (a replay raced this commit)."""
+
+
+@dataclass(frozen=True)
+class LedgerState:
+    """One read of a job's ledger head."""
+
+    epoch: int = 0
+    owner: str = ""
+    applied: int = 0
+    snap_seq: int = 0
+    snap_blob: str = ""
+
+
+@dataclass(frozen=True)
+class RecoveryPoint:
+    """What a worker needs to rebuild a job: its snapshot and the calls logged since."""
+
+    state: LedgerState
+    log: list[PhaseRequest]
+    """Mutating calls with seq in (snap_seq, applied], in seq order."""
+
+
+# KEYS: head, ids. ARGV: request ids. Returns their seqs, numbering new ones in order.
+_ASSIGN = """
+local out = {}
+for i, rid in ipairs(ARGV) do
+  local s = redis.call('HGET', KEYS[2], rid)
+  if not s then
+    s = redis.call('HINCRBY', KEYS[1], 'next', 1)
+    redis.call('HSET', KEYS[2], rid, s)
+  end
+  out[i] = tonumber(s)
+end
+return out
+"""
+
+# KEYS: head, log, results. ARGV: epoch, seq, completion, log entry ('' for none).
+_COMMIT = """
+local epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0')
+if epoch ~= tonumber(ARGV[1]) then return 'fenced' end
+local applied = tonumber(redis.call('HGET', KEYS[1], 'applied') or '0')
+if applied ~= tonumber(ARGV[2]) - 1 then return 'out_of_order' end
+redis.call('HSET', KEYS[1], 'applied', ARGV[2])
+redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
+if ARGV[4] ~= '' then redis.call('HSET', KEYS[2], ARGV[2], ARGV[4]) end
+return 'ok'
+"""
+
+# KEYS: head, log. ARGV: epoch, seq, blob key. Returns the blob key nobody needs now
+# (the replaced snapshot, or this one when it is stale) or ''.
+_SNAPSHOT = """
+local epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0')
+local current = tonumber(redis.call('HGET', KEYS[1], 'snap_seq') or '0')
+local seq = tonumber(ARGV[2])
+if epoch ~= tonumber(ARGV[1]) or seq <= current then return ARGV[3] end
+local old = redis.call('HGET', KEYS[1], 'snap_blob') or ''
+redis.call('HSET', KEYS[1], 'snap_seq', seq, 'snap_blob', ARGV[3])
+for _, s in ipairs(redis.call('HKEYS', KEYS[2])) do
+  if tonumber(s) <= seq then redis.call('HDEL', KEYS[2], s) end
+end
+return old
+"""
+
+
+class Ledger:
+    """The Redis store of job ledgers (narrow: the scheduler and workers hold only this)."""
+
+    def __init__(self, redis: aioredis.Redis, cluster_id: str) -> None:
+        self._redis = redis
+        self._p = cluster_id
+        self._assign = redis.register_script(_ASSIGN)
+        self._commit = redis.register_script(_COMMIT)
+        self._snapshot = redis.register_script(_SNAPSHOT)
+
+    def _k(self, job_id: str, part: str = "") -> str:
+        key = f"{self._p}:ledger:{job_id}"
+        return f"{key}:{part}" if part else key
+
+    # Scheduler ----------------------------------------------------------------
+
+    async def assign(self, job_id: str, request_ids: list[str]) -> list[int]:
+        """The seq of each call, numbering the ones seen for the first time in order."""
+        if not request_ids:
+            return []
+        seqs: Any = await self._assign(
+            keys=[self._k(job_id), self._k(job_id, "ids")], args=request_ids
+        )
+        return [int(s) for s in seqs]
+
+    async def bump_epoch(self, job_id: str, owner: str) -> int:
+        """A new lease on the job for `owner` ('' while it has none): fences the old one."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hincrby(self._k(job_id), "epoch", 1)
+            pipe.hset(self._k(job_id), "owner", owner)
+            epoch, _ = await pipe.execute()
+        return int(epoch)
+
+    # Workers ------------------------------------------------------------------
+
+    async def head(self, job_id: str) -> LedgerState:
+        raw: dict[Any, Any] = await self._redis.hgetall(self._k(job_id))
+        return _head(raw)
+
+    async def commit(
+        self,
+        job_id: str,
+        epoch: int,
+        seq: int,
+        completion: PhaseCompletion,
+        logged: PhaseRequest | None,
+    ) -> Committed:
+        """Make call `seq` the job's last applied one, with its result (and log entry)."""
+        outcome: Any = await self._commit(
+            keys=[self._k(job_id), self._k(job_id, "log"), self._k(job_id, "results")],
+            args=[epoch, seq, encode(completion), b"" if logged is None else encode(logged)],
+        )
+        return Committed(_text(outcome))
+
+    async def result(self, job_id: str, seq: int) -> PhaseCompletion | None:
+        raw = await self._redis.hget(self._k(job_id, "results"), str(seq))
+        return None if raw is None else decode(_bytes(raw), PhaseCompletion)
+
+    async def recovery_point(self, job_id: str) -> RecoveryPoint:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(self._k(job_id))
+            pipe.hgetall(self._k(job_id, "log"))
+            raw_head, raw_log = await pipe.execute()
+        state = _head(raw_head)
+        entries = sorted((int(s), v) for s, v in raw_log.items())
+        log: list[PhaseRequest] = [
+            decode(_bytes(v), PhaseRequest)
+            for s, v in entries
+            if state.snap_seq < s <= state.applied
+        ]
+        return RecoveryPoint(state, log)
+
+    async def record_snapshot(self, job_id: str, epoch: int, seq: int, blob_key: str) -> str:
+        """Make `blob_key` the job's snapshot as of call `seq` and trim the log it covers;
+        returns the blob key that is no longer needed ('' if none)."""
+        unused: Any = await self._snapshot(
+            keys=[self._k(job_id), self._k(job_id, "log")], args=[epoch, seq, blob_key]
+        )
+        return _text(unused) if unused else ""
+
+    async def close(self, job_id: str) -> str:
+        """The job ended (UNLOAD): drop its log and snapshot, keep its results and numbers
+        (a replayed call of it is still answered). Returns the snapshot blob to delete."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hget(self._k(job_id), "snap_blob")
+            pipe.hdel(self._k(job_id), "snap_blob", "snap_seq")
+            pipe.delete(self._k(job_id, "log"))
+            blob, _, _ = await pipe.execute()
+        return "" if blob is None else _text(blob)
+
+
+def _head(raw: dict[Any, Any]) -> LedgerState:
+    fields = {_text(k): _text(v) for k, v in raw.items()}
+    return LedgerState(
+        epoch=int(fields.get("epoch", 0)),
+        owner=fields.get("owner", ""),
+        applied=int(fields.get("applied", 0)),
+        snap_seq=int(fields.get("snap_seq", 0)),
+        snap_blob=fields.get("snap_blob", ""),
+    )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _bytes(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)

@@ -1,0 +1,112 @@
+"""The exactly-once rule (pure) and the job ledger against the real Redis."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from plexrl.ledger import Committed, Ledger, Verdict, verdict
+from plexrl.messages import (
+    CompletionStatus,
+    Function,
+    NoopInput,
+    OptimStepInput,
+    PhaseCompletion,
+    PhaseRequest,
+    Timings,
+)
+from plexrl.messages.requests import AdamParams
+
+
+def test_only_the_next_call_applies() -> None:
+    assert verdict(1, 0) == Verdict.APPLY
+    assert verdict(11, 10) == Verdict.APPLY
+
+
+def test_an_older_call_is_answered_never_rerun() -> None:
+    assert verdict(10, 10) == Verdict.ANSWERED
+    assert verdict(1, 10) == Verdict.ANSWERED
+
+
+def test_a_call_past_a_gap_waits() -> None:
+    assert verdict(12, 10) == Verdict.AHEAD
+    assert verdict(2, 0) == Verdict.AHEAD
+
+
+def test_the_rule_refuses_impossible_numbers() -> None:
+    with pytest.raises(ValueError, match="count from 1"):
+        verdict(0, 0)
+    with pytest.raises(ValueError, match="negative"):
+        verdict(1, -1)
+
+
+def request(rid: str, fn: Function = Function.OPTIM_STEP) -> PhaseRequest:
+    payload = OptimStepInput(AdamParams()) if fn == Function.OPTIM_STEP else NoopInput()
+    return PhaseRequest(
+        request_id=rid, job_id="j", tenant="t", function=fn, payload=payload, arrival_time=1.0
+    )
+
+
+def completion(rid: str) -> PhaseCompletion:
+    return PhaseCompletion(
+        request_id=rid,
+        job_id="j",
+        tenant="t",
+        worker_id="w",
+        function=Function.OPTIM_STEP,
+        status=CompletionStatus.OK,
+        timings=Timings(),
+    )
+
+
+@pytest.fixture()
+async def ledger(infra: dict[str, str], cluster_id: str) -> AsyncIterator[Ledger]:
+    client = aioredis.Redis.from_url(infra["redis"])
+    yield Ledger(client, cluster_id)
+    keys = [k async for k in client.scan_iter(match=f"{cluster_id}:*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+@pytest.mark.integration
+async def test_a_replayed_request_keeps_its_number(ledger: Ledger) -> None:
+    assert await ledger.assign("j", ["a", "b"]) == [1, 2]
+    assert await ledger.assign("j", ["b", "c"]) == [2, 3]
+    assert await ledger.assign("other", ["c"]) == [1]
+
+
+@pytest.mark.integration
+async def test_commits_go_in_order_under_the_current_epoch_only(ledger: Ledger) -> None:
+    epoch = await ledger.bump_epoch("j", "w0")
+    assert await ledger.commit("j", epoch, 2, completion("b"), None) == Committed.OUT_OF_ORDER
+    assert await ledger.commit("j", epoch, 1, completion("a"), request("a")) == Committed.OK
+    newer = await ledger.bump_epoch("j", "w1")  # re-homed: w0 is fenced off
+    assert await ledger.commit("j", epoch, 2, completion("b"), None) == Committed.FENCED
+    assert await ledger.commit("j", newer, 2, completion("b"), None) == Committed.OK
+    head = await ledger.head("j")
+    assert (head.applied, head.epoch, head.owner) == (2, newer, "w1")
+    stored = await ledger.result("j", 1)
+    assert stored is not None and stored.request_id == "a"
+
+
+@pytest.mark.integration
+async def test_a_snapshot_trims_the_log_it_covers(ledger: Ledger) -> None:
+    epoch = await ledger.bump_epoch("j", "w0")
+    for seq in (1, 2, 3):
+        rid = f"r{seq}"
+        assert await ledger.commit("j", epoch, seq, completion(rid), request(rid)) == Committed.OK
+    point = await ledger.recovery_point("j")
+    assert [r.request_id for r in point.log] == ["r1", "r2", "r3"]
+    assert await ledger.record_snapshot("j", epoch, 2, "blob-2") == ""
+    # An older snapshot finishing late is not taken: its own blob is handed back.
+    assert await ledger.record_snapshot("j", epoch, 1, "blob-1") == "blob-1"
+    point = await ledger.recovery_point("j")
+    assert (point.state.snap_seq, point.state.snap_blob) == (2, "blob-2")
+    assert [r.request_id for r in point.log] == ["r3"]
+    assert await ledger.record_snapshot("j", epoch, 3, "blob-3") == "blob-2"
+    assert await ledger.close("j") == "blob-3"
+    point = await ledger.recovery_point("j")
+    assert point.log == [] and point.state.applied == 3  # results outlive the job's state
