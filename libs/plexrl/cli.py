@@ -12,11 +12,13 @@ def _mount_subcommands() -> None:
     # `plexrl --help` fast (no torch import).
     from plexrl.cli_model import app as model_app
     from plexrl.cli_serve import serve
+    from plexrl.cli_status import register as register_status
     from plexrl.sim.cli import sim
 
     app.add_typer(model_app, name="model")
     app.command("serve")(serve)
     app.command("sim")(sim)
+    register_status(app)  # status, jobs, workers, timeline, top
 
 
 _mount_subcommands()

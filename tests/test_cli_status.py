@@ -1,0 +1,303 @@
+"""`plexrl status|jobs|workers|timeline|top` against the real gateway app over HTTP.
+
+The gateway runs in a thread with real Redis; only Kafka is faked (its publisher records
+what would be sent). Workers' heartbeats, the timeline and usage are written to Redis the
+way the workers and the scheduler write them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from gateway_support import FakePublisher, drop_cluster_keys, free_port, unique_cluster
+from rich.console import Console
+from typer.testing import CliRunner
+
+from plexrl.cli import app
+from plexrl.cli_status import (
+    Snapshot,
+    gantt,
+    human_bytes,
+    human_duration,
+    jobs_table,
+    parse_duration,
+    totals,
+)
+from plexrl.health import HttpServer
+from plexrl.messages import ResidentState, Tier, WorkerHeartbeat, encode
+from plexrl.meta import MetaStore, Residency, TimelineEntry
+from plexrl.settings import GatewaySettings
+from plexrl_gateway.app import build_app
+from plexrl_gateway.components import Gateway
+
+KEY = "tml-alice"
+runner = CliRunner()
+
+
+@dataclass
+class Served:
+    url: str
+    settings: GatewaySettings
+    jobs: list[str]
+    """Two LoRA models of tenant alice, oldest first."""
+
+
+def run_gateway(settings: GatewaySettings, port: int, ready: threading.Event) -> None:
+    """The gateway app in its own loop, until the module's tests are done."""
+
+    async def main() -> None:
+        meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
+        gateway = Gateway.build(settings, meta, FakePublisher())
+        http = HttpServer(build_app(gateway), "127.0.0.1", port)
+        await http.start()
+        stop = asyncio.Event()
+        SERVERS[port] = (asyncio.get_running_loop(), stop)
+        ready.set()
+        await stop.wait()
+        await http.stop()
+        await gateway.close()
+        await drop_cluster_keys(meta, settings.cluster_id)
+        await meta.close()
+
+    asyncio.run(main())
+
+
+SERVERS: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Event]] = {}
+
+
+def create_model(http: httpx.Client) -> str:
+    body = {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0", "type": "create_session"}
+    session = http.post("/api/v1/create_session", json=body).json()["session_id"]
+    model = {
+        "session_id": session,
+        "model_seq_id": 0,
+        "base_model": "plexrl/tiny-qwen3",
+        "lora_config": {"rank": 8, "train_unembed": True},
+        "type": "create_model",
+    }
+    response = http.post("/api/v1/create_model", json=model)
+    assert response.status_code == 200, response.text
+    return str(response.json()["model_id"])
+
+
+async def seed(settings: GatewaySettings, jobs: list[str]) -> None:
+    """Two workers' heartbeats; job 0 trained on worker-0 (a swap-in first), job 1 idle."""
+    meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
+    now = time.time()
+    try:
+        residents = {"worker-0": [ResidentState(jobs[0], Tier.DEVICE, 3 << 20, 2)], "worker-1": []}
+        for worker, resident in residents.items():
+            beat = WorkerHeartbeat(
+                worker_id=worker,
+                device="cpu",
+                device_bytes=64 << 20,
+                host_bytes=1 << 30,
+                base_models=["plexrl/tiny-qwen3"],
+                resident=resident,
+                busy=False,
+                started_at=now - 100,
+                sent_at=now,
+            )
+            await meta.put_worker(worker, encode(beat), ttl_s=600)
+        await meta.cas_residency(jobs[0], 0, Residency("worker-0", Tier.DEVICE, 3 << 20, 1, now))
+        await meta.set_home(jobs[0], "worker-0")
+        t = now - 40
+        for i in range(3):
+            for function, offset in (("forward_backward", 0.0), ("optim_step", 2.0)):
+                entry = TimelineEntry(
+                    worker_id="worker-0",
+                    job_id=jobs[0],
+                    request_id=f"r{i}-{function}",
+                    function=function,
+                    started_at=t + 10 * i + offset,
+                    swap_s=0.5 if i == 0 and offset == 0 else 0.0,
+                    compute_s=1.5,
+                    ok=True,
+                )
+                await meta.append_timeline(entry)
+        await meta.add_usage(jobs[0], {"calls": 6.0, "device_s": 9.5})
+        await meta.mark_active(jobs[0], t)
+        await meta.mark_active(jobs[0], t + 23.5)
+    finally:
+        await meta.close()
+
+
+@pytest.fixture(scope="module")
+def served(infra: dict[str, str], tiny_registry: Path) -> Iterator[Served]:
+    settings = GatewaySettings(
+        cluster_id=unique_cluster("cli"),
+        kafka_bootstrap=infra["kafka"],
+        redis_url=infra["redis"],
+        api_keys=f"{KEY}=alice,tml-bob=bob",
+        model_registry=tiny_registry,
+        scheduler_url="http://127.0.0.1:9",
+        state_store_url="http://127.0.0.1:9",
+    )
+    port = free_port()
+    ready = threading.Event()
+    thread = threading.Thread(target=run_gateway, args=(settings, port, ready), daemon=True)
+    thread.start()
+    assert ready.wait(60), "the gateway did not start"
+    url = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=url, headers={"X-API-Key": KEY}) as http:
+            jobs = [create_model(http), create_model(http)]
+        asyncio.run(seed(settings, jobs))
+        yield Served(url, settings, jobs)
+    finally:
+        loop, stop = SERVERS.pop(port)
+        loop.call_soon_threadsafe(stop.set)
+        thread.join(30)
+
+
+def cli(served: Served, *args: str, key: str = KEY) -> str:
+    result = runner.invoke(app, [*args, "--url", served.url, "--key", key], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_status_sums_the_jobs_and_reads_the_scheduler(served: Served) -> None:
+    out = cli(served, "status")
+    assert "workers" in out and "2 live, 2 in all" in out
+    assert "unreachable" in out  # no scheduler in this test: said so, not a crash
+    # 9.5 device-s used against 23.5 s of holding one device: 59.6% saved.
+    assert "9.5 used / 23.5 dedicated" in out and "59.6%" in out
+    data = json.loads(cli(served, "status", "--json"))
+    assert data["totals"]["jobs"] == 2
+    assert data["totals"]["savings_fraction"] == pytest.approx(1 - 9.5 / 23.5)
+
+
+def test_jobs_show_tier_steps_and_savings(served: Served) -> None:
+    out = cli(served, "jobs")
+    first, second = served.jobs
+    assert "J1" in out and "J2" in out
+    assert "device · worker-0" in out and "3.0 MiB" in out
+    assert "6.0" in out  # 2 steps over 20 s: 6 steps/min
+    rows = {j["job"]["job_id"]: j for j in json.loads(cli(served, "jobs", "--json"))}
+    assert rows[first]["activity"]["steps"] == 3 and rows[first]["activity"]["swaps"] == 1
+    assert rows[first]["home"] == "worker-0" and rows[second]["activity"]["steps"] == 0
+
+
+def test_workers_show_residents_and_heartbeats(served: Served) -> None:
+    out = cli(served, "workers")
+    assert "worker-0" in out and "worker-1" in out
+    assert "1 device" in out and "3.0 MiB / 64.0 MiB" in out and "ago" in out
+    data = json.loads(cli(served, "workers", "--json"))
+    assert [w["worker_id"] for w in data] == ["worker-0", "worker-1"]
+
+
+def test_timeline_draws_each_worker_and_lists_calls(served: Served) -> None:
+    out = cli(served, "timeline", "--window", "2m")
+    assert "worker-0" in out and "worker-1" in out
+    assert "█" in out and "▒" in out  # compute and the first call's swap-in
+    assert out.count("optim_step") == 3 and "500 ms" in out
+    data = json.loads(cli(served, "timeline", "--json"))
+    assert {e["job_id"] for e in data} == {served.jobs[0]}
+
+
+def test_top_refreshes_in_place(served: Served) -> None:
+    out = cli(served, "top", "--count", "2", "--interval", "0.2")
+    assert "Jobs" in out and "Workers" in out and "Timeline" in out
+
+
+def test_a_refused_key_is_one_line_that_says_what_to_do(served: Served) -> None:
+    result = runner.invoke(app, ["jobs", "--url", served.url, "--key", "tml-nope"])
+    assert result.exit_code == 1
+    (line,) = result.output.strip().splitlines()
+    assert "refused the API key" in line and "PLEXRL_API_KEY" in line
+
+
+def test_an_unreachable_gateway_is_one_line() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    result = runner.invoke(app, ["status", "--url", url, "--key", KEY])
+    assert result.exit_code == 1
+    (line,) = result.output.strip().splitlines()
+    assert f"cannot reach the gateway at {url}" in line and "--url" in line
+
+
+def test_url_and_key_come_from_the_environment(served: Served) -> None:
+    env = {"PLEXRL_GATEWAY_URL": served.url, "TINKER_API_KEY": KEY, "COLUMNS": "200"}
+    result = runner.invoke(app, ["workers", "--json"], env=env)
+    assert result.exit_code == 0, result.output
+    missing = runner.invoke(app, ["workers"], env={"PLEXRL_API_KEY": "", "TINKER_API_KEY": ""})
+    assert missing.exit_code == 1 and "no API key" in missing.output
+
+
+# Rendering, without a gateway --------------------------------------------------------------
+
+
+def test_human_units() -> None:
+    assert [human_duration(s) for s in (0.25, 12.34, 125, 3725)] == [
+        "250 ms",
+        "12.3 s",
+        "2m 05s",
+        "1h 02m",
+    ]
+    assert [human_bytes(n) for n in (512, 3 << 20, 1536 << 20)] == ["512 B", "3.0 MiB", "1.5 GiB"]
+    assert [parse_duration(t) for t in ("90", "90s", "5m", "1h")] == [90, 90, 300, 3600]
+    with pytest.raises(Exception, match="not a duration"):
+        parse_duration("soon")
+
+
+def render(table: object) -> str:
+    console = Console(width=200, color_system=None)
+    with console.capture() as captured:
+        console.print(table)
+    return captured.get()
+
+
+def job_view(job_id: str, device_s: float, dedicated: float) -> dict[str, object]:
+    return {
+        "job": {
+            "job_id": job_id,
+            "kind": "training",
+            "unloaded": False,
+            "spec": {"base_model": "m", "lora": None, "state_bytes": 10},
+        },
+        "home": None,
+        "residency": None,
+        "accounting": {
+            "calls": 1,
+            "device_s": device_s,
+            "dedicated_device_s": dedicated,
+            "savings_fraction": None,
+        },
+        "activity": {"calls": 0, "steps": 0, "steps_per_min": None, "swaps": 0, "last_at": None},
+    }
+
+
+def test_gantt_gives_each_slice_to_the_job_that_held_it_longest() -> None:
+    snap = Snapshot(
+        cluster={},
+        workers=[{"worker_id": "w0"}, {"worker_id": "w1"}],
+        jobs=[job_view("a", 1, 2), job_view("b", 1, 2)],
+        timeline=[
+            # a: 1 s swap-in then 3 s compute; b: 2 s compute just after; w1 idle.
+            {"worker_id": "w0", "job_id": "a", "started_at": 100, "swap_s": 1, "compute_s": 3},
+            {"worker_id": "w0", "job_id": "b", "started_at": 104, "swap_s": 0, "compute_s": 2},
+        ],
+        window_s=10,
+        taken_at=110,
+    )
+    lines = render(gantt(snap, width=10)).splitlines()
+    w0 = next(line for line in lines if "w0" in line)
+    w1 = next(line for line in lines if "w1" in line)
+    assert "▒█████····" in w0  # one slice per second: swap, compute of a, then b
+    assert "··········" in w1
+
+
+def test_totals_and_a_job_with_no_history() -> None:
+    jobs = [job_view("a", 2.0, 8.0), job_view("b", 1.0, 0.0)]
+    assert totals(jobs)["savings_fraction"] == pytest.approx(1 - 3 / 8)
+    assert totals([])["savings_fraction"] is None
+    snap = Snapshot({}, [], jobs, [], 300, time.time())
+    out = render(jobs_table(snap))
+    assert "J1 a" in out and "J2 b" in out and "–" in out
