@@ -16,6 +16,13 @@ def init_tiny(
     family: Annotated[str, typer.Option(help="qwen3 or llama")] = "qwen3",
     seed: Annotated[int, typer.Option(help="Seed of the random weights.")] = 0,
     name: Annotated[str | None, typer.Option(help="Name the registry serves it under.")] = None,
+    alias: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A further name it is served under, e.g. Qwen/Qwen3-8B (repeatable), so "
+            "recipes configured for that model family run on it."
+        ),
+    ] = None,
     warm_steps: Annotated[
         int, typer.Option(help="Steps of warm-up on synthetic digit tasks (0: random weights).")
     ] = 400,
@@ -31,7 +38,8 @@ def init_tiny(
     if family not in ("qwen3", "llama"):
         raise typer.BadParameter(f"family {family!r} is not one of qwen3, llama")
     fam: Literal["qwen3", "llama"] = "qwen3" if family == "qwen3" else "llama"
-    path = build(out_dir, family=fam, seed=seed, name=name)
+    aliases = alias or []
+    path = build(out_dir, family=fam, seed=seed, name=name, aliases=aliases)
     if warm_steps > 0:
         from plexrl.pretrain import pretrain
 
@@ -39,9 +47,11 @@ def init_tiny(
         typer.echo(f"warmed for {warm_steps} steps (last loss {loss:.3f})")
     info = ModelRegistry(path.parent).info(str(path.resolve()))
     served = name or f"plexrl/tiny-{family}"
-    typer.echo(f"wrote {served} to {path} ({info.num_params:,} parameters)")
-    if hf_cache and (snapshot := cache.register(path, served)) is not None:
-        typer.echo(f"tokenizer resolvable offline as {served!r} ({snapshot})")
+    also = f", also served as {', '.join(aliases)}" if aliases else ""
+    typer.echo(f"wrote {served} to {path} ({info.num_params:,} parameters{also})")
+    if hf_cache:
+        for cached, snapshot in cache.register_all(path, [served, *aliases]).items():
+            typer.echo(f"tokenizer resolvable offline as {cached!r} ({snapshot})")
 
 
 @app.command("list")
@@ -54,6 +64,9 @@ def list_models(
     from plexrl.models import ModelRegistry
 
     reg = ModelRegistry(registry)
-    for model in reg.names():
+    for model in reg.models():
         info = reg.info(model)
-        typer.echo(f"{model}\t{info.path}\t{info.num_params:,} params\tvocab {info.vocab_size}")
+        aliases = f"\taliases {', '.join(info.aliases)}" if info.aliases else ""
+        typer.echo(
+            f"{model}\t{info.path}\t{info.num_params:,} params\tvocab {info.vocab_size}{aliases}"
+        )

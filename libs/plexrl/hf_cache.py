@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 # Files a tokenizer (and AutoConfig) load; weights are not needed by the SDK.
@@ -55,3 +56,16 @@ def register(model_dir: Path, name: str, cache: Path | None = None) -> Path | No
     (repo / "refs").mkdir(exist_ok=True)
     (repo / "refs" / "main").write_text(revision)
     return snapshot
+
+
+def register_all(
+    model_dir: Path, names: Iterable[str], cache: Path | None = None
+) -> dict[str, Path]:
+    """`register` under each name (a model's own and its aliases); the snapshots of those
+    that can live in the cache, by name. Every alias resolves to the same files, so a
+    recipe's `AutoTokenizer.from_pretrained("Qwen/Qwen3-8B")` loads the local tokenizer."""
+    snapshots: dict[str, Path] = {}
+    for name in dict.fromkeys(names):
+        if (snapshot := register(model_dir, name, cache)) is not None:
+            snapshots[name] = snapshot
+    return snapshots

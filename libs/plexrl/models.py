@@ -2,7 +2,9 @@
 
 `init_tiny` writes a small causal LM with seeded random weights and a tokenizer trained
 here, so tests and demos never reach a model hub. `ModelRegistry` maps base-model names
-to local Hugging Face directories and describes them from `config.json` alone.
+to local Hugging Face directories and describes them from `config.json` alone. A model
+may also answer to aliases (say `Qwen/Qwen3-8B` for the tiny Qwen3), so that recipes
+which look model names up in their own tables run on the local model of that family.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import json
 import random
 import string
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -30,7 +32,8 @@ from transformers import (
 Family = Literal["qwen3", "llama"]
 
 PLEXRL_JSON = "plexrl.json"
-"""Per-model metadata file written by `init_tiny`; its "name" overrides the directory name."""
+"""Per-model metadata file written by `init_tiny`: its "name" overrides the directory name,
+and its optional "aliases" (a list of names) are served as the same model."""
 
 PAD_TOKEN = "<|pad|>"
 BOS_TOKEN = "<|bos|>"
@@ -97,10 +100,12 @@ def init_tiny(
     seed: int = 0,
     name: str | None = None,
     shape: TinyShape | None = None,
+    aliases: Sequence[str] = (),
 ) -> Path:
     """Write a tiny causal LM with seeded random weights and a locally trained tokenizer.
 
-    The same arguments always give bit-identical files. Returns `out_dir`.
+    `aliases` are further names the registry serves it under. The same arguments always
+    give bit-identical files. Returns `out_dir`.
     """
     shape = shape or TinyShape()
     out_dir = Path(out_dir)
@@ -114,7 +119,13 @@ def init_tiny(
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
-    meta = {"name": name or f"plexrl/tiny-{family}", "family": family, "seed": seed}
+    meta: dict[str, object] = {
+        "name": name or f"plexrl/tiny-{family}",
+        "family": family,
+        "seed": seed,
+    }
+    if aliases:
+        meta["aliases"] = _checked_aliases(list(aliases), out_dir / PLEXRL_JSON)
     (out_dir / PLEXRL_JSON).write_text(json.dumps(meta, indent=2) + "\n")
     return out_dir
 
@@ -237,6 +248,8 @@ class BaseModelInfo:
     eos_token_id: int | None
     linears: tuple[LinearShape, ...]
     """Every linear layer, for LoRA targets and sizes."""
+    aliases: tuple[str, ...] = ()
+    """Further names the registry serves this model under (`name` is the canonical one)."""
 
     def lora_targets(
         self, *, attn: bool = True, mlp: bool = True, unembed: bool = False
@@ -276,61 +289,104 @@ class BaseModelInfo:
         return trainable * _TRAINING_COPIES * _FP32_BYTES
 
 
+@dataclass(frozen=True)
+class _Served:
+    """One model directory and every name it answers to."""
+
+    name: str
+    path: Path
+    aliases: tuple[str, ...]
+
+
 class ModelRegistry:
-    """Base models by name, from the subdirectories of `root` (rescanned on each call,
-    so models written after start-up are found)."""
+    """Base models by name or alias, from the subdirectories of `root` (rescanned on each
+    call, so models written after start-up are found)."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self._info: dict[Path, BaseModelInfo] = {}
 
     def names(self) -> list[str]:
+        """Every name served, aliases included: what a client may pass as base model."""
         return sorted(self._scan())
 
+    def models(self) -> list[str]:
+        """The canonical name of each model directory, aliases left out."""
+        return sorted({served.name for served in self._scan().values()})
+
     def resolve(self, name: str) -> Path:
-        """The directory of a model, by registry name or absolute path."""
+        """The directory of a model, by registry name, alias or absolute path."""
         path = Path(name)
         if path.is_absolute() and (path / "config.json").is_file():
             return path
+        return self._served(name).path
+
+    def info(self, name: str) -> BaseModelInfo:
+        """Describe a model without reading its weights (the module is built on `meta`).
+
+        An alias describes the same model as its canonical name: `info.name` is the
+        canonical name either way, and `info.aliases` lists the others."""
+        path = Path(name)
+        if path.is_absolute() and (path / "config.json").is_file():
+            served = _Served(name, path, ())
+        else:
+            served = self._served(name)
+        cached = self._info.get(served.path)
+        if cached is None or (cached.name, cached.aliases) != (served.name, served.aliases):
+            cached = self._info[served.path] = _describe(served.name, served.path, served.aliases)
+        return cached
+
+    def _served(self, name: str) -> _Served:
         found = self._scan().get(name)
         if found is None:
             raise UnknownModelError(name, self.names(), self.root)
         return found
 
-    def info(self, name: str) -> BaseModelInfo:
-        """Describe a model without reading its weights (the module is built on `meta`)."""
-        path = self.resolve(name)
-        cached = self._info.get(path)
-        if cached is None:
-            cached = self._info[path] = _describe(name, path)
-        return cached
-
-    def _scan(self) -> dict[str, Path]:
+    def _scan(self) -> dict[str, _Served]:
+        """Every served name (canonical or alias) to its model."""
         if not self.root.is_dir():
             return {}
-        found: dict[str, Path] = {}
+        found: dict[str, _Served] = {}
         for sub in sorted(self.root.iterdir()):
             if not (sub / "config.json").is_file():
                 continue
-            model_name = _declared_name(sub) or sub.name
-            if model_name in found:
-                raise ValueError(
-                    f"two model directories are both named {model_name!r}: {found[model_name]} "
-                    f"and {sub}; change the name in one of their {PLEXRL_JSON} files"
-                )
-            found[model_name] = sub
+            declared_name, aliases = _declared(sub)
+            served = _Served(declared_name or sub.name, sub, aliases)
+            for model_name in (served.name, *served.aliases):
+                if model_name in found:
+                    raise ValueError(
+                        f"two model directories are both named {model_name!r} (as name or "
+                        f"alias): {found[model_name].path} and {sub}; change the name or "
+                        f"aliases in one of their {PLEXRL_JSON} files"
+                    )
+                found[model_name] = served
         return found
 
 
-def _declared_name(model_dir: Path) -> str | None:
+def _declared(model_dir: Path) -> tuple[str | None, tuple[str, ...]]:
+    """The name and aliases a model directory's plexrl.json declares."""
     meta_file = model_dir / PLEXRL_JSON
     if not meta_file.is_file():
-        return None
-    name = json.loads(meta_file.read_text()).get("name")
-    return str(name) if name else None
+        return None, ()
+    meta = json.loads(meta_file.read_text())
+    name = meta.get("name")
+    aliases = _checked_aliases(meta.get("aliases", []), meta_file)
+    return (str(name) if name else None), tuple(a for a in aliases if a != name)
 
 
-def _describe(name: str, path: Path) -> BaseModelInfo:
+def _checked_aliases(aliases: object, where: Path) -> list[str]:
+    if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
+        raise ValueError(
+            f"{where}: aliases must be a list of non-empty names, like "
+            f'["Qwen/Qwen3-8B"]; got {aliases!r}'
+        )
+    for alias in aliases:
+        if alias.startswith("/"):
+            raise ValueError(f"{where}: alias {alias!r} starts with '/', which means a path")
+    return list(dict.fromkeys(aliases))
+
+
+def _describe(name: str, path: Path, aliases: tuple[str, ...] = ()) -> BaseModelInfo:
     config = AutoConfig.from_pretrained(path)
     # On the meta device no memory is allocated and no weights are read, yet the
     # module tree (and so parameter counts and linear shapes) is exact.
@@ -363,6 +419,7 @@ def _describe(name: str, path: Path) -> BaseModelInfo:
         max_positions=int(text_config.max_position_embeddings),
         eos_token_id=eos,
         linears=linears,
+        aliases=aliases,
     )
 
 

@@ -16,6 +16,8 @@ class ModelCatalog:
         self._info: dict[str, BaseModelInfo] = {}
 
     async def names(self) -> list[str]:
+        """Every name a client may create a model with: canonical names and aliases (an
+        alias such as `Qwen/Qwen3-8B` is how a recipe's own model table finds the model)."""
         return await asyncio.to_thread(self._registry.names)
 
     async def info(self, name: str) -> BaseModelInfo:
