@@ -1,0 +1,77 @@
+"""What a shared deployment charges: each job's used device-seconds (its calls, its
+stragglers' share of the group, its swaps), the time each group was held, the
+cluster's hourly timeline, and at the end each job's occupied cost (its share, by use,
+of every second its group was held)."""
+
+from __future__ import annotations
+
+from plexrl.sim.results import DeploymentResult, GroupUsage, JobResult, Timeline
+
+
+class Accounting:
+    def __init__(self, usage: dict[str, GroupUsage]) -> None:
+        self.usage = usage
+        self.timeline = Timeline()
+        self._held_since: dict[str, float] = {}
+
+    def charge(self, job: JobResult, group_id: str, device_s: float) -> None:
+        """Bill `device_s` of the group's time to the job."""
+        job.used_device_s += device_s
+        self.usage[group_id].used_device_s += device_s
+
+    def busy(self, start: float, end: float, useful_device_s: float) -> None:
+        """Useful work done over [start, end) (the cluster's busy timeline)."""
+        self.timeline.add("busy", start, end, useful_device_s)
+
+    def hold(self, group_id: str, now: float, jobs: int) -> None:
+        """A job was homed on the group (`jobs` are homed there now)."""
+        usage = self.usage[group_id]
+        usage.peak_jobs = max(usage.peak_jobs, jobs)
+        self._held_since.setdefault(group_id, now)
+
+    def release(self, group_id: str, now: float) -> None:
+        """The group's last job left: it stops costing the cluster."""
+        since = self._held_since.pop(group_id, None)
+        if since is None:
+            return
+        usage = self.usage[group_id]
+        usage.held_s += now - since
+        self.timeline.add("allocated", since, now, (now - since) * usage.devices)
+
+    def close(
+        self,
+        name: str,
+        gpus: int,
+        jobs: list[JobResult],
+        now: float,
+        wall_s: float,
+        events: int,
+        plans: int,
+        plan_s: float,
+    ) -> DeploymentResult:
+        """Release every group still held at `now` and share each group's held time among
+        its jobs in proportion to their use."""
+        for group_id in list(self._held_since):
+            self.release(group_id, now)
+        by_group: dict[str, list[JobResult]] = {}
+        for job in jobs:
+            if job.group:
+                by_group.setdefault(job.group, []).append(job)
+        for group_id, results in by_group.items():
+            usage = self.usage[group_id]
+            held = usage.held_s * usage.devices
+            total = sum(r.used_device_s for r in results)
+            for r in results:
+                r.occupied_gpu_s = held * r.used_device_s / total if total > 0 else 0.0
+        return DeploymentResult(
+            name=name,
+            kind="multiplexed",
+            gpus=gpus,
+            jobs=jobs,
+            timeline=self.timeline,
+            groups=list(self.usage.values()),
+            wall_s=wall_s,
+            events=events,
+            plans=plans,
+            plan_s=plan_s,
+        )

@@ -1,0 +1,228 @@
+"""Workload replay: each job's client loop, replayed from its drawn steps.
+
+A job arrives and asks to be created; once its calls of a step are done it decodes its
+stragglers (in the background, once the engine released the group), waits out its
+reward / tool stall, sends its training calls, waits out its host-side gap and begins
+the next step. This module issues those calls at the right times and keeps what the
+scheduler learns of the job from them (`plexrl.policy.history`); where the calls run
+and what they cost is the group executor's (`executor.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from plexrl.messages import Function, Tier
+from plexrl.policy import CallEstimates, JobView, PendingCall
+from plexrl.policy.history import CallHistory, Prior, describe
+from plexrl.sim.events import Attention, Event, EventQueue
+from plexrl.sim.results import JobResult
+from plexrl.sim.workload import JobSpec, Steps
+
+
+@dataclass
+class SimJob:
+    """One job: its drawn steps, where its state is, and what the scheduler knows of it."""
+
+    spec: JobSpec
+    steps: Steps
+    devices: int
+    state_bytes: int
+    result: JobResult
+    history: CallHistory = field(default_factory=CallHistory)
+    """What the scheduler has learned of the job from its calls so far."""
+    stalls_s: float = 0.0
+    """Sum of its reward / tool stalls so far: the job's own idle hint is their mean."""
+    gaps_s: float = 0.0
+    """Sum of its host-side gaps between steps so far."""
+    home: str | None = None
+    tier: Tier | None = None
+    last_active: float = 0.0
+    idle_until: float = 0.0
+    pinned: bool = False
+    """Its stragglers are decoding on the device (the worker reports it, as it reports a
+    running job): its state must stay there."""
+    ready_at: float = 0.0
+    """When a prefetch in flight lands on the device."""
+    step: int = 0
+    first_step_at: float = math.nan
+    pending: list[PendingCall] = field(default_factory=list)
+    view: JobView | None = None
+    trail: list[tuple[int, Function]] | None = None
+
+    @classmethod
+    def of(cls, spec: JobSpec, steps: Steps, devices: int, state_bytes: int) -> SimJob:
+        result = JobResult(
+            job_id=spec.job_id,
+            profile=spec.profile,
+            devices=devices,
+            steps=spec.steps,
+            arrival_s=spec.arrival_s,
+            isolated_step_time_s=float(steps.isolated_step_s.sum()),
+            useful_device_s=float(steps.useful_work.sum()) * devices,
+        )
+        return cls(spec=spec, steps=steps, devices=devices, state_bytes=state_bytes, result=result)
+
+    @property
+    def job_id(self) -> str:
+        return self.spec.job_id
+
+    def touch(self) -> None:
+        self.view = None
+
+    def as_view(self, now: float, learned: dict[str, Prior], min_history_s: float) -> JobView:
+        """The job as the live scheduler would describe it: its measured figures, or its
+        kind's (`learned`, by profile) until it has a history. Cached until `touch`."""
+        if self.view is None:
+            seen = describe(self.history, learned.get(self.spec.profile), now, min_history_s)
+            self.view = JobView(
+                job_id=self.spec.job_id,
+                state_bytes=self.state_bytes,
+                home=self.home,
+                tier=self.tier,
+                devices=self.devices,
+                last_active=self.last_active,
+                idle_until=self.idle_until,
+                estimates=CallEstimates(seen.durations),
+                duty_cycle=seen.duty_cycle,
+                pinned=self.pinned,
+                step_calls=seen.step_calls,
+            )
+        return self.view
+
+    def call_s(self, function: Function) -> float:
+        """Seconds of one call of this step on the whole group."""
+        s, k = self.steps, self.step
+        if function == Function.SAMPLE:
+            return float(s.dense_s[k])
+        if function == Function.FORWARD_BACKWARD:
+            return float(s.fb_s[k]) / s.fb_calls
+        if function == Function.OPTIM_STEP:
+            return s.optim_s
+        if function == Function.SAVE:
+            return s.save_s
+        if function == Function.CREATE:
+            return s.create_s
+        raise ValueError(f"unexpected call {function}")
+
+    def call_useful(self, function: Function) -> float:
+        """Group-seconds of useful work of one call of this step."""
+        s, k = self.steps, self.step
+        if function == Function.SAMPLE:
+            return float(s.dense_work[k])
+        if function == Function.FORWARD_BACKWARD:
+            return float(s.fb_s[k]) / s.fb_calls * s.train_util
+        if function == Function.OPTIM_STEP:
+            return s.optim_s * s.train_util
+        if function == Function.SAVE:
+            return s.save_s * s.save_util
+        return 0.0
+
+
+class Tails(Protocol):
+    """Where a job's stragglers decode: its home group (the executor)."""
+
+    def start_tail(self, job: SimJob, tail_s: float, util: float) -> float:
+        """Start the stragglers on the job's group; returns how long they take there."""
+        ...
+
+    def unhome(self, job: SimJob) -> None:
+        """The job is done: its state leaves its group."""
+        ...
+
+
+class JobReplay:
+    """Issues each job's calls as its client would, at the times its steps say."""
+
+    def __init__(self, events: EventQueue, attention: Attention, tails: Tails) -> None:
+        self.events = events
+        self.attention = attention
+        self.tails = tails
+
+    def _issue(self, job: SimJob, function: Function, index: int = 0) -> None:
+        job.history.arrived(function, self.events.now)
+        job.pending.append(
+            PendingCall(
+                f"{job.spec.job_id}/{job.step}/{function.value}{index}",
+                job.spec.job_id,
+                function,
+                self.events.now,
+            )
+        )
+
+    def arrive(self, job: SimJob) -> None:
+        self._issue(job, Function.CREATE)
+        self.attention.admission_due = True
+
+    def calls_done(self, job: SimJob, calls: list[PendingCall]) -> None:
+        """A Run of the job's `calls` ended: the loop moves on."""
+        for call in calls:
+            if job.trail is not None:
+                job.trail.append((job.step, call.function))
+            if call.function == Function.CREATE:
+                self.begin_step(job)
+            elif call.function == Function.SAMPLE:
+                self._start_tail(job)
+            elif call.function == Function.SAVE:
+                self._step_done(job)
+
+    def begin_step(self, job: SimJob) -> None:
+        if math.isnan(job.first_step_at):
+            job.first_step_at = self.events.now
+        job.idle_until = 0.0
+        job.touch()
+        self._issue(job, Function.SAMPLE)
+        self.attention.group(job.home)
+
+    def _start_tail(self, job: SimJob) -> None:
+        s, k = job.steps, job.step
+        tail_s = float(s.tail_s[k])
+        if tail_s <= 0:
+            self.tail_done(job)
+            return
+        took = self.tails.start_tail(job, tail_s, float(s.tail_work[k]) / tail_s)
+        job.pinned = True
+        job.touch()
+        self.events.push(self.events.now + took, Event.TAIL_DONE, job)
+
+    def tail_done(self, job: SimJob) -> None:
+        job.pinned = False
+        # The job's idle hint, "reward / tool stall for about this long": the mean of its
+        # own stalls so far (no hint before its first).
+        job.idle_until = self.events.now + job.stalls_s / job.step if job.step else 0.0
+        job.touch()
+        stall = float(job.steps.reward_s[job.step])
+        job.stalls_s += stall
+        self.events.push(self.events.now + stall, Event.TRAIN_CALLS, job)
+        self.attention.group(job.home)
+
+    def issue_train(self, job: SimJob) -> None:
+        for i in range(job.steps.fb_calls):
+            self._issue(job, Function.FORWARD_BACKWARD, i)
+        self._issue(job, Function.OPTIM_STEP)
+        self._issue(job, Function.SAVE)
+        job.idle_until = 0.0
+        job.touch()
+        self.attention.group(job.home)
+
+    def _step_done(self, job: SimJob) -> None:
+        now = self.events.now
+        misc = float(job.steps.misc_s[job.step])
+        hint = job.gaps_s / job.step if job.step else 0.0
+        job.gaps_s += misc
+        job.step += 1
+        if job.step >= job.steps.n:
+            self.events.push(now + misc, Event.FINISH, job)
+            return
+        job.idle_until = now + hint if hint else 0.0
+        job.touch()
+        self.events.push(now + misc, Event.NEXT_STEP, job)
+
+    def finish(self, job: SimJob) -> None:
+        r = job.result
+        r.finish_s = self.events.now
+        r.step_time_s = self.events.now - job.first_step_at
+        self.tails.unhome(job)
+        self.attention.admission_due = True
