@@ -3,12 +3,15 @@ Chromium drawing the timeline of a real small run over all four services."""
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
@@ -31,6 +34,8 @@ KEY = "tml-dash"
 ALICE = {"X-API-Key": "tml-alice"}
 BASE = "plexrl/tiny-qwen3"
 ARTIFACTS = ROOT / ".plexrl" / "artifacts"
+STEPS = 4
+"""Training steps of each job in the small run."""
 
 
 # The routes, on the real app with real Redis (only Kafka is faked) -----------------------
@@ -192,10 +197,23 @@ class Elements(HTMLParser):
         self.found.append((tag, dict(attrs)))
 
 
+@dataclass(frozen=True)
+class Run:
+    cluster: LocalCluster
+    job_ids: list[str]
+    started_at: float
+
+    def url(self) -> str:
+        """The dashboard, its window a little longer than the run so far: the run's calls
+        fill the chart, wide enough to see (the page takes the key from the URL)."""
+        window = math.ceil(time.time() - self.started_at) + 10
+        return f"{self.cluster.config.gateway_url}/dashboard?key={KEY}&window={window}"
+
+
 @pytest.fixture(scope="module")
 def small_run(
     infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[LocalCluster, list[str]]]:
+) -> Iterator[Run]:
     """Three LoRA jobs on two workers with room for one job state each (so the worker
     with two jobs swaps), a few training steps each."""
     config = ClusterConfig(
@@ -227,27 +245,27 @@ def small_run(
                 "weights": types.TensorData(data=[1.0] * 5, dtype="float32"),
             },
         )
-        for _ in range(3):
-            # Each job's step goes in at once, so the jobs interleave on the shared worker.
-            futures: list[Any] = []
-            for client in clients:
-                futures.append(client.forward_backward([datum], "cross_entropy"))
-                futures.append(client.optim_step(types.AdamParams(learning_rate=1e-3)))
-            for future in futures:
-                future.result()
-        yield cluster, [c.model_id for c in clients]
+        adam = types.AdamParams(learning_rate=1e-3)
+        started = time.time()
+
+        def train(client: Any) -> None:
+            for _ in range(STEPS):
+                client.forward_backward([datum], "cross_entropy").result()
+                client.optim_step(adam).result()
+                # A reward stall, as in RLVR: the job's worker may run another job's call.
+                time.sleep(0.3)
+
+        with ThreadPoolExecutor(max_workers=len(clients)) as pool:
+            list(pool.map(train, clients))
+        yield Run(cluster, [c.model_id for c in clients], started)
     finally:
         cluster.stop()
 
 
 @pytest.mark.integration
-def test_the_dashboard_draws_the_timeline_of_a_real_run(
-    small_run: tuple[LocalCluster, list[str]], tmp_path: Path
-) -> None:
-    cluster, job_ids = small_run
-    url = f"{cluster.config.gateway_url}/dashboard?key={KEY}&window=120"
-
-    dom = run_chromium(["--dump-dom", url], tmp_path / "profile-dom")
+def test_the_dashboard_draws_the_timeline_of_a_real_run(small_run: Run, tmp_path: Path) -> None:
+    job_ids = small_run.job_ids
+    dom = run_chromium(["--dump-dom", small_run.url()], tmp_path / "profile-dom")
     parser = Elements()
     parser.feed(dom)
     body = next(attrs for tag, attrs in parser.found if tag == "body")
@@ -266,7 +284,8 @@ def test_the_dashboard_draws_the_timeline_of_a_real_run(
 
     shot = tmp_path / "dashboard.png"
     run_chromium(
-        [f"--screenshot={shot}", "--window-size=1400,1100", url], tmp_path / "profile-shot"
+        [f"--screenshot={shot}", "--window-size=1400,1000", small_run.url()],
+        tmp_path / "profile-shot",
     )
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000
     ARTIFACTS.mkdir(parents=True, exist_ok=True)

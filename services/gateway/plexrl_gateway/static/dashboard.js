@@ -295,6 +295,7 @@ function renderTimeline(workers) {
   for (let t = Math.ceil(t0 / step) * step; t <= t1; t += step) {
     const xt = x(t);
     svg("line", { class: "tick", x1: xt, x2: xt, y1: AXIS_H - 4, y2: height }, root);
+    if (xt > width - 60) continue;  // no room for its label before the edge
     const label = svg("text", { class: "tick-label", x: xt + 3, y: AXIS_H - 8 }, root);
     label.textContent = fmtClock(t);
   }
@@ -433,8 +434,12 @@ function init() {
   const windowS = Number(params.get("window"));
   if (windowS > 0) {
     state.windowS = windowS;
-    const option = [...$("window").options].find((o) => Number(o.value) === windowS);
-    if (option) option.selected = true;
+    let option = [...$("window").options].find((o) => Number(o.value) === windowS);
+    if (!option) {
+      option = new Option(fmtDuration(windowS), String(windowS));
+      $("window").add(option, 0);
+    }
+    option.selected = true;
   }
   $("window").addEventListener("change", (ev) => {
     state.windowS = Number(ev.target.value);
