@@ -148,7 +148,7 @@ async def test_calls_wait_for_a_worker_instead_of_failing() -> None:
     async def finished(_: object) -> None:
         raise AssertionError("nothing may be answered yet")
 
-    actuator = Actuator(state, None, None, None, finished)  # type: ignore[arg-type]
+    actuator = Actuator(state, None, None, None, finished, None)  # type: ignore[arg-type]
     await actuator.carry_out((reject,))
     assert "r1" in state.pending and "j" in state.jobs
 

@@ -57,6 +57,9 @@ class _Proc:
     process: subprocess.Popen[bytes]
     health_url: str
     log: Path
+    module: str
+    port: int
+    extra: dict[str, str]
 
 
 class LocalCluster:
@@ -106,7 +109,9 @@ class LocalCluster:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
-        self._procs.append(_Proc(name, process, f"http://127.0.0.1:{port}/healthz", log))
+        self._procs.append(
+            _Proc(name, process, f"http://127.0.0.1:{port}/healthz", log, module, port, extra)
+        )
 
     def start(self, timeout_s: float = 180.0) -> None:
         c = self.config
@@ -205,6 +210,32 @@ class LocalCluster:
                 codes[proc.name] = None
         self._procs.clear()
         return codes
+
+    def names(self) -> list[str]:
+        """The services of this cluster: `state-store`, `scheduler`, `worker-<i>`, `gateway`."""
+        return [p.name for p in self._procs]
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one service (`kill -9`: no clean-up, as in a crash); `restart` revives it."""
+        proc = self._proc(name)
+        proc.process.kill()
+        proc.process.wait()
+
+    def restart(self, name: str, timeout_s: float = 180.0) -> None:
+        """Start a killed service again with the same id, port and environment, and wait
+        until it answers its health check."""
+        proc = self._proc(name)
+        if proc.process.poll() is None:
+            raise RuntimeError(f"{name} is still running; kill it first")
+        self._procs.remove(proc)
+        self._spawn(proc.name, proc.module, proc.port, proc.extra)
+        self.wait_healthy(timeout_s)
+
+    def _proc(self, name: str) -> _Proc:
+        for proc in self._procs:
+            if proc.name == name:
+                return proc
+        raise KeyError(f"no service {name!r} in this cluster; it has {self.names()}")
 
     def logs(self) -> dict[str, Path]:
         return {p.name: p.log for p in self._procs}

@@ -12,6 +12,7 @@ from opentelemetry import trace
 from plexrl import tracing
 from plexrl.health import HttpServer, health_app
 from plexrl.kafka import Delivery, MessageConsumer
+from plexrl.ledger import Ledger
 from plexrl.messages import Dispatch
 from plexrl.models import ModelRegistry
 from plexrl.service import join_cluster
@@ -22,6 +23,7 @@ from plexrl_worker.engine import EngineConfig, TorchEngine
 from plexrl_worker.engine_thread import EngineThread
 from plexrl_worker.heartbeat import Heartbeat
 from plexrl_worker.recorder import ResultRecorder
+from plexrl_worker.recovery import JobRecovery, NumberedCalls, SnapshotConfig
 from plexrl_worker.residency import StateManager
 from plexrl_worker.runner import CallRunner
 
@@ -38,11 +40,13 @@ class DispatchHandler:
         runner: CallRunner,
         recorder: ResultRecorder,
         heartbeat: Heartbeat,
+        numbered: NumberedCalls,
     ) -> None:
         self._states = states
         self._runner = runner
         self._recorder = recorder
         self._heartbeat = heartbeat
+        self._numbered = numbered
         self.calls = 0
 
     async def __call__(self, dispatch: Dispatch, delivery: Delivery) -> None:
@@ -50,6 +54,14 @@ class DispatchHandler:
         try:
             for move in dispatch.evict:
                 await self._states.move(move.job_id, move.to_tier)
+            lease = dispatch.lease
+            # A dispatch holds calls of one job; a stale lease means it was re-homed.
+            if (
+                lease is not None
+                and dispatch.calls
+                and await self._numbered.stale(dispatch.calls[0].job_id, lease.epoch)
+            ):
+                return
             replayed = await self._recorder.recorded(dispatch.calls)
             for i, request in enumerate(dispatch.calls):
                 parent = (
@@ -69,6 +81,13 @@ class DispatchHandler:
                     },
                 ):
                     last = i == len(dispatch.calls) - 1
+                    seq = lease.seqs[i] if lease is not None and i < len(lease.seqs) else 0
+                    if lease is not None and seq > 0:  # exactly once by the job's ledger
+                        await self._numbered.run(
+                            request, seq, lease.epoch, dispatch.dispatch_id, last
+                        )
+                        self.calls += 1
+                        continue
                     done = replayed.get(request.request_id)
                     if done is not None:  # a replay: answer with the recorded result
                         await self._recorder.publish(done)
@@ -118,7 +137,18 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         publisher=publisher,
         events_topic=topics.events,
     )
-    handler = DispatchHandler(states, runner, recorder, heartbeat)
+    ledger = Ledger(meta.redis, settings.cluster_id)
+    recovery = JobRecovery(
+        worker_id=settings.worker_id,
+        ledger=ledger,
+        engine=engine,
+        thread=thread,
+        states=states,
+        store=store,
+        config=SnapshotConfig(every_calls=settings.snapshot_every_calls),
+    )
+    numbered = NumberedCalls(ledger=ledger, recovery=recovery, runner=runner, recorder=recorder)
+    handler = DispatchHandler(states, runner, recorder, heartbeat, numbered)
     dispatches: MessageConsumer[Dispatch] = MessageConsumer(
         bootstrap=settings.kafka_bootstrap,
         topics=[topics.dispatch(settings.worker_id)],
@@ -149,6 +179,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(Exception):
             await dispatches.stop()
+        await recovery.drain()
         await health.stop()
         await publisher.stop()
         await store.close()

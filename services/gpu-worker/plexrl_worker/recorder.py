@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 
 from plexrl.kafka import Publisher
 from plexrl.messages import CompletionStatus, PhaseCompletion, PhaseRequest, Timings
@@ -32,8 +33,15 @@ class ResultRecorder:
         return await self._meta.get_completions(r.request_id for r in requests)
 
     async def record(
-        self, request: PhaseRequest, ran: Ran, dispatch_id: str, last: bool
-    ) -> PhaseCompletion:
+        self,
+        request: PhaseRequest,
+        ran: Ran,
+        dispatch_id: str,
+        last: bool,
+        commit: Callable[[PhaseCompletion], Awaitable[bool]] | None = None,
+    ) -> PhaseCompletion | None:
+        """Record and announce the call's completion; None when `commit` refused it (the
+        call was fenced off: another worker owns its job now, so nothing is announced)."""
         result = (
             None
             if ran.output is None
@@ -57,7 +65,10 @@ class ResultRecorder:
             dispatch_id=dispatch_id,
             last_in_dispatch=last,
         )
-        # Redis first: once the record exists, a replay returns it instead of running again.
+        # The job's ledger first: once the call is its last applied one, a replay is
+        # answered from there, however long after; then the future's record (first wins).
+        if commit is not None and not await commit(completion):
+            return None
         completion = await self._meta.record_completion(completion)
         await self.publish(completion)
         await self._meta.append_timeline(
@@ -73,6 +84,10 @@ class ResultRecorder:
             )
         )
         return completion
+
+    async def answer(self, stored: PhaseCompletion) -> None:
+        """Answer a replayed call with the completion it had the first time."""
+        await self.publish(await self._meta.record_completion(stored))
 
     async def publish(self, completion: PhaseCompletion) -> None:
         await self._publisher.publish(self._topic, completion.job_id, completion)

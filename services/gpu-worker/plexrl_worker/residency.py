@@ -79,6 +79,19 @@ class StateManager:
         self._held[job_id] = _Held(Tier.DEVICE, nbytes, version)
         await self._announce(job_id, None, Tier.DEVICE, nbytes, version, 0.0)
 
+    async def restored(self, job_id: str, nbytes: int) -> None:
+        """A job's state was rebuilt on the device tier here (from its snapshot and log);
+        its residency record moves here whichever worker it named before."""
+        await self.created(job_id, nbytes)
+
+    async def forget(self, job_id: str) -> None:
+        """Drop this worker's copy of a job without touching its records: the copy is
+        stale, or the job is another worker's now (whose residency record stands)."""
+        held = self._held.pop(job_id, None)
+        await self._thread.call(self._engine.drop, job_id)
+        if held is not None and held.blob_key:
+            await self._store.delete_blob(held.blob_key)
+
     async def dropped(self, job_id: str) -> None:
         held = self._held.pop(job_id, None)
         if held is None:

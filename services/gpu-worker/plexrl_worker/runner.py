@@ -10,6 +10,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import msgspec
+
 from plexrl.messages import (
     CreateInput,
     ErrorCode,
@@ -69,6 +71,19 @@ class CallRunner:
         self._meta = meta
         self._store = store
         self._specs: dict[str, JobSpec] = {}
+
+    async def resolved(self, request: PhaseRequest) -> PhaseRequest:
+        """The request with its payload inline (a ref expires; a ledger log entry must not)."""
+        payload = await resolve(self._meta, request.payload, PhaseInput)
+        return msgspec.structs.replace(request, payload=payload)
+
+    async def replay(self, request: PhaseRequest) -> None:
+        """Apply a logged call again while restoring its job (on the device tier already).
+
+        Raises on failure: a call that applied once must apply again, or the restore is off.
+        """
+        payload = await resolve(self._meta, request.payload, PhaseInput)
+        await self._dispatch(request, payload)
 
     async def run(self, request: PhaseRequest) -> Ran:
         started_at = time.time()

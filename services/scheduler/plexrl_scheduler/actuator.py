@@ -11,12 +11,14 @@ from opentelemetry import trace
 
 from plexrl import tracing
 from plexrl.kafka import Delivery, Publisher
+from plexrl.ledger import SEQUENCED, Ledger
 from plexrl.messages import (
     CompletionStatus,
     Dispatch,
     ErrorCode,
     ErrorInfo,
     JobAdmitted,
+    Lease,
     PhaseCompletion,
     StateMove,
     Tier,
@@ -41,12 +43,14 @@ class Actuator:
         meta: MetaStore,
         topics: Topics,
         finished: Committer,
+        ledger: Ledger,
     ) -> None:
         self._state = state
         self._publisher = publisher
         self._meta = meta
         self._topics = topics
         self._finished = finished
+        self._ledger = ledger
         self.dispatches = 0
 
     async def carry_out(self, plan: Plan) -> None:
@@ -62,7 +66,9 @@ class Actuator:
                     await self._prefetch(action)
 
     async def _admit(self, action: Admit) -> None:
-        self._state.apply_admit(action.job_id, action.worker_id)
+        # A new lease: whoever held the job before (a dead worker) is fenced off now.
+        epoch = await self._ledger.bump_epoch(action.job_id, action.worker_id)
+        self._state.apply_admit(action.job_id, action.worker_id, epoch)
         job = self._state.jobs[action.job_id]
         await self._meta.set_home(action.job_id, action.worker_id)
         event = JobAdmitted(
@@ -105,9 +111,12 @@ class Actuator:
         await self._finished(pending.delivery)
 
     async def _run(self, action: Run) -> None:
-        taken = self._state.take_pending(action.request_ids)
-        if not taken:
+        chosen = [self._state.pending[r] for r in action.request_ids if r in self._state.pending]
+        if not chosen:
             return
+        # Numbered before they leave the queue: a failed ledger write loses no call.
+        lease = await self._lease(action.job_id, action.worker_id, chosen)
+        taken = self._state.take_pending(action.request_ids)
         dispatch_id = uuid.uuid4().hex
         traceparents: list[str] = []
         for pending in taken:
@@ -132,6 +141,7 @@ class Actuator:
             traceparents=traceparents,
             evict=[StateMove(m.job_id, m.to_tier) for m in action.evict],
             issued_at=time.time(),
+            lease=lease,
         )
         self._state.apply_run(dispatch_id, action.worker_id, action.job_id, taken, action.evict)
         first = taken[0].delivery.context if taken[0].delivery else None
@@ -140,6 +150,20 @@ class Actuator:
                 self._topics.dispatch(action.worker_id), action.job_id, dispatch
             )
         self.dispatches += 1
+
+    async def _lease(self, job_id: str, worker_id: str, taken: list[Pending]) -> Lease:
+        """The job's epoch on its home and the seq of each numbered call (a replayed
+        request gets the seq it had the first time)."""
+        job = self._state.jobs[job_id]
+        if job.epoch == 0:  # restarted scheduler: the ledger knows the lease
+            head = await self._ledger.head(job_id)
+            epoch = head.epoch
+            if epoch == 0 or head.owner != worker_id:
+                epoch = await self._ledger.bump_epoch(job_id, worker_id)
+            self._state.apply_epoch(job_id, epoch)
+        numbered = [p.request.request_id for p in taken if p.request.function in SEQUENCED]
+        seqs = dict(zip(numbered, await self._ledger.assign(job_id, numbered), strict=True))
+        return Lease(job.epoch, [seqs.get(p.request.request_id, 0) for p in taken])
 
     async def _prefetch(self, action: Prefetch) -> None:
         dispatch = Dispatch(

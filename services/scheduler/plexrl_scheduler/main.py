@@ -9,6 +9,7 @@ from typing import Any
 
 from plexrl.health import HttpServer, health_app
 from plexrl.kafka import MessageConsumer, ensure_topics
+from plexrl.ledger import Ledger
 from plexrl.messages import Event, PhaseCompletion, PhaseRequest
 from plexrl.meta import MetaStore
 from plexrl.policy import PolicyConfig, plan
@@ -16,6 +17,7 @@ from plexrl.service import join_cluster
 from plexrl.settings import SchedulerSettings
 from plexrl.topics import Topics
 from plexrl_scheduler.actuator import Actuator
+from plexrl_scheduler.liveness import Liveness, LivenessConfig
 from plexrl_scheduler.receiver import Receiver
 from plexrl_scheduler.state import ClusterState
 
@@ -28,7 +30,9 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
     await restore(state, meta)
     policy = PolicyConfig(name=settings.policy, max_calls_per_run=settings.max_calls_per_run)
     receiver = Receiver(state, meta)
-    actuator = Actuator(state, publisher, meta, topics, finished=receiver.finished)
+    ledger = Ledger(meta.redis, settings.cluster_id)
+    actuator = Actuator(state, publisher, meta, topics, finished=receiver.finished, ledger=ledger)
+    liveness = Liveness(state, ledger, LivenessConfig(lease_grace_s=settings.lease_grace_s))
     receiver.use(actuator)
 
     def consumer(topic: str, group: str | None, type_: Any, handler: Any, **kw: Any) -> Any:
@@ -61,7 +65,7 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
     ]
     receiver.attach(requests)
     health = HttpServer(
-        health_app("scheduler", lambda: status(state, actuator)),
+        health_app("scheduler", lambda: status(state, actuator, liveness)),
         settings.scheduler_host,
         settings.scheduler_port,
     )
@@ -75,6 +79,7 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
         while not stop.is_set():
             await state.wait_changed(timeout_s=0.5)  # ingest (consumer tasks feed state)
             await ensure_worker_topics(settings, topics, receiver)
+            await liveness.reap()  # dead workers and lost dispatches give their calls back
             await actuator.carry_out(plan(state.snapshot(), policy))  # decide, act
     finally:
         stop.set()
@@ -105,7 +110,7 @@ async def ensure_worker_topics(
         await ensure_topics(settings.kafka_bootstrap, wanted)
 
 
-def status(state: ClusterState, actuator: Actuator) -> dict[str, Any]:
+def status(state: ClusterState, actuator: Actuator, liveness: Liveness) -> dict[str, Any]:
     return {
         "ok": True,
         "workers": {w: state.healthy(w) for w in state.workers},
@@ -113,4 +118,6 @@ def status(state: ClusterState, actuator: Actuator) -> dict[str, Any]:
         "pending": len(state.pending),
         "inflight": {w: r.job_id for w, r in state.inflight.items()},
         "dispatches": actuator.dispatches,
+        "rehomed": liveness.rehomed,
+        "requeued": liveness.requeued,
     }

@@ -54,6 +54,8 @@ class JobState:
     """When its first call arrived here: the start of the span its duty cycle covers."""
     busy_s: float = 0.0
     """Device-seconds (swap + compute) its calls have used."""
+    epoch: int = 0
+    """Its lease's fencing token on its home (see plexrl.ledger); 0: not known here yet."""
 
     def observe(self, function: Function, seconds: float) -> None:
         old = self.durations.get(function)
@@ -120,12 +122,16 @@ class InFlight:
     job_id: str
     remaining: set[str]
     issued_at: float
+    calls: list[Pending] = field(default_factory=list)
+    """The dispatched calls, in order: requeued as they were if the lease is lost."""
 
 
 @dataclass
 class WorkerState:
     heartbeat: WorkerHeartbeat
     seen_at: float
+    lost: bool = False
+    """Declared dead (heartbeats stopped): its jobs were re-homed."""
 
 
 class ClusterState:
@@ -188,7 +194,14 @@ class ClusterState:
 
     def on_heartbeat(self, beat: WorkerHeartbeat) -> bool:
         """Record a heartbeat; True when the worker is new to this scheduler."""
-        new = beat.worker_id not in self.workers
+        previous = self.workers.get(beat.worker_id)
+        new = previous is None
+        if previous is not None and previous.heartbeat.started_at != beat.started_at:
+            # Restarted with the same id: the states it held in memory are gone (its
+            # dispatch in flight comes back to it from Kafka; it restores the job).
+            for homed in self.jobs.values():
+                if homed.home == beat.worker_id and homed.tier is not None:
+                    homed.tier = Tier.DISK
         self.workers[beat.worker_id] = WorkerState(beat, self._clock())
         # The worker's own report is the truth about residency, but only while no
         # dispatch of ours is on its way there (our plan runs ahead of its report).
@@ -209,8 +222,12 @@ class ClusterState:
 
     # Record decisions --------------------------------------------------------
 
-    def apply_admit(self, job_id: str, worker_id: str) -> None:
+    def apply_admit(self, job_id: str, worker_id: str, epoch: int = 0) -> None:
         self.jobs[job_id].home = worker_id
+        self.jobs[job_id].epoch = epoch
+
+    def apply_epoch(self, job_id: str, epoch: int) -> None:
+        self.jobs[job_id].epoch = epoch
 
     def take_pending(self, request_ids: tuple[str, ...]) -> list[Pending]:
         return [self.pending.pop(rid) for rid in request_ids if rid in self.pending]
@@ -228,9 +245,57 @@ class ClusterState:
                 self.jobs[move.job_id].tier = move.to_tier
         self.jobs[job_id].tier = Tier.DEVICE
         ids = {p.request.request_id for p in taken}
-        self.inflight[worker_id] = InFlight(dispatch_id, worker_id, job_id, ids, self._clock())
+        self.inflight[worker_id] = InFlight(
+            dispatch_id, worker_id, job_id, ids, self._clock(), list(taken)
+        )
         for p in taken:
             self._inflight_requests[p.request.request_id] = (worker_id, p.delivery)
+
+    # Liveness -----------------------------------------------------------------
+
+    def lost_workers(self) -> list[str]:
+        """Workers whose heartbeats stopped and whose jobs are not re-homed yet."""
+        return [w for w, s in self.workers.items() if not s.lost and not self.healthy(w)]
+
+    def on_worker_lost(self, worker_id: str) -> list[str]:
+        """The worker is dead: unhome its jobs (admission re-homes each at its next call)
+        and requeue its dispatch in flight; returns the unhomed jobs."""
+        self.workers[worker_id].lost = True
+        unhomed = []
+        for job in self.jobs.values():
+            if job.home == worker_id:
+                job.home = None
+                job.epoch = 0
+                # Its snapshot and log are on the disk tier (None: never created).
+                job.tier = Tier.DISK if job.tier is not None else None
+                unhomed.append(job.job_id)
+        self.requeue(worker_id)
+        return unhomed
+
+    def expired_leases(self, grace_s: float) -> list[str]:
+        """Workers alive but idle well after we sent them a dispatch whose calls are not
+        all answered: the dispatch was lost on the way (its lease expired)."""
+        expired = []
+        for worker_id, run in self.inflight.items():
+            state = self.workers.get(worker_id)
+            if state is None or not self.healthy(worker_id) or state.heartbeat.busy:
+                continue
+            if state.heartbeat.sent_at > run.issued_at + grace_s:
+                expired.append(worker_id)
+        return expired
+
+    def requeue(self, worker_id: str) -> list[str]:
+        """Put the unanswered calls of the worker's dispatch back at the head of the queue,
+        in their order (a numbered call that did apply is answered from its job's ledger)."""
+        run = self.inflight.pop(worker_id, None)
+        if run is None:
+            return []
+        back = [p for p in run.calls if p.request.request_id in run.remaining]
+        for p in back:
+            self._inflight_requests.pop(p.request.request_id, None)
+        self.pending = {p.request.request_id: p for p in back} | self.pending
+        self._changed.set()
+        return [p.request.request_id for p in back]
 
     # Decide ------------------------------------------------------------------
 

@@ -1,0 +1,270 @@
+"""Numbered calls, applied once and recoverably: the worker's side of `plexrl.ledger`.
+
+A numbered call (one a Dispatch's Lease gives a seq) runs only as its job's next
+call under the dispatch's epoch; one that applied before is answered from the
+ledger. Before running, the worker makes sure its copy of the job is the ledger's
+latest: if it holds none (it restarted, or the job was re-homed here) or an older
+one, it rebuilds the job from its snapshot plus the logged calls since, replayed in
+order on the engine, which is deterministic, so the result is bit for bit the state
+the dead worker had. After a mutating call commits, the job is snapshotted to the
+disk tier every `SnapshotConfig.every_calls` logged calls (and after CREATE and
+LOAD): the copy is taken before the next call runs, the upload goes on behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from plexrl.ledger import MUTATING, Committed, Ledger, LedgerState, Verdict, verdict
+from plexrl.messages import (
+    ErrorCode,
+    ErrorInfo,
+    Function,
+    PhaseCompletion,
+    PhaseRequest,
+)
+from plexrl.state_store_client import StateStoreClient
+from plexrl_worker.engine import TorchEngine
+from plexrl_worker.engine.state import JobTensors, state_from_bytes, state_to_bytes
+from plexrl_worker.engine_thread import EngineThread
+from plexrl_worker.recorder import ResultRecorder
+from plexrl_worker.residency import StateManager
+from plexrl_worker.runner import CallRunner, Ran
+
+log = logging.getLogger(__name__)
+
+Replay = Callable[[PhaseRequest], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class SnapshotConfig:
+    """When a job's state is written to the disk tier for recovery."""
+
+    every_calls: int = 4
+    """Snapshot after this many logged (mutating) calls since the last snapshot. A
+    restore replays at most this many calls; lower it for big, slow calls, raise it
+    when snapshots (a full copy of the job's state) cost more than replaying."""
+
+    def __post_init__(self) -> None:
+        if self.every_calls < 1:
+            raise ValueError(
+                f"SnapshotConfig.every_calls is {self.every_calls}; it must be at least 1 "
+                "(1 snapshots after every mutating call)"
+            )
+
+
+@dataclass
+class _Copy:
+    """What this worker's copy of a job has applied, and under which epoch."""
+
+    applied: int
+    epoch: int
+    snap_seq: int
+    logged_since_snap: int = 0
+
+
+class JobRecovery:
+    """Restores jobs from the ledger and snapshots them after their calls commit."""
+
+    def __init__(
+        self,
+        *,
+        worker_id: str,
+        ledger: Ledger,
+        engine: TorchEngine,
+        thread: EngineThread,
+        states: StateManager,
+        store: StateStoreClient,
+        config: SnapshotConfig,
+    ) -> None:
+        self._worker_id = worker_id
+        self._ledger = ledger
+        self._engine = engine
+        self._thread = thread
+        self._states = states
+        self._store = store
+        self._config = config
+        self._copies: dict[str, _Copy] = {}
+        self._uploads: set[asyncio.Task[None]] = set()
+        self.restores = 0
+
+    def is_current(self, job_id: str, head: LedgerState) -> bool:
+        copy = self._copies.get(job_id)
+        return (
+            copy is not None
+            and copy.applied == head.applied
+            and copy.epoch == head.epoch
+            and self._states.tier(job_id) is not None
+        )
+
+    async def ensure(
+        self, job_id: str, function: Function, head: LedgerState, replay: Replay
+    ) -> float:
+        """Make this worker's copy of the job the ledger's latest; returns seconds spent."""
+        if self.is_current(job_id, head):
+            return 0.0
+        start = time.perf_counter()
+        await self.forget(job_id)
+        if head.applied == 0 or function == Function.UNLOAD:
+            # Nothing applied yet (its CREATE comes next), or nothing worth restoring.
+            self._copies[job_id] = _Copy(head.applied, head.epoch, 0)
+            return 0.0
+        point = await self._ledger.recovery_point(job_id)
+        if point.state.snap_blob:
+            state = state_from_bytes(await self._store.get_blob(point.state.snap_blob))
+            await self._thread.call(self._engine.onload, job_id, state)
+            await self._states.restored(job_id, self._engine.state_bytes(job_id))
+        for request in point.log:
+            await replay(request)
+        self._copies[job_id] = _Copy(
+            point.state.applied, head.epoch, point.state.snap_seq, len(point.log)
+        )
+        seconds = time.perf_counter() - start
+        self.restores += 1
+        log.info(
+            "restored %s at call %d (snapshot %d + %d replayed) in %.3fs",
+            job_id,
+            point.state.applied,
+            point.state.snap_seq,
+            len(point.log),
+            seconds,
+        )
+        return seconds
+
+    async def forget(self, job_id: str) -> None:
+        """Drop this worker's copy of a job (stale, or no longer ours), leaving Redis be."""
+        self._copies.pop(job_id, None)
+        await self._states.forget(job_id)
+
+    async def committed(self, request: PhaseRequest, seq: int, epoch: int, ok: bool) -> None:
+        """Call `seq` is the job's last applied one: snapshot the job when it is time."""
+        job_id = request.job_id
+        copy = self._copies.setdefault(job_id, _Copy(seq - 1, epoch, 0))
+        copy.applied, copy.epoch = seq, epoch
+        if request.function == Function.UNLOAD:
+            self._copies.pop(job_id, None)
+            blob = await self._ledger.close(job_id)
+            if blob:
+                await self._store.delete_blob(blob)
+            return
+        if not ok or request.function not in MUTATING:
+            return
+        copy.logged_since_snap += 1
+        due = copy.logged_since_snap >= self._config.every_calls
+        if due or request.function in (Function.CREATE, Function.LOAD):
+            copy.logged_since_snap = 0
+            copy.snap_seq = seq
+            # The copy is taken now, before the next call can change the job.
+            state = await self._thread.call(
+                self._engine.export_state, job_id, optimizer=True, gradients=True
+            )
+            task = asyncio.create_task(self._upload(job_id, epoch, seq, state))
+            self._uploads.add(task)
+            task.add_done_callback(self._uploads.discard)
+
+    async def _upload(self, job_id: str, epoch: int, seq: int, state: JobTensors) -> None:
+        key = f"snapshot/{job_id}/e{epoch}-s{seq}.safetensors"
+        try:
+            data = await asyncio.to_thread(state_to_bytes, state)
+            await self._store.put_blob(key, data)
+            unused = await self._ledger.record_snapshot(job_id, epoch, seq, key)
+            if unused:
+                await self._store.delete_blob(unused)
+        except Exception:  # the log still holds every call: a later snapshot catches up
+            log.exception("snapshot of %s at call %d failed", job_id, seq)
+
+    async def drain(self) -> None:
+        """Wait for snapshot uploads in flight (at shutdown, and in tests)."""
+        if self._uploads:
+            await asyncio.gather(*list(self._uploads), return_exceptions=True)
+
+
+class NumberedCalls:
+    """Runs one numbered call of a dispatch: verdict, restore, run, commit, answer."""
+
+    def __init__(
+        self,
+        *,
+        ledger: Ledger,
+        recovery: JobRecovery,
+        runner: CallRunner,
+        recorder: ResultRecorder,
+    ) -> None:
+        self._ledger = ledger
+        self._recovery = recovery
+        self._runner = runner
+        self._recorder = recorder
+        self.applied = 0
+        self.answered = 0
+        self.fenced = 0
+
+    async def stale(self, job_id: str, epoch: int) -> bool:
+        """True when the job was re-homed since this dispatch was issued: drop our copy."""
+        head = await self._ledger.head(job_id)
+        if epoch >= head.epoch:
+            return False
+        self.fenced += 1
+        log.warning(
+            "dispatch for %s under epoch %d is stale (epoch %d, owner %r): not running it",
+            job_id,
+            epoch,
+            head.epoch,
+            head.owner,
+        )
+        await self._recovery.forget(job_id)
+        return True
+
+    async def run(
+        self, request: PhaseRequest, seq: int, epoch: int, dispatch_id: str, last: bool
+    ) -> None:
+        job_id = request.job_id
+        head = await self._ledger.head(job_id)
+        match verdict(seq, head.applied):
+            case Verdict.ANSWERED:
+                stored = await self._ledger.result(job_id, seq)
+                if stored is not None:
+                    self.answered += 1
+                    await self._recorder.answer(stored)
+                    return
+                # Applied before results were kept in the ledger: nothing to answer with.
+                ran = _failed(f"call {seq} of {job_id} applied before, its result is gone")
+                await self._recorder.record(request, ran, dispatch_id, last)
+                return
+            case Verdict.AHEAD:
+                log.error("call %d of %s came before call %d", seq, job_id, head.applied + 1)
+                ran = _failed(
+                    f"call {seq} of {job_id} arrived before call {head.applied + 1}; "
+                    "the scheduler dispatches a job's calls in order, so this is a bug"
+                )
+                await self._recorder.record(request, ran, dispatch_id, last)
+                return
+            case Verdict.APPLY:
+                pass
+        resolved = await self._runner.resolved(request)
+        restore_s = await self._recovery.ensure(job_id, request.function, head, self._runner.replay)
+        ran = await self._runner.run(resolved)
+        if restore_s:
+            ran = Ran(ran.output, ran.error, ran.swap_s + restore_s, ran.compute_s, ran.started_at)
+        ok = ran.error is None
+        logged = resolved if ok and request.function in MUTATING else None
+
+        async def commit(completion: PhaseCompletion) -> bool:
+            outcome = await self._ledger.commit(job_id, epoch, seq, completion, logged)
+            if outcome == Committed.OK:
+                return True
+            log.warning("call %d of %s not committed: %s", seq, job_id, outcome)
+            self.fenced += 1
+            await self._recovery.forget(job_id)
+            return False
+
+        if await self._recorder.record(request, ran, dispatch_id, last, commit=commit):
+            self.applied += 1
+            await self._recovery.committed(request, seq, epoch, ok)
+
+
+def _failed(message: str) -> Ran:
+    return Ran(None, ErrorInfo(ErrorCode.INTERNAL, message), 0.0, 0.0, time.time())
