@@ -117,8 +117,12 @@ def service(
         api_keys=f"{KEY}=aliases",
         worker_threads=1,
     )
-    with LocalCluster(config) as cluster:
+    cluster = LocalCluster(config)
+    # Generous: on a loaded two-core machine four services importing torch take minutes.
+    cluster.start(timeout_s=600)
+    try:
         yield tinker.ServiceClient(base_url=config.gateway_url, api_key=KEY)
+    finally:
         cluster.stop()
 
 
@@ -126,7 +130,8 @@ def service(
 def test_a_training_client_created_with_an_alias_works_end_to_end(
     service: tinker.ServiceClient,
 ) -> None:
-    served = {m.model_name for m in service.get_server_capabilities().supported_models}
+    capabilities = service.create_rest_client().get_server_capabilities().result()
+    served = {m.model_name for m in capabilities.supported_models}
     assert {CANONICAL, ALIAS, OTHER_ALIAS} <= served
 
     client = service.create_lora_training_client(base_model=ALIAS, rank=4, seed=1).result()
@@ -147,7 +152,7 @@ def test_a_training_client_created_with_an_alias_works_end_to_end(
     after = client.forward([datum], "cross_entropy").result().metrics["loss:sum"]
     assert after < before
 
-    sampler = client.save_weights_and_get_sampling_client()
+    sampler = client.save_weights_and_get_sampling_client().result()
     response = sampler.sample(
         types.ModelInput.from_ints(tokens[:3]),
         num_samples=1,

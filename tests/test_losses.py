@@ -324,8 +324,12 @@ def service(
         api_keys=f"{KEY}=losses",
         worker_threads=1,
     )
-    with LocalCluster(config) as cluster:
+    cluster = LocalCluster(config)
+    # Generous: on a loaded two-core machine four services importing torch take minutes.
+    cluster.start(timeout_s=600)
+    try:
         yield tinker.ServiceClient(base_url=config.gateway_url, api_key=KEY)
+    finally:
         cluster.stop()
 
 
@@ -374,8 +378,8 @@ def test_sdk_runs_every_loss_and_forward_backward_custom(service: tinker.Service
     # client, and sends -dC/dlogprobs as cross_entropy weights. A custom loss equal to
     # cross_entropy must train exactly like the built-in one (CPU engines are deterministic).
     def custom_ce(data: list[types.Datum], logprobs: list[torch.Tensor]) -> Any:
-        loss = sum((-lp).sum() for lp in logprobs)
-        return loss, {"custom:sum": float(loss)}
+        loss = torch.stack([(-lp).sum() for lp in logprobs]).sum()
+        return loss, {"custom:sum": float(loss.detach())}
 
     custom = twin_a.forward_backward_custom([ce], custom_ce).result()
     builtin = twin_b.forward_backward([ce], "cross_entropy").result()
