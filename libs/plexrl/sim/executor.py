@@ -67,6 +67,8 @@ class RunInFlight:
     swap_s: float
     started: float
     """When its calls began (after its swaps)."""
+    planned_s: list[float]
+    """Each call's seconds on the whole group (before any stragglers stretched them)."""
 
 
 class GroupExecutor:
@@ -151,7 +153,8 @@ class GroupExecutor:
             raise SimulationError(f"run of {run.job_id} skips or reorders its calls")
         now = self.events.now
         calls, job.pending = job.pending[:n], job.pending[n:]
-        swap = self._evict(group, job.job_id, run.evict)
+        swap = self._evict(group, job.job_id, run.evict) if run.evict else 0.0
+        moved = bool(run.evict) or job.tier != Tier.DEVICE
         if job.tier != Tier.DEVICE:
             swap += self._move_s(group, job, job.tier, Tier.DEVICE)
             job.tier = Tier.DEVICE
@@ -159,8 +162,10 @@ class GroupExecutor:
         if group.last_job not in (None, job.job_id):
             swap += self.costs.switch_s
         group.last_job = job.job_id
-        self._check_memory(group)
-        work = sum(job.call_s(c.function) for c in calls)
+        if moved:
+            self._check_memory(group)
+        planned = [job.call_s(c.function) for c in calls]
+        work = sum(planned)
         start = now + swap
         end = self._stretched_end(group, start, work)
         group.running = job.job_id
@@ -178,7 +183,7 @@ class GroupExecutor:
         self.accounting.charge(r, group.group_id, group.spec.devices * (swap + work))
         useful = sum(job.call_useful(c.function) for c in calls) * group.spec.devices
         self.accounting.busy(start, end, useful)
-        self.events.push(end, Event.RUN_DONE, RunInFlight(job, calls, swap, start))
+        self.events.push(end, Event.RUN_DONE, RunInFlight(job, calls, swap, start, planned))
 
     def run_done(self, done: RunInFlight) -> None:
         """The Run's calls ended: the group is free; the scheduler sees each call's compute
@@ -191,9 +196,9 @@ class GroupExecutor:
         job.last_active = self.events.now
         job.touch()
         self.attention.group(group.group_id)
-        planned = [job.call_s(c.function) for c in done.calls]
-        stretch = (self.events.now - done.started) / sum(planned) if sum(planned) > 0 else 1.0
-        for i, (call, seconds) in enumerate(zip(done.calls, planned, strict=True)):
+        work = sum(done.planned_s)
+        stretch = (self.events.now - done.started) / work if work > 0 else 1.0
+        for i, (call, seconds) in enumerate(zip(done.calls, done.planned_s, strict=True)):
             job.history.observe(call.function, seconds * stretch, done.swap_s if i == 0 else 0.0)
 
     def prefetch(self, action: Prefetch) -> None:
