@@ -148,7 +148,7 @@ def served(infra: dict[str, str], tiny_registry: Path) -> Iterator[Served]:
     assert ready.wait(60), "the gateway did not start"
     url = f"http://127.0.0.1:{port}"
     try:
-        with httpx.Client(base_url=url, headers={"X-API-Key": KEY}) as http:
+        with httpx.Client(base_url=url, headers={"X-API-Key": KEY}, timeout=60) as http:
             jobs = [create_model(http), create_model(http)]
         asyncio.run(seed(settings, jobs))
         yield Served(url, settings, jobs)
@@ -179,7 +179,9 @@ def test_jobs_show_tier_steps_and_savings(served: Served) -> None:
     out = cli(served, "jobs")
     first, second = served.jobs
     assert "J1" in out and "J2" in out
-    assert "device · worker-0" in out and "3.0 MiB" in out
+    row = next(line for line in out.splitlines() if "J1" in line)
+    assert "worker-0" in row and "device" in row and "@" not in row  # resident at home
+    assert "3.0 MiB" in row and "59.6%" in row
     assert "6.0" in out  # 2 steps over 20 s: 6 steps/min
     rows = {j["job"]["job_id"]: j for j in json.loads(cli(served, "jobs", "--json"))}
     assert rows[first]["activity"]["steps"] == 3 and rows[first]["activity"]["swaps"] == 1

@@ -284,7 +284,7 @@ def test_the_dashboard_draws_the_timeline_of_a_real_run(small_run: Run, tmp_path
 
     shot = tmp_path / "dashboard.png"
     run_chromium(
-        [f"--screenshot={shot}", "--window-size=1400,1000", small_run.url()],
+        [f"--screenshot={shot}", "--window-size=1400,680", small_run.url()],
         tmp_path / "profile-shot",
     )
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 20_000

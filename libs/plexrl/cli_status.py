@@ -16,7 +16,7 @@ from typing import Annotated, Any
 
 import httpx
 import typer
-from rich.console import Console, Group, RenderableType
+from rich.console import Console, Group, JustifyMethod, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -29,6 +29,8 @@ PALETTE = (
 OTHER_COLOUR = "#bab0ac"
 # A heartbeat older than this means the worker is probably gone (workers beat every ~1 s).
 STALE_HEARTBEAT_S = 15.0
+# Terminals at least this wide get every column of the jobs table.
+WIDE_COLUMNS = 150
 
 
 class GatewayError(Exception):
@@ -172,7 +174,9 @@ def job_labels(jobs: Iterable[Mapping[str, Any]]) -> dict[str, tuple[str, str]]:
 
 
 def short_id(job_id: str) -> str:
-    return job_id if len(job_id) <= 22 else f"{job_id[:8]}…{job_id[-12:]}"
+    """The end of a job id (`…4008:train:0`): the session prefix is the same for a
+    client's jobs, the end tells them apart."""
+    return job_id if len(job_id) <= 16 else f"…{job_id[-14:]}"
 
 
 def totals(jobs: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
@@ -215,39 +219,49 @@ def status_table(snap: Snapshot, url: str) -> Table:
     return table
 
 
-def jobs_table(snap: Snapshot) -> Table:
+def jobs_table(snap: Snapshot, wide: bool = True) -> Table:
+    """One row per job; `wide=False` leaves out the model, state size, swaps and the
+    dedicated figure so the table fits an 80-column terminal."""
     labels = job_labels(snap.jobs)
-    table = Table(title=f"Jobs (activity: last {human_duration(snap.window_s)})")
-    for name in ("job", "kind", "model", "home", "tier"):
-        table.add_column(name)
-    for name in ("state", "calls", "steps", "steps/min", "swaps", "device-s", "dedicated"):
-        table.add_column(name, justify="right")
-    table.add_column("savings", justify="right")
-    table.add_column("last call")
+    table = Table(title=f"Jobs (steps, rate, swaps: last {human_duration(snap.window_s)})")
+    columns: list[tuple[str, JustifyMethod]] = [("job", "left"), ("model", "left")]
+    columns += [("home", "left"), ("tier", "left")]
+    columns += [("state", "right"), ("calls", "right"), ("steps", "right")]
+    columns += [("steps/min", "right"), ("swaps", "right"), ("device-s", "right")]
+    columns += [("dedicated", "right"), ("saved", "right"), ("last call", "left")]
+    narrow_drop = {"model", "state", "swaps", "dedicated"}
+    shown = [(n, j) for n, j in columns if wide or n not in narrow_drop]
+    for name, justify in shown:
+        table.add_column(name, justify=justify, no_wrap=name != "model")
     tier_styles = {"device": "green", "host": "yellow", "disk": "white"}
     for j in snap.jobs:
         job, acct, act, res = j["job"], j["accounting"], j["activity"], j["residency"]
         label, colour = labels[job["job_id"]]
         lora = job["spec"].get("lora")
         rate = act.get("steps_per_min")
-        table.add_row(
-            Text.assemble(("■ ", colour), f"{label} {short_id(job['job_id'])}"),
-            job["kind"] + (" (unloaded)" if job["unloaded"] else ""),
-            job["spec"]["base_model"] + (f" · LoRA r{lora['rank']}" if lora else " · full"),
-            j.get("home") or "–",
-            Text(f"{res['tier']} · {res['worker_id']}", style=tier_styles.get(res["tier"], ""))
-            if res
-            else Text("–", style="dim"),
-            human_bytes(res["bytes"] if res else job["spec"].get("state_bytes")),
-            str(acct["calls"]),
-            str(act["steps"]),
-            "–" if rate is None else f"{rate:.1f}",
-            str(act["swaps"]),
-            f"{acct['device_s']:.2f}",
-            f"{acct['dedicated_device_s']:.2f}",
-            human_pct(acct.get("savings_fraction")),
-            human_ago(act.get("last_at"), snap.taken_at),
-        )
+        home = j.get("home")
+        tier: Text = Text("–", style="dim")
+        if res:
+            # Where the state is, naming the worker only when it is not the job's home.
+            away = "" if res["worker_id"] == home else f"@{res['worker_id']}"
+            tier = Text(res["tier"] + away, style=tier_styles.get(res["tier"], ""))
+        cells: dict[str, RenderableType] = {
+            "job": Text.assemble(("■ ", colour), f"{label} {short_id(job['job_id'])}")
+            + Text(" (unloaded)" if job["unloaded"] else "", "dim"),
+            "model": job["spec"]["base_model"] + (f" LoRA r{lora['rank']}" if lora else " full"),
+            "home": home or "–",
+            "tier": tier,
+            "state": human_bytes(res["bytes"] if res else job["spec"].get("state_bytes")),
+            "calls": str(acct["calls"]),
+            "steps": str(act["steps"]),
+            "steps/min": "–" if rate is None else f"{rate:.1f}",
+            "swaps": str(act["swaps"]),
+            "device-s": f"{acct['device_s']:.2f}",
+            "dedicated": f"{acct['dedicated_device_s']:.2f}",
+            "saved": human_pct(acct.get("savings_fraction")),
+            "last call": human_ago(act.get("last_at"), snap.taken_at),
+        }
+        table.add_row(*(cells[name] for name, _ in shown))
     return table
 
 
@@ -327,6 +341,11 @@ def gantt(snap: Snapshot, width: int = 72) -> Table:
     return table
 
 
+def chart_width(columns: int) -> int:
+    """Characters of the timeline chart in a terminal `columns` wide (beside the names)."""
+    return max(20, min(120, columns - 20))
+
+
 def legend(snap: Snapshot) -> Text:
     seen = {e["job_id"] for e in snap.timeline}
     text = Text()
@@ -359,9 +378,10 @@ def timeline_table(snap: Snapshot, limit: int) -> Table:
     return table
 
 
-def top_view(snap: Snapshot, url: str, error: str | None = None) -> RenderableType:
-    parts: list[RenderableType] = [status_table(snap, url), gantt(snap), legend(snap)]
-    parts += [jobs_table(snap), workers_table(snap)]
+def top_view(snap: Snapshot, url: str, width: int, error: str | None = None) -> RenderableType:
+    """Everything at once, laid out for a terminal `width` columns wide."""
+    parts: list[RenderableType] = [status_table(snap, url), gantt(snap, chart_width(width))]
+    parts += [legend(snap), jobs_table(snap, wide=width >= WIDE_COLUMNS), workers_table(snap)]
     footer = f"updated {clock_time(snap.taken_at)} · Ctrl-C to quit"
     if error:
         parts.append(Text(f"refresh failed: {error}", "bold red"))
@@ -443,7 +463,8 @@ def jobs(
     if json:
         _print_json(snap.jobs)
         return
-    _console().print(jobs_table(snap))
+    console = _console()
+    console.print(jobs_table(snap, wide=console.width >= WIDE_COLUMNS))
 
 
 def workers(url: Url = DEFAULT_URL, key: Key = None, json: Json = False) -> None:
@@ -468,7 +489,7 @@ def timeline(
         _print_json(snap.timeline)
         return
     console = _console()
-    console.print(gantt(snap, width=max(20, min(120, console.width - 20))))
+    console.print(gantt(snap, chart_width(console.width)))
     console.print(legend(snap))
     if limit:
         console.print(timeline_table(snap, limit))
@@ -495,7 +516,9 @@ def top(
         raise _fail(str(exc)) from None
     refreshes = 1
     try:
-        with Live(top_view(snap, url), console=_console(), auto_refresh=False) as live:
+        console = _console()
+        view = top_view(snap, url, console.width)
+        with Live(view, console=console, auto_refresh=False) as live:
             live.refresh()
             while count == 0 or refreshes < count:
                 time.sleep(interval)
@@ -506,7 +529,7 @@ def top(
                     # Keep the last picture and say why it is stale; the gateway may be
                     # restarting, and `top` should come back when it does.
                     error = str(exc)
-                live.update(top_view(snap, url, error), refresh=True)
+                live.update(top_view(snap, url, console.width, error), refresh=True)
                 refreshes += 1
     except KeyboardInterrupt:
         pass
