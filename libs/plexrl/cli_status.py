@@ -220,8 +220,8 @@ def status_table(snap: Snapshot, url: str) -> Table:
 
 
 def jobs_table(snap: Snapshot, wide: bool = True) -> Table:
-    """One row per job; `wide=False` leaves out the model, state size, swaps and the
-    dedicated figure so the table fits an 80-column terminal."""
+    """One row per job; `wide=False` leaves out the model, state size, calls, swaps and
+    the dedicated figure so the table fits a 100-column terminal."""
     labels = job_labels(snap.jobs)
     table = Table(title=f"Jobs (steps, rate, swaps: last {human_duration(snap.window_s)})")
     columns: list[tuple[str, JustifyMethod]] = [("job", "left"), ("model", "left")]
@@ -229,7 +229,7 @@ def jobs_table(snap: Snapshot, wide: bool = True) -> Table:
     columns += [("state", "right"), ("calls", "right"), ("steps", "right")]
     columns += [("steps/min", "right"), ("swaps", "right"), ("device-s", "right")]
     columns += [("dedicated", "right"), ("saved", "right"), ("last call", "left")]
-    narrow_drop = {"model", "state", "swaps", "dedicated"}
+    narrow_drop = {"model", "state", "calls", "swaps", "dedicated"}
     shown = [(n, j) for n, j in columns if wide or n not in narrow_drop]
     for name, justify in shown:
         table.add_column(name, justify=justify, no_wrap=name != "model")
