@@ -340,9 +340,13 @@ redis_up() {
     mkdir -p "$REDIS_DIR/data"
     rm -f "$REDIS_PID"
     log "redis: starting on $HOST:$REDIS_PORT (log $REDIS_LOG)"
+    # Redis is the only record of sessions, jobs, futures, results and checkpoint
+    # records: an append-only file in data/, fsynced every second (a crash loses at
+    # most ~1 s; what workers and blobs can re-announce is rebuilt from them).
     redis-server --bind "$HOST" --port "$REDIS_PORT" --daemonize yes \
       --pidfile "$REDIS_PID" --dir "$REDIS_DIR/data" --logfile "$REDIS_LOG" \
-      --save '' --appendonly no </dev/null >"$REDIS_DIR/redis.out" 2>&1 9>&- ||
+      --save '' --appendonly yes --appendfsync everysec \
+      </dev/null >"$REDIS_DIR/redis.out" 2>&1 9>&- ||
       {
         cat "$REDIS_DIR/redis.out" >&2
         die "redis-server failed to start (its output is above; log: $REDIS_LOG)"

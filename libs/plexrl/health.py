@@ -4,21 +4,44 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import uvicorn
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 
-def health_app(name: str, status: Callable[[], dict[str, Any]]) -> FastAPI:
-    """GET /healthz (200 with `status()`, or 503 when it says ok=False) and GET /metrics."""
+class Watched(Protocol):
+    """A long-running part of a service whose death or stall makes the service unhealthy
+    (plexrl.kafka.MessageConsumer)."""
+
+    @property
+    def name(self) -> str: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+
+def consumers_health(consumers: Sequence[Watched]) -> dict[str, Any]:
+    """`{"ok": all ok, "consumers": {name: health}}` for a service's status body."""
+    each = {c.name: c.health() for c in consumers}
+    return {"ok": all(h.get("ok", True) for h in each.values()), "consumers": each}
+
+
+def health_app(
+    name: str, status: Callable[[], dict[str, Any]], watched: Sequence[Watched] = ()
+) -> FastAPI:
+    """GET /healthz (200 with `status()`, or 503 when it says ok=False or a watched
+    consumer is dead or stuck) and GET /metrics."""
     app = FastAPI(title=f"plexrl {name}", docs_url=None, redoc_url=None)
 
     @app.get("/healthz")
     def healthz(response: Response) -> dict[str, Any]:
         body = {"service": name, **status()}
+        if watched:
+            consumers = consumers_health(watched)
+            body["consumers"] = consumers["consumers"]
+            body["ok"] = bool(body.get("ok", True)) and consumers["ok"]
         if not body.get("ok", True):
             response.status_code = 503
         return body

@@ -1,31 +1,52 @@
 """Kafka plumbing shared by the services: topic creation, a publisher, a consumer loop.
 
 The consumer is at-least-once: it commits a message's offset only after its
-handler returned. A message that does not decode, or whose handler raises, goes
-to the dead-letter topic with the reason and the loop goes on.
+handler returned. A handler that meets a transient error (Redis, Kafka or the
+state-store away for a while) gets the same message again, with backoff, until it
+goes through: an outage delays calls, it never drops them. Only a message that
+cannot be read (it does not decode, or its schema is newer than ours), or whose
+handler keeps failing for other reasons, goes to the dead-letter topic; then the
+calls it names are answered with an error (`answer`), and the loop goes on. Nothing
+that happens to one message ends the loop while the process lives; `health()`
+says when it is dead or stuck.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
+from aiokafka.errors import ConsumerStoppedError, KafkaConnectionError, TopicAlreadyExistsError
 from opentelemetry.context import Context
+from prometheus_client import Counter
 
 from plexrl import tracing
 from plexrl.messages import DeadLetter, DeadLetterReason, MessageError, decode, encode
+from plexrl.retry import Backoff, is_transient, retrying
 
 log = logging.getLogger(__name__)
 
+DLQ_MESSAGES = Counter(
+    "plexrl_dlq_messages_total",
+    "Messages sent to the dead-letter topic, by reason and by the consumer that gave up",
+    ["reason", "consumer"],
+)
+
 T = TypeVar("T")
+
+HANDLER_RETRIES = Counter(
+    "plexrl_consumer_retries_total",
+    "Messages handed to a handler again after a transient error",
+    ["consumer"],
+)
 
 
 @dataclass(frozen=True)
@@ -43,6 +64,9 @@ class Delivery:
 
 
 Handler = Callable[[T, Delivery], Awaitable[None]]
+Answer = Callable[[DeadLetter], Awaitable[None]]
+"""Answers the calls a dead letter names (plexrl.dead_letters.DeadLetters)."""
+Skipped = Callable[[Delivery], Awaitable[None]]
 
 
 async def wait_for_kafka(bootstrap: str, timeout_s: float = 60.0) -> None:
@@ -95,10 +119,14 @@ class Publisher:
         self._producer = AIOKafkaProducer(
             bootstrap_servers=bootstrap,
             client_id=client_id,
+            # Idempotent: a send the producer retries after a lost acknowledgement is
+            # written once, in order (acks=all is what idempotence requires).
             acks="all",
+            enable_idempotence=True,
             linger_ms=0,
             max_request_size=8 * 1024 * 1024,
         )
+        self._retry: tuple[asyncio.Event, Backoff] | None = None
 
     async def start(self) -> None:
         await self._producer.start()
@@ -106,8 +134,27 @@ class Publisher:
     async def stop(self) -> None:
         await self._producer.stop()
 
+    def retry_until(self, stop: asyncio.Event, backoff: Backoff | None = None) -> None:
+        """From now on `publish` waits out a broker that is away (transient errors are
+        retried with backoff) until `stop` is set, instead of raising at the first one.
+        For services whose messages must go out (the scheduler's dispatches, a worker's
+        completions); the gateway fails fast instead and lets its outbox retry."""
+        self._retry = (stop, backoff or Backoff(first_s=0.05, max_s=2.0))
+
     async def publish(self, topic: str, key: str | bytes | None, message: Any) -> None:
-        """Send and wait for the broker's acknowledgement."""
+        """Send and wait for the broker's acknowledgement (retrying, after `retry_until`)."""
+        if self._retry is None:
+            await self._send(topic, key, message)
+            return
+        stop, backoff = self._retry
+        await retrying(
+            lambda: self._send(topic, key, message),
+            what=f"publishing to {topic}",
+            stop=stop,
+            backoff=backoff,
+        )
+
+    async def _send(self, topic: str, key: str | bytes | None, message: Any) -> None:
         await self._producer.send_and_wait(
             topic, encode(message), key=_key_bytes(key), headers=tracing.kafka_headers()
         )
@@ -137,6 +184,33 @@ def _log_failure(delivery: asyncio.Future[Any]) -> None:
         log.warning("a queued message was not delivered: %s", delivery.exception())
 
 
+class _Outcome(enum.Enum):
+    HANDLED = "handled"
+    DEAD_LETTERED = "dead_lettered"
+    ABANDONED = "abandoned"
+    """The service stops while the message still fails: left for a replay, not committed."""
+
+
+@dataclass(frozen=True)
+class ConsumerTuning:
+    """How a consumer waits out failures."""
+
+    backoff: Backoff = field(default_factory=lambda: Backoff(first_s=0.1, max_s=5.0))
+    """Between attempts at a message whose handler failed, and between failed polls."""
+    handler_attempts: int = 3
+    """Attempts at a message whose handler fails with a non-transient error before it is
+    dead-lettered (transient errors are retried without limit)."""
+    stuck_after_s: float = 30.0
+    """`health()` reports the consumer stuck once one message has failed transiently for
+    this long, or the loop has not polled Kafka for this long outside a handler."""
+
+    def __post_init__(self) -> None:
+        if self.handler_attempts < 1:
+            raise ValueError(f"handler_attempts is {self.handler_attempts}; it must be >= 1")
+        if self.stuck_after_s <= 0:
+            raise ValueError(f"stuck_after_s is {self.stuck_after_s}; it must be positive")
+
+
 class MessageConsumer(Generic[T]):
     """Decode one message type from some topics and hand each to a handler, in order."""
 
@@ -153,6 +227,10 @@ class MessageConsumer(Generic[T]):
         from_latest: bool = False,
         commit_after_handler: bool = True,
         commit_interval_s: float = 0.05,
+        answer: Answer | None = None,
+        skipped: Skipped | None = None,
+        tuning: ConsumerTuning | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._topics = topics
         self._message_type = message_type
@@ -163,6 +241,12 @@ class MessageConsumer(Generic[T]):
         # False: the owner commits with `commit_upto` once the message's effect is durable.
         self._commit_after_handler = commit_after_handler and group is not None
         self._commit_interval_s = commit_interval_s
+        # Who answers the callers of a dead letter, and (when the owner commits offsets
+        # itself) who must count a dead-lettered offset as finished.
+        self._answer = answer
+        self._skipped = skipped
+        self._tuning = tuning or ConsumerTuning()
+        self._clock = clock
         self._to_commit: dict[TopicPartition, int] = {}
         self._consumer = AIOKafkaConsumer(
             *topics,
@@ -179,6 +263,17 @@ class MessageConsumer(Generic[T]):
         )
         self.handled = 0
         self.dead_lettered = 0
+        self.retries = 0
+        self._stop: asyncio.Event | None = None
+        self._running = False
+        self._died: str | None = None
+        self._last_poll = clock()
+        self._handling_since: float | None = None
+        self._failing_since: float | None = None
+
+    @property
+    def name(self) -> str:
+        return self._name
 
     async def start(self) -> None:
         await self._consumer.start()
@@ -199,6 +294,32 @@ class MessageConsumer(Generic[T]):
             for tp in self._consumer.assignment():
                 await self._consumer.position(tp)
 
+    def health(self) -> dict[str, Any]:
+        """`ok` is False when the loop died while the service runs, or is stuck."""
+        now = self._clock()
+        stopping = self._stop is not None and self._stop.is_set()
+        failing_s = 0.0 if self._failing_since is None else now - self._failing_since
+        idle_s = 0.0 if self._handling_since is not None else now - self._last_poll
+        dead = self._stop is not None and not self._running and not stopping
+        stuck = self._running and max(failing_s, idle_s) > self._tuning.stuck_after_s
+        problem = (
+            f"the consume loop ended: {self._died}"
+            if dead
+            else f"one message has failed for {failing_s:.0f}s"
+            if failing_s > self._tuning.stuck_after_s
+            else f"no poll for {idle_s:.0f}s"
+            if stuck
+            else ""
+        )
+        return {
+            "ok": not (dead or stuck),
+            "running": self._running,
+            "handled": self.handled,
+            "dead_lettered": self.dead_lettered,
+            "retries": self.retries,
+            **({"problem": problem} if problem else {}),
+        }
+
     async def run(self, stop: asyncio.Event) -> None:
         """Consume until `stop` is set; a message in hand is finished first.
 
@@ -206,20 +327,46 @@ class MessageConsumer(Generic[T]):
         more on the way out), never before their message's handler returned: still
         at-least-once, without a broker round trip between one message and the next.
         """
+        self._stop = stop
+        self._running = True
         committer = asyncio.create_task(self._commit_periodically(stop))
         try:
-            while not stop.is_set():
-                batches = await self._consumer.getmany(timeout_ms=200, max_records=64)
-                for tp, records in batches.items():
-                    for record in records:
-                        await self._handle(record)
-                        if self._commit_after_handler:
-                            self._to_commit[tp] = record.offset + 1
+            await self._consume(stop)
+        except ConsumerStoppedError:
+            self._died = "the Kafka consumer was stopped"
+        except BaseException as exc:
+            self._died = f"{type(exc).__name__}: {exc}"
+            raise
         finally:
+            self._running = False
             committer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await committer
             await self._flush_commits()
+
+    async def _consume(self, stop: asyncio.Event) -> None:
+        polls_failed = 0
+        while not stop.is_set():
+            try:
+                batches = await self._consumer.getmany(timeout_ms=200, max_records=64)
+            except ConsumerStoppedError:
+                raise
+            except Exception as exc:  # a broker away: poll again, never end the loop
+                polls_failed += 1
+                log.warning("%s: polling failed (%r); retrying", self._name, exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self._tuning.backoff.delay(polls_failed))
+                continue
+            polls_failed = 0
+            self._last_poll = self._clock()
+            for tp, records in batches.items():
+                for record in records:
+                    outcome = await self._handle(record, stop)
+                    if outcome is _Outcome.ABANDONED:
+                        return
+                    if self._commit_after_handler:
+                        self._to_commit[tp] = record.offset + 1
+            self._last_poll = self._clock()
 
     async def commit_upto(self, tp: TopicPartition, next_offset: int) -> None:
         """Every message of `tp` before `next_offset` has had its effect: commit it soon."""
@@ -239,14 +386,12 @@ class MessageConsumer(Generic[T]):
             await self._consumer.commit(offsets)
         except Exception:  # a rebalance, say: the next flush (or a replay) covers it
             log.warning("%s: committing %s failed", self._name, offsets, exc_info=True)
+            for tp, offset in offsets.items():
+                self._to_commit[tp] = max(offset, self._to_commit.get(tp, 0))
 
-    async def _handle(self, record: ConsumerRecord[bytes, bytes]) -> bool:
-        """Hand the message on; False when it went to the dead-letter topic instead."""
-        try:
-            message = decode(record.value or b"", self._message_type)
-        except MessageError as exc:
-            await self._dead_letter(record, exc.reason, exc.detail)
-            return False
+    async def _handle(self, record: ConsumerRecord[bytes, bytes], stop: asyncio.Event) -> _Outcome:
+        """Hand the message on, retrying failures; dead-letter it only if it cannot be read
+        or its handler keeps failing for reasons other than unavailable infrastructure."""
         delivery = Delivery(
             record.topic,
             record.partition,
@@ -254,18 +399,77 @@ class MessageConsumer(Generic[T]):
             tracing.extract_kafka_headers(record.headers),
         )
         try:
-            await self._handler(message, delivery)
-            self.handled += 1
-            return True
-        except Exception as exc:  # one bad message must not stop the consumer
-            log.exception("%s: handler failed on %s@%s", self._name, record.topic, record.offset)
-            await self._dead_letter(record, DeadLetterReason.HANDLER_FAILED, repr(exc))
-            return False
+            message = decode(record.value or b"", self._message_type)
+        except MessageError as exc:
+            await self._dead_letter(record, delivery, exc.reason, exc.detail, stop)
+            return _Outcome.DEAD_LETTERED
+        self._handling_since = self._clock()
+        attempts = 0  # failures that were not transient
+        tries = 0
+        try:
+            while True:
+                try:
+                    await self._handler(message, delivery)
+                    self.handled += 1
+                    return _Outcome.HANDLED
+                except Exception as exc:
+                    transient = is_transient(exc)
+                    if not transient:
+                        attempts += 1
+                    if stop.is_set():
+                        log.warning(
+                            "%s: stopping with %s@%s unhandled (%r); a replay will retry it",
+                            self._name,
+                            record.topic,
+                            record.offset,
+                            exc,
+                        )
+                        return _Outcome.ABANDONED
+                    if attempts >= self._tuning.handler_attempts:
+                        log.exception(
+                            "%s: handler failed %d times on %s@%s",
+                            self._name,
+                            attempts,
+                            record.topic,
+                            record.offset,
+                        )
+                        await self._dead_letter(
+                            record, delivery, DeadLetterReason.HANDLER_FAILED, repr(exc), stop
+                        )
+                        return _Outcome.DEAD_LETTERED
+                    if self._failing_since is None:
+                        self._failing_since = self._clock()
+                    tries += 1
+                    self.retries += 1
+                    HANDLER_RETRIES.labels(self._name).inc()
+                    wait = self._tuning.backoff.delay(tries)
+                    log.warning(
+                        "%s: handling %s@%s failed (%s: %s); %s, again in %.2fs",
+                        self._name,
+                        record.topic,
+                        record.offset,
+                        type(exc).__name__,
+                        exc,
+                        "transient" if transient else f"attempt {attempts}",
+                        wait,
+                    )
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), wait)
+        finally:
+            self._handling_since = None
+            self._failing_since = None
 
     async def _dead_letter(
-        self, record: ConsumerRecord[bytes, bytes], reason: DeadLetterReason, detail: str
+        self,
+        record: ConsumerRecord[bytes, bytes],
+        delivery: Delivery,
+        reason: DeadLetterReason,
+        detail: str,
+        stop: asyncio.Event,
     ) -> None:
+        """Publish the letter (retried), answer its callers, count its offset as done."""
         self.dead_lettered += 1
+        DLQ_MESSAGES.labels(str(reason), self._name).inc()
         log.warning("%s: dead-lettering %s@%s: %s", self._name, record.topic, record.offset, detail)
         letter = DeadLetter(
             source_topic=record.topic,
@@ -278,10 +482,31 @@ class MessageConsumer(Generic[T]):
             consumer=self._name,
             at=time.time(),
         )
-        await self._dlq_publisher.publish(self._dlq_topic, record.key, letter)
+        steps: list[tuple[str, Callable[[], Awaitable[None]]]] = [
+            (
+                "publishing a dead letter",
+                lambda: self._dlq_publisher.publish(self._dlq_topic, record.key, letter),
+            )
+        ]
+        answer, skipped = self._answer, self._skipped
+        if answer is not None:
+            steps.append(("answering a dead letter's callers", lambda: answer(letter)))
+        if skipped is not None:
+            steps.append(("finishing a dead-lettered offset", lambda: skipped(delivery)))
+        for what, step in steps:
+            try:
+                await retrying(
+                    step, what=f"{self._name}: {what}", stop=stop, backoff=self._tuning.backoff
+                )
+            except Exception:  # never end the loop over one letter; the log keeps it
+                log.exception(
+                    "%s: %s failed for %s@%s", self._name, what, record.topic, record.offset
+                )
 
 
 __all__ = [
+    "DLQ_MESSAGES",
+    "ConsumerTuning",
     "Delivery",
     "MessageConsumer",
     "Publisher",

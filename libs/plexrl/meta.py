@@ -15,6 +15,9 @@ from typing import Any, TypeVar
 
 import msgspec
 import redis.asyncio as aioredis
+import redis.exceptions
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
 
 from plexrl.messages import JobSpec, PayloadRef, PhaseCompletion, Tier, decode, encode
 
@@ -129,7 +132,17 @@ class MetaStore:
 
     @classmethod
     def from_url(cls, url: str, cluster_id: str, ttl_s: int) -> MetaStore:
-        return cls(aioredis.Redis.from_url(url), cluster_id, ttl_s)
+        # A pooled connection that died with its server (Redis restarted) is reopened
+        # and the command sent again, with backoff while Redis loads its append-only
+        # file; without this, from_url's connections never retry and the first command
+        # on each stale connection fails.
+        retry = Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=8)
+        client = aioredis.Redis.from_url(
+            url,
+            retry=retry,
+            retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
+        )
+        return cls(client, cluster_id, ttl_s)
 
     async def close(self) -> None:
         await self.redis.aclose()
@@ -139,6 +152,16 @@ class MetaStore:
 
     def _k(self, *parts: str) -> str:
         return ":".join((self._p, *parts))
+
+    def key(self, *parts: str) -> str:
+        """The Redis key of a record, for stores that write several records atomically
+        (the gateway's outbox): `key("future", request_id)`, `key("seq", job_id)`."""
+        return self._k(*parts)
+
+    @property
+    def ttl_s(self) -> int:
+        """How long futures, results, retry keys and cursors live, seconds."""
+        return self._ttl
 
     async def _get(self, key: str, type_: type[T]) -> T | None:
         raw = await self.redis.get(key)

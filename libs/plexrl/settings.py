@@ -96,6 +96,9 @@ class StateStoreSettings(CommonSettings):
     state_store_port: int = 8300
     # Directory of the disk tier: checkpoints and offloaded states as safetensors.
     state_store_dir: Path = Path(".plexrl/blobs")
+    # Seconds between checks that every checkpoint record kept beside its blob is in
+    # Redis (records Redis lost are put back; also done at start).
+    state_store_rebuild_s: float = 30.0
 
 
 def parse_api_keys(spec: str) -> dict[str, str]:

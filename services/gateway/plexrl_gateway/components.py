@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from plexrl.dead_letters import DeadLetters
+from plexrl.health import Watched
 from plexrl.meta import MetaStore
 from plexrl.models import ModelRegistry
 from plexrl.settings import GatewaySettings
@@ -41,6 +43,13 @@ class Gateway:
     """Checkpoint deletion through the state-store."""
     future_wait_s: float
     """Longest one retrieve_future holds before answering 'try again'."""
+    dead_letters: DeadLetters
+    """Answers the callers of unreadable messages; lists a tenant's dead letters."""
+    watched: list[Watched] = field(default_factory=list)
+    """Consumer loops whose death or stall makes /healthz answer 503."""
+
+    def watch(self, consumer: Watched) -> None:
+        self.watched.append(consumer)
 
     @classmethod
     def build(
@@ -62,6 +71,7 @@ class Gateway:
             cluster=ClusterView(meta, settings.scheduler_url),
             checkpoints=CheckpointRemover(meta, settings.state_store_url),
             future_wait_s=settings.future_wait_s,
+            dead_letters=DeadLetters(meta, publisher, topics.completions, settings.cluster_id),
         )
 
     async def close(self) -> None:

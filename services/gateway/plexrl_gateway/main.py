@@ -31,12 +31,16 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
         dlq=(publisher, topics.dlq),
         name="gateway-completions",
         from_latest=True,
+        answer=gateway.dead_letters,
     )
+    gateway.watch(completions)
     http = HttpServer(build_app(gateway), settings.gateway_host, settings.gateway_port)
     await publisher.start()
     await completions.start()
     await completions.wait_assigned()
     consuming = asyncio.create_task(completions.run(stop))
+    # Calls accepted but not yet on Kafka (a predecessor died, or Kafka was away).
+    delivering = asyncio.create_task(gateway.submitter.run_outbox(stop))
     await http.start()
     log.info(
         "gateway up on %s:%s cluster=%s",
@@ -51,6 +55,8 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
         await http.stop()
         with contextlib.suppress(Exception):
             await consuming
+        with contextlib.suppress(Exception):
+            await delivering
         with contextlib.suppress(Exception):
             await completions.stop()
         await publisher.stop()

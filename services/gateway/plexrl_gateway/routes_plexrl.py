@@ -100,6 +100,17 @@ async def timeline(
     return [msgspec.to_builtins(e) for e in entries]
 
 
+@router.get("/dlq")
+async def dead_letters(
+    tenant: Tenant,
+    gateway: GatewayDep,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> list[dict[str, Any]]:
+    """Messages of this tenant's calls that could not be read (newest first); each call
+    named there was answered with an error and not run."""
+    return [msgspec.to_builtins(e) for e in await gateway.dead_letters.entries(tenant, limit)]
+
+
 @router.post("/jobs/{job_id}/idle")
 async def idle(
     job_id: str, body: IdleBody, tenant: Tenant, jobs: Jobs, gateway: GatewayDep

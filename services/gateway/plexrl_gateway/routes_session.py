@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 
+from plexrl.health import consumers_health
 from plexrl.meta import JobKind
 from plexrl_gateway.deps import Catalog, GatewayDep, Jobs, Meta, Submit, Tenant
 from plexrl_gateway.schemas import CreateSessionBody, SdkVersionBody, SessionIdBody
@@ -94,11 +95,19 @@ health_router = APIRouter()
 
 @health_router.get("/healthz")
 async def healthz(gateway: GatewayDep, meta: Meta) -> JSONResponse:
-    """Ok when Redis answers and the Kafka broker answers the producer."""
+    """Ok when Redis answers, the Kafka broker answers the producer, and the completions
+    consumer is alive and not stuck."""
     redis_ok = await _redis_ok(meta)
     kafka_ok = await gateway.publisher.ping()
-    ok = redis_ok and kafka_ok
-    body = {"service": "gateway", "ok": ok, "redis": redis_ok, "kafka": kafka_ok}
+    consumers = consumers_health(gateway.watched)
+    ok = redis_ok and kafka_ok and consumers["ok"]
+    body = {
+        "service": "gateway",
+        "ok": ok,
+        "redis": redis_ok,
+        "kafka": kafka_ok,
+        "consumers": consumers["consumers"],
+    }
     return JSONResponse(body, status_code=200 if ok else 503)
 
 

@@ -7,7 +7,10 @@ early call until every lower seq_id has been published or refused; Kafka's keyin
 job id then keeps that order all the way to the worker.
 
 The cursor (the next seq_id to publish) is kept in Redis, so a restarted gateway
-resumes where it stopped. Buffering is in-process: one model's calls must reach one
+resumes where it stopped. The submitter moves it in the same Redis transaction that
+accepts the call (and then settles the turn), so no crash can leave a call accepted
+with the cursor behind it; the write when a turn ends only repeats that, or records a
+seq_id used up by a refusal. Buffering is in-process: one model's calls must reach one
 gateway instance (route by model id when running several).
 """
 

@@ -1,15 +1,20 @@
-"""Publishes phase requests: a future record, one claim per client retry key, then Kafka.
+"""Accepts phase requests and publishes them: futures, retry claims, cursor, then Kafka.
 
 For each call the client may poll, a FutureRecord is written before anything is
 published, so `retrieve_future` never meets an unknown id that is in flight. A client
 that re-sends a call (same model and seq_id, or same sampling session and seq_id) gets
-the first request id back instead of running it twice: the key is claimed with SET NX
-in Redis. A training model's calls pass through the sequencer, which publishes them in
-seq_id order.
+the first request id back instead of running it twice: the key is claimed in Redis. A
+training model's calls pass through the sequencer, which publishes them in seq_id
+order. The futures, the claim, the model's cursor and the requests are written in one
+Redis transaction (plexrl_gateway.outbox), so a gateway that dies between any two
+steps leaves nothing half done; what was accepted but not published is published by
+the next gateway (or, while Kafka is away, by this one's outbox loop).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -21,15 +26,10 @@ from opentelemetry import trace
 
 from plexrl import tracing
 from plexrl.messages import (
-    CompletionStatus,
-    ErrorCode,
-    ErrorInfo,
     Function,
     JobSpec,
-    PhaseCompletion,
     PhaseInput,
     PhaseRequest,
-    Timings,
     WorkHint,
 )
 from plexrl.meta import FutureRecord, MetaStore
@@ -37,8 +37,9 @@ from plexrl.payloads import inline_or_ref
 from plexrl.topics import Topics
 from plexrl_gateway import metrics
 from plexrl_gateway.errors import ApiError, Category
+from plexrl_gateway.outbox import Accept, Outbox
 from plexrl_gateway.render import ResponseKind
-from plexrl_gateway.sequencer import SequenceGapError, Sequencer
+from plexrl_gateway.sequencer import SequenceGapError, Sequencer, Turn
 
 log = logging.getLogger(__name__)
 _tracer = tracing.tracer("plexrl.gateway")
@@ -112,6 +113,7 @@ class Submitter:
         self._sequencer = sequencer
         self._inline_max_bytes = inline_max_bytes
         self._clock = clock
+        self._outbox = Outbox(meta, clock)
 
     async def existing(self, retry_key: str) -> str | None:
         """The request id an earlier send of this call got, if there was one."""
@@ -125,7 +127,7 @@ class Submitter:
             if earlier is not None:
                 return earlier
         if not sub.sequenced:
-            return await self._publish_all(sub, await build())
+            return await self._publish_all(sub, await build(), None)
         try:
             async with self._sequencer.turn(sub.job_id, sub.seq_id) as turn:
                 try:
@@ -134,44 +136,66 @@ class Submitter:
                     if exc.status < 500:
                         turn.settle()
                     raise
-                return await self._publish_all(sub, calls)
+                return await self._publish_all(sub, calls, turn)
         except SequenceGapError as exc:
             raise ApiError(400, str(exc)) from None
 
-    async def _publish_all(self, sub: Submission, calls: list[Call]) -> str:
+    async def _publish_all(self, sub: Submission, calls: list[Call], turn: Turn | None) -> str:
+        """Accept the calls in one Redis transaction, then publish the job's outbox."""
         now = self._clock()
         ids = [new_request_id() for _ in calls]
-        for request_id, call in zip(ids, calls, strict=True):
-            await self._meta.put_future(
-                FutureRecord(
-                    request_id=request_id,
-                    tenant=sub.tenant,
+        futures = [
+            FutureRecord(
+                request_id=request_id,
+                tenant=sub.tenant,
+                job_id=sub.job_id,
+                function=str(call.function),
+                created_at=now,
+                response_kind=str(call.response),
+                response_context=call.context,
+            )
+            for request_id, call in zip(ids, calls, strict=True)
+        ]
+        try:
+            requests = [
+                await self._request(sub, request_id, call, now)
+                for request_id, call in zip(ids, calls, strict=True)
+            ]
+            standing = await self._outbox.accept(
+                Accept(
                     job_id=sub.job_id,
-                    function=str(call.function),
-                    created_at=now,
-                    response_kind=str(call.response),
-                    response_context=call.context,
+                    futures=futures,
+                    requests=requests,
+                    retry_key=sub.retry_key,
+                    seq_id=sub.seq_id if sub.sequenced else None,
                 )
             )
-        if sub.retry_key is not None:
-            standing = await self._meta.claim_request(sub.retry_key, ids[-1])
-            if standing != ids[-1]:
-                return standing  # a concurrent send of the same call won
-        try:
-            for request_id, call in zip(ids, calls, strict=True):
-                await self._publish(sub, request_id, call, now)
-        except Exception as exc:
-            await self._unpublished(sub, ids, calls, exc)
+        except Exception as exc:  # nothing was accepted: the client may simply send again
+            log.error("accepting %s for %s failed: %r", ids, sub.job_id, exc)
             raise ApiError(
                 503,
-                f"could not queue the call ({type(exc).__name__}: {exc}); try again",
+                f"could not accept the call ({type(exc).__name__}: {exc}); try again",
                 Category.SERVER,
             ) from exc
+        if standing is not None and standing != ids[-1]:
+            return standing  # a concurrent send of the same call won
+        # (`standing == ids[-1]`: Redis ran the acceptance, then the connection dropped
+        # and the client library sent it again: it is ours.)
+        if turn is not None:
+            turn.settle()  # the cursor moved with the acceptance
+        try:
+            await self._outbox.flush(sub.job_id, self._send)
+        except Exception as exc:  # accepted all the same: the outbox sweeper delivers it
+            log.warning(
+                "publishing %s for %s failed (%r); it stays in the outbox", ids, sub.job_id, exc
+            )
         return ids[-1]
 
-    async def _publish(self, sub: Submission, request_id: str, call: Call, now: float) -> None:
+    async def _request(
+        self, sub: Submission, request_id: str, call: Call, now: float
+    ) -> PhaseRequest:
         payload = await inline_or_ref(self._meta, call.payload, self._inline_max_bytes)
-        request = PhaseRequest(
+        return PhaseRequest(
             request_id=request_id,
             job_id=sub.job_id,
             tenant=sub.tenant,
@@ -181,43 +205,43 @@ class Submitter:
             work=call.work,
             spec=call.spec,
         )
+
+    async def _send(self, request: PhaseRequest) -> None:
         start = time.perf_counter()
         with _tracer.start_as_current_span(
             "gateway.publish",
             kind=trace.SpanKind.PRODUCER,
             attributes={
-                "plexrl.request_id": request_id,
-                "plexrl.job_id": sub.job_id,
-                "plexrl.function": str(call.function),
-                "plexrl.seq_id": -1 if sub.seq_id is None else sub.seq_id,
+                "plexrl.request_id": request.request_id,
+                "plexrl.job_id": request.job_id,
+                "plexrl.function": str(request.function),
             },
         ):
-            await self._publisher.publish(self._topics.requests, sub.job_id, request)
-        metrics.PUBLISH_LATENCY.labels(str(call.function)).observe(time.perf_counter() - start)
+            await self._publisher.publish(self._topics.requests, request.job_id, request)
+        metrics.PUBLISH_LATENCY.labels(str(request.function)).observe(time.perf_counter() - start)
 
-    async def _unpublished(
-        self, sub: Submission, ids: list[str], calls: list[Call], exc: Exception
-    ) -> None:
-        """Free the retry key and fail the futures, so nobody polls a call that never left."""
-        log.error("publishing %s for %s failed: %r", ids, sub.job_id, exc)
-        try:
-            if sub.retry_key is not None:
-                await self._meta.release_request(sub.retry_key, ids[-1])
-            for request_id, call in zip(ids, calls, strict=True):
-                await self._meta.record_completion(
-                    PhaseCompletion(
-                        request_id=request_id,
-                        job_id=sub.job_id,
-                        tenant=sub.tenant,
-                        worker_id="",
-                        function=call.function,
-                        status=CompletionStatus.ERROR,
-                        timings=Timings(),
-                        error=ErrorInfo(
-                            ErrorCode.INTERNAL, f"the gateway could not queue it: {exc}"
-                        ),
-                        finished_at=self._clock(),
-                    )
-                )
-        except Exception:  # Redis down too: the client's retry is all that is left
-            log.exception("could not record the failure of %s", ids)
+    async def deliver(self, min_age_s: float) -> int:
+        """Publish what any gateway accepted but did not publish (it died, or Kafka was
+        away) and is older than `min_age_s`; returns how many went out."""
+        sent = 0
+        for job_id in await self._outbox.pending_jobs():
+            try:
+                sent += await self._outbox.flush(job_id, self._send, min_age_s=min_age_s)
+            except Exception as exc:  # Kafka still away: the next round tries again
+                log.warning("delivering the outbox of %s failed: %r", job_id, exc)
+        return sent
+
+    async def run_outbox(self, stop: asyncio.Event, interval_s: float = 1.0) -> None:
+        """Deliver the outbox until `stop`: everything at start (a predecessor's leftovers),
+        then what the request path could not publish."""
+        min_age_s = 0.0
+        while not stop.is_set():
+            try:
+                sent = await self.deliver(min_age_s)
+                if sent:
+                    log.info("delivered %d accepted calls from the outbox", sent)
+            except Exception:  # Redis away: the next round tries again
+                log.warning("reading the outbox failed", exc_info=True)
+            min_age_s = max(2.0, 2 * interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval_s)

@@ -54,6 +54,8 @@ class Heartbeat:
         await self._publisher.publish_soon(self._topic, beat.worker_id, beat)
         ttl = max(2, int(self._settings.heartbeat_s * 10))
         await self._meta.put_worker(beat.worker_id, encode(beat), ttl)
+        # Residency is rebuilt from the workers that hold the states after Redis lost it.
+        await self._states.reannounce()
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from typing import Any
 
 from opentelemetry import trace
 
 from plexrl import tracing
+from plexrl.dead_letters import DeadLetters
 from plexrl.health import HttpServer, health_app
 from plexrl.kafka import Delivery, MessageConsumer
 from plexrl.ledger import Ledger
 from plexrl.messages import Dispatch
 from plexrl.models import ModelRegistry
+from plexrl.retry import retrying
 from plexrl.service import join_cluster
 from plexrl.settings import WorkerSettings
 from plexrl.state_store_client import StateStoreClient
@@ -93,7 +96,14 @@ class DispatchHandler:
                         await self._recorder.publish(done)
                         continue
                     ran = await self._runner.run(request)
-                    await self._recorder.record(request, ran, dispatch.dispatch_id, last)
+                    # Retried in place while Redis is away: the call ran, only its record
+                    # is missing, and running it again would apply it twice.
+                    await retrying(
+                        functools.partial(
+                            self._recorder.record, request, ran, dispatch.dispatch_id, last
+                        ),
+                        what=f"recording {request.request_id}",
+                    )
                     self.calls += 1
             for move in dispatch.prefetch:
                 await self._states.move(move.job_id, move.to_tier)
@@ -157,9 +167,16 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         handler=handler,
         dlq=(publisher, topics.dlq),
         name=f"worker-{settings.worker_id}",
+        answer=DeadLetters(meta, publisher, topics.completions, settings.cluster_id),
     )
+    # Completions must go out: wait out a broker that is away rather than fail the call.
+    publisher.retry_until(stop)
     health = HttpServer(
-        health_app(f"worker-{settings.worker_id}", lambda: status(states, handler, engine)),
+        health_app(
+            f"worker-{settings.worker_id}",
+            lambda: status(states, handler, engine),
+            [dispatches],
+        ),
         settings.worker_host,
         settings.worker_port,
     )

@@ -92,6 +92,22 @@ class StateManager:
         if held is not None and held.blob_key:
             await self._store.delete_blob(held.blob_key)
 
+    async def reannounce(self) -> int:
+        """Write back the residency record of each state held here that Redis lacks (it
+        restarted and lost it); returns how many. A record that exists is left alone:
+        only an absent one is written (compare-and-set from version 0), at the version
+        this worker holds, so its next move still finds the version it expects."""
+        restored = 0
+        for job_id, held in list(self._held.items()):
+            if self._held.get(job_id) is not held:
+                continue  # moved or dropped meanwhile: its own write stands
+            record = Residency(self._worker_id, held.tier, held.bytes, held.version, time.time())
+            if await self._meta.cas_residency(job_id, 0, record):
+                restored += 1
+        if restored:
+            log.warning("wrote back %d residency records Redis had lost", restored)
+        return restored
+
     async def dropped(self, job_id: str) -> None:
         held = self._held.pop(job_id, None)
         if held is None:

@@ -35,6 +35,7 @@ from plexrl.messages import (
 )
 from plexrl.meta import CheckpointRecord, MetaStore
 from plexrl.payloads import resolve
+from plexrl.retry import retrying
 from plexrl.state_store_client import StateStoreClient
 from plexrl_worker.engine import BASE_PREFIX, EngineError, TorchEngine
 from plexrl_worker.engine.state import state_from_bytes, state_to_bytes
@@ -90,9 +91,17 @@ class CallRunner:
         swap_s = 0.0
         t0 = time.perf_counter()
         try:
-            payload = await resolve(self._meta, request.payload, PhaseInput)
+            # Before the call touches the engine, Redis or the state-store being away only
+            # delays it: retried in place rather than answered with an error.
+            payload = await retrying(
+                lambda: resolve(self._meta, request.payload, PhaseInput),
+                what=f"reading the payload of {request.request_id}",
+            )
             if request.function not in (Function.CREATE, Function.NOOP, Function.UNLOAD):
-                swap_s = await self._states.onload(request.job_id)
+                swap_s = await retrying(
+                    lambda: self._states.onload(request.job_id),
+                    what=f"bringing {request.job_id} onto the device",
+                )
             t0 = time.perf_counter()
             output = await self._dispatch(request, payload)
             return Ran(output, None, swap_s, time.perf_counter() - t0, started_at)

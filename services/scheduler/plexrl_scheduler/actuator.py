@@ -26,6 +26,7 @@ from plexrl.messages import (
 )
 from plexrl.meta import MetaStore
 from plexrl.policy import Admit, Plan, Prefetch, Reject, RejectReason, Run
+from plexrl.retry import retrying
 from plexrl.topics import Topics
 from plexrl_scheduler.state import ClusterState, Pending
 
@@ -106,7 +107,10 @@ class Actuator:
             error=error,
             finished_at=time.time(),
         )
-        completion = await self._meta.record_completion(completion)
+        # The call has left the queue: its answer must be written, however long Redis is away.
+        completion = await retrying(
+            lambda: self._meta.record_completion(completion), what="recording a refusal"
+        )
         await self._publisher.publish(self._topics.completions, request.job_id, completion)
         await self._finished(pending.delivery)
 

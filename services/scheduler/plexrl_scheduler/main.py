@@ -7,6 +7,7 @@ import contextlib
 import logging
 from typing import Any
 
+from plexrl.dead_letters import DeadLetters
 from plexrl.health import HttpServer, health_app
 from plexrl.kafka import MessageConsumer, ensure_topics
 from plexrl.ledger import Ledger
@@ -18,6 +19,7 @@ from plexrl.settings import SchedulerSettings
 from plexrl.topics import Topics
 from plexrl_scheduler.actuator import Actuator
 from plexrl_scheduler.liveness import Liveness, LivenessConfig
+from plexrl_scheduler.loop import ControlLoop, Step
 from plexrl_scheduler.receiver import Receiver
 from plexrl_scheduler.state import ClusterState
 
@@ -34,6 +36,10 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
     actuator = Actuator(state, publisher, meta, topics, finished=receiver.finished, ledger=ledger)
     liveness = Liveness(state, ledger, LivenessConfig(lease_grace_s=settings.lease_grace_s))
     receiver.use(actuator)
+    # Dispatches and answers must go out: wait out a broker that is away.
+    publisher.retry_until(stop)
+
+    dead_letters = DeadLetters(meta, publisher, topics.completions, settings.cluster_id)
 
     def consumer(topic: str, group: str | None, type_: Any, handler: Any, **kw: Any) -> Any:
         return MessageConsumer(
@@ -44,6 +50,7 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
             handler=handler,
             dlq=(publisher, topics.dlq),
             name=f"scheduler-{topic}",
+            answer=dead_letters,
             **kw,
         )
 
@@ -54,6 +61,7 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
             PhaseRequest,
             receiver.on_request,
             commit_after_handler=False,
+            skipped=receiver.finished,
         ),
         consumer(
             topics.completions,
@@ -64,8 +72,16 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
         consumer(topics.events, None, Event, receiver.on_event, from_latest=True),
     ]
     receiver.attach(requests)
+
+    loop = ControlLoop(  # each step guarded: a failure is logged, the next pass retries
+        [
+            Step("topics", lambda: ensure_worker_topics(settings, topics, receiver)),
+            Step("reap", liveness.reap),  # dead workers and lost dispatches give calls back
+            Step("decide and act", lambda: actuator.carry_out(plan(state.snapshot(), policy))),
+        ]
+    )
     health = HttpServer(
-        health_app("scheduler", lambda: status(state, actuator, liveness)),
+        health_app("scheduler", lambda: status(state, actuator, liveness, loop), consumers),
         settings.scheduler_host,
         settings.scheduler_port,
     )
@@ -76,11 +92,7 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
     tasks = [asyncio.create_task(c.run(stop)) for c in consumers]
     log.info("scheduler up: policy=%s cluster=%s", policy.name, settings.cluster_id)
     try:
-        while not stop.is_set():
-            await state.wait_changed(timeout_s=0.5)  # ingest (consumer tasks feed state)
-            await ensure_worker_topics(settings, topics, receiver)
-            await liveness.reap()  # dead workers and lost dispatches give their calls back
-            await actuator.carry_out(plan(state.snapshot(), policy))  # decide, act
+        await loop.run(stop, lambda: state.wait_changed(timeout_s=0.5))  # ingest: consumers
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -106,13 +118,16 @@ async def ensure_worker_topics(
 ) -> None:
     if receiver.new_workers:
         wanted = {topics.dispatch(w): 1 for w in receiver.new_workers}
-        receiver.new_workers.clear()
         await ensure_topics(settings.kafka_bootstrap, wanted)
+        receiver.new_workers.clear()  # only once created: a failure is retried next pass
 
 
-def status(state: ClusterState, actuator: Actuator, liveness: Liveness) -> dict[str, Any]:
+def status(
+    state: ClusterState, actuator: Actuator, liveness: Liveness, loop: ControlLoop
+) -> dict[str, Any]:
     return {
         "ok": True,
+        "loop": loop.health(),
         "workers": {w: state.healthy(w) for w in state.workers},
         "jobs": len(state.jobs),
         "pending": len(state.pending),

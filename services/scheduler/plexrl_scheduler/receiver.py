@@ -16,6 +16,7 @@ from plexrl.messages import (
     WorkerHeartbeat,
 )
 from plexrl.meta import MetaStore
+from plexrl.retry import retrying
 from plexrl_scheduler.actuator import Actuator
 from plexrl_scheduler.offsets import OffsetTracker
 from plexrl_scheduler.state import ClusterState, Pending
@@ -72,17 +73,22 @@ class Receiver:
             return
         await self.finished(request_delivery)
         t = completion.timings
-        await self._meta.add_usage(
-            completion.job_id,
-            {
-                "calls": 1.0,
-                "queue_s": t.queue_s,
-                "swap_s": t.swap_s,
-                "compute_s": t.compute_s,
-                "device_s": t.swap_s + t.compute_s,
-            },
+        usage = {
+            "calls": 1.0,
+            "queue_s": t.queue_s,
+            "swap_s": t.swap_s,
+            "compute_s": t.compute_s,
+            "device_s": t.swap_s + t.compute_s,
+        }
+        # Retried in place: the state above already took the completion, so a second
+        # delivery of it would not count again.
+        await retrying(
+            lambda: self._meta.add_usage(completion.job_id, usage), what="recording usage"
         )
-        await self._meta.mark_active(completion.job_id, completion.finished_at)
+        await retrying(
+            lambda: self._meta.mark_active(completion.job_id, completion.finished_at),
+            what="recording activity",
+        )
 
     async def on_event(self, event: Event, delivery: Delivery) -> None:
         match event:

@@ -11,6 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_l
 
 from plexrl.meta import CheckpointRecord, MetaStore
 from plexrl_state_store.blobs import BadKeyError, BlobDir
+from plexrl_state_store.records import CheckpointRecords
 
 _BYTES = Counter("plexrl_state_store_bytes_total", "Blob bytes moved", ["direction"])
 
@@ -31,6 +32,7 @@ def build_app(blobs: BlobDir, meta: MetaStore) -> FastAPI:
     app = FastAPI(title="plexrl state-store", docs_url=None, redoc_url=None)
     app.state.blobs = blobs
     app.state.meta = meta
+    app.state.records = CheckpointRecords(blobs, meta)
 
     @app.exception_handler(BadKeyError)
     async def bad_key(_: Request, exc: BadKeyError) -> JSONResponse:
@@ -79,6 +81,7 @@ def build_app(blobs: BlobDir, meta: MetaStore) -> FastAPI:
         if b.size(record.blob_key) is None:
             raise HTTPException(400, f"blob {record.blob_key!r} must be stored first")
         await m.put_checkpoint(record)
+        request.app.state.records.keep(record)  # beside its blob: Redis may lose it
         return {"path": record.path}
 
     @app.get("/v1/checkpoints")
@@ -96,6 +99,7 @@ def build_app(blobs: BlobDir, meta: MetaStore) -> FastAPI:
         if record is None or record.tenant != x_plexrl_tenant:
             raise HTTPException(404, f"no checkpoint {path!r}")
         await m.delete_checkpoint(record)
+        CheckpointRecords(b, m).forget(record)
         b.delete(record.blob_key)
         return {"path": path, "deleted": True}
 

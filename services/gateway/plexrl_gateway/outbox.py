@@ -1,0 +1,180 @@
+"""Accepting a call is one Redis transaction; publishing it to Kafka follows from Redis.
+
+A call is accepted when one Lua script (atomic in Redis) has written, together: the
+future records the client will poll, the claim of the client's retry key, the model's
+sequence cursor, and the phase requests themselves in the job's outbox (a Redis list,
+in order). Only then are the requests published, oldest first, and each is removed
+from the outbox once Kafka acknowledged it.
+
+So a gateway that dies at any point leaves one of two states, both harmless:
+nothing written (the client's re-send is a first send), or everything written (the
+re-send finds its request id through the retry key, the cursor has moved so later
+calls of the model are not held back, and whichever gateway runs next publishes the
+outbox). A request published but not yet removed from the outbox is published again;
+the request id makes that a no-op downstream (the scheduler and worker answer a
+known request id from its record instead of running it twice).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from plexrl.messages import PhaseRequest, decode, encode
+from plexrl.meta import FutureRecord, MetaStore
+
+log = logging.getLogger(__name__)
+
+# KEYS: outbox list, outbox job set, seq cursor, retry key, future keys (n)
+# ARGV: has retry key ("1"/"0"), request id for the retry key, ttl, seq_id (-1: none),
+#       job id, n, future records (n), outbox entries (m)
+_ACCEPT = """
+local ttl = tonumber(ARGV[3])
+if ARGV[1] == '1' then
+  local standing = redis.call('GET', KEYS[4])
+  if standing then return standing end
+end
+local n = tonumber(ARGV[6])
+for i = 1, n do
+  redis.call('SET', KEYS[4 + i], ARGV[6 + i], 'EX', ttl)
+end
+if ARGV[1] == '1' then
+  redis.call('SET', KEYS[4], ARGV[2], 'EX', ttl)
+end
+local seq = tonumber(ARGV[4])
+if seq >= 0 then
+  local cursor = tonumber(redis.call('GET', KEYS[3]) or '-1')
+  if seq + 1 > cursor then
+    redis.call('SET', KEYS[3], seq + 1, 'EX', ttl)
+  end
+end
+for i = 7 + n, #ARGV do
+  redis.call('RPUSH', KEYS[1], ARGV[i])
+end
+redis.call('SADD', KEYS[2], ARGV[5])
+return false
+"""
+
+# KEYS: outbox list, outbox job set; ARGV: the published entry, job id.
+_DONE = """
+redis.call('LREM', KEYS[1], 1, ARGV[1])
+if redis.call('LLEN', KEYS[1]) == 0 then
+  redis.call('SREM', KEYS[2], ARGV[2])
+end
+return 1
+"""
+
+
+class OutboxEntry(msgspec.Struct, frozen=True):
+    """A phase request accepted but maybe not yet acknowledged by Kafka."""
+
+    request: PhaseRequest
+    queued_at: float
+    """Wall-clock seconds when it was accepted."""
+
+
+@dataclass(frozen=True)
+class Accept:
+    """What one submission writes atomically."""
+
+    job_id: str
+    futures: list[FutureRecord]
+    requests: list[PhaseRequest]
+    retry_key: str | None = None
+    """Claimed for the last request's id; an earlier claim wins and nothing is written."""
+    seq_id: int | None = None
+    """Moves the model's cursor past this seq_id (never back)."""
+
+
+Send = Callable[[PhaseRequest], Any]
+"""Publishes one request to Kafka (awaitable), raising if the broker did not take it."""
+
+
+class Outbox:
+    def __init__(self, meta: MetaStore, clock: Callable[[], float] = time.time) -> None:
+        self._meta = meta
+        self._redis = meta.redis
+        self._accept = meta.redis.register_script(_ACCEPT)
+        self._done = meta.redis.register_script(_DONE)
+        self._jobs_key = meta.key("outbox-jobs")
+        self._clock = clock
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._users: dict[str, int] = {}
+
+    def _list_key(self, job_id: str) -> str:
+        return self._meta.key("outbox", job_id)
+
+    async def accept(self, accept: Accept) -> str | None:
+        """Write everything of one submission at once; returns the request id that stood
+        for the retry key already (and then wrote nothing), else None."""
+        now = self._clock()
+        keys = [
+            self._list_key(accept.job_id),
+            self._jobs_key,
+            self._meta.key("seq", accept.job_id),
+            self._meta.key("idem", accept.retry_key or ""),
+            *(self._meta.key("future", f.request_id) for f in accept.futures),
+        ]
+        args: list[Any] = [
+            "1" if accept.retry_key is not None else "0",
+            accept.requests[-1].request_id,
+            self._meta.ttl_s,
+            -1 if accept.seq_id is None else accept.seq_id,
+            accept.job_id,
+            len(accept.futures),
+            *(encode(f) for f in accept.futures),
+            *(encode(OutboxEntry(r, now)) for r in accept.requests),
+        ]
+        standing = await self._accept(keys=keys, args=args)
+        if standing is None:
+            return None
+        return standing.decode() if isinstance(standing, bytes) else str(standing)
+
+    async def flush(self, job_id: str, send: Send, min_age_s: float = 0.0) -> int:
+        """Publish the job's outbox in order; returns how many were published. Raises
+        what `send` raised (what is left stays for the next flush)."""
+        async with self._lock(job_id):
+            published = 0
+            key = self._list_key(job_id)
+            while True:
+                raw = await self._redis.lindex(key, 0)
+                if raw is None:
+                    await self._done(keys=[key, self._jobs_key], args=[b"", job_id])
+                    return published
+                entry: OutboxEntry = decode(_raw(raw), OutboxEntry)
+                if self._clock() - entry.queued_at < min_age_s:
+                    return published  # young: the gateway that accepted it is publishing it
+                await send(entry.request)
+                await self._done(keys=[key, self._jobs_key], args=[raw, job_id])
+                published += 1
+
+    async def pending_jobs(self) -> list[str]:
+        members = await self._redis.smembers(self._jobs_key)
+        return sorted(m.decode() if isinstance(m, bytes) else str(m) for m in members)
+
+    async def depth(self, job_id: str) -> int:
+        return int(await self._redis.llen(self._list_key(job_id)))
+
+    @contextlib.asynccontextmanager
+    async def _lock(self, job_id: str) -> AsyncIterator[None]:
+        """One flusher per job in this process, so the job's requests go out in order."""
+        lock = self._locks.setdefault(job_id, asyncio.Lock())
+        self._users[job_id] = self._users.get(job_id, 0) + 1
+        try:
+            async with lock:
+                yield
+        finally:
+            self._users[job_id] -= 1
+            if self._users[job_id] == 0:
+                del self._users[job_id], self._locks[job_id]
+
+
+def _raw(value: bytes | str) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)

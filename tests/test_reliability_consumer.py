@@ -1,0 +1,247 @@
+"""Consumers ride out infrastructure errors; only unreadable messages are set aside, and
+their callers are answered. Real Kafka and Redis; the handlers are the test's."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import pytest_asyncio
+import redis.exceptions
+from aiokafka.errors import KafkaConnectionError
+
+from plexrl.dead_letters import DeadLetters, salvage
+from plexrl.kafka import ConsumerTuning, Delivery, MessageConsumer, Publisher, ensure_topics
+from plexrl.messages import (
+    CompletionStatus,
+    DeadLetter,
+    DeadLetterReason,
+    ErrorCode,
+    Function,
+    NoopInput,
+    PhaseRequest,
+)
+from plexrl.meta import FutureRecord, MetaStore
+from plexrl.retry import Backoff
+from plexrl.settings import GatewaySettings
+from plexrl.topics import Topics, core_topics
+from plexrl_gateway.app import build_app
+from plexrl_gateway.components import Gateway
+from plexrl_gateway.futures import FutureWaiter
+
+pytestmark = pytest.mark.integration
+
+FAST = ConsumerTuning(backoff=Backoff(first_s=0.01, max_s=0.05), stuck_after_s=30)
+
+
+@dataclass
+class Env:
+    kafka: str
+    cluster_id: str
+    topics: Topics
+    meta: MetaStore
+    publisher: Publisher
+
+    def consumer(self, handler: Any, name: str, **kw: Any) -> MessageConsumer[PhaseRequest]:
+        return MessageConsumer(
+            bootstrap=self.kafka,
+            topics=[self.topics.requests],
+            group=self.topics.group(name),
+            message_type=PhaseRequest,
+            handler=handler,
+            dlq=(kw.pop("dlq_publisher", self.publisher), self.topics.dlq),
+            name=name,
+            answer=DeadLetters(self.meta, self.publisher, self.topics.completions, self.cluster_id),
+            tuning=kw.pop("tuning", FAST),
+            **kw,
+        )
+
+
+@pytest_asyncio.fixture
+async def env(infra: dict[str, str], cluster_id: str) -> AsyncIterator[Env]:
+    topics = Topics(cluster_id)
+    await ensure_topics(infra["kafka"], core_topics(topics))
+    meta = MetaStore.from_url(infra["redis"], cluster_id, 3600)
+    publisher = Publisher(infra["kafka"], "test")
+    await publisher.start()
+    try:
+        yield Env(infra["kafka"], cluster_id, topics, meta, publisher)
+    finally:
+        await publisher.stop()
+        keys = [k async for k in meta.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
+        if keys:
+            await meta.redis.delete(*keys)
+        await meta.close()
+
+
+def call(rid: str, tenant: str = "alice") -> PhaseRequest:
+    return PhaseRequest(
+        request_id=rid,
+        job_id="job-1",
+        tenant=tenant,
+        function=Function.NOOP,
+        payload=NoopInput(),
+        arrival_time=time.time(),
+    )
+
+
+async def until(predicate: Any, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError("condition not reached")
+        await asyncio.sleep(0.02)
+
+
+@contextlib.asynccontextmanager
+async def running(consumer: MessageConsumer[Any]) -> AsyncIterator[asyncio.Task[None]]:
+    stop = asyncio.Event()
+    await consumer.start()
+    task = asyncio.create_task(consumer.run(stop))
+    try:
+        yield task
+    finally:
+        stop.set()
+        await asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 30)
+        await consumer.stop()
+
+
+async def test_a_redis_outage_delays_a_message_it_never_dead_letters_it(env: Env) -> None:
+    handled: list[str] = []
+    outage = {"left": 3}
+
+    async def handler(request: PhaseRequest, _: Delivery) -> None:
+        if outage["left"]:
+            outage["left"] -= 1
+            raise redis.exceptions.ConnectionError("Connection refused (Redis restarting)")
+        handled.append(request.request_id)
+
+    consumer = env.consumer(handler, "outage")
+    async with running(consumer):
+        for rid in ("a", "b"):
+            await env.publisher.publish(env.topics.requests, "job-1", call(rid))
+        await until(lambda: len(handled) == 2)
+    assert handled == ["a", "b"]  # in order, the first one after three failures
+    assert consumer.dead_lettered == 0 and consumer.retries == 3
+
+
+async def test_an_unreadable_call_is_answered_with_an_error_and_listed_for_its_tenant(
+    env: Env, tmp_path: Path
+) -> None:
+    # What a gateway wrote when it accepted the call.
+    await env.meta.put_future(
+        FutureRecord(
+            request_id="req-bad",
+            tenant="alice",
+            job_id="job-1",
+            function="forward_backward",
+            created_at=time.time(),
+        )
+    )
+    # A request whose payload is not one this reader knows: it names its request id.
+    raw = msgspec.msgpack.encode(
+        {**msgspec.to_builtins(call("req-bad")), "payload": {"type": "from_the_future"}}
+    )
+    assert [r.request_id for r in salvage(raw)[0]] == ["req-bad"]
+    handled: list[str] = []
+
+    async def handler(request: PhaseRequest, _: Delivery) -> None:
+        handled.append(request.request_id)
+
+    consumer = env.consumer(handler, "unreadable")
+    async with running(consumer):
+        await env.publisher.publish_raw(env.topics.requests, b"job-1", raw)
+        await env.publisher.publish(env.topics.requests, "job-1", call("after"))
+        await until(lambda: handled == ["after"])  # the consumer went on
+        done = await FutureWaiter(env.meta).wait("req-bad", timeout_s=10)
+    assert consumer.dead_lettered == 1
+    assert done is not None and done.status == CompletionStatus.ERROR and done.error
+    assert done.error.code == ErrorCode.INTERNAL and "could not be read" in done.error.message
+    assert done.function == Function.FORWARD_BACKWARD and done.tenant == "alice"
+
+    settings = GatewaySettings(
+        cluster_id=env.cluster_id,
+        kafka_bootstrap=env.kafka,
+        redis_url="redis://unused",
+        api_keys="tml-alice=alice,tml-bob=bob",
+        model_registry=tmp_path,
+    )
+    gateway = Gateway.build(settings, env.meta, env.publisher)
+    transport = httpx.ASGITransport(app=build_app(gateway))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
+        alice = (await http.get("/plexrl/v1/dlq", headers={"X-API-Key": "tml-alice"})).json()
+        bob = (await http.get("/plexrl/v1/dlq", headers={"X-API-Key": "tml-bob"})).json()
+    await gateway.close()
+    assert [e["request_ids"] for e in alice] == [["req-bad"]]
+    assert alice[0]["reason"] == DeadLetterReason.UNDECODABLE and alice[0]["tenant"] == "alice"
+    assert bob == []
+
+
+@dataclass
+class FlakyDlq:
+    """A dead-letter publisher the broker refuses twice."""
+
+    real: Publisher
+    refusals: int = 2
+
+    async def publish(self, topic: str, key: Any, message: Any) -> None:
+        if self.refusals:
+            self.refusals -= 1
+            raise KafkaConnectionError("broker unreachable")
+        await self.real.publish(topic, key, message)
+
+
+async def test_a_dead_letter_that_cannot_be_published_at_first_is_retried(env: Env) -> None:
+    letters: list[DeadLetter] = []
+
+    async def on_letter(letter: DeadLetter, _: Delivery) -> None:
+        letters.append(letter)
+
+    reader: MessageConsumer[DeadLetter] = MessageConsumer(
+        bootstrap=env.kafka,
+        topics=[env.topics.dlq],
+        group=None,
+        message_type=DeadLetter,
+        handler=on_letter,
+        dlq=(env.publisher, env.topics.dlq),
+        name="dlq-reader",
+    )
+    flaky = FlakyDlq(env.publisher)
+    handled: list[str] = []
+
+    async def handler(request: PhaseRequest, _: Delivery) -> None:
+        handled.append(request.request_id)
+
+    consumer = env.consumer(handler, "flaky-dlq", dlq_publisher=flaky)
+    async with running(reader), running(consumer) as task:
+        await reader.wait_assigned()
+        await env.publisher.publish_raw(env.topics.requests, b"job-1", b"\x81\xa1?garbage")
+        await env.publisher.publish(env.topics.requests, "job-1", call("next"))
+        await until(lambda: handled == ["next"] and len(letters) == 1)
+        assert not task.done() and consumer.health()["ok"]
+    assert flaky.refusals == 0 and letters[0].reason == DeadLetterReason.UNDECODABLE
+
+
+async def test_health_says_when_a_consumer_is_stuck_or_dead(env: Env) -> None:
+    async def handler(request: PhaseRequest, _: Delivery) -> None:
+        raise redis.exceptions.ConnectionError("Redis is down")
+
+    tuning = ConsumerTuning(backoff=Backoff(first_s=0.01, max_s=0.05), stuck_after_s=0.2)
+    consumer = env.consumer(handler, "stuck", tuning=tuning)
+    async with running(consumer) as task:
+        assert consumer.health()["ok"]
+        await env.publisher.publish(env.topics.requests, "job-1", call("x"))
+        await until(lambda: not consumer.health()["ok"])
+        assert "failed for" in consumer.health()["problem"] and consumer.dead_lettered == 0
+        task.cancel()  # the loop ends while the service still runs
+        await asyncio.gather(task, return_exceptions=True)
+        health = consumer.health()
+        assert not health["ok"] and "loop ended" in health["problem"]

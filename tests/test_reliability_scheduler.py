@@ -1,0 +1,193 @@
+"""The scheduler's loop outlives a failed publish and a failed store call.
+
+The real scheduler (`serve`) runs in this process against the real Kafka and Redis;
+the test plays the worker (heartbeats, reads its dispatch topic, answers). Kafka
+refuses the first dispatch once and Redis fails the first home write once: the loop
+logs both, carries on, and both calls complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+import redis.exceptions
+from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import KafkaConnectionError
+
+from plexrl.kafka import Publisher, ensure_topics
+from plexrl.messages import (
+    CompletionStatus,
+    Dispatch,
+    Function,
+    JobSpec,
+    NoopInput,
+    NoopOutput,
+    PhaseCompletion,
+    PhaseRequest,
+    Timings,
+    WorkerHeartbeat,
+    decode,
+)
+from plexrl.meta import MetaStore
+from plexrl.settings import SchedulerSettings
+from plexrl.topics import Topics, core_topics
+from plexrl_scheduler.main import serve
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.integration
+
+WORKER = "w0"
+SPEC = JobSpec(base_model="", lora=None, state_bytes=0)
+
+
+class Faults:
+    """Each fault fires once, the first time its target is called."""
+
+    def __init__(self) -> None:
+        self.fired: list[str] = []
+
+    def once(self, name: str) -> bool:
+        if name in self.fired:
+            return False
+        self.fired.append(name)
+        return True
+
+
+@pytest_asyncio.fixture
+async def faults(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Faults]:
+    faults = Faults()
+    send = Publisher._send
+    set_home = MetaStore.set_home
+
+    async def flaky_send(self: Publisher, topic: str, key: Any, message: Any) -> None:
+        if isinstance(message, Dispatch) and faults.once("publish"):
+            raise KafkaConnectionError("the broker went away (injected)")
+        await send(self, topic, key, message)
+
+    async def flaky_set_home(self: MetaStore, job_id: str, worker_id: str) -> None:
+        if faults.once("store"):
+            raise redis.exceptions.ConnectionError("Redis went away (injected)")
+        await set_home(self, job_id, worker_id)
+
+    monkeypatch.setattr(Publisher, "_send", flaky_send)
+    monkeypatch.setattr(MetaStore, "set_home", flaky_set_home)
+    yield faults
+
+
+def request(rid: str) -> PhaseRequest:
+    return PhaseRequest(
+        request_id=rid,
+        job_id="job-1",
+        tenant="t",
+        function=Function.NOOP,
+        payload=NoopInput(),
+        arrival_time=time.time(),
+        spec=SPEC,
+    )
+
+
+async def test_a_failed_publish_and_a_failed_store_call_do_not_stop_the_loop(
+    infra: dict[str, str], cluster_id: str, faults: Faults
+) -> None:
+    topics = Topics(cluster_id)
+    await ensure_topics(infra["kafka"], {**core_topics(topics), topics.dispatch(WORKER): 1})
+    settings = SchedulerSettings(
+        cluster_id=cluster_id,
+        kafka_bootstrap=infra["kafka"],
+        redis_url=infra["redis"],
+        scheduler_port=free_port(),
+        policy="fifo",
+    )
+    stop = asyncio.Event()
+    scheduler = asyncio.create_task(serve(settings, stop))
+    worker = Publisher(infra["kafka"], "fake-worker")
+    await worker.start()
+    dispatches = AIOKafkaConsumer(
+        topics.dispatch(WORKER), bootstrap_servers=infra["kafka"], auto_offset_reset="earliest"
+    )
+    await dispatches.start()
+    beating = asyncio.create_task(heartbeats(worker, topics, stop))
+    meta = MetaStore.from_url(infra["redis"], cluster_id, 3600)
+    health = f"http://127.0.0.1:{settings.scheduler_port}/healthz"
+    try:
+        for rid in ("call-1", "call-2"):
+            await worker.publish(topics.requests, "job-1", request(rid))
+            dispatch = await next_dispatch(dispatches, scheduler)
+            assert [c.request_id for c in dispatch.calls] == [rid]
+            await answer(worker, meta, topics, dispatch)
+        assert sorted(faults.fired) == ["publish", "store"]
+        assert not scheduler.done()
+        async with httpx.AsyncClient() as http:
+            body = (await http.get(health)).json()
+        assert body["ok"] and body["loop"]["step_failures"] == {"decide and act": 1}
+        assert "Redis went away" in body["loop"]["last_error"]
+    finally:
+        stop.set()
+        await asyncio.wait_for(scheduler, 30)
+        await beating
+        await dispatches.stop()
+        await worker.stop()
+        keys = [k async for k in meta.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
+        if keys:
+            await meta.redis.delete(*keys)
+        await meta.close()
+
+
+async def heartbeats(worker: Publisher, topics: Topics, stop: asyncio.Event) -> None:
+    started = time.time()
+    while not stop.is_set():
+        beat = WorkerHeartbeat(
+            worker_id=WORKER,
+            device="cpu",
+            device_bytes=1 << 30,
+            host_bytes=1 << 30,
+            base_models=[],
+            resident=[],
+            busy=False,
+            started_at=started,
+            sent_at=time.time(),
+        )
+        await worker.publish(topics.events, WORKER, beat)
+        await asyncio.sleep(0.3)
+
+
+async def next_dispatch(consumer: AIOKafkaConsumer, scheduler: asyncio.Task[None]) -> Dispatch:
+    """The next dispatch carrying calls (prefetch-only ones are skipped)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if scheduler.done():
+            scheduler.result()  # the scheduler died: show why
+            raise AssertionError("the scheduler stopped")
+        batches = await consumer.getmany(timeout_ms=200)
+        for records in batches.values():
+            for record in records:
+                dispatch: Dispatch = decode(record.value or b"", Dispatch)
+                if dispatch.calls:
+                    return dispatch
+    raise AssertionError("no dispatch within 60 s")
+
+
+async def answer(worker: Publisher, meta: MetaStore, topics: Topics, dispatch: Dispatch) -> None:
+    """What a worker does: record the completion, then publish it."""
+    for i, call in enumerate(dispatch.calls):
+        completion = PhaseCompletion(
+            request_id=call.request_id,
+            job_id=call.job_id,
+            tenant=call.tenant,
+            worker_id=WORKER,
+            function=call.function,
+            status=CompletionStatus.OK,
+            timings=Timings(),
+            result=NoopOutput(),
+            finished_at=time.time(),
+            dispatch_id=dispatch.dispatch_id,
+            last_in_dispatch=i == len(dispatch.calls) - 1,
+        )
+        await meta.record_completion(completion)
+        await worker.publish(topics.completions, call.job_id, completion)
