@@ -170,9 +170,12 @@ async def test_timeline_keeps_calls_in_order(meta: MetaStore) -> None:
 async def test_state_store_blobs_and_checkpoints(meta: MetaStore, tmp_path: Path) -> None:
     app = build_app(BlobDir(tmp_path), meta)
     transport = httpx.ASGITransport(app=app)
+    # Checkpoint blobs are served acting for their tenant (tests/test_isolation.py).
+    t = {"x-plexrl-tenant": "t"}
     async with httpx.AsyncClient(transport=transport, base_url="http://store") as http:
-        assert (await http.put("/v1/blobs/ckpt/t/a.bin", content=b"abc")).json()["size_bytes"] == 3
-        assert (await http.get("/v1/blobs/ckpt/t/a.bin")).content == b"abc"
+        stored = await http.put("/v1/blobs/ckpt/t/a.bin", content=b"abc", headers=t)
+        assert stored.json()["size_bytes"] == 3
+        assert (await http.get("/v1/blobs/ckpt/t/a.bin", headers=t)).content == b"abc"
         assert (await http.get("/v1/blobs/nope")).status_code == 404
         bad = await http.put("/v1/blobs/../../etc/passwd", content=b"x")
         assert bad.status_code in (400, 404)
@@ -188,10 +191,10 @@ async def test_state_store_blobs_and_checkpoints(meta: MetaStore, tmp_path: Path
         )
         missing_blob = msgspec.structs.replace(record, blob_key="ckpt/t/none")
         assert (
-            await http.post("/v1/checkpoints", content=msgspec.json.encode(missing_blob))
+            await http.post("/v1/checkpoints", content=msgspec.json.encode(missing_blob), headers=t)
         ).status_code == 400
         assert (
-            await http.post("/v1/checkpoints", content=msgspec.json.encode(record))
+            await http.post("/v1/checkpoints", content=msgspec.json.encode(record), headers=t)
         ).status_code == 200
         listed = (await http.get("/v1/checkpoints", headers={"x-plexrl-tenant": "t"})).json()
         assert [c["path"] for c in listed] == ["tinker://j/weights/a"]

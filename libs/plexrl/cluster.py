@@ -17,6 +17,8 @@ from types import TracebackType
 
 import httpx
 
+from plexrl.service_auth import new_token
+
 
 @dataclass(frozen=True)
 class ClusterConfig:
@@ -43,6 +45,8 @@ class ClusterConfig:
     worker_threads: int | None = None
     """Torch threads per worker; None lets torch use every core."""
     policy: str = "fifo"
+    service_token: str | None = None
+    """PLEXRL_SERVICE_TOKEN the services share; None makes a fresh one per cluster."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every service (e.g. OTEL_EXPORTER_OTLP_ENDPOINT)."""
 
@@ -68,6 +72,8 @@ class LocalCluster:
     def __init__(self, config: ClusterConfig, python: str = sys.executable) -> None:
         self.config = config
         self._python = python
+        # Internal calls (the state-store's) are authenticated even on one machine.
+        self.service_token = config.service_token or new_token()
         self._procs: list[_Proc] = []
 
     def __enter__(self) -> LocalCluster:
@@ -92,6 +98,7 @@ class LocalCluster:
             "PLEXRL_SCHEDULER_URL": f"http://127.0.0.1:{c.scheduler_port}",
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
+            "PLEXRL_SERVICE_TOKEN": self.service_token,
             **c.env,
             **extra,
         }

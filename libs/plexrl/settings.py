@@ -6,6 +6,7 @@ these classes hold only what an operator sets per deployment.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from pydantic import Field
@@ -32,6 +33,10 @@ class CommonSettings(BaseSettings):
     record_ttl_s: int = 24 * 3600
     # Python log level.
     log_level: str = "INFO"
+    # Shared secret internal services present to each other (`Authorization: Bearer ...`
+    # to the state-store). Unset: the state-store serves only a loopback address, without
+    # authentication, and refuses to start on any other (docs/security.md).
+    service_token: str | None = None
 
 
 class GatewaySettings(CommonSettings):
@@ -101,6 +106,9 @@ class StateStoreSettings(CommonSettings):
     state_store_rebuild_s: float = 30.0
 
 
+_TENANT = re.compile(r"[A-Za-z0-9._@=+-]+")
+
+
 def parse_api_keys(spec: str) -> dict[str, str]:
     """Parse "key=tenant,key2=tenant2"; raises ValueError saying which entry is wrong."""
     keys: dict[str, str] = {}
@@ -111,5 +119,12 @@ def parse_api_keys(spec: str) -> dict[str, str]:
                 f"PLEXRL_API_KEYS entry {entry!r} is not of the form key=tenant "
                 "(e.g. PLEXRL_API_KEYS='tml-abc=team-a,tml-def=team-b')"
             )
-        keys[key.strip()] = tenant.strip()
+        tenant = tenant.strip()
+        if not _TENANT.fullmatch(tenant) or tenant in (".", ".."):
+            # Tenants name blob directories (ckpt/<tenant>/...) and Redis keys.
+            raise ValueError(
+                f"PLEXRL_API_KEYS tenant {tenant!r} is not allowed: use letters, digits and "
+                "._@=+- only (not '.' or '..')"
+            )
+        keys[key.strip()] = tenant
     return keys

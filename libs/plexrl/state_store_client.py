@@ -6,6 +6,7 @@ import httpx
 import msgspec
 
 from plexrl.meta import CheckpointRecord
+from plexrl.service_auth import auth_headers
 
 
 class StateStoreError(RuntimeError):
@@ -13,31 +14,39 @@ class StateStoreError(RuntimeError):
 
 
 class StateStoreClient:
-    def __init__(self, base_url: str, timeout_s: float = 120.0) -> None:
-        self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s)
+    def __init__(self, base_url: str, timeout_s: float = 120.0, token: str | None = None) -> None:
+        # Every request carries the cluster's service token (PLEXRL_SERVICE_TOKEN).
+        self._http = httpx.AsyncClient(
+            base_url=base_url.rstrip("/"), timeout=timeout_s, headers=auth_headers(token)
+        )
 
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def put_blob(self, key: str, data: bytes) -> int:
-        response = await self._http.put(f"/v1/blobs/{key}", content=data)
+    # `tenant`: the tenant a call acts for; required for a checkpoint's blob
+    # (`ckpt/<tenant>/...`), which the state-store serves to that tenant only.
+
+    async def put_blob(self, key: str, data: bytes, tenant: str | None = None) -> int:
+        response = await self._http.put(
+            f"/v1/blobs/{key}", content=data, headers=auth_headers(None, tenant)
+        )
         _check(response, f"storing blob {key}")
         return int(response.json()["size_bytes"])
 
-    async def get_blob(self, key: str) -> bytes:
-        response = await self._http.get(f"/v1/blobs/{key}")
+    async def get_blob(self, key: str, tenant: str | None = None) -> bytes:
+        response = await self._http.get(f"/v1/blobs/{key}", headers=auth_headers(None, tenant))
         _check(response, f"reading blob {key}")
         return response.content
 
-    async def delete_blob(self, key: str) -> None:
-        response = await self._http.delete(f"/v1/blobs/{key}")
+    async def delete_blob(self, key: str, tenant: str | None = None) -> None:
+        response = await self._http.delete(f"/v1/blobs/{key}", headers=auth_headers(None, tenant))
         _check(response, f"deleting blob {key}")
 
     async def put_checkpoint(self, record: CheckpointRecord) -> None:
         response = await self._http.post(
             "/v1/checkpoints",
             content=msgspec.json.encode(record),
-            headers={"content-type": "application/json"},
+            headers={"content-type": "application/json", **auth_headers(None, record.tenant)},
         )
         _check(response, f"recording checkpoint {record.path}")
 

@@ -14,6 +14,7 @@ from plexrl_gateway import (
     routes_session,
     routes_training,
 )
+from plexrl_gateway.body_limit import BodySizeLimit
 from plexrl_gateway.components import Gateway
 from plexrl_gateway.errors import install_error_handlers
 from plexrl_gateway.metrics import ObserveRequests
@@ -39,5 +40,7 @@ def build_app(gateway: Gateway) -> FastAPI:
     def metrics() -> Response:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
+    # Inside the metrics middleware, so refused bodies are counted (as 413s) too.
+    app.add_middleware(BodySizeLimit, max_body_bytes=gateway.limits.max_body_bytes)
     app.add_middleware(ObserveRequests)
     return app

@@ -7,14 +7,16 @@ import logging
 import httpx
 
 from plexrl.meta import CheckpointRecord, MetaStore
+from plexrl.service_auth import auth_headers
 
 log = logging.getLogger(__name__)
 
 
 class CheckpointRemover:
-    def __init__(self, meta: MetaStore, state_store_url: str) -> None:
+    def __init__(self, meta: MetaStore, state_store_url: str, token: str | None = None) -> None:
         self._meta = meta
         self._http = httpx.AsyncClient(base_url=state_store_url.rstrip("/"), timeout=10.0)
+        self._token = token
 
     async def close(self) -> None:
         await self._http.aclose()
@@ -29,7 +31,7 @@ class CheckpointRemover:
             response = await self._http.delete(
                 "/v1/checkpoints",
                 params={"path": record.path},
-                headers={"x-plexrl-tenant": record.tenant},
+                headers=auth_headers(self._token, record.tenant),
             )
             if response.status_code < 300:
                 return True

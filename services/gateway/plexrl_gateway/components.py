@@ -6,10 +6,12 @@ from dataclasses import dataclass, field
 
 from plexrl.dead_letters import DeadLetters
 from plexrl.health import Watched
+from plexrl.limits import DEFAULT_LIMITS, CallLimits
 from plexrl.meta import MetaStore
 from plexrl.models import ModelRegistry
 from plexrl.settings import GatewaySettings
 from plexrl.topics import Topics
+from plexrl_gateway.admission import CountingPublisher, PendingCalls
 from plexrl_gateway.auth import ApiKeys
 from plexrl_gateway.catalog import ModelCatalog
 from plexrl_gateway.checkpoints import CheckpointRemover
@@ -48,14 +50,25 @@ class Gateway:
     watched: list[Watched] = field(default_factory=list)
     """Consumer loops whose death or stall makes /healthz answer 503."""
 
+    limits: CallLimits = DEFAULT_LIMITS
+    """Per-call admission caps (plexrl.limits)."""
+    pending: PendingCalls = field(default_factory=lambda: PendingCalls(DEFAULT_LIMITS))
+    """Each tenant's published, unanswered calls; the 429 quota."""
+
     def watch(self, consumer: Watched) -> None:
         self.watched.append(consumer)
 
     @classmethod
     def build(
-        cls, settings: GatewaySettings, meta: MetaStore, publisher: RequestPublisher
+        cls,
+        settings: GatewaySettings,
+        meta: MetaStore,
+        publisher: RequestPublisher,
+        limits: CallLimits = DEFAULT_LIMITS,
     ) -> Gateway:
         topics = Topics(settings.cluster_id)
+        pending = PendingCalls(limits)
+        publisher = CountingPublisher(publisher, pending, topics.requests)
         sequencer = Sequencer(meta, settings.sequence_gap_timeout_s)
         return cls(
             keys=ApiKeys(settings.api_keys),
@@ -65,13 +78,15 @@ class Gateway:
             submitter=Submitter(
                 meta, publisher, topics, sequencer, settings.payload_inline_max_bytes
             ),
-            futures=FutureWaiter(meta),
+            futures=FutureWaiter(meta, on_answered=pending.done),
             publisher=publisher,
             topics=topics,
             cluster=ClusterView(meta, settings.scheduler_url),
-            checkpoints=CheckpointRemover(meta, settings.state_store_url),
+            checkpoints=CheckpointRemover(meta, settings.state_store_url, settings.service_token),
             future_wait_s=settings.future_wait_s,
             dead_letters=DeadLetters(meta, publisher, topics.completions, settings.cluster_id),
+            limits=limits,
+            pending=pending,
         )
 
     async def close(self) -> None:

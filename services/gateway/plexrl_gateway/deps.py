@@ -38,7 +38,9 @@ def _catalog(gateway: GatewayDep) -> ModelCatalog:
     return gateway.catalog
 
 
-def _submitter(gateway: GatewayDep) -> Submitter:
+def _submitter(gateway: GatewayDep, tenant: Annotated[str, Depends(_tenant)]) -> Submitter:
+    """The submitter, for a tenant under its pending-calls quota (429 otherwise)."""
+    gateway.pending.admit(tenant)
     return gateway.submitter
 
 

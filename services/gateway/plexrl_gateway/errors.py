@@ -30,11 +30,19 @@ class Category(enum.StrEnum):
 class ApiError(Exception):
     """An HTTP error with a message for the caller."""
 
-    def __init__(self, status: int, message: str, category: Category = Category.USER) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        category: Category = Category.USER,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.category = category
+        self.headers = headers
+        """Extra response headers (Retry-After of a 429)."""
 
 
 def bad_request(message: str) -> ApiError:
@@ -53,7 +61,9 @@ def error_body(message: str, category: Category = Category.USER) -> dict[str, An
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(exc.message, exc.category), status_code=exc.status)
+        return JSONResponse(
+            error_body(exc.message, exc.category), status_code=exc.status, headers=exc.headers
+        )
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -64,7 +74,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code)
+        return JSONResponse(
+            error_body(str(exc.detail)), status_code=exc.status_code, headers=exc.headers
+        )
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from typing import Protocol
 
 from opentelemetry import trace
@@ -27,8 +28,12 @@ class CompletionStore(Protocol):
 
 
 class FutureWaiter:
-    def __init__(self, store: CompletionStore) -> None:
+    def __init__(
+        self, store: CompletionStore, on_answered: Callable[[str], None] | None = None
+    ) -> None:
         self._store = store
+        self._on_answered = on_answered
+        """Told each request id whose completion was seen (the pending-calls quota)."""
         self._events: dict[str, asyncio.Event] = {}
         self._waiters: dict[str, int] = {}
         self._arrived: dict[str, PhaseCompletion] = {}
@@ -37,6 +42,8 @@ class FutureWaiter:
         self, completion: PhaseCompletion, delivery: Delivery | None = None
     ) -> None:
         """Consumer handler for the completions topic."""
+        if self._on_answered is not None:
+            self._on_answered(completion.request_id)
         if completion.request_id not in self._events:
             return
         # The message is a copy of the recorded completion (the worker publishes what
@@ -67,12 +74,14 @@ class FutureWaiter:
         metrics.FUTURES_WAITING.inc()
         try:
             done = await self._store.get_completion(request_id)
-            if done is not None:
-                return done
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(event.wait(), timeout_s)
-            arrived = self._arrived.get(request_id)
-            return arrived or await self._store.get_completion(request_id)
+            if done is None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), timeout_s)
+                arrived = self._arrived.get(request_id)
+                done = arrived or await self._store.get_completion(request_id)
+            if done is not None and self._on_answered is not None:
+                self._on_answered(request_id)
+            return done
         finally:
             metrics.FUTURES_WAITING.dec()
             self._waiters[request_id] -= 1

@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import msgspec
 from fastapi import APIRouter, Query
 
+from plexrl.limits import LATEST_TIMESTAMP
 from plexrl.messages import Function, IdleHint, JobSpec, NoopInput
 from plexrl_gateway.cluster import NO_ACTIVITY, activity
 from plexrl_gateway.deps import Futures, GatewayDep, Jobs, Meta, Submit, Tenant
@@ -31,10 +32,33 @@ def echo_job_id(tenant: str) -> str:
     return f"plexrl-echo:{tenant}"
 
 
+OTHER_TENANT = "other-tenant"
+"""What a tenant sees in place of a job id of another tenant."""
+
+
+async def own_job_ids(tenant: str, jobs: Jobs) -> set[str]:
+    return {j.job_id for j in await jobs.jobs(tenant)} | {echo_job_id(tenant)}
+
+
+def tenant_view(workers: list[dict[str, Any]], mine: set[str]) -> list[dict[str, Any]]:
+    """Workers as one tenant may see them: other tenants' states are counted (tier,
+    bytes) but their job ids are hidden."""
+    out = []
+    for worker in workers:
+        resident = [
+            r if r.get("job_id") in mine else {**r, "job_id": OTHER_TENANT}
+            for r in worker.get("resident", [])
+        ]
+        out.append({**worker, "resident": resident} if "resident" in worker else worker)
+    return out
+
+
 @router.get("/cluster")
 async def cluster(tenant: Tenant, gateway: GatewayDep, jobs: Jobs, meta: Meta) -> dict[str, Any]:
-    workers = await gateway.cluster.workers()
+    mine = await own_job_ids(tenant, jobs)
+    workers = tenant_view(await gateway.cluster.workers(), mine)
     scheduler = await gateway.cluster.scheduler()
+    inflight = (scheduler or {}).get("inflight") or {}
     return {
         "workers": workers,
         "jobs": len(await meta.all_jobs()),
@@ -45,7 +69,9 @@ async def cluster(tenant: Tenant, gateway: GatewayDep, jobs: Jobs, meta: Meta) -
             else {
                 "reachable": True,
                 "pending": scheduler.get("pending"),
-                "inflight": scheduler.get("inflight"),
+                "inflight": {
+                    w: job if job in mine else OTHER_TENANT for w, job in inflight.items()
+                },
                 "jobs": scheduler.get("jobs"),
             }
         ),
@@ -53,8 +79,8 @@ async def cluster(tenant: Tenant, gateway: GatewayDep, jobs: Jobs, meta: Meta) -
 
 
 @router.get("/workers")
-async def workers(_: Tenant, gateway: GatewayDep) -> list[dict[str, Any]]:
-    return await gateway.cluster.workers()
+async def workers(tenant: Tenant, gateway: GatewayDep, jobs: Jobs) -> list[dict[str, Any]]:
+    return tenant_view(await gateway.cluster.workers(), await own_job_ids(tenant, jobs))
 
 
 @router.get("/jobs")
@@ -92,7 +118,9 @@ async def timeline(
     tenant: Tenant,
     jobs: Jobs,
     meta: Meta,
-    since: Annotated[float, Query(ge=0)] = 0.0,
+    # Unix seconds; bounded so a typo (2.2e307) is a 422 naming the field, not a bad
+    # stream id deep in Redis.
+    since: Annotated[float, Query(ge=0, le=LATEST_TIMESTAMP)] = 0.0,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
 ) -> list[dict[str, Any]]:
     mine = {j.job_id for j in await jobs.jobs(tenant)} | {echo_job_id(tenant)}

@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import APIRouter
 
+from plexrl.limits import InputError, check_num_samples
 from plexrl.messages import Function, JobSpec
 from plexrl.meta import JobKind
 from plexrl_gateway.deps import Catalog, Jobs, Submit, Tenant
@@ -79,7 +80,11 @@ async def asample(
         )
     session = await jobs.sampling_session(tenant, body.sampling_session_id)
     seq = check_seq("seq_id", body.seq_id)
-    sequence_ids = [f"{session.job_id}:seq:{seq}:{i}" for i in range(max(body.num_samples, 0))]
+    try:
+        check_num_samples(body.num_samples)  # before a list of that many ids is made
+    except InputError as exc:
+        raise bad_request(str(exc)) from None
+    sequence_ids = [f"{session.job_id}:seq:{seq}:{i}" for i in range(body.num_samples)]
     key = f"sample:{session.job_id}:{seq}"
     if earlier := await submit.existing(key):
         return {"request_id": earlier, "sample_sequence_ids": sequence_ids}

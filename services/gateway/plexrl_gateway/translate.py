@@ -6,12 +6,16 @@ and returns a contract input, or raises a 400 that says what to change.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
+from plexrl import limits as rules
+from plexrl.limits import DEFAULT_LIMITS, CallLimits, InputError, ModelLimits
 from plexrl.losses import LOSS_INPUTS, LossInputs, loss_config
 from plexrl.messages import (
     AdamParams,
@@ -37,14 +41,13 @@ from plexrl_gateway.schemas import (
 TINKER_SCHEME = "tinker://"
 
 
-@dataclass(frozen=True)
-class ModelLimits:
-    """What a base model accepts."""
-
-    vocab_size: int
-    """Token ids must lie in [0, vocab_size)."""
-    max_positions: int
-    """Longest sequence, prompt plus completion."""
+@contextlib.contextmanager
+def _as_400() -> Iterator[None]:
+    """The shared input rules (plexrl.limits) raise InputError; the caller gets a 400."""
+    try:
+        yield
+    except InputError as exc:
+        raise bad_request(str(exc)) from None
 
 
 # Ids ---------------------------------------------------------------------------------------
@@ -67,9 +70,8 @@ def session_of(model_id: str) -> str:
 def check_seq(name: str, value: int | None) -> int:
     if value is None:
         raise bad_request(f"{name} is missing; the SDK numbers every call of a model")
-    if value < 0:
-        raise bad_request(f"{name} is {value}; it must be 0 or more")
-    return value
+    with _as_400():
+        return rules.check_int64(name, value)
 
 
 # Tinker paths ------------------------------------------------------------------------------
@@ -130,7 +132,9 @@ def checkpoint_name(name: str | None, fallback: str) -> str:
 # Create --------------------------------------------------------------------------------
 
 
-def job_spec(body: CreateModelBody, state_bytes: int) -> JobSpec:
+def job_spec(
+    body: CreateModelBody, state_bytes: int, limits: CallLimits = DEFAULT_LIMITS
+) -> JobSpec:
     """The spec of a new training model; `state_bytes` is the registry's estimate."""
     if body.optimizer_config.type != "adamw":
         raise bad_request(
@@ -141,8 +145,9 @@ def job_spec(body: CreateModelBody, state_bytes: int) -> JobSpec:
     seed = 0
     if body.lora_config is not None:
         cfg = body.lora_config
-        if cfg.rank < 1:
-            raise bad_request(f"lora_config.rank is {cfg.rank}; it must be 1 or more")
+        with _as_400():
+            rules.check_lora_rank(cfg.rank, limits)
+            rules.check_seed("lora_config.seed", cfg.seed)
         lora = LoraSpec(
             rank=cfg.rank,
             train_attn=cfg.train_attn,
@@ -161,7 +166,9 @@ def job_spec(body: CreateModelBody, state_bytes: int) -> JobSpec:
 
 
 def forward_backward_input(
-    request: pb.ForwardBackwardRequest, limits: ModelLimits
+    request: pb.ForwardBackwardRequest,
+    limits: ModelLimits,
+    caps: CallLimits = DEFAULT_LIMITS,
 ) -> tuple[ForwardBackwardInput, WorkHint]:
     try:
         loss_fn = LossFn(request.loss_fn)
@@ -176,9 +183,11 @@ def forward_backward_input(
             + (hint if request.loss_fn == "custom" else "")
         ) from None
     shape = LOSS_INPUTS[loss_fn]
-    if not request.data:
-        raise bad_request("data is empty; send at least one datum")
-    data = [_datum(i, d, shape, limits) for i, d in enumerate(request.data)]
+    with _as_400():
+        # Datum count and total tokens first, from the encoded sizes: nothing is decoded
+        # (or made dense) for a call that is too big anyway.
+        rules.check_call_size((_encoded_tokens(d) for d in request.data), caps)
+        data = [_datum(i, d, loss_fn, shape, limits, caps) for i, d in enumerate(request.data)]
     config = _loss_config(request, loss_fn, shape)
     inp = ForwardBackwardInput(
         data=data,
@@ -189,7 +198,23 @@ def forward_backward_input(
     return inp, WorkHint(tokens=sum(len(d.tokens) for d in data), sequences=len(data))
 
 
-def _datum(i: int, datum: pb.Datum, shape: LossInputs, limits: ModelLimits) -> Datum:
+def _encoded_tokens(datum: pb.Datum) -> int:
+    """A datum's token count as encoded (int32 ids), without decoding it."""
+    return sum(len(c.encoded_text.tokens) // 4 for c in datum.model_input)
+
+
+def _datum(
+    i: int,
+    datum: pb.Datum,
+    loss_fn: LossFn,
+    shape: LossInputs,
+    limits: ModelLimits,
+    caps: CallLimits,
+) -> Datum:
+    for key, tensor in datum.loss_fn_inputs.items():
+        # Before tensor_array makes a sparse tensor dense: a shape of 2^20 x 2^20 is
+        # refused here, not allocated.
+        rules.check_tensor_shape(f"data[{i}].loss_fn_inputs[{key!r}]", tensor.shape, caps)
     try:
         tokens: list[int] = []
         for j, chunk in enumerate(datum.model_input):
@@ -201,37 +226,17 @@ def _datum(i: int, datum: pb.Datum, shape: LossInputs, limits: ModelLimits) -> D
     except CodecError as exc:
         raise bad_request(str(exc)) from None
     n = len(tokens)
-    if n == 0:
-        raise bad_request(f"data[{i}] has no tokens; every datum needs at least one")
-    if n > limits.max_positions:
-        raise bad_request(
-            f"data[{i}] has {n} tokens, more than the model's {limits.max_positions} "
-            "positions; shorten or split it"
-        )
-    check_token_ids(f"data[{i}].model_input", tokens, limits)
-    needed = ["target_tokens", *shape.required]
-    missing = [k for k in needed if k not in given]
-    if missing:
-        raise bad_request(f"data[{i}].loss_fn_inputs lacks {missing}; this loss needs {needed}")
-    accepted = shape.accepted
-    unknown = sorted(set(given) - set(accepted))
-    if unknown:
-        raise bad_request(
-            f"data[{i}].loss_fn_inputs has {unknown}, which this loss does not read; "
-            f"it accepts {list(accepted)}"
-        )
+    rules.check_datum_length(i, n, limits)
+    rules.check_token_ids(f"data[{i}].model_input", tokens, limits.vocab_size)
+    rules.check_loss_input_keys(i, given, loss_fn, shape)
     inputs = {}
     for key, values in given.items():
         where = f"data[{i}].loss_fn_inputs[{key!r}]"
-        if list(values.shape) != [n]:
-            raise bad_request(
-                f"{where} has shape {list(values.shape)}, but the datum has {n} tokens; send one "
-                f"value per token (shape [{n}]); top-k (N, K) targets are not supported"
-            )
+        rules.check_loss_input_shape(where, values.shape, n)
         if key == "target_tokens":
             if values.dtype.kind == "f":
                 raise bad_request(f"{where} holds floats; send integer token ids (int64)")
-            check_token_ids(where, values, limits)
+            rules.check_token_ids(where, values, limits.vocab_size)
             inputs[key] = to_tensor_array(values, "int64")
         else:
             floats = values.astype("<f4")
@@ -239,17 +244,6 @@ def _datum(i: int, datum: pb.Datum, shape: LossInputs, limits: ModelLimits) -> D
                 raise bad_request(f"{where} holds NaN or infinity; send finite numbers")
             inputs[key] = to_tensor_array(floats, "float32")
     return Datum(tokens=tokens, loss_fn_inputs=inputs)
-
-
-def check_token_ids(where: str, ids: list[int] | np.ndarray, limits: ModelLimits) -> None:
-    array = np.asarray(ids, dtype=np.int64)
-    bad = np.flatnonzero((array < 0) | (array >= limits.vocab_size))
-    if bad.size:
-        pos = int(bad[0])
-        raise bad_request(
-            f"{where}[{pos}] is {int(array[pos])}, outside the vocabulary [0, "
-            f"{limits.vocab_size}); tokenize with the base model's tokenizer"
-        )
 
 
 def _loss_config(
@@ -307,7 +301,10 @@ def adam_params(body: OptimStepBody) -> AdamParams:
 
 
 def sample_input(
-    body: SampleBody, limits: ModelLimits, weights_path: str | None
+    body: SampleBody,
+    limits: ModelLimits,
+    weights_path: str | None,
+    caps: CallLimits = DEFAULT_LIMITS,
 ) -> tuple[SampleInput, WorkHint]:
     unsupported = [
         name
@@ -321,13 +318,11 @@ def sample_input(
     if unsupported:
         raise bad_request(f"{', '.join(unsupported)}: not supported by PlexRL; leave unset")
     prompt = _prompt_tokens(body)
-    check_token_ids("prompt", prompt, limits)
-    if not 1 <= body.num_samples <= 1024:
-        raise bad_request(f"num_samples is {body.num_samples}; it must be in [1, 1024]")
-    params = _sampling_params(body, len(prompt), limits)
+    with _as_400():
+        rules.check_token_ids("prompt", prompt, limits.vocab_size)
+        params = _sampling_params(body, len(prompt), limits, caps)
+        rules.check_topk_logprobs(body.topk_prompt_logprobs, caps)
     prompt_logprobs = bool(body.prompt_logprobs)
-    if body.topk_prompt_logprobs < 0:
-        raise bad_request("topk_prompt_logprobs must be 0 or more")
     if body.prompt_logprobs_last_n is not None:
         if not prompt_logprobs:
             raise bad_request("prompt_logprobs_last_n needs prompt_logprobs=true")
@@ -364,29 +359,19 @@ def _prompt_tokens(body: SampleBody) -> list[int]:
     return tokens
 
 
-def _sampling_params(body: SampleBody, prompt_len: int, limits: ModelLimits) -> SamplingParams:
+def _sampling_params(
+    body: SampleBody, prompt_len: int, limits: ModelLimits, caps: CallLimits
+) -> SamplingParams:
+    """Raises InputError (the shared rules) or a 400."""
     p = body.sampling_params
-    room = limits.max_positions - prompt_len
-    if room < 1:
-        raise bad_request(
-            f"prompt has {prompt_len} tokens, which leaves no room in the model's "
-            f"{limits.max_positions} positions; shorten it"
-        )
-    max_tokens = room if p.max_tokens is None else p.max_tokens
-    if max_tokens < 1:
-        raise bad_request(f"sampling_params.max_tokens is {max_tokens}; it must be 1 or more")
-    if max_tokens > room:
-        raise bad_request(
-            f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-            f"{limits.max_positions} positions; lower max_tokens to at most {room}"
-        )
-    if not (p.temperature >= 0 and math.isfinite(p.temperature)):
-        raise bad_request(f"sampling_params.temperature is {p.temperature}; it must be >= 0")
-    if not 0 < p.top_p <= 1:
-        raise bad_request(f"sampling_params.top_p is {p.top_p}; it must be in (0, 1]")
-    if p.top_k == 0 or p.top_k < -1:
-        raise bad_request(f"sampling_params.top_k is {p.top_k}; use -1 (no limit) or 1 or more")
-    strings, tokens, at_eos = _stop(p.stop, limits)
+    rules.check_num_samples(body.num_samples, caps)  # before anything is sized by it
+    max_tokens = p.max_tokens
+    if max_tokens is None:
+        max_tokens = rules.default_max_tokens(prompt_len, body.num_samples, limits, caps)
+    rules.check_sample_size(prompt_len, body.num_samples, max_tokens, limits, caps)
+    rules.check_sampling_params(p.temperature, p.top_p, p.top_k, p.seed)
+    strings, tokens, at_eos = _stop(p.stop)
+    rules.check_stop(strings, tokens, limits, caps)
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=p.temperature,
@@ -399,9 +384,7 @@ def _sampling_params(body: SampleBody, prompt_len: int, limits: ModelLimits) -> 
     )
 
 
-def _stop(
-    stop: str | list[int | str] | None, limits: ModelLimits
-) -> tuple[list[str], list[int], bool]:
+def _stop(stop: str | list[int | str] | None) -> tuple[list[str], list[int], bool]:
     """Tinker's `stop`: absent stops at EOS; `[]` stops nowhere, not even at EOS."""
     if stop is None:
         return [], [], True
@@ -410,12 +393,7 @@ def _stop(
     if not stop:
         return [], [], False
     if all(isinstance(s, str) for s in stop):
-        strings = [str(s) for s in stop]
-        if any(not s for s in strings):
-            raise bad_request("sampling_params.stop holds an empty string; remove it")
-        return strings, [], True
+        return [str(s) for s in stop], [], True
     if all(isinstance(s, int) for s in stop):
-        tokens = [int(s) for s in stop]
-        check_token_ids("sampling_params.stop", tokens, limits)
-        return [], tokens, True
+        return [], [int(s) for s in stop], True
     raise bad_request("sampling_params.stop mixes strings and token ids; send one kind")

@@ -115,7 +115,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
     name = f"plexrl-worker-{settings.worker_id}"
     own_topic = Topics(settings.cluster_id).dispatch(settings.worker_id)
     topics, meta, publisher = await join_cluster(settings, name, {own_topic: 1})
-    store = StateStoreClient(settings.state_store_url)
+    store = StateStoreClient(settings.state_store_url, token=settings.service_token)
     registry = ModelRegistry(settings.model_registry)
     engine = TorchEngine(
         registry,

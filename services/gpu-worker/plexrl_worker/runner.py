@@ -145,7 +145,7 @@ class CallRunner:
             weights_id = inp.weights_path
             if weights_id not in self._engine.installed_samplers():
                 record = await self._checkpoint(inp.weights_path, request.tenant)
-                state = state_from_bytes(await self._store.get_blob(record.blob_key))
+                state = state_from_bytes(await self._store.get_blob(record.blob_key, record.tenant))
                 await self._thread.call(self._engine.install_sampler, weights_id, state)
         return await self._thread.call(self._engine.sample, weights_id, inp)
 
@@ -157,7 +157,7 @@ class CallRunner:
         data = state_to_bytes(state)
         kind = "weights" if full else "sampler_weights"
         blob_key = f"ckpt/{request.tenant}/{_safe(request.job_id)}/{kind}/{_safe(inp.path)}"
-        await self._store.put_blob(blob_key, data)
+        await self._store.put_blob(blob_key, data, request.tenant)
         spec = state.spec
         await self._store.put_checkpoint(
             CheckpointRecord(
@@ -179,7 +179,7 @@ class CallRunner:
 
     async def _load(self, request: PhaseRequest, inp: LoadInput) -> PhaseOutput:
         record = await self._checkpoint(inp.path, request.tenant)
-        state = state_from_bytes(await self._store.get_blob(record.blob_key))
+        state = state_from_bytes(await self._store.get_blob(record.blob_key, record.tenant))
         await self._thread.call(
             self._engine.import_weights, request.job_id, state, optimizer=inp.with_optimizer
         )

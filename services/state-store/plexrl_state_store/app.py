@@ -1,19 +1,30 @@
-"""HTTP API of the state-store: blobs, checkpoint records, residency reads."""
+"""HTTP API of the state-store: blobs, checkpoint records, residency reads.
+
+Callers are the cluster's own services, never tenants: every `/v1` call carries the
+shared service token (`Authorization: Bearer $PLEXRL_SERVICE_TOKEN`) when the store
+has one. Inside that boundary each tenant's checkpoints stay its own: a checkpoint's
+blob lives under `ckpt/<tenant>/`, is served only to a call that acts for that tenant
+(`X-PlexRL-Tenant`), and a checkpoint record can only name a blob of its own tenant,
+so no record can be forged to point one tenant's model at another's weights.
+"""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
 import msgspec
-from fastapi import Depends, FastAPI, Header, HTTPException, Request, Response
+from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, Counter, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from plexrl.meta import CheckpointRecord, MetaStore
+from plexrl.service_auth import bearer_matches
 from plexrl_state_store.blobs import BadKeyError, BlobDir
 from plexrl_state_store.records import CheckpointRecords
 
-_BYTES = Counter("plexrl_state_store_bytes_total", "Blob bytes moved", ["direction"])
+CHECKPOINT_PREFIX = "ckpt"
+"""Blobs under `ckpt/<tenant>/` are that tenant's checkpoints; others are service-internal
+(offloaded states, snapshots), reachable with the service token alone."""
 
 
 def get_blobs(request: Request) -> BlobDir:
@@ -24,74 +35,135 @@ def get_meta(request: Request) -> MetaStore:
     return request.app.state.meta
 
 
+def authenticate(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
+    """401 unless the call carries the service token (when the store has one)."""
+    token: str | None = request.app.state.token
+    if token and not bearer_matches(token, authorization):
+        raise HTTPException(
+            401,
+            "the state-store needs the cluster's service token: send 'Authorization: Bearer "
+            "<token>' with the token set in PLEXRL_SERVICE_TOKEN",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
 Blobs = Annotated[BlobDir, Depends(get_blobs)]
 Meta = Annotated[MetaStore, Depends(get_meta)]
+ActingFor = Annotated[str | None, Header(alias="x-plexrl-tenant")]
+"""The tenant a service call acts for."""
 
 
-def build_app(blobs: BlobDir, meta: MetaStore) -> FastAPI:
-    app = FastAPI(title="plexrl state-store", docs_url=None, redoc_url=None)
+def blob_tenant(key: str) -> str | None:
+    """The tenant whose checkpoint blob `key` is, or None for a service-internal blob."""
+    parts = key.split("/")
+    if parts[0] != CHECKPOINT_PREFIX:
+        return None
+    # `ckpt` or `ckpt/<tenant>` alone name no blob of anyone's: nobody may write there.
+    return parts[1] if len(parts) >= 3 else ""
+
+
+def _visible(key: str, acting_for: str | None) -> bool:
+    owner = blob_tenant(key)
+    return owner is None or (bool(owner) and owner == acting_for)
+
+
+def build_app(blobs: BlobDir, meta: MetaStore, token: str | None = None) -> FastAPI:
+    app = FastAPI(title="plexrl state-store", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.blobs = blobs
     app.state.meta = meta
+    app.state.token = token
     app.state.records = CheckpointRecords(blobs, meta)
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 
     @app.exception_handler(BadKeyError)
     async def bad_key(_: Request, exc: BadKeyError) -> JSONResponse:
         return JSONResponse({"error": str(exc)}, status_code=400)
 
     @app.get("/healthz")
-    async def healthz(m: Meta, b: Blobs) -> dict[str, Any]:
-        return {"service": "state-store", "ok": await m.ping(), "dir": str(b.root)}
+    async def healthz(m: Meta) -> dict[str, Any]:
+        return {"service": "state-store", "ok": await m.ping()}
 
     @app.get("/metrics")
-    def metrics() -> Response:
+    def prometheus_metrics() -> Response:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
-    @app.put("/v1/blobs/{key:path}")
-    async def put_blob(key: str, request: Request, b: Blobs) -> dict[str, Any]:
-        data = await request.body()
-        size = b.write(key, data)
-        _BYTES.labels("in").inc(size)
+    @v1.put("/blobs/{key:path}")
+    async def put_blob(
+        key: str, request: Request, b: Blobs, acting_for: ActingFor = None
+    ) -> dict[str, Any]:
+        b.path(key)  # a bad key is refused before the body is read
+        if not _visible(key, acting_for):
+            raise HTTPException(
+                403,
+                f"blob {key!r} is not a checkpoint of tenant {acting_for!r}: checkpoint blobs "
+                "go under ckpt/<tenant>/... and are written acting for that tenant "
+                "(X-PlexRL-Tenant)",
+            )
+        size = b.write(key, await request.body())
         return {"key": key, "size_bytes": size}
 
-    @app.get("/v1/blobs/{key:path}")
-    def get_blob(key: str, b: Blobs) -> Response:
-        data = b.read(key)
+    @v1.get("/blobs/{key:path}")
+    def get_blob(key: str, b: Blobs, acting_for: ActingFor = None) -> Response:
+        data = b.read(key) if _visible(key, acting_for) else None
         if data is None:
             raise HTTPException(404, f"no blob {key!r}")
-        _BYTES.labels("out").inc(len(data))
         return Response(data, media_type="application/octet-stream")
 
-    @app.head("/v1/blobs/{key:path}")
-    def head_blob(key: str, b: Blobs) -> Response:
-        size = b.size(key)
+    @v1.head("/blobs/{key:path}")
+    def head_blob(key: str, b: Blobs, acting_for: ActingFor = None) -> Response:
+        size = b.size(key) if _visible(key, acting_for) else None
         if size is None:
             raise HTTPException(404, f"no blob {key!r}")
         return Response(headers={"content-length": str(size)})
 
-    @app.delete("/v1/blobs/{key:path}")
-    def delete_blob(key: str, b: Blobs) -> dict[str, Any]:
-        return {"key": key, "deleted": b.delete(key)}
+    @v1.delete("/blobs/{key:path}")
+    def delete_blob(key: str, b: Blobs, acting_for: ActingFor = None) -> dict[str, Any]:
+        if not _visible(key, acting_for):
+            raise HTTPException(404, f"no blob {key!r}")
+        deleted = b.delete(key)
+        return {"key": key, "deleted": deleted}
 
-    @app.post("/v1/checkpoints")
-    async def put_checkpoint(request: Request, b: Blobs, m: Meta) -> dict[str, Any]:
+    @v1.post("/checkpoints")
+    async def put_checkpoint(
+        request: Request, b: Blobs, m: Meta, acting_for: ActingFor = None
+    ) -> dict[str, Any]:
         try:
             record = msgspec.json.decode(await request.body(), type=CheckpointRecord)
         except msgspec.DecodeError as exc:
             raise HTTPException(400, f"not a checkpoint record: {exc}") from exc
+        if acting_for != record.tenant:
+            raise HTTPException(
+                403,
+                f"a checkpoint of tenant {record.tenant!r} is recorded acting for that tenant "
+                f"(X-PlexRL-Tenant: {record.tenant}), not for {acting_for!r}",
+            )
+        if blob_tenant(record.blob_key) != record.tenant:
+            raise HTTPException(
+                403,
+                f"checkpoint blob {record.blob_key!r} is not under "
+                f"{CHECKPOINT_PREFIX}/{record.tenant}/: a record names its own tenant's blob",
+            )
+        if not record.path.startswith(f"tinker://{record.job_id}/"):
+            raise HTTPException(
+                400, f"checkpoint path {record.path!r} is not under tinker://{record.job_id}/"
+            )
         if b.size(record.blob_key) is None:
             raise HTTPException(400, f"blob {record.blob_key!r} must be stored first")
+        standing = await m.get_checkpoint(record.path)
+        if standing is not None and standing.tenant != record.tenant:
+            raise HTTPException(403, f"checkpoint {record.path!r} belongs to another tenant")
         await m.put_checkpoint(record)
         request.app.state.records.keep(record)  # beside its blob: Redis may lose it
         return {"path": record.path}
 
-    @app.get("/v1/checkpoints")
+    @v1.get("/checkpoints")
     async def list_checkpoints(
         m: Meta, x_plexrl_tenant: Annotated[str, Header()]
     ) -> list[dict[str, Any]]:
         records = await m.tenant_checkpoints(x_plexrl_tenant)
         return [msgspec.to_builtins(r) for r in records]
 
-    @app.delete("/v1/checkpoints")
+    @v1.delete("/checkpoints")
     async def delete_checkpoint(
         path: str, b: Blobs, m: Meta, x_plexrl_tenant: Annotated[str, Header()]
     ) -> dict[str, Any]:
@@ -100,14 +172,16 @@ def build_app(blobs: BlobDir, meta: MetaStore) -> FastAPI:
             raise HTTPException(404, f"no checkpoint {path!r}")
         await m.delete_checkpoint(record)
         CheckpointRecords(b, m).forget(record)
-        b.delete(record.blob_key)
+        if blob_tenant(record.blob_key) == record.tenant:
+            b.delete(record.blob_key)
         return {"path": path, "deleted": True}
 
-    @app.get("/v1/residency/{job_id}")
+    @v1.get("/residency/{job_id}")
     async def residency(job_id: str, m: Meta) -> dict[str, Any]:
         record = await m.get_residency(job_id)
         if record is None:
             raise HTTPException(404, f"no residency record for job {job_id!r}")
         return dict(msgspec.to_builtins(record))
 
+    app.include_router(v1)
     return app

@@ -8,6 +8,7 @@ import logging
 from plexrl import tracing
 from plexrl.health import HttpServer
 from plexrl.meta import MetaStore
+from plexrl.service_auth import is_loopback
 from plexrl.settings import StateStoreSettings
 from plexrl_state_store.app import build_app
 from plexrl_state_store.blobs import BlobDir
@@ -16,11 +17,33 @@ from plexrl_state_store.records import CheckpointRecords
 log = logging.getLogger("plexrl.state_store")
 
 
+class NoTokenError(RuntimeError):
+    """The state-store was asked to serve a network without a service token."""
+
+
+def check_exposure(settings: StateStoreSettings) -> None:
+    """Without a service token the store holds every tenant's checkpoints open to anyone
+    who can reach it: it may then serve this machine only (docs/security.md)."""
+    if settings.service_token:
+        return
+    host = settings.state_store_host
+    if not is_loopback(host):
+        raise NoTokenError(
+            f"the state-store would serve {host} without authentication: set "
+            "PLEXRL_SERVICE_TOKEN (the same value for every service of the cluster), or bind "
+            "it to 127.0.0.1 (PLEXRL_STATE_STORE_HOST)"
+        )
+    log.warning(
+        "state-store on %s without PLEXRL_SERVICE_TOKEN: any local process may call it", host
+    )
+
+
 async def serve(settings: StateStoreSettings, stop: asyncio.Event) -> None:
+    check_exposure(settings)
     tracing.setup_tracing("plexrl-state-store")
     meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
     blobs = BlobDir(settings.state_store_dir)
-    app = build_app(blobs, meta)
+    app = build_app(blobs, meta, settings.service_token)
     server = HttpServer(app, settings.state_store_host, settings.state_store_port)
     await server.start()
     # Checkpoint records Redis lost (a restart without its append-only file) come back.

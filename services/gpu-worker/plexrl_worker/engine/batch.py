@@ -1,23 +1,34 @@
-"""Validate a forward_backward call's data and pack it into padded micro-batches."""
+"""Validate a forward_backward call's data and pack it into padded micro-batches.
+
+The input rules are plexrl.limits' (the gateway checks the same ones first); only what
+needs the tensors themselves (dtypes, byte counts, finiteness) is checked here.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from plexrl import limits as rules
+from plexrl.limits import DEFAULT_LIMITS, CallLimits, InputError, ModelLimits
 from plexrl.messages import Datum, LossFn
 from plexrl_worker.engine.arrays import to_tensor
 from plexrl_worker.engine.errors import EngineInputError
 from plexrl_worker.engine.losses import LOSS_INPUTS
 
+__all__ = ["MicroBatch", "ModelLimits", "engine_rules", "prepare"]
 
-@dataclass(frozen=True)
-class ModelLimits:
-    """What the model accepts."""
 
-    vocab_size: int
-    max_positions: int
+@contextlib.contextmanager
+def engine_rules() -> Iterator[None]:
+    """plexrl.limits' InputError as the engine's EngineInputError (a BAD_REQUEST result)."""
+    try:
+        yield
+    except InputError as exc:
+        raise EngineInputError(str(exc)) from None
 
 
 @dataclass
@@ -43,12 +54,16 @@ class _Checked:
 
 
 def prepare(
-    data: list[Datum], loss_fn: LossFn, limits: ModelLimits, max_batch_tokens: int
+    data: list[Datum],
+    loss_fn: LossFn,
+    limits: ModelLimits,
+    max_batch_tokens: int,
+    caps: CallLimits = DEFAULT_LIMITS,
 ) -> list[MicroBatch]:
     """Check every datum (raising EngineInputError naming the datum and the fix), then pack."""
-    if not data:
-        raise EngineInputError("data is empty; send at least one datum")
-    checked = [_check(i, d, loss_fn, limits) for i, d in enumerate(data)]
+    with engine_rules():
+        rules.check_call_size((len(d.tokens) for d in data), caps)
+        checked = [_check(i, d, loss_fn, limits) for i, d in enumerate(data)]
     batches: list[MicroBatch] = []
     start = 0
     while start < len(checked):
@@ -66,67 +81,32 @@ def prepare(
 
 def _check(i: int, datum: Datum, loss_fn: LossFn, limits: ModelLimits) -> _Checked:
     n = len(datum.tokens)
-    if n == 0:
-        raise EngineInputError(f"data[{i}] has no tokens; every datum needs at least one")
-    if n > limits.max_positions:
-        raise EngineInputError(
-            f"data[{i}] has {n} tokens, more than the model's {limits.max_positions} positions; "
-            "shorten or split it"
-        )
-    try:
-        tokens = torch.tensor(datum.tokens, dtype=torch.int64)
-    except (OverflowError, RuntimeError) as exc:
-        raise EngineInputError(f"data[{i}].tokens holds an id beyond 64 bits: {exc}") from exc
-    _check_ids(f"data[{i}].tokens", tokens, limits.vocab_size)
+    rules.check_datum_length(i, n, limits)
+    rules.check_token_ids(f"data[{i}].tokens", datum.tokens, limits.vocab_size)
+    tokens = torch.tensor(datum.tokens, dtype=torch.int64)
 
     spec = LOSS_INPUTS[loss_fn]
     given = datum.loss_fn_inputs
-    missing = [k for k in ("target_tokens", *spec.required) if k not in given]
-    if missing:
-        raise EngineInputError(
-            f"data[{i}].loss_fn_inputs lacks {missing}; {loss_fn} needs "
-            f"{['target_tokens', *spec.required]}"
-        )
-    unknown = sorted(set(given) - set(spec.accepted))
-    if unknown:
-        raise EngineInputError(
-            f"data[{i}].loss_fn_inputs has {unknown}, which {loss_fn} does not read; "
-            f"it accepts {list(spec.accepted)}"
-        )
+    rules.check_loss_input_keys(i, given, loss_fn, spec)
     inputs: dict[str, torch.Tensor] = {}
     for key, array in given.items():
         where = f"data[{i}].loss_fn_inputs[{key!r}]"
         want = "int64" if key == "target_tokens" else "float32"
         if array.dtype != want:
             raise EngineInputError(f"{where} is {array.dtype}; send {want}")
-        if array.shape != [n]:
-            raise EngineInputError(
-                f"{where} has shape {array.shape}, but the datum has {n} tokens; "
-                f"send one value per token (shape [{n}])"
-            )
+        rules.check_loss_input_shape(where, array.shape, n)
         try:
             inputs[key] = to_tensor(array)
         except ValueError as exc:
             raise EngineInputError(f"{where} {exc}") from exc
         if want == "float32" and not bool(torch.isfinite(inputs[key]).all()):
             raise EngineInputError(f"{where} holds NaN or infinity; send finite values")
-    _check_ids(
-        f"data[{i}].loss_fn_inputs['target_tokens']", inputs["target_tokens"], limits.vocab_size
-    )
+    target = inputs["target_tokens"].cpu().numpy()
+    rules.check_token_ids(f"data[{i}].loss_fn_inputs['target_tokens']", target, limits.vocab_size)
     for key in spec.optional:
         # Every optional input defaults to ones (cross_entropy's `weights`: every token counts).
         inputs.setdefault(key, torch.ones(n, dtype=torch.float32))
     return _Checked(tokens=tokens, inputs=inputs)
-
-
-def _check_ids(where: str, ids: torch.Tensor, vocab_size: int) -> None:
-    bad = (ids < 0) | (ids >= vocab_size)
-    if bool(bad.any()):
-        pos = int(bad.nonzero()[0, 0])
-        raise EngineInputError(
-            f"{where}[{pos}] is {int(ids[pos])}, outside the vocabulary [0, {vocab_size}); "
-            "tokenize with the base model's tokenizer"
-        )
 
 
 def _pad(first: int, rows: list[_Checked]) -> MicroBatch:

@@ -13,7 +13,6 @@ Semantics (kept in one place, and what the tests pin):
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,11 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plexrl import limits as rules
+from plexrl.limits import DEFAULT_LIMITS, CallLimits, ModelLimits
 from plexrl.messages import SampledSequence, SampleInput, SampleOutput, SamplingParams, StopReason
-from plexrl_worker.engine.batch import ModelLimits
-from plexrl_worker.engine.errors import EngineInputError
-
-_SEED_RANGE = (-(2**63), 2**64 - 1)
+from plexrl_worker.engine.batch import engine_rules
 
 
 @dataclass(frozen=True)
@@ -51,41 +49,16 @@ class StopRule:
         return False
 
 
-def validate(inp: SampleInput, limits: ModelLimits) -> None:
-    """Raise EngineInputError, saying what to change, for input the model cannot serve."""
+def validate(inp: SampleInput, limits: ModelLimits, caps: CallLimits = DEFAULT_LIMITS) -> None:
+    """Raise EngineInputError, saying what to change, for input the model cannot serve
+    (plexrl.limits' rules: the gateway checked the same ones before publishing)."""
     p = inp.params
-    if not inp.prompt:
-        raise EngineInputError("prompt is empty; send at least one token")
-    for where, ids in (("prompt", inp.prompt), ("params.stop_tokens", p.stop_tokens)):
-        for pos, t in enumerate(ids):
-            if not 0 <= t < limits.vocab_size:
-                raise EngineInputError(
-                    f"{where}[{pos}] is {t}, outside the vocabulary [0, {limits.vocab_size}); "
-                    "tokenize with the base model's tokenizer"
-                )
-    if inp.num_samples < 1:
-        raise EngineInputError(f"num_samples is {inp.num_samples}; ask for at least 1")
-    if p.max_tokens < 0:
-        raise EngineInputError(f"params.max_tokens is {p.max_tokens}; it must be 0 or more")
-    if len(inp.prompt) + p.max_tokens > limits.max_positions:
-        raise EngineInputError(
-            f"prompt ({len(inp.prompt)} tokens) plus max_tokens ({p.max_tokens}) exceeds the "
-            f"model's {limits.max_positions} positions; lower max_tokens or shorten the prompt"
-        )
-    if not (math.isfinite(p.temperature) and p.temperature >= 0):
-        raise EngineInputError(f"params.temperature is {p.temperature}; use a finite value >= 0")
-    if not 0 < p.top_p <= 1:
-        raise EngineInputError(f"params.top_p is {p.top_p}; it must be in (0, 1]")
-    if p.top_k != -1 and p.top_k < 1:
-        raise EngineInputError(f"params.top_k is {p.top_k}; use -1 (no limit) or a positive count")
-    if p.seed is not None and not _SEED_RANGE[0] <= p.seed <= _SEED_RANGE[1]:
-        raise EngineInputError(f"params.seed {p.seed} does not fit in 64 bits")
-    if any(not s for s in p.stop_strings):
-        raise EngineInputError("params.stop_strings holds an empty string; remove it")
-    if inp.topk_prompt_logprobs < 0:
-        raise EngineInputError(
-            f"topk_prompt_logprobs is {inp.topk_prompt_logprobs}; use 0 (off) or a positive count"
-        )
+    with engine_rules():
+        rules.check_sample_size(len(inp.prompt), inp.num_samples, p.max_tokens, limits, caps)
+        rules.check_token_ids("prompt", inp.prompt, limits.vocab_size)
+        rules.check_sampling_params(p.temperature, p.top_p, p.top_k, p.seed)
+        rules.check_stop(p.stop_strings, p.stop_tokens, limits, caps)
+        rules.check_topk_logprobs(inp.topk_prompt_logprobs, caps)
 
 
 @torch.no_grad()

@@ -1,0 +1,96 @@
+"""Per-tenant quota on pending calls: one tenant cannot fill the queues every tenant shares.
+
+A call is pending from the moment this gateway publishes it until its completion is
+seen (on the completions topic, or read by `retrieve_future`). A tenant at its cap
+gets 429 with Retry-After for new calls until some of its calls are answered; the
+SDK retries a 429 by itself. The count is this gateway's (several gateways each
+enforce the cap on what they published); an entry whose completion never shows up
+is forgotten after `forget_after_s`, so a lost message cannot lock a tenant out.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from plexrl.limits import CallLimits
+from plexrl.messages import PhaseRequest
+from plexrl_gateway.errors import ApiError, Category
+from plexrl_gateway.submitter import RequestPublisher
+
+
+class PendingCalls:
+    def __init__(
+        self,
+        limits: CallLimits,
+        forget_after_s: float = 900.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._limits = limits
+        self._forget_after_s = forget_after_s
+        self._clock = clock
+        self._by_tenant: dict[str, dict[str, float]] = {}
+        """tenant → request id → when it was published."""
+        self._tenant_of: dict[str, str] = {}
+
+    def count(self, tenant: str) -> int:
+        self._forget_stale(tenant)
+        return len(self._by_tenant.get(tenant, {}))
+
+    def admit(self, tenant: str) -> None:
+        """Raises 429 (with Retry-After) when the tenant has `max_pending_calls` pending."""
+        pending = self.count(tenant)
+        cap = self._limits.max_pending_calls
+        if pending >= cap:
+            raise ApiError(
+                429,
+                f"tenant {tenant!r} has {pending} calls pending, the most one tenant may have "
+                f"queued ({cap}); wait for some results (retrieve_future) before sending more",
+                Category.USER,
+                headers={"Retry-After": str(self._limits.retry_after_s)},
+            )
+
+    def published(self, tenant: str, request_id: str) -> None:
+        self._by_tenant.setdefault(tenant, {}).setdefault(request_id, self._clock())
+        self._tenant_of[request_id] = tenant
+
+    def done(self, request_id: str) -> None:
+        tenant = self._tenant_of.pop(request_id, None)
+        if tenant is not None:
+            calls = self._by_tenant.get(tenant, {})
+            calls.pop(request_id, None)
+            if not calls:
+                self._by_tenant.pop(tenant, None)
+
+    def _forget_stale(self, tenant: str) -> None:
+        calls = self._by_tenant.get(tenant)
+        if not calls:
+            return
+        horizon = self._clock() - self._forget_after_s
+        # Oldest first (dicts keep insertion order): stop at the first fresh one.
+        for request_id, at in list(calls.items()):
+            if at >= horizon:
+                break
+            self.done(request_id)
+
+
+class CountingPublisher:
+    """The gateway's Kafka edge, noting each phase request it sends as pending.
+
+    Counting at the edge (not in the submitter) counts every path that publishes a
+    request: the request path and the outbox's re-publication alike.
+    """
+
+    def __init__(self, inner: RequestPublisher, pending: PendingCalls, requests_topic: str):
+        self._inner = inner
+        self._pending = pending
+        self._requests_topic = requests_topic
+
+    async def publish(self, topic: str, key: str | bytes | None, message: Any) -> None:
+        await self._inner.publish(topic, key, message)
+        if topic == self._requests_topic and isinstance(message, PhaseRequest):
+            self._pending.published(message.tenant, message.request_id)
+
+    async def ping(self, timeout_s: float = 2.0) -> bool:
+        return await self._inner.ping(timeout_s)
