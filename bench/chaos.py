@@ -1,0 +1,196 @@
+"""Chaos: kill -9 each kind of process at random points of a multi-job LoRA run.
+
+One local cluster (two workers), one undisturbed run of the fixed workload of
+`plexrl.faults` as the reference, then, per process kind, N runs of it with one
+process killed (SIGKILL) at a random moment and restarted with the same id. Each run
+is compared to the reference: calls lost (the client saw an error), optimizer steps
+applied twice (or skipped), jobs not bit-identical (losses or checkpoint bytes).
+
+Recovery time of an injection: from the kill to the moment every job has finished a
+training step that was still to come at the kill, minus that step's undisturbed
+duration — the stall a job saw. Ends with one JSON line.
+
+    .venv/bin/python bench/chaos.py --injections 3 --kinds worker,scheduler,gateway,state-store
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import tinker
+
+from plexrl.cluster import ClusterConfig, LocalCluster
+from plexrl.faults import JobOutcome, Workload, compare, run_workload
+from plexrl.models import init_tiny
+
+KEY, TENANT = "tml-chaos", "chaos"
+KINDS = {
+    "worker": "worker-0",
+    "scheduler": "scheduler",
+    "gateway": "gateway",
+    "state-store": "state-store",
+}
+"""Process kind -> service killed (for a worker: the one the first job runs on)."""
+# Service start-up imports torch and transformers: minutes on a busy 2-core machine.
+START_TIMEOUT_S = 600.0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def inject(
+    cluster: LocalCluster,
+    service: Any,
+    workload: Workload,
+    blobs: Path,
+    kind: str,
+    rng: random.Random,
+    step_s: float,
+) -> tuple[list[JobOutcome], float, str]:
+    """One disturbed run; returns its outcomes, the recovery time and who was killed."""
+    done_at: dict[int, list[float]] = {s: [] for s in workload.seeds}
+    kill_step = rng.randrange(1, workload.steps)
+    delay_s = rng.uniform(0.0, step_s)
+    lock = threading.Lock()
+    killed: dict[str, Any] = {}
+
+    def kill(victim: str) -> None:
+        time.sleep(delay_s)  # somewhere in the job's next step
+        with lock:
+            killed["before"] = {s: len(t) for s, t in done_at.items()}
+            killed["at"] = time.monotonic()
+            killed["victim"] = victim
+        cluster.kill(victim)
+        cluster.restart(victim, START_TIMEOUT_S)
+
+    def on_step(job: JobOutcome, step: int) -> None:
+        with lock:
+            done_at[job.seed].append(time.monotonic())
+        if job.seed == workload.seeds[0] and step == kill_step:
+            victim = KINDS[kind]
+            if kind == "worker":  # the worker this job runs on
+                victim = cluster_home(cluster, job.model_id) or victim
+            killed["thread"] = threading.Thread(target=kill, args=(victim,))
+            killed["thread"].start()
+
+    outcomes = run_workload(service, workload, blobs, TENANT, on_step)
+    if "thread" in killed:
+        killed["thread"].join()
+    if "at" not in killed:
+        return outcomes, 0.0, "nobody (the run ended first)"
+    before, at = killed["before"], killed["at"]
+    # The stall: the first step each job finished after the kill, less an ordinary step.
+    stalls = [
+        done_at[s][before[s]] - at - step_s for s in workload.seeds if len(done_at[s]) > before[s]
+    ]
+    return outcomes, max(0.0, max(stalls, default=0.0)), str(killed["victim"])
+
+
+def cluster_home(cluster: LocalCluster, model_id: str) -> str | None:
+    """The worker the job is homed on (from Redis)."""
+    import redis
+
+    url = os.environ.get("PLEXRL_REDIS_URL", "redis://127.0.0.1:6379/0")
+    with redis.Redis.from_url(url) as store:
+        raw = store.get(f"{cluster.config.cluster_id}:home:{model_id}")
+    return None if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--injections", type=int, default=3, help="kills per process kind")
+    parser.add_argument("--kinds", default="worker,scheduler,gateway,state-store")
+    parser.add_argument("--steps", type=int, default=4, help="training steps per job")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the kill points")
+    parser.add_argument("--worker-timeout-s", type=float, default=3.0)
+    args = parser.parse_args()
+    kinds = [k for k in args.kinds.split(",") if k]
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        sys.exit(f"unknown kinds {unknown}; choose from {sorted(KINDS)}")
+    seed = args.seed if args.seed is not None else random.randrange(2**31)
+    rng = random.Random(seed)
+    workload = Workload(steps=args.steps)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    with tempfile.TemporaryDirectory(prefix="plexrl-chaos-") as tmp:
+        root = Path(tmp)
+        init_tiny(root / "models" / "tiny-qwen3")
+        config = ClusterConfig(
+            model_registry=root / "models",
+            state_dir=root / "cluster",
+            cluster_id="chaos" + uuid.uuid4().hex[:8],
+            workers=2,
+            gateway_port=free_port(),
+            scheduler_port=free_port(),
+            worker_port_base=free_port(),
+            state_store_port=free_port(),
+            api_keys=f"{KEY}={TENANT}",
+            worker_threads=1,
+            env={"PLEXRL_WORKER_TIMEOUT_S": str(args.worker_timeout_s)},
+        )
+        blobs = config.state_dir / "blobs"
+        cluster = LocalCluster(config)
+        cluster.start(timeout_s=START_TIMEOUT_S)
+        try:
+            service = tinker.ServiceClient(base_url=config.gateway_url, api_key=KEY)
+            start = time.monotonic()
+            reference = run_workload(service, workload, blobs, TENANT)
+            if any(o.errors for o in reference):
+                sys.exit(f"the undisturbed run failed: {[o.errors for o in reference]}")
+            step_s = statistics.median(s for o in reference for s in o.call_s)
+            print(f"reference: {time.monotonic() - start:.1f}s, step {step_s:.3f}s", flush=True)
+            results: dict[str, dict[str, Any]] = {}
+            for kind in kinds:
+                totals = {"lost": 0, "duplicated": 0, "not_identical": 0}
+                recovery: list[float] = []
+                for i in range(args.injections):
+                    outcomes, stall_s, victim = inject(
+                        cluster, service, workload, blobs, kind, rng, step_s
+                    )
+                    c = compare(reference, outcomes)
+                    totals["lost"] += c.lost
+                    totals["duplicated"] += c.duplicated
+                    totals["not_identical"] += c.not_identical
+                    recovery.append(stall_s)
+                    print(f"{kind} #{i + 1} ({victim}): {c}, recovery {stall_s:.2f}s", flush=True)
+                results[kind] = {
+                    "injections": args.injections,
+                    **totals,
+                    "recovery_p50_s": round(statistics.median(recovery), 3),
+                    "recovery_max_s": round(max(recovery), 3),
+                }
+        finally:
+            cluster.stop()
+    line = {
+        "benchmark": "chaos",
+        "seed": seed,
+        "steps": args.steps,
+        "jobs": len(workload.seeds),
+        "worker_timeout_s": args.worker_timeout_s,
+        "kinds": results,
+        "lost": sum(r["lost"] for r in results.values()),
+        "duplicated": sum(r["duplicated"] for r in results.values()),
+        "not_identical": sum(r["not_identical"] for r in results.values()),
+    }
+    print(json.dumps(line))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""A fixed multi-job LoRA workload through the Tinker SDK, for fault injection.
+
+The fault suite (tests/test_faults.py) and the chaos benchmark (bench/chaos.py) run
+it once undisturbed and again while killing services, and compare: every call
+answered (none lost), each job's optimizer step counter 1, 2, ... N (none applied
+twice or skipped), and every loss and the saved checkpoint's bytes identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BASE = "plexrl/tiny-qwen3"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What each job does: `steps` of forward_backward + optim_step, then save_state."""
+
+    seeds: tuple[int, ...] = (1, 2)
+    """One LoRA job per seed (adapter init and data both follow it)."""
+    steps: int = 4
+    rank: int = 8
+    base_model: str = BASE
+    learning_rate: float = 5e-3
+
+
+@dataclass
+class JobOutcome:
+    seed: int
+    model_id: str = ""
+    losses: list[float] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    """The `step:max` each optim_step reported: 1..N when no step ran twice."""
+    checkpoint_sha256: str = ""
+    errors: list[str] = field(default_factory=list)
+    """Calls the client saw fail (a lost call, from the client's side)."""
+    call_s: list[float] = field(default_factory=list)
+    """Wall seconds of each training step (forward_backward + optim_step)."""
+    client: Any = None
+    """The job's training client, to call it again."""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    lost: int
+    """Calls that failed or never answered."""
+    duplicated: int
+    """Optimizer steps applied more than once (or skipped)."""
+    not_identical: int
+    """Jobs whose losses or checkpoint bytes differ from the undisturbed run."""
+
+
+def batch(seed: int, step: int) -> list[Any]:
+    from tinker import types
+
+    rng = random.Random(seed * 1000 + step)
+    data = []
+    for _ in range(2):
+        tokens = [rng.randrange(5, 600) for _ in range(rng.randrange(6, 12))]
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={
+                    "target_tokens": types.TensorData(data=tokens[1:], dtype="int64"),
+                    "weights": types.TensorData(data=[1.0] * (len(tokens) - 1), dtype="float32"),
+                },
+            )
+        )
+    return data
+
+
+def checkpoint_sha256(blobs: Path, tenant: str, model_id: str, name: str) -> str:
+    """The sha256 of a `save_state(name)` checkpoint's bytes in the state-store's directory."""
+    safe = model_id.replace("tinker://", "").replace("/", "_")
+    matches = sorted((blobs / "ckpt" / tenant / safe / "weights").glob(f"*{name}*"))
+    if not matches:
+        return ""
+    return hashlib.sha256(matches[-1].read_bytes()).hexdigest()
+
+
+def run_job(
+    service: Any,
+    workload: Workload,
+    seed: int,
+    blobs: Path,
+    tenant: str,
+    on_step: Callable[[JobOutcome, int], None] | None = None,
+) -> JobOutcome:
+    from tinker import types
+
+    out = JobOutcome(seed)
+    adam = types.AdamParams(learning_rate=workload.learning_rate)
+    try:
+        client = service.create_lora_training_client(
+            base_model=workload.base_model, rank=workload.rank, seed=seed
+        ).result()
+        out.model_id, out.client = client.model_id, client
+        for step in range(workload.steps):
+            start = time.perf_counter()
+            fb = client.forward_backward(batch(seed, step), "cross_entropy")
+            opt = client.optim_step(adam)
+            out.losses.append(float(fb.result().metrics["loss:sum"]))
+            out.steps.append(int(opt.result().metrics["step:max"]))
+            out.call_s.append(time.perf_counter() - start)
+            if on_step is not None:  # after each step, from the job's own thread
+                on_step(out, step + 1)
+        name = f"final-{seed}"
+        client.save_state(name).result()
+        out.checkpoint_sha256 = checkpoint_sha256(blobs, tenant, out.model_id, name)
+    except Exception as exc:  # the client saw an error: the fault lost a call
+        out.errors.append(f"{type(exc).__name__}: {exc}")
+    return out
+
+
+def run_workload(
+    service: Any,
+    workload: Workload,
+    blobs: Path,
+    tenant: str,
+    on_step: Callable[[JobOutcome, int], None] | None = None,
+) -> list[JobOutcome]:
+    """Every job at once, one thread each (so they share the workers), in seed order."""
+    outcomes: dict[int, JobOutcome] = {}
+
+    def one(seed: int) -> None:
+        outcomes[seed] = run_job(service, workload, seed, blobs, tenant, on_step)
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in workload.seeds]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return [outcomes[s] for s in workload.seeds]
+
+
+def compare(reference: list[JobOutcome], disturbed: list[JobOutcome]) -> Comparison:
+    lost = duplicated = not_identical = 0
+    for ref, got in zip(reference, disturbed, strict=True):
+        lost += len(got.errors) + max(0, len(ref.losses) - len(got.losses))
+        expected_steps = list(range(1, len(got.steps) + 1))
+        duplicated += sum(1 for a, b in zip(got.steps, expected_steps, strict=True) if a != b)
+        same = (
+            got.losses == ref.losses
+            and got.checkpoint_sha256 == ref.checkpoint_sha256
+            and got.checkpoint_sha256 != ""
+        )
+        not_identical += 0 if same else 1
+    return Comparison(lost, duplicated, not_identical)

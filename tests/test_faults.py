@@ -1,0 +1,204 @@
+"""Fault suite: kill -9 a gpu-worker mid-run, replay old requests after their dedupe
+records are gone — every job's losses, step counters and checkpoint bytes must be
+exactly those of the undisturbed run, with no call lost (the client sees a delay).
+
+Two workers, two tiny LoRA jobs through the unmodified tinker SDK, a few steps each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import statistics
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+import tinker
+from aiokafka import AIOKafkaConsumer
+
+from plexrl.cluster import ClusterConfig, LocalCluster
+from plexrl.faults import (
+    JobOutcome,
+    Workload,
+    checkpoint_sha256,
+    compare,
+    run_job,
+    run_workload,
+)
+from plexrl.kafka import Publisher
+from plexrl.topics import Topics
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.integration
+
+KEY, TENANT = "tml-faults", "faults"
+WORKLOAD = Workload(seeds=(1, 2), steps=5)
+# Service start-up imports torch and transformers: minutes on a busy 2-core machine.
+START_TIMEOUT_S = 600.0
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    config = ClusterConfig(
+        model_registry=tiny_registry,
+        state_dir=tmp_path_factory.mktemp("faults"),
+        cluster_id="flt" + uuid.uuid4().hex[:8],
+        workers=2,
+        gateway_port=free_port(),
+        scheduler_port=free_port(),
+        worker_port_base=free_port(),
+        state_store_port=free_port(),
+        api_keys=f"{KEY}={TENANT}",
+        worker_threads=1,
+        # A dead worker is noticed after 3 s of silence (heartbeats every second).
+        env={"PLEXRL_WORKER_TIMEOUT_S": "3"},
+    )
+    running = LocalCluster(config)
+    running.start(timeout_s=START_TIMEOUT_S)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(scope="module")
+def service(cluster: LocalCluster) -> tinker.ServiceClient:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    return tinker.ServiceClient(base_url=cluster.config.gateway_url, api_key=KEY)
+
+
+@pytest.fixture(scope="module")
+def blobs(cluster: LocalCluster) -> Path:
+    return cluster.config.state_dir / "blobs"
+
+
+@pytest.fixture(scope="module")
+def reference(service: tinker.ServiceClient, blobs: Path) -> tuple[list[JobOutcome], float]:
+    start = time.monotonic()
+    outcomes = run_workload(service, WORKLOAD, blobs, TENANT)
+    for o in outcomes:
+        assert not o.errors and o.steps == list(range(1, WORKLOAD.steps + 1)), o
+        assert o.checkpoint_sha256, f"no checkpoint bytes found for {o.model_id}"
+    return outcomes, time.monotonic() - start
+
+
+def home_of(cluster: LocalCluster, model_id: str) -> str | None:
+    store = redis.Redis.from_url(os.environ.get("PLEXRL_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    raw = store.get(f"{cluster.config.cluster_id}:home:{model_id}")
+    store.close()
+    return None if raw is None else _text(raw)
+
+
+def test_a_worker_killed_mid_run_changes_nothing(
+    cluster: LocalCluster,
+    service: tinker.ServiceClient,
+    blobs: Path,
+    reference: tuple[list[JobOutcome], float],
+) -> None:
+    expected, _ = reference
+    step_s = statistics.median(s for o in expected for s in o.call_s)
+    rng = random.Random()
+    first_step = rng.randrange(1, WORKLOAD.steps)
+    delay_s = rng.uniform(0.0, step_s)
+    killed: list[str] = []
+
+    def kill(victim: str) -> None:
+        time.sleep(delay_s)  # somewhere in the job's next step
+        cluster.kill(victim)
+        killed.append(victim)
+        # It comes back with the same id while its jobs run elsewhere.
+        cluster.restart(victim, START_TIMEOUT_S)
+
+    killer: list[threading.Thread] = []
+
+    def on_step(job: JobOutcome, step: int) -> None:
+        if job.seed == WORKLOAD.seeds[0] and step == first_step:
+            victim = home_of(cluster, job.model_id) or "worker-0"
+            killer.append(threading.Thread(target=kill, args=(victim,)))
+            killer[0].start()
+
+    outcomes = run_workload(service, WORKLOAD, blobs, TENANT, on_step)
+    assert killer, "the first job never reached its kill point"
+    killer[0].join(START_TIMEOUT_S)
+
+    where = f"killed {killed} {delay_s:.2f}s after step {first_step}"
+    result = compare(expected, outcomes)
+    assert killed, where
+    assert result.lost == 0, (where, [o.errors for o in outcomes])
+    assert result.duplicated == 0, (where, [o.steps for o in outcomes])
+    assert result.not_identical == 0, (where, outcomes, expected)
+
+
+def test_old_requests_replayed_after_their_dedupe_records_expired_apply_nothing(
+    cluster: LocalCluster,
+    service: tinker.ServiceClient,
+    blobs: Path,
+    reference: tuple[list[JobOutcome], float],
+) -> None:
+    expected = reference[0][0]
+    done = run_job(service, WORKLOAD, WORKLOAD.seeds[0], blobs, TENANT)
+    assert not done.errors and done.checkpoint_sha256 == expected.checkpoint_sha256
+
+    store = redis.Redis.from_url(os.environ.get("PLEXRL_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    cid = cluster.config.cluster_id
+    expired = list(store.scan_iter(match=f"{cid}:done:*"))
+    store.delete(*expired)  # as if their 24 h had passed
+    replayed = asyncio.run(_replay_requests(cid, done.model_id))
+    assert len(replayed) >= 2 * WORKLOAD.steps + 2  # create, the steps, the save
+
+    # Each replayed call is answered again (from the job's ledger), none is rerun.
+    deadline = time.monotonic() + 120
+    missing = replayed
+    while missing and time.monotonic() < deadline:
+        missing = [r for r in replayed if not store.exists(f"{cid}:done:{r}")]
+        time.sleep(0.5)
+    store.close()
+    assert not missing, f"{len(missing)} replayed calls were never answered"
+
+    # The job itself has not moved: saved again, its bytes are the undisturbed run's.
+    done.client.save_state("after-replay").result()
+    again = checkpoint_sha256(blobs, TENANT, done.model_id, "after-replay")
+    assert again == expected.checkpoint_sha256, "a replayed optimizer step was applied again"
+
+
+async def _replay_requests(cluster_id: str, job_id: str) -> list[str]:
+    """Publish again, as they were, every request of the job the requests topic holds."""
+    from plexrl.messages import PhaseRequest, decode
+
+    bootstrap = os.environ.get("PLEXRL_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
+    topic = Topics(cluster_id).requests
+    consumer = AIOKafkaConsumer(
+        topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None
+    )
+    await consumer.start()
+    records: list[Any] = []
+    try:
+        while True:
+            batch = await consumer.getmany(timeout_ms=2000)
+            if not batch:
+                break
+            for rows in batch.values():
+                records.extend(r for r in rows if r.key == job_id.encode())
+    finally:
+        await consumer.stop()
+    publisher = Publisher(bootstrap, "fault-replay")
+    await publisher.start()
+    try:
+        for r in records:
+            await publisher.publish_raw(topic, r.key, r.value)
+    finally:
+        await publisher.stop()
+    return [decode(r.value, PhaseRequest).request_id for r in records]
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
