@@ -76,7 +76,8 @@ class FakePublisher:
         if self.fail:
             raise ConnectionError("broker unreachable")
         self.sent.append((topic, key, message))
-        self.headers.append({k: v.decode() for k, v in tracing.kafka_headers()})
+        # The real producer's send span is a child of the current span: same trace.
+        self.headers.append({"traceparent": tracing.traceparent_of() or ""})
 
     async def ping(self, timeout_s: float = 2.0) -> bool:
         return not self.fail

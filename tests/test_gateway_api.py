@@ -588,7 +588,7 @@ async def test_one_trace_runs_from_the_http_call_into_kafka(api: Harness) -> Non
     (headers,) = api.publisher.headers[-1:]
     trace_id = headers["traceparent"].split("-")[1]
     spans = {s.name: s for s in SPANS.get_finished_spans()}
-    root = spans["gateway POST /api/v1/optim_step"]
+    root = spans["POST /api/v1/optim_step"]
     publish = spans["gateway.publish"]
     assert f"{root.context.trace_id:032x}" == trace_id
     # The HTTP span starts the trace; the publish (and the Kafka header) continue it.

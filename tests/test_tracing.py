@@ -1,4 +1,4 @@
-"""One trace per API call: gateway → Kafka → scheduler → worker → Kafka → gateway.
+"""One trace per API call: gateway → Kafka → scheduler → worker → state-store → gateway.
 
 The four services run in this process (their `serve` coroutines), over the real
 Kafka and Redis, so one in-memory exporter sees every span they make.
@@ -7,16 +7,28 @@ Kafka and Redis, so one in-memory exporter sees every span they make.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import tinker
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanKind
+from tinker.proto import request_conv
 
 from plexrl import tracing
+from plexrl.kafka import Publisher
+from plexrl.messages import Dispatch, StateMove, Tier
+from plexrl.meta import MetaStore
 from plexrl.settings import GatewaySettings, SchedulerSettings, StateStoreSettings, WorkerSettings
+from plexrl.topics import Topics
 from plexrl_gateway.main import serve as serve_gateway
 from plexrl_scheduler.main import serve as serve_scheduler
 from plexrl_state_store.main import serve as serve_state_store
@@ -24,6 +36,9 @@ from plexrl_worker.main import serve as serve_worker
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
+
+KEY = {"X-API-Key": "tml-trace"}
+EXPORTER = InMemorySpanExporter()
 
 
 async def wait_until(url: str, ok: object = None, timeout_s: float = 60.0) -> dict[str, object]:
@@ -42,11 +57,17 @@ async def wait_until(url: str, ok: object = None, timeout_s: float = 60.0) -> di
             await asyncio.sleep(0.1)
 
 
-async def test_echo_is_one_trace_through_every_service(
-    infra: dict[str, str], cluster_id: str, tiny_registry: Path, tmp_path: Path
-) -> None:
-    exporter = InMemorySpanExporter()
-    tracing.setup_tracing("plexrl-test", exporter)
+@dataclass
+class Services:
+    gateway: httpx.AsyncClient
+    settings: WorkerSettings
+
+
+@contextlib.asynccontextmanager
+async def four_services(
+    infra: dict[str, str], cluster_id: str, registry: Path, blobs: Path
+) -> AsyncIterator[Services]:
+    tracing.setup_tracing("plexrl-test", EXPORTER)
     common: dict[str, Any] = {
         "kafka_bootstrap": infra["kafka"],
         "redis_url": infra["redis"],
@@ -55,32 +76,29 @@ async def test_echo_is_one_trace_through_every_service(
     store_port, sched_port, worker_port, gw_port = (free_port() for _ in range(4))
     store_url = f"http://127.0.0.1:{store_port}"
     sched_url = f"http://127.0.0.1:{sched_port}"
+    worker = WorkerSettings(
+        **common,
+        worker_port=worker_port,
+        state_store_url=store_url,
+        model_registry=registry,
+        worker_threads=1,
+    )
     stop = asyncio.Event()
     services = [
         serve_state_store(
-            StateStoreSettings(
-                **common, state_store_port=store_port, state_store_dir=tmp_path / "blobs"
-            ),
+            StateStoreSettings(**common, state_store_port=store_port, state_store_dir=blobs),
             stop,
         ),
         serve_scheduler(SchedulerSettings(**common, scheduler_port=sched_port), stop),
-        serve_worker(
-            WorkerSettings(
-                **common,
-                worker_port=worker_port,
-                state_store_url=store_url,
-                model_registry=tiny_registry,
-                worker_threads=1,
-            ),
-            stop,
-        ),
+        serve_worker(worker, stop),
         serve_gateway(
             GatewaySettings(
                 **common,
                 gateway_port=gw_port,
                 api_keys="tml-trace=t",
-                model_registry=tiny_registry,
+                model_registry=registry,
                 scheduler_url=sched_url,
+                state_store_url=store_url,
             ),
             stop,
         ),
@@ -89,23 +107,202 @@ async def test_echo_is_one_trace_through_every_service(
     try:
         await wait_until(f"http://127.0.0.1:{gw_port}/healthz")
         await wait_until(f"{sched_url}/healthz", lambda b: b.get("workers"))
-        exporter.clear()
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{gw_port}", timeout=30) as http:
-            response = await http.post("/plexrl/v1/echo", headers={"X-API-Key": "tml-trace"})
-        assert response.status_code == 200, response.text
-        request_id = response.json()["request_id"]
+            yield Services(http, worker)
         await asyncio.sleep(0.5)  # let the last spans end
     finally:
         stop.set()
         await asyncio.gather(*tasks)
 
-    spans = exporter.get_finished_spans()
+
+async def test_echo_is_one_trace_through_every_service(
+    infra: dict[str, str], cluster_id: str, tiny_registry: Path, tmp_path: Path
+) -> None:
+    async with four_services(infra, cluster_id, tiny_registry, tmp_path / "blobs") as cluster:
+        EXPORTER.clear()
+        response = await cluster.gateway.post("/plexrl/v1/echo", headers=KEY)
+        assert response.status_code == 200, response.text
+        request_id = response.json()["request_id"]
+
+    spans = EXPORTER.get_finished_spans()
     tagged = [s for s in spans if (s.attributes or {}).get("plexrl.request_id") == request_id]
     trace_ids = {s.context.trace_id for s in tagged if s.context is not None}
     assert len(trace_ids) == 1, [(s.name, s.context) for s in tagged]
     (trace_id,) = trace_ids
     names = {s.name for s in spans if s.context is not None and s.context.trace_id == trace_id}
-    assert any(n.startswith("gateway") and n != "gateway.completion" for n in names), names
+    assert "POST /plexrl/v1/echo" in names, names
     assert "scheduler.dispatch" in names, names
     assert "worker.noop" in names, names
     assert "gateway.completion" in names, names  # and back
+
+
+class Tree:
+    """The finished spans of one trace, navigable by parent."""
+
+    def __init__(self, spans: list[ReadableSpan], trace_id: int) -> None:
+        self.spans = [s for s in spans if s.context is not None and s.context.trace_id == trace_id]
+        self._by_id = {s.context.span_id: s for s in self.spans if s.context is not None}
+
+    def parent(self, span: ReadableSpan) -> ReadableSpan | None:
+        return self._by_id.get(span.parent.span_id) if span.parent is not None else None
+
+    def one(self, test: Callable[[ReadableSpan], bool], what: str) -> ReadableSpan:
+        found = [s for s in self.spans if test(s)]
+        assert len(found) == 1, (what, [s.name for s in found], self.render())
+        return found[0]
+
+    def below(self, span: ReadableSpan, ancestor: ReadableSpan) -> bool:
+        node: ReadableSpan | None = self.parent(span)
+        while node is not None:
+            if node is ancestor:
+                return True
+            node = self.parent(node)
+        return False
+
+    def render(self) -> str:
+        def depth(s: ReadableSpan) -> int:
+            parent = self.parent(s)
+            return 0 if parent is None else 1 + depth(parent)
+
+        ordered = sorted(self.spans, key=lambda s: s.start_time or 0)
+        return "\n".join("  " * depth(s) + f"{s.name} [{s.kind.name}]" for s in ordered)
+
+
+async def finished(http: httpx.AsyncClient, request_id: str) -> dict[str, Any]:
+    for _ in range(60):
+        response = await http.post(
+            "/api/v1/retrieve_future", json={"request_id": request_id}, headers=KEY
+        )
+        if response.status_code == 200:
+            # A call sent as protobuf is answered as protobuf: look for the bytes then.
+            if "json" not in response.headers.get("content-type", ""):
+                return {"content": response.content}
+            body: dict[str, Any] = response.json()
+            assert body.get("type") != "RequestFailedResponse", body
+            return body
+        assert response.status_code == 408, response.text
+    raise TimeoutError(request_id)
+
+
+async def test_forward_backward_is_one_tree_down_to_the_state_store(
+    infra: dict[str, str], cluster_id: str, tiny_registry: Path, tmp_path: Path
+) -> None:
+    async with four_services(infra, cluster_id, tiny_registry, tmp_path / "blobs") as cluster:
+        http = cluster.gateway
+        session = (
+            await http.post(
+                "/api/v1/create_session",
+                json={"tags": [], "user_metadata": {}, "sdk_version": "0.38.0"},
+                headers=KEY,
+            )
+        ).json()["session_id"]
+        created = await http.post(
+            "/api/v1/create_model",
+            json={
+                "session_id": session,
+                "model_seq_id": 0,
+                "base_model": "plexrl/tiny-qwen3",
+                "lora_config": {"rank": 4},
+                "type": "create_model",
+            },
+            headers=KEY,
+        )
+        assert created.status_code == 200, created.text
+        model_id = created.json()["model_id"]
+        await finished(http, created.json()["request_id"])
+
+        # Park the job's state on the disk tier, as an eviction under memory pressure
+        # would, so that its next call onloads it through the state-store.
+        await park_on_disk(infra, cluster_id, cluster.settings.worker_id, model_id)
+
+        EXPORTER.clear()
+        body = request_conv.forward_backward_request_to_proto(
+            tinker.types.ForwardBackwardRequest(
+                forward_backward_input=tinker.types.ForwardBackwardInput(
+                    data=[datum([5, 6, 7, 8, 9])],
+                    loss_fn="cross_entropy",
+                ),
+                model_id=model_id,
+                seq_id=1,
+            )
+        ).SerializeToString()
+        response = await http.post(
+            "/api/v1/forward_backward",
+            content=body,
+            headers={**KEY, "content-type": "application/x-protobuf"},
+        )
+        assert response.status_code == 200, response.text
+        request_id = response.json()["request_id"]
+        result = await finished(http, request_id)
+        assert b"loss:sum" in result["content"], result
+
+    spans = list(EXPORTER.get_finished_spans())
+    assert not [s for s in spans if "healthz" in s.name or "/metrics" in s.name]
+    root = next(s for s in spans if s.name == "POST /api/v1/forward_backward")
+    assert root.context is not None and root.parent is None and root.kind == SpanKind.SERVER
+    tree = Tree(spans, root.context.trace_id)
+    print(tree.render())
+    # One server span per request: the FastAPI instrumentation's, no second one.
+    tree.one(lambda s: s.name.endswith("/api/v1/forward_backward"), "server span")
+
+    publish = tree.one(lambda s: s.name == "gateway.publish", "gateway publish")
+    assert tree.parent(publish) is root
+    produce = tree.one(lambda s: s.name == f"{cluster_id}.requests send", "Kafka produce")
+    assert produce.kind == SpanKind.PRODUCER and tree.parent(produce) is publish
+    dispatch = tree.one(lambda s: s.name == "scheduler.dispatch", "scheduler")
+    assert tree.below(dispatch, produce)
+    work = tree.one(lambda s: s.name == "worker.forward_backward", "worker")
+    assert tree.parent(work) is dispatch
+    fetch = tree.one(
+        lambda s: s.kind == SpanKind.CLIENT and "/v1/blobs/" in str(s.attributes), "blob GET"
+    )
+    assert tree.below(fetch, work), tree.render()
+    served = tree.one(lambda s: s.name == "GET /v1/blobs/{key:path}", "state-store server")
+    assert tree.parent(served) is fetch  # the state-store continued the worker's trace
+    assert any(s.name == "gateway.completion" for s in tree.spans), tree.render()
+
+    # The poll that returned the result is a trace of its own, linked to the call.
+    polls = [
+        s
+        for s in spans
+        if s.name == "POST /api/v1/retrieve_future"
+        and any(link.context.span_id == root.context.span_id for link in s.links)
+    ]
+    assert polls, [s.name for s in spans]
+    assert all(p.context is not None and p.context.trace_id != root.context.trace_id for p in polls)
+
+
+def datum(tokens: list[int]) -> tinker.Datum:
+    return tinker.Datum(
+        model_input=tinker.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={
+            "target_tokens": tinker.TensorData(data=tokens[1:], dtype="int64"),
+            "weights": tinker.TensorData(data=[1.0] * (len(tokens) - 1), dtype="float32"),
+        },
+    )
+
+
+async def park_on_disk(infra: dict[str, str], cluster_id: str, worker_id: str, job_id: str) -> None:
+    """Send the worker a dispatch that only evicts `job_id` to disk; wait until it is there."""
+    topics = Topics(cluster_id)
+    publisher = Publisher(infra["kafka"], "test-evict")
+    await publisher.start()
+    meta = MetaStore.from_url(infra["redis"], cluster_id, 60)
+    try:
+        evict = Dispatch(
+            dispatch_id=uuid.uuid4().hex,
+            worker_id=worker_id,
+            calls=[],
+            evict=[StateMove(job_id, Tier.DISK)],
+            issued_at=time.time(),
+        )
+        await publisher.publish(topics.dispatch(worker_id), job_id, evict)
+        deadline = time.monotonic() + 30
+        while (residency := await meta.get_residency(job_id)) is None or (
+            residency.tier != Tier.DISK
+        ):
+            assert time.monotonic() < deadline, f"{job_id} never reached the disk tier"
+            await asyncio.sleep(0.1)
+    finally:
+        await publisher.stop()
+        await meta.close()

@@ -54,6 +54,29 @@ def init_tiny(
             typer.echo(f"tokenizer resolvable offline as {cached!r} ({snapshot})")
 
 
+@app.command("cache")
+def cache_models(
+    registry: Annotated[
+        Path, typer.Argument(help="Registry directory (e.g. a copy of compose's /models).")
+    ],
+) -> None:
+    """Make every model of a registry resolvable offline by name via the HF cache.
+
+    What a client on another machine needs for `get_tokenizer()`: the gateway reports
+    the model's name as its tokenizer, and this lays the tokenizer files out under it.
+    """
+    from plexrl import hf_cache as cache
+    from plexrl.models import ModelRegistry
+
+    reg = ModelRegistry(registry)
+    if not reg.models():
+        raise typer.BadParameter(f"no model directories (with a config.json) under {registry}")
+    for model in reg.models():
+        info = reg.info(model)
+        for cached, snapshot in cache.register_all(info.path, [model, *info.aliases]).items():
+            typer.echo(f"tokenizer resolvable offline as {cached!r} ({snapshot})")
+
+
 @app.command("list")
 def list_models(
     registry: Annotated[Path, typer.Option(envvar="PLEXRL_MODEL_REGISTRY")] = Path(

@@ -11,6 +11,8 @@ import uvicorn
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from plexrl import tracing
+
 
 class Watched(Protocol):
     """A long-running part of a service whose death or stall makes the service unhealthy
@@ -50,6 +52,7 @@ def health_app(
     def metrics() -> Response:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
+    tracing.instrument_app(app)
     return app
 
 
@@ -57,7 +60,9 @@ class HttpServer:
     """Uvicorn serving an app until stopped; never installs signal handlers of its own."""
 
     def __init__(self, app: Any, host: str, port: int) -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+        config = uvicorn.Config(
+            tracing.FreshContext(app), host=host, port=port, log_level="warning", lifespan="off"
+        )
         self._server = uvicorn.Server(config)
         # The service owns SIGTERM/SIGINT (plexrl.service); uvicorn must neither take
         # them nor re-raise them when it exits.

@@ -58,6 +58,17 @@ def register(model_dir: Path, name: str, cache: Path | None = None) -> Path | No
     return snapshot
 
 
+def is_registered(name: str, cache: Path | None = None) -> bool:
+    """Whether `AutoTokenizer.from_pretrained(name)` resolves offline from this cache."""
+    if name.count("/") != 1 or name.startswith("/"):
+        return False
+    repo = (cache or hub_cache_dir()) / ("models--" + name.replace("/", "--"))
+    ref = repo / "refs" / "main"
+    if not ref.is_file():
+        return False
+    return (repo / "snapshots" / ref.read_text().strip() / "tokenizer_config.json").is_file()
+
+
 def register_all(
     model_dir: Path, names: Iterable[str], cache: Path | None = None
 ) -> dict[str, Path]:

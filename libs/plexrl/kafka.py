@@ -155,16 +155,13 @@ class Publisher:
         )
 
     async def _send(self, topic: str, key: str | bytes | None, message: Any) -> None:
-        await self._producer.send_and_wait(
-            topic, encode(message), key=_key_bytes(key), headers=tracing.kafka_headers()
-        )
+        # The aiokafka instrumentation (plexrl.tracing) adds the trace context header.
+        await self._producer.send_and_wait(topic, encode(message), key=_key_bytes(key))
 
     async def publish_soon(self, topic: str, key: str | bytes | None, message: Any) -> None:
         """Queue a message without waiting for the broker: for announcements whose loss
         a later one repairs (heartbeats, residency changes). Failures are logged."""
-        delivery = await self._producer.send(
-            topic, encode(message), key=_key_bytes(key), headers=tracing.kafka_headers()
-        )
+        delivery = await self._producer.send(topic, encode(message), key=_key_bytes(key))
         delivery.add_done_callback(_log_failure)
 
     async def publish_raw(self, topic: str, key: bytes | None, value: bytes) -> None:
@@ -396,7 +393,7 @@ class MessageConsumer(Generic[T]):
             record.topic,
             record.partition,
             record.offset,
-            tracing.extract_kafka_headers(record.headers),
+            tracing.context_of_headers(record.headers),
         )
         try:
             message = decode(record.value or b"", self._message_type)

@@ -58,6 +58,8 @@ class FutureRecord(msgspec.Struct, frozen=True):
     response_kind: str = ""
     """How the gateway renders the result for the client (API-specific)."""
     response_context: dict[str, str] = {}
+    traceparent: str = ""
+    """W3C traceparent of the API call's span: `retrieve_future` spans link to it."""
 
 
 class Residency(msgspec.Struct, frozen=True):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 import msgspec
 
+from plexrl import tracing
 from plexrl.meta import CheckpointRecord
 from plexrl.service_auth import auth_headers
 
@@ -19,6 +20,8 @@ class StateStoreClient:
         self._http = httpx.AsyncClient(
             base_url=base_url.rstrip("/"), timeout=timeout_s, headers=auth_headers(token)
         )
+        # Each request continues the caller's trace (the state-store hop of a call).
+        tracing.instrument_client(self._http)
 
     async def close(self) -> None:
         await self._http.aclose()

@@ -1,25 +1,78 @@
-"""OpenTelemetry set-up and W3C trace context in Kafka headers.
+"""OpenTelemetry set-up: one trace per API call, through every service.
 
-One trace per API call: the gateway starts it, each Kafka hop carries it in a
-`traceparent` header, and every service continues it with a child span.
+The gateway's server span (FastAPI instrumentation) starts the trace. Each Kafka hop
+carries it in a W3C `traceparent` header written by the aiokafka instrumentation's
+producer span; each HTTP hop to the state-store carries it in the request header
+written by the httpx instrumentation, and the state-store's own server span continues
+it. `retrieve_future` runs in a trace of its own, linked to the call it waits on.
+
+Traces start only where work starts: an API call or a span of our own code. A Kafka
+send, a Kafka poll or an HTTP client call with no span around it (heartbeats,
+residency announcements, health probes) is background chatter and is not sampled,
+and neither are `/healthz` and `/metrics` requests.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from typing import Any
 
+import httpx
+from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
+from opentelemetry.instrumentation.aiokafka import AIOKafkaInstrumentor
+from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
+from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.sampling import (
+    Decision,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+)
+from opentelemetry.trace import Link, SpanKind
+from opentelemetry.util.types import Attributes
+
+# Regexes (searched in the full URL) of requests that never make a span.
+UNTRACED_URLS = r"/healthz$,/metrics$"
 
 _configured = False
+# Exporters already attached: a second `setup_tracing` with the same one must not make
+# every span arrive twice (tests call it once per service they start in-process).
+_exporters: list[SpanExporter] = []
+
+
+class _WorkStartsTraces(Sampler):
+    """Root sampler: a trace may start at a server span or one of our own spans, never at
+    a bare Kafka send/receive or HTTP client call (those are always part of something
+    else when they matter; alone they are heartbeats and polls)."""
+
+    _PLUMBING = frozenset({SpanKind.PRODUCER, SpanKind.CONSUMER, SpanKind.CLIENT})
+
+    def should_sample(
+        self,
+        parent_context: Context | None,
+        trace_id: int,
+        name: str,
+        kind: SpanKind | None = None,
+        attributes: Attributes = None,
+        links: Sequence[Link] | None = None,
+        trace_state: Any = None,
+    ) -> SamplingResult:
+        if kind in self._PLUMBING:
+            return SamplingResult(Decision.DROP)
+        return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
+
+    def get_description(self) -> str:
+        return "WorkStartsTraces"
 
 
 def setup_tracing(service_name: str, exporter: SpanExporter | None = None) -> TracerProvider:
-    """Install a tracer provider for this process.
+    """Install a tracer provider for this process and instrument aiokafka.
 
     Spans go to `exporter` when given (tests pass an in-memory one), and to OTLP over
     HTTP when OTEL_EXPORTER_OTLP_ENDPOINT is set; otherwise they are dropped.
@@ -27,39 +80,91 @@ def setup_tracing(service_name: str, exporter: SpanExporter | None = None) -> Tr
     global _configured
     provider = trace.get_tracer_provider()
     if _configured and isinstance(provider, TracerProvider):
-        if exporter is not None:
+        if exporter is not None and not any(e is exporter for e in _exporters):
             provider.add_span_processor(SimpleSpanProcessor(exporter))
+            _exporters.append(exporter)
         return provider
     name = os.environ.get("OTEL_SERVICE_NAME", service_name)
-    provider = TracerProvider(resource=Resource.create({"service.name": name}))
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": name}),
+        sampler=ParentBased(root=_WorkStartsTraces()),
+    )
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
+        _exporters.append(exporter)
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
+    # Producer side: a "<topic> send" span per message, its context in the headers.
+    # Consumer side the instrumentation makes a "<topic> receive" span per record, but
+    # ends it before `getmany` returns (it marks receipt, not handling), so handlers
+    # continue the trace from the record's headers themselves: `context_of_headers`.
+    if not AIOKafkaInstrumentor().is_instrumented_by_opentelemetry:
+        AIOKafkaInstrumentor().instrument()
     _configured = True
     return provider
+
+
+def instrument_app(app: Any) -> None:
+    """One server span per request of a FastAPI app, none for health checks and scrapes."""
+    FastAPIInstrumentor.instrument_app(
+        app, excluded_urls=UNTRACED_URLS, exclude_spans=["receive", "send"]
+    )
+
+
+class FreshContext:
+    """ASGI wrapper (outside the instrumented app): each request starts from an empty
+    context.
+
+    uvicorn may run a request in the context of the one before it on the same
+    connection (resuming a paused read re-registers the socket's reader in the request
+    task's context), and the OpenTelemetry middleware then makes the next request an
+    INTERNAL child of the previous one's span instead of a SERVER span continuing the
+    caller's `traceparent`. Seen on the state-store, whose blob uploads pause reading.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self._app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        token = otel_context.attach(Context())
+        try:
+            await self._app(scope, receive, send)
+        finally:
+            otel_context.detach(token)
+
+
+def instrument_client(client: httpx.AsyncClient) -> None:
+    """A client span per request, and the trace context in its headers."""
+    HTTPXClientInstrumentor.instrument_client(client)
 
 
 def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
-def kafka_headers() -> list[tuple[str, bytes]]:
-    """The current trace context as Kafka headers (empty when there is no span)."""
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier)
-    return [(k, v.encode()) for k, v in carrier.items()]
-
-
-def extract_kafka_headers(headers: Sequence[tuple[str, bytes]] | None) -> Context:
+def context_of_headers(headers: Sequence[tuple[str, bytes]] | None) -> Context:
+    """The trace context a Kafka record carries (what its producer span injected)."""
     carrier = {k: v.decode("latin-1") for k, v in headers or ()}
     return propagate.extract(carrier)
 
 
+def context_of_traceparent(traceparent: str) -> Context:
+    """The context a stored W3C traceparent names (empty when there is none)."""
+    return propagate.extract({"traceparent": traceparent} if traceparent else {})
+
+
 def traceparent_of(context: Context | None = None) -> str | None:
+    """The current span (or `context`'s) as a W3C traceparent, to store beside a record."""
     carrier: dict[str, str] = {}
     propagate.inject(carrier, context=context)
     return carrier.get("traceparent")
+
+
+def link_to(traceparent: str, **attributes: str) -> None:
+    """Link the current span to the span `traceparent` names (another trace's call)."""
+    context = trace.get_current_span(context_of_traceparent(traceparent)).get_span_context()
+    if context.is_valid:
+        trace.get_current_span().add_link(context, attributes or None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from plexrl import tracing
 from plexrl_gateway import (
     dashboard,
     routes_futures,
@@ -43,4 +44,6 @@ def build_app(gateway: Gateway) -> FastAPI:
     # Inside the metrics middleware, so refused bodies are counted (as 413s) too.
     app.add_middleware(BodySizeLimit, max_body_bytes=gateway.limits.max_body_bytes)
     app.add_middleware(ObserveRequests)
+    # The one server span of each request (the root of an API call's trace).
+    tracing.instrument_app(app)
     return app

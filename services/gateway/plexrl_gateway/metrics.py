@@ -5,11 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from opentelemetry import trace
 from prometheus_client import Counter, Gauge, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
-
-from plexrl import tracing
 
 REQUESTS = Counter(
     "plexrl_gateway_requests_total", "HTTP requests answered", ["endpoint", "method", "status"]
@@ -39,14 +36,13 @@ SEQUENCER_WAITING = Gauge(
     "plexrl_gateway_sequencer_waiting", "Training calls held until a lower seq_id is published"
 )
 
-_tracer = tracing.tracer("plexrl.gateway")
-
 
 class ObserveRequests:
-    """ASGI middleware: one span (the root of the call's trace) and metrics per request.
+    """ASGI middleware: request count and latency per route.
 
     Metrics are labelled by route template, never by raw path, so ids do not blow up
-    the label space.
+    the label space. The request's span is the FastAPI instrumentation's (one per
+    request), not this middleware's.
     """
 
     def __init__(self, app: ASGIApp) -> None:
@@ -65,16 +61,12 @@ class ObserveRequests:
 
         start = time.perf_counter()
         method = scope["method"]
-        with _tracer.start_as_current_span(f"gateway {method}", kind=trace.SpanKind.SERVER) as span:
-            try:
-                await self._app(scope, receive, send_observed)
-            finally:
-                endpoint = _route(scope)
-                span.update_name(f"gateway {method} {endpoint}")
-                span.set_attribute("http.route", endpoint)
-                span.set_attribute("http.status_code", status["code"])
-                REQUESTS.labels(endpoint, method, str(status["code"])).inc()
-                LATENCY.labels(endpoint).observe(time.perf_counter() - start)
+        try:
+            await self._app(scope, receive, send_observed)
+        finally:
+            endpoint = _route(scope)
+            REQUESTS.labels(endpoint, method, str(status["code"])).inc()
+            LATENCY.labels(endpoint).observe(time.perf_counter() - start)
 
 
 def _route(scope: Scope) -> str:

@@ -7,6 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 
+from plexrl import tracing
 from plexrl.messages import MessageError, PhaseOutput
 from plexrl.payloads import resolve
 from plexrl_gateway import metrics
@@ -25,6 +26,8 @@ async def retrieve_future(
     future = await meta.get_future(body.request_id)
     if future is None or future.tenant != tenant:
         raise not_found(f"unknown future {body.request_id!r}")
+    # Polls are traces of their own (one per HTTP request); the link leads to the call.
+    tracing.link_to(future.traceparent, **{"plexrl.request_id": future.request_id})
     completion = await futures.wait(future.request_id, gateway.future_wait_s)
     if completion is None:
         metrics.TRY_AGAIN.inc()

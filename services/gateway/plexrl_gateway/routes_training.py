@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 from fastapi import APIRouter, Request
 
+from plexrl import hf_cache
 from plexrl.messages import (
     CreateInput,
     Function,
@@ -90,11 +91,15 @@ async def get_info(
 ) -> dict[str, Any]:
     job = await jobs.training_model(tenant, body.model_id)
     info = await catalog.info(job.spec.base_model)
-    # The SDK cuts tokenizer_id at its first ':' and loads the rest with AutoTokenizer,
-    # so only a path without ':' can be handed out.
+    # The SDK loads `tokenizer_id` with AutoTokenizer on the client's machine. A name
+    # registered in the Hugging Face cache (`plexrl model init-tiny`, `plexrl model
+    # cache`) resolves there too, offline, where this machine's path may not exist (a
+    # gateway in a container); else the path, if it has no ':' (the SDK cuts there).
     path = str(info.path.resolve())
     model_data = {"arch": info.family, "model_name": job.spec.base_model}
-    if ":" not in path:
+    if hf_cache.is_registered(job.spec.base_model):
+        model_data["tokenizer_id"] = job.spec.base_model
+    elif ":" not in path:
         model_data["tokenizer_id"] = path
     out: dict[str, Any] = {
         "type": "get_info",

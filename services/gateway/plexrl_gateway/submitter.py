@@ -144,6 +144,7 @@ class Submitter:
         """Accept the calls in one Redis transaction, then publish the job's outbox."""
         now = self._clock()
         ids = [new_request_id() for _ in calls]
+        traceparent = tracing.traceparent_of() or ""
         futures = [
             FutureRecord(
                 request_id=request_id,
@@ -153,6 +154,7 @@ class Submitter:
                 created_at=now,
                 response_kind=str(call.response),
                 response_context=call.context,
+                traceparent=traceparent,
             )
             for request_id, call in zip(ids, calls, strict=True)
         ]

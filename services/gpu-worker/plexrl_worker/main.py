@@ -22,6 +22,7 @@ from plexrl.service import join_cluster
 from plexrl.settings import WorkerSettings
 from plexrl.state_store_client import StateStoreClient
 from plexrl.topics import Topics
+from plexrl_worker import metrics
 from plexrl_worker.engine import EngineConfig, TorchEngine
 from plexrl_worker.engine_thread import EngineThread
 from plexrl_worker.heartbeat import Heartbeat
@@ -67,10 +68,10 @@ class DispatchHandler:
                 return
             replayed = await self._recorder.recorded(dispatch.calls)
             for i, request in enumerate(dispatch.calls):
+                # One dispatch batches calls of several API calls: each call's own
+                # trace rides in the message, the Kafka header has only the first's.
                 parent = (
-                    tracing.extract_kafka_headers(
-                        [("traceparent", dispatch.traceparents[i].encode())]
-                    )
+                    tracing.context_of_traceparent(dispatch.traceparents[i])
                     if i < len(dispatch.traceparents)
                     else delivery.context
                 )
@@ -94,6 +95,7 @@ class DispatchHandler:
                     done = replayed.get(request.request_id)
                     if done is not None:  # a replay: answer with the recorded result
                         await self._recorder.publish(done)
+                        metrics.REPLAYED_CALLS.inc()
                         continue
                     ran = await self._runner.run(request)
                     # Retried in place while Redis is away: the call ran, only its record
@@ -159,6 +161,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
     )
     numbered = NumberedCalls(ledger=ledger, recovery=recovery, runner=runner, recorder=recorder)
     handler = DispatchHandler(states, runner, recorder, heartbeat, numbered)
+    metrics.watch(states)
     dispatches: MessageConsumer[Dispatch] = MessageConsumer(
         bootstrap=settings.kafka_bootstrap,
         topics=[topics.dispatch(settings.worker_id)],

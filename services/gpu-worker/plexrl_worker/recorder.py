@@ -9,6 +9,7 @@ from plexrl.kafka import Publisher
 from plexrl.messages import CompletionStatus, PhaseCompletion, PhaseRequest, Timings
 from plexrl.meta import MetaStore, TimelineEntry
 from plexrl.payloads import inline_or_ref
+from plexrl_worker import metrics
 from plexrl_worker.runner import Ran
 
 
@@ -71,6 +72,9 @@ class ResultRecorder:
             return None
         completion = await self._meta.record_completion(completion)
         await self.publish(completion)
+        metrics.CALLS.labels(str(request.function), str(completion.status)).inc()
+        metrics.BUSY_SECONDS.labels(request.job_id).inc(ran.swap_s + ran.compute_s)
+        metrics.COMPUTE_SECONDS.labels(str(request.function)).observe(ran.compute_s)
         await self._meta.append_timeline(
             TimelineEntry(
                 worker_id=self._worker_id,

@@ -15,6 +15,7 @@ from plexrl.kafka import Publisher
 from plexrl.messages import ResidencyChanged, ResidentState, StateComponent, Tier
 from plexrl.meta import MetaStore, Residency
 from plexrl.state_store_client import StateStoreClient
+from plexrl_worker import metrics
 from plexrl_worker.engine import TorchEngine
 from plexrl_worker.engine.state import JobTensors, state_from_bytes, state_to_bytes
 from plexrl_worker.engine_thread import EngineThread
@@ -167,6 +168,7 @@ class StateManager:
         seconds = time.perf_counter() - start
         self._held[job_id] = _Held(to_tier, held.bytes, version, host, blob_key)
         await self._announce(job_id, held.tier, to_tier, held.bytes, version, seconds)
+        metrics.swapped(held.tier, to_tier, held.bytes, seconds)
         log.debug("moved %s %s -> %s in %.3fs", job_id, held.tier, to_tier, seconds)
         return seconds
 

@@ -28,6 +28,7 @@ from plexrl.meta import MetaStore
 from plexrl.policy import Admit, Plan, Prefetch, Reject, RejectReason, Run
 from plexrl.retry import retrying
 from plexrl.topics import Topics
+from plexrl_scheduler import metrics
 from plexrl_scheduler.state import ClusterState, Pending
 
 log = logging.getLogger(__name__)
@@ -81,12 +82,14 @@ class Actuator:
             at=time.time(),
         )
         await self._publisher.publish(self._topics.events, action.worker_id, event)
+        metrics.JOBS_ADMITTED.labels(action.worker_id).inc()
         log.info("admitted %s on %s", job.job_id, action.worker_id)
 
     async def _reject(self, action: Reject) -> None:
         if action.reason == RejectReason.NO_WORKERS:
             return  # not a refusal: the calls wait until a worker reports
         log.warning("rejected job %s: %s", action.job_id, action.detail)
+        metrics.JOBS_REJECTED.labels(str(action.reason)).inc()
         doomed = [p for p in self._state.pending.values() if p.request.job_id == action.job_id]
         self._state.take_pending(tuple(p.request.request_id for p in doomed))
         self._state.jobs.pop(action.job_id, None)
@@ -112,6 +115,7 @@ class Actuator:
             lambda: self._meta.record_completion(completion), what="recording a refusal"
         )
         await self._publisher.publish(self._topics.completions, request.job_id, completion)
+        metrics.CALLS_FAILED.labels(str(error.code)).inc()
         await self._finished(pending.delivery)
 
     async def _run(self, action: Run) -> None:
@@ -138,6 +142,8 @@ class Actuator:
                 },
             ):
                 traceparents.append(tracing.traceparent_of() or "")
+            metrics.DISPATCH_LATENCY.observe(max(0.0, time.time() - pending.request.arrival_time))
+            metrics.DISPATCHED_CALLS.labels(str(pending.request.function)).inc()
         dispatch = Dispatch(
             dispatch_id=dispatch_id,
             worker_id=action.worker_id,
@@ -154,6 +160,9 @@ class Actuator:
                 self._topics.dispatch(action.worker_id), action.job_id, dispatch
             )
         self.dispatches += 1
+        metrics.DISPATCHES.labels(action.worker_id).inc()
+        for move in action.evict:
+            metrics.EVICTIONS.labels(str(move.to_tier)).inc()
 
     async def _lease(self, job_id: str, worker_id: str, taken: list[Pending]) -> Lease:
         """The job's epoch on its home and the seq of each numbered call (a replayed
@@ -186,3 +195,6 @@ class Actuator:
         await self._publisher.publish(
             self._topics.dispatch(action.worker_id), action.job_id, dispatch
         )
+        metrics.PREFETCHES.labels(action.worker_id).inc()
+        for move in action.evict:
+            metrics.EVICTIONS.labels(str(move.to_tier)).inc()

@@ -17,6 +17,7 @@ from plexrl.policy import PolicyConfig, plan
 from plexrl.service import join_cluster
 from plexrl.settings import SchedulerSettings
 from plexrl.topics import Topics
+from plexrl_scheduler import metrics
 from plexrl_scheduler.actuator import Actuator
 from plexrl_scheduler.liveness import Liveness, LivenessConfig
 from plexrl_scheduler.loop import ControlLoop, Step
@@ -73,11 +74,15 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
     ]
     receiver.attach(requests)
 
+    async def record() -> None:
+        metrics.observe(state)
+
     loop = ControlLoop(  # each step guarded: a failure is logged, the next pass retries
         [
             Step("topics", lambda: ensure_worker_topics(settings, topics, receiver)),
             Step("reap", liveness.reap),  # dead workers and lost dispatches give calls back
             Step("decide and act", lambda: actuator.carry_out(plan(state.snapshot(), policy))),
+            Step("record", record),
         ]
     )
     health = HttpServer(

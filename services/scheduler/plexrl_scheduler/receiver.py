@@ -9,6 +9,7 @@ from plexrl.messages import (
     ErrorCode,
     ErrorInfo,
     Event,
+    Function,
     IdleHint,
     PhaseCompletion,
     PhaseRequest,
@@ -17,6 +18,7 @@ from plexrl.messages import (
 )
 from plexrl.meta import MetaStore
 from plexrl.retry import retrying
+from plexrl_scheduler import metrics
 from plexrl_scheduler.actuator import Actuator
 from plexrl_scheduler.offsets import OffsetTracker
 from plexrl_scheduler.state import ClusterState, Pending
@@ -71,6 +73,8 @@ class Receiver:
         request_delivery = self._state.on_completion(completion)
         if request_delivery is None:
             return
+        if completion.function == Function.UNLOAD:
+            metrics.JOBS_FINISHED.inc()
         await self.finished(request_delivery)
         t = completion.timings
         usage = {

@@ -17,8 +17,10 @@ from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request,
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from plexrl import tracing
 from plexrl.meta import CheckpointRecord, MetaStore
 from plexrl.service_auth import bearer_matches
+from plexrl_state_store import metrics
 from plexrl_state_store.blobs import BadKeyError, BlobDir
 from plexrl_state_store.records import CheckpointRecords
 
@@ -100,6 +102,7 @@ def build_app(blobs: BlobDir, meta: MetaStore, token: str | None = None) -> Fast
                 "(X-PlexRL-Tenant)",
             )
         size = b.write(key, await request.body())
+        metrics.BLOB_WRITTEN_BYTES.inc(size)
         return {"key": key, "size_bytes": size}
 
     @v1.get("/blobs/{key:path}")
@@ -107,6 +110,7 @@ def build_app(blobs: BlobDir, meta: MetaStore, token: str | None = None) -> Fast
         data = b.read(key) if _visible(key, acting_for) else None
         if data is None:
             raise HTTPException(404, f"no blob {key!r}")
+        metrics.BLOB_READ_BYTES.inc(len(data))
         return Response(data, media_type="application/octet-stream")
 
     @v1.head("/blobs/{key:path}")
@@ -121,6 +125,8 @@ def build_app(blobs: BlobDir, meta: MetaStore, token: str | None = None) -> Fast
         if not _visible(key, acting_for):
             raise HTTPException(404, f"no blob {key!r}")
         deleted = b.delete(key)
+        if deleted:
+            metrics.BLOBS_DELETED.inc()
         return {"key": key, "deleted": deleted}
 
     @v1.post("/checkpoints")
@@ -154,6 +160,7 @@ def build_app(blobs: BlobDir, meta: MetaStore, token: str | None = None) -> Fast
             raise HTTPException(403, f"checkpoint {record.path!r} belongs to another tenant")
         await m.put_checkpoint(record)
         request.app.state.records.keep(record)  # beside its blob: Redis may lose it
+        metrics.CHECKPOINTS_RECORDED.inc()
         return {"path": record.path}
 
     @v1.get("/checkpoints")
@@ -184,4 +191,7 @@ def build_app(blobs: BlobDir, meta: MetaStore, token: str | None = None) -> Fast
         return dict(msgspec.to_builtins(record))
 
     app.include_router(v1)
+    app.add_middleware(metrics.ObserveRequests)
+    # One server span per request, continuing the caller's trace (the worker's call).
+    tracing.instrument_app(app)
     return app

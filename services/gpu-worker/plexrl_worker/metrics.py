@@ -1,0 +1,74 @@
+"""The gpu-worker's Prometheus metrics (served on its health port at /metrics).
+
+One worker process is one device group, so the scrape target names the worker; the
+labels say which job, function or tier.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from plexrl.messages import Tier
+
+if TYPE_CHECKING:  # residency records its swaps here
+    from plexrl_worker.residency import StateManager
+
+_SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+BUSY_SECONDS = Counter(
+    "plexrl_worker_busy_seconds_total",
+    "Device-seconds (swap + compute) spent on a job's calls",
+    ["job"],
+)
+CALLS = Counter(
+    "plexrl_worker_calls_total", "Calls run, by function and outcome", ["function", "status"]
+)
+REPLAYED_CALLS = Counter(
+    "plexrl_worker_replayed_calls_total",
+    "Redelivered calls answered from their recorded completion instead of running again",
+)
+COMPUTE_SECONDS = Histogram(
+    "plexrl_worker_compute_seconds",
+    "Engine time of one call, swaps excluded",
+    ["function"],
+    buckets=_SECONDS,
+)
+SWAP_BYTES = Counter(
+    "plexrl_worker_swap_bytes_total",
+    "Bytes of job state moved between tiers; each move counts once out of its source "
+    "tier and once into its destination",
+    ["tier", "direction"],
+)
+SWAP_SECONDS = Histogram(
+    "plexrl_worker_swap_seconds",
+    "Time of one state move between tiers",
+    ["from_tier", "to_tier"],
+    buckets=_SECONDS,
+)
+RESIDENT_BYTES = Gauge(
+    "plexrl_worker_resident_bytes", "Bytes of job state held in each tier", ["tier"]
+)
+RESIDENT_JOBS = Gauge("plexrl_worker_resident_jobs", "Jobs whose state is in each tier", ["tier"])
+
+
+def watch(states: StateManager) -> None:
+    """Read the residency gauges off `states` at every scrape."""
+
+    def bytes_in(tier: Tier) -> Callable[[], float]:
+        return lambda: states.bytes_in(tier)
+
+    def jobs_in(tier: Tier) -> Callable[[], float]:
+        return lambda: sum(1 for s in states.resident() if s.tier == tier)
+
+    for tier in Tier:
+        RESIDENT_BYTES.labels(str(tier)).set_function(bytes_in(tier))
+        RESIDENT_JOBS.labels(str(tier)).set_function(jobs_in(tier))
+
+
+def swapped(from_tier: Tier, to_tier: Tier, nbytes: int, seconds: float) -> None:
+    SWAP_BYTES.labels(str(from_tier), "out").inc(nbytes)
+    SWAP_BYTES.labels(str(to_tier), "in").inc(nbytes)
+    SWAP_SECONDS.labels(str(from_tier), str(to_tier)).observe(seconds)

@@ -1,0 +1,61 @@
+"""The scheduler's Prometheus metrics (served on its health port at /metrics).
+
+Counters move where the decision is carried out (the Actuator, the Receiver); the
+gauges are read off ClusterState once per loop turn by `observe`.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from plexrl_scheduler.state import ClusterState
+
+QUEUE_DEPTH = Gauge(
+    "plexrl_scheduler_queue_depth", "Calls received and not yet dispatched to a worker"
+)
+INFLIGHT = Gauge("plexrl_scheduler_inflight_dispatches", "Dispatches a worker is running now")
+JOBS = Gauge("plexrl_scheduler_jobs", "Jobs the scheduler knows (admitted or waiting)")
+WORKERS_HEALTHY = Gauge(
+    "plexrl_scheduler_workers_healthy", "Workers whose last heartbeat is recent enough"
+)
+DISPATCHES = Counter(
+    "plexrl_scheduler_dispatches_total", "Dispatches (runs of calls) sent, by worker", ["worker"]
+)
+DISPATCHED_CALLS = Counter(
+    "plexrl_scheduler_dispatched_calls_total", "Calls sent to workers, by function", ["function"]
+)
+PREFETCHES = Counter(
+    "plexrl_scheduler_prefetches_total", "Prefetch dispatches sent, by worker", ["worker"]
+)
+EVICTIONS = Counter(
+    "plexrl_scheduler_evictions_total",
+    "State moves off the device tier the scheduler ordered, by target tier",
+    ["tier"],
+)
+DISPATCH_LATENCY = Histogram(
+    "plexrl_scheduler_dispatch_latency_seconds",
+    "From a call's arrival at the gateway to its dispatch to a worker (queueing)",
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+)
+JOBS_ADMITTED = Counter(
+    "plexrl_scheduler_jobs_admitted_total", "Jobs given a home worker group", ["worker"]
+)
+JOBS_REJECTED = Counter(
+    "plexrl_scheduler_jobs_rejected_total", "Jobs refused, by reason", ["reason"]
+)
+JOBS_FINISHED = Counter(
+    "plexrl_scheduler_jobs_finished_total", "Jobs unloaded (their state released)"
+)
+CALLS_FAILED = Counter(
+    "plexrl_scheduler_calls_failed_total",
+    "Calls answered with an error without running (rejected, unknown job), by code",
+    ["code"],
+)
+
+
+def observe(state: ClusterState) -> None:
+    """Set the gauges from the cluster view (the scheduler loop's record step)."""
+    QUEUE_DEPTH.set(len(state.pending))
+    INFLIGHT.set(len(state.inflight))
+    JOBS.set(len(state.jobs))
+    WORKERS_HEALTHY.set(sum(1 for w in state.workers if state.healthy(w)))
