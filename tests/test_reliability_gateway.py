@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import KafkaConnectionError
 
 from plexrl.kafka import Publisher, ensure_topics
 from plexrl.messages import (
@@ -217,3 +218,33 @@ async def test_a_gateway_that_dies_before_its_first_write_leaves_nothing(env: En
     second = env.gateway(env.publisher)
     resent = await second.submit(sent(1), ready(step()))  # a first send, in effect
     assert (await env.requests_on_kafka(at_least=2))[1:] == [resent]
+
+
+@dataclass
+class AwayPublisher:
+    """The real publisher behind a broker that refuses everything while `away`."""
+
+    real: Publisher
+    away: bool = False
+
+    async def publish(self, topic: str, key: str | bytes | None, message: Any) -> None:
+        if self.away:
+            raise KafkaConnectionError("broker unreachable")
+        await self.real.publish(topic, key, message)
+
+    async def ping(self, timeout_s: float = 2.0) -> bool:
+        return not self.away
+
+
+async def test_calls_accepted_while_kafka_is_away_go_out_in_order_once_it_is_back(
+    env: Env,
+) -> None:
+    publisher = AwayPublisher(env.publisher)
+    gateway = env.gateway(publisher)
+    created = await gateway.submit(sent(0), ready(create()))
+    publisher.away = True
+    held = [await gateway.submit(sent(i), ready(step())) for i in (1, 2)]  # accepted
+    assert await gateway.deliver(min_age_s=0) == 0  # still away: nothing lost, nothing sent
+    publisher.away = False
+    last = await gateway.submit(sent(3), ready(step()))  # publishes the job's outbox first
+    assert await env.requests_on_kafka(at_least=4) == [created, *held, last]

@@ -139,7 +139,9 @@ class Outbox:
 
     async def flush(self, job_id: str, send: Send, min_age_s: float = 0.0) -> int:
         """Publish the job's outbox in order; returns how many were published. Raises
-        what `send` raised (what is left stays for the next flush)."""
+        what `send` raised (what is left stays for the next flush). `min_age_s` leaves
+        an outbox whose oldest entry is younger alone (its gateway is publishing it);
+        once started, a flush goes to the end, so nothing accepted meanwhile waits."""
         async with self._lock(job_id):
             published = 0
             key = self._list_key(job_id)
@@ -149,7 +151,7 @@ class Outbox:
                     await self._done(keys=[key, self._jobs_key], args=[b"", job_id])
                     return published
                 entry: OutboxEntry = decode(_raw(raw), OutboxEntry)
-                if self._clock() - entry.queued_at < min_age_s:
+                if published == 0 and self._clock() - entry.queued_at < min_age_s:
                     return published  # young: the gateway that accepted it is publishing it
                 await send(entry.request)
                 await self._done(keys=[key, self._jobs_key], args=[raw, job_id])
