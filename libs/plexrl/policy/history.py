@@ -41,6 +41,8 @@ class CallHistory:
     step_calls: tuple[Function, ...] = ()
     """The calls of its last whole training step, sample first (empty until one step
     has been seen from one sample to the next)."""
+    version: int = 0
+    """Counts changes to `durations` and `step_calls` (a cache key for their readers)."""
     _since_sample: list[Function] = field(default_factory=list)
 
     def arrived(self, function: Function, now: float) -> None:
@@ -49,7 +51,10 @@ class CallHistory:
             self.first_seen = now
         if function == Function.SAMPLE:
             if self._since_sample and self._since_sample[0] == Function.SAMPLE:
-                self.step_calls = tuple(self._since_sample)
+                step = tuple(self._since_sample)
+                if step != self.step_calls:
+                    self.step_calls = step
+                    self.version += 1
             self._since_sample = [function]
         elif self._since_sample:
             self._since_sample.append(function)
@@ -58,6 +63,7 @@ class CallHistory:
         """A call of the job completed after `compute_s` (and `swap_s` of swaps first)."""
         old = self.durations.get(function)
         self.durations[function] = compute_s if old is None else old + EWMA * (compute_s - old)
+        self.version += 1
         self.busy_s += compute_s + swap_s
 
     def has_history(self, now: float, min_history_s: float) -> bool:

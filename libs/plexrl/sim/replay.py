@@ -51,6 +51,9 @@ class SimJob:
     pending: list[PendingCall] = field(default_factory=list)
     view: JobView | None = None
     trail: list[tuple[int, Function]] | None = None
+    _described: tuple[int, Prior | None, CallEstimates, tuple[Function, ...]] | None = None
+    """(history version, prior, estimates, step calls) of the last view: rebuilt only when
+    the history or the kind's figures changed."""
 
     @classmethod
     def of(cls, spec: JobSpec, steps: Steps, devices: int, state_bytes: int) -> SimJob:
@@ -76,7 +79,16 @@ class SimJob:
         """The job as the live scheduler would describe it: its measured figures, or its
         kind's (`learned`, by profile) until it has a history. Cached until `touch`."""
         if self.view is None:
-            seen = describe(self.history, learned.get(self.spec.profile), now, min_history_s)
+            h, prior = self.history, learned.get(self.spec.profile)
+            cached = self._described
+            if cached is None or cached[0] != h.version or cached[1] is not prior:
+                seen = describe(h, prior, now, min_history_s)
+                cached = (h.version, prior, CallEstimates(seen.durations), seen.step_calls)
+                self._described = cached
+            if prior is None or h.has_history(now, min_history_s):
+                duty = h.duty_cycle(now, min_history_s)
+            else:
+                duty = prior.duty_cycle
             self.view = JobView(
                 job_id=self.spec.job_id,
                 state_bytes=self.state_bytes,
@@ -85,10 +97,10 @@ class SimJob:
                 devices=self.devices,
                 last_active=self.last_active,
                 idle_until=self.idle_until,
-                estimates=CallEstimates(seen.durations),
-                duty_cycle=seen.duty_cycle,
+                estimates=cached[2],
+                duty_cycle=duty,
                 pinned=self.pinned,
-                step_calls=seen.step_calls,
+                step_calls=cached[3],
             )
         return self.view
 
