@@ -38,6 +38,9 @@ class CallHistory:
     """When its first call arrived: the start of the span its duty cycle covers."""
     busy_s: float = 0.0
     """Seconds (swap + compute) its calls have held a device."""
+    queued_s: float = 0.0
+    """Seconds its calls waited for a device (`Timings.queue_s`): time the job wanted
+    the device and others had it, which is not the job's idleness."""
     step_calls: tuple[Function, ...] = ()
     """The calls of its last whole training step, sample first (empty until one step
     has been seen from one sample to the next)."""
@@ -59,22 +62,29 @@ class CallHistory:
         elif self._since_sample:
             self._since_sample.append(function)
 
-    def observe(self, function: Function, compute_s: float, swap_s: float = 0.0) -> None:
-        """A call of the job completed after `compute_s` (and `swap_s` of swaps first)."""
+    def observe(
+        self, function: Function, compute_s: float, swap_s: float = 0.0, queue_s: float = 0.0
+    ) -> None:
+        """A call of the job completed after `compute_s` (and `swap_s` of swaps first,
+        and `queue_s` waiting for the device before them)."""
         old = self.durations.get(function)
         self.durations[function] = compute_s if old is None else old + EWMA * (compute_s - old)
         self.version += 1
         self.busy_s += compute_s + swap_s
+        self.queued_s += queue_s
 
     def has_history(self, now: float, min_history_s: float) -> bool:
         return self.first_seen is not None and now - self.first_seen >= min_history_s
 
     def duty_cycle(self, now: float, min_history_s: float) -> float:
-        """Fraction of its wall time the job kept a device busy (`UNKNOWN_DUTY` until it
-        has a history)."""
+        """Fraction of its own wall time the job kept a device busy (`UNKNOWN_DUTY` until
+        it has a history). Its calls' queueing is taken out of the span: counted in, a
+        job slowed by its neighbours would look idler the more it shares, and draw more
+        neighbours still."""
         if self.first_seen is None or not self.has_history(now, min_history_s):
             return UNKNOWN_DUTY
-        return min(1.0, max(0.01, self.busy_s / (now - self.first_seen)))
+        span = now - self.first_seen - self.queued_s
+        return min(1.0, max(0.01, self.busy_s / span)) if span > 0 else 1.0
 
 
 @dataclass(frozen=True)

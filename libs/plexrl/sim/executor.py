@@ -69,6 +69,8 @@ class RunInFlight:
     """When its calls began (after its swaps)."""
     planned_s: list[float]
     """Each call's seconds on the whole group (before any stragglers stretched them)."""
+    queue_s: float
+    """How long the job was ready before the Run started."""
 
 
 class GroupExecutor:
@@ -177,13 +179,14 @@ class GroupExecutor:
         # Time the job was ready but the group was not: from its oldest call's arrival
         # (or its home, or the end of its own previous Run, whichever is later) to now.
         ready = max(calls[0].arrival_time, r.start_s, job.last_active)
-        r.call_queue_s += max(0.0, now - ready)
+        queued = max(0.0, now - ready)
+        r.call_queue_s += queued
         r.swap_s += swap
         r.compute_s += end - start
         self.accounting.charge(r, group.group_id, group.spec.devices * (swap + work))
         useful = sum(job.call_useful(c.function) for c in calls) * group.spec.devices
         self.accounting.busy(start, end, useful)
-        self.events.push(end, Event.RUN_DONE, RunInFlight(job, calls, swap, start, planned))
+        self.events.push(end, Event.RUN_DONE, RunInFlight(job, calls, swap, start, planned, queued))
 
     def run_done(self, done: RunInFlight) -> None:
         """The Run's calls ended: the group is free; the scheduler sees each call's compute
@@ -199,7 +202,13 @@ class GroupExecutor:
         work = sum(done.planned_s)
         stretch = (self.events.now - done.started) / work if work > 0 else 1.0
         for i, (call, seconds) in enumerate(zip(done.calls, done.planned_s, strict=True)):
-            job.history.observe(call.function, seconds * stretch, done.swap_s if i == 0 else 0.0)
+            first = i == 0
+            job.history.observe(
+                call.function,
+                seconds * stretch,
+                done.swap_s if first else 0.0,
+                done.queue_s if first else 0.0,
+            )
 
     def prefetch(self, action: Prefetch) -> None:
         group = self.groups[action.worker_id]
