@@ -25,11 +25,13 @@ from plexrl.messages import (
     Function,
     LossFn,
     NoopOutput,
+    PayloadRef,
+    PhaseRequest,
     SampleInput,
     SamplingParams,
     TensorArray,
 )
-from plexrl_gateway.admission import PendingCalls
+from plexrl_gateway.admission import PendingCalls, payload_bytes
 from plexrl_gateway.errors import ApiError
 from plexrl_gateway.proto import tinker_public_pb2 as pb
 from plexrl_gateway.translate import forward_backward_input
@@ -120,6 +122,27 @@ def test_rules_and_their_config_say_what_to_change() -> None:
         check_call_size([], SMALL)
     with pytest.raises(ValueError, match="max_datums is 0; set it to an integer >= 1"):
         CallLimits(max_datums=0)
+
+
+def test_pending_bytes_are_capped_per_tenant() -> None:
+    pending = PendingCalls(CallLimits(max_pending_bytes=1000))
+    pending.published("t", "r1", 600)
+    pending.admit("t")
+    pending.published("t", "r2", 400)
+    with pytest.raises(ApiError, match="1000 bytes of calls pending") as info:
+        pending.admit("t")
+    assert info.value.status == 429
+    pending.done("r1")
+    pending.admit("t")
+    big = PhaseRequest(
+        request_id="r",
+        job_id="j",
+        tenant="t",
+        function=Function.SAMPLE,
+        payload=PayloadRef(key="k", size=5 << 20),
+        arrival_time=0.0,
+    )
+    assert payload_bytes(big) == 5 << 20
 
 
 def test_pending_calls_forget_what_never_completes() -> None:

@@ -71,6 +71,9 @@ class CallLimits:
     max_pending_calls: int = 1024
     """Calls of one tenant published and not yet answered, per gateway; beyond it a new
     call is refused with 429 and Retry-After until some complete."""
+    max_pending_bytes: int = 1024**3
+    """Bytes of payloads (token batches, loss inputs) of one tenant's pending calls, per
+    gateway: what Redis holds for them until they run."""
     retry_after_s: int = 2
     """The Retry-After a 429 carries, seconds."""
 
