@@ -83,3 +83,16 @@ def test_a_restarted_worker_is_not_believed_to_hold_its_states() -> None:
     state.jobs["j"].tier = Tier.DEVICE
     state.on_heartbeat(replace(beat("w0"), started_at=5.0))
     assert state.jobs["j"].tier == Tier.DISK and state.jobs["j"].home == "w0"
+
+
+def test_a_home_that_never_reports_after_a_scheduler_restart_is_lost() -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock, worker_timeout_s=10.0)
+    state.add_job("j", "t", JobSpec(base_model="m"), home="w-gone")  # from Redis
+    state.on_heartbeat(beat("w1"))
+    assert state.lost_workers() == []  # it may still report: give it the timeout
+    clock.t += 11
+    state.on_heartbeat(replace(beat("w1"), sent_at=clock.t))
+    assert state.lost_workers() == ["w-gone"]
+    assert state.on_worker_lost("w-gone") == ["j"] and state.jobs["j"].home is None
+    assert state.lost_workers() == []

@@ -151,6 +151,9 @@ class ClusterState:
         self.inflight: dict[str, InFlight] = {}
         """By worker id: the dispatch that worker is running."""
         self._inflight_requests: dict[str, tuple[str, Delivery | None]] = {}
+        self._started_at = clock()
+        self._never_seen_lost: set[str] = set()
+        """Homes (recorded before a restart) that have not reported since: declared lost."""
         self._changed = asyncio.Event()
 
     # Ingest -------------------------------------------------------------------
@@ -254,13 +257,25 @@ class ClusterState:
     # Liveness -----------------------------------------------------------------
 
     def lost_workers(self) -> list[str]:
-        """Workers whose heartbeats stopped and whose jobs are not re-homed yet."""
-        return [w for w, s in self.workers.items() if not s.lost and not self.healthy(w)]
+        """Workers whose heartbeats stopped and whose jobs are not re-homed yet; after a
+        scheduler restart, also the recorded homes no heartbeat came from in time."""
+        lost = [w for w, s in self.workers.items() if not s.lost and not self.healthy(w)]
+        if self._clock() - self._started_at >= self._worker_timeout_s:
+            silent = {
+                j.home
+                for j in self.jobs.values()
+                if j.home is not None and j.home not in self.workers
+            }
+            lost += sorted(silent - self._never_seen_lost)
+        return lost
 
     def on_worker_lost(self, worker_id: str) -> list[str]:
         """The worker is dead: unhome its jobs (admission re-homes each at its next call)
         and requeue its dispatch in flight; returns the unhomed jobs."""
-        self.workers[worker_id].lost = True
+        if worker_id in self.workers:
+            self.workers[worker_id].lost = True
+        else:
+            self._never_seen_lost.add(worker_id)
         unhomed = []
         for job in self.jobs.values():
             if job.home == worker_id:
