@@ -159,3 +159,25 @@ def test_grafana_dashboards_are_json_over_plexrl_metrics(path: Path) -> None:
     dashboard = json.loads(path.read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     assert exprs and all("plexrl_" in e for e in exprs)
+
+
+def test_plexrl_model_cache_makes_a_copied_registry_resolvable_on_the_host(
+    tiny_registry: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the compose header tells a host user to run after `docker compose cp`."""
+    from transformers import AutoTokenizer
+    from typer.testing import CliRunner
+
+    from plexrl import hf_cache
+    from plexrl.cli import app
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert not hf_cache.is_registered("plexrl/tiny-qwen3")
+    result = CliRunner().invoke(app, ["model", "cache", str(tiny_registry)])
+    assert result.exit_code == 0, result.output
+    # The gateway now names the tokenizer by the model's name, and the SDK finds it.
+    assert hf_cache.is_registered("plexrl/tiny-qwen3")
+    tokenizer = AutoTokenizer.from_pretrained(
+        "plexrl/tiny-qwen3", cache_dir=tmp_path / "hub", local_files_only=True
+    )
+    assert tokenizer.encode("12", add_special_tokens=False)

@@ -6,6 +6,7 @@ import logging
 
 import httpx
 
+from plexrl import tracing
 from plexrl.meta import CheckpointRecord, MetaStore
 from plexrl.service_auth import auth_headers
 
@@ -16,6 +17,8 @@ class CheckpointRemover:
     def __init__(self, meta: MetaStore, state_store_url: str, token: str | None = None) -> None:
         self._meta = meta
         self._http = httpx.AsyncClient(base_url=state_store_url.rstrip("/"), timeout=10.0)
+        # A delete_checkpoint call's state-store hop stays in the call's trace.
+        tracing.instrument_client(self._http)
         self._token = token
 
     async def close(self) -> None:
