@@ -62,13 +62,17 @@ redis.call('SADD', KEYS[2], ARGV[5])
 return false
 """
 
-# KEYS: outbox list, outbox job set; ARGV: the published entry, job id.
+# KEYS: outbox list, outbox job set; ARGV: the published entry ("" for none), job id.
+# Returns the next entry to publish, or nil (and the job leaves the set) when none is left.
 _DONE = """
-redis.call('LREM', KEYS[1], 1, ARGV[1])
-if redis.call('LLEN', KEYS[1]) == 0 then
+if ARGV[1] ~= '' then
+  redis.call('LREM', KEYS[1], 1, ARGV[1])
+end
+local head = redis.call('LINDEX', KEYS[1], 0)
+if not head then
   redis.call('SREM', KEYS[2], ARGV[2])
 end
-return 1
+return head
 """
 
 
@@ -144,18 +148,16 @@ class Outbox:
         once started, a flush goes to the end, so nothing accepted meanwhile waits."""
         async with self._lock(job_id):
             published = 0
-            key = self._list_key(job_id)
-            while True:
-                raw = await self._redis.lindex(key, 0)
-                if raw is None:
-                    await self._done(keys=[key, self._jobs_key], args=[b"", job_id])
-                    return published
+            keys = [self._list_key(job_id), self._jobs_key]
+            raw = await self._done(keys=keys, args=[b"", job_id])  # the head, if any
+            while raw is not None:
                 entry: OutboxEntry = decode(_raw(raw), OutboxEntry)
                 if published == 0 and self._clock() - entry.queued_at < min_age_s:
                     return published  # young: the gateway that accepted it is publishing it
                 await send(entry.request)
-                await self._done(keys=[key, self._jobs_key], args=[raw, job_id])
                 published += 1
+                raw = await self._done(keys=keys, args=[raw, job_id])  # and the next
+            return published
 
     async def pending_jobs(self) -> list[str]:
         members = await self._redis.smembers(self._jobs_key)

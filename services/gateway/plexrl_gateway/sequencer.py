@@ -8,9 +8,9 @@ job id then keeps that order all the way to the worker.
 
 The cursor (the next seq_id to publish) is kept in Redis, so a restarted gateway
 resumes where it stopped. The submitter moves it in the same Redis transaction that
-accepts the call (and then settles the turn), so no crash can leave a call accepted
-with the cursor behind it; the write when a turn ends only repeats that, or records a
-seq_id used up by a refusal. Buffering is in-process: one model's calls must reach one
+accepts the call (and settles the turn as stored), so no crash can leave a call
+accepted with the cursor behind it; the sequencer itself writes it only for a seq_id
+used up by a refusal. Buffering is in-process: one model's calls must reach one
 gateway instance (route by model id when running several).
 """
 
@@ -42,9 +42,13 @@ class Turn:
 
     def __init__(self) -> None:
         self.settled = False
+        self.stored = False
 
-    def settle(self) -> None:
+    def settle(self, stored: bool = False) -> None:
+        """`stored`: the body already wrote the moved cursor to the store (with the call
+        it accepted), so the turn only moves it in memory."""
         self.settled = True
+        self.stored = self.stored or stored
 
 
 @dataclass
@@ -95,7 +99,7 @@ class Sequencer:
                     turn.settle()
                 finally:
                     if turn.settled and seq_id is not None:
-                        await self._advance(line, job_id, seq_id)
+                        await self._advance(line, job_id, seq_id, store=not turn.stored)
                     line.cond.notify_all()
         finally:
             line.users -= 1
@@ -103,10 +107,11 @@ class Sequencer:
                 # Nobody waits: forget the line; the cursor lives on in the store.
                 del self._lines[job_id]
 
-    async def _advance(self, line: _Line, job_id: str, seq_id: int) -> None:
+    async def _advance(self, line: _Line, job_id: str, seq_id: int, store: bool) -> None:
         if line.next_seq is None or seq_id >= line.next_seq:
             line.next_seq = seq_id + 1
-            await self._cursors.set_next_seq(job_id, seq_id + 1)
+            if store:
+                await self._cursors.set_next_seq(job_id, seq_id + 1)
 
     async def _wait_for(self, line: _Line, job_id: str, seq_id: int) -> None:
         def ready() -> bool:

@@ -184,7 +184,7 @@ class Submitter:
         # (`standing == ids[-1]`: Redis ran the acceptance, then the connection dropped
         # and the client library sent it again: it is ours.)
         if turn is not None:
-            turn.settle()  # the cursor moved with the acceptance
+            turn.settle(stored=True)  # the cursor moved with the acceptance
         try:
             await self._outbox.flush(sub.job_id, self._send)
         except Exception as exc:  # accepted all the same: the outbox sweeper delivers it
