@@ -19,7 +19,14 @@ from gateway_harness import ALICE, BOB, PROTO, Gw, gateway
 from gateway_support import completion_for
 from tinker.proto import request_conv
 
-from plexrl.limits import CallLimits, InputError, ModelLimits, check_call_size
+from plexrl.limits import (
+    CallLimits,
+    InputError,
+    ModelLimits,
+    check_call_size,
+    check_sample_size,
+    default_max_tokens,
+)
 from plexrl.messages import (
     Datum,
     Function,
@@ -115,6 +122,14 @@ def test_the_engine_applies_the_same_caps() -> None:
             validate(SampleInput(prompt=[1], num_samples=1, params=params), MODEL, SMALL)
     with pytest.raises(EngineInputError, match=r"prompt\[0\] is 1180591620717411303424"):
         validate(SampleInput([2**70], 1, SamplingParams(max_tokens=1)), MODEL, SMALL)
+
+
+def test_a_default_max_tokens_that_cannot_fit_names_the_samples_that_do() -> None:
+    max_tokens = default_max_tokens(20, 4, MODEL, SMALL)
+    assert max_tokens == 1
+    with pytest.raises(InputError, match="ask for at most 1 samples per call"):
+        check_sample_size(20, 4, max_tokens, MODEL, SMALL)
+    assert default_max_tokens(3, 1, MODEL, SMALL) == 29  # the model's room, within the cap
 
 
 def test_rules_and_their_config_say_what_to_change() -> None:

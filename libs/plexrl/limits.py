@@ -214,7 +214,8 @@ def default_max_tokens(
 ) -> int:
     """max_tokens when the caller sent none: what fits the model and the call's token cap."""
     per_sample = limits.max_call_tokens // max(num_samples, 1)
-    return min(model.max_positions, per_sample) - prompt_len
+    # At least 1: when even that does not fit, check_sample_size says how many samples do.
+    return max(1, min(model.max_positions, per_sample) - prompt_len)
 
 
 def check_num_samples(num_samples: int, limits: CallLimits = DEFAULT_LIMITS) -> None:
