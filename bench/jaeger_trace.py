@@ -158,7 +158,9 @@ def main() -> int:
     )
     since_us = int(time.time() * 1e6)
     os.environ["HF_HUB_OFFLINE"] = "1"
-    with LocalCluster(config):
+    cluster = LocalCluster(config)
+    cluster.start(timeout_s=600)  # four services importing torch: minutes on a busy machine
+    try:
         service = tinker.ServiceClient(base_url=config.gateway_url, api_key=KEY)
         client = service.create_lora_training_client(base_model="plexrl/tiny-qwen3", rank=4)
         training = client.result()
@@ -172,6 +174,8 @@ def main() -> int:
         )
         loss = training.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"]
         time.sleep(2)  # the services' batch exporters flush every 200 ms
+    finally:
+        cluster.stop()
 
     trace = find_trace(args.query, "plexrl-gateway", "POST /api/v1/forward_backward", since_us)
     trace = get_trace(args.query, trace["traceID"])

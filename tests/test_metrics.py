@@ -68,8 +68,13 @@ def cluster(
         # Room for one job state on the device tier: two jobs take turns, so they swap.
         worker_device_bytes=400_000,
     )
-    with LocalCluster(config) as running:
+    running = LocalCluster(config)
+    # Generous: on a loaded two-core machine four services importing torch take minutes.
+    running.start(timeout_s=600)
+    try:
         yield running
+    finally:
+        running.stop()
 
 
 def run_jobs(cluster: LocalCluster) -> list[str]:
