@@ -12,10 +12,12 @@ F = Function
 
 def test_running_means_duty_cycle_and_the_step_loop_come_from_calls_seen():
     h = CallHistory()
+    assert h.duty_cycle(now=100.0, min_history_s=10.0) == UNKNOWN_DUTY  # no home yet
+    h.homed(now=0.0)
     for function in (F.CREATE, F.SAMPLE, F.FORWARD_BACKWARD, F.FORWARD_BACKWARD, F.OPTIM_STEP):
-        h.arrived(function, now=0.0)
+        h.arrived(function)
     assert h.step_calls == ()  # no whole step seen yet
-    h.arrived(F.SAMPLE, now=10.0)
+    h.arrived(F.SAMPLE)
     assert h.step_calls == (F.SAMPLE, F.FORWARD_BACKWARD, F.FORWARD_BACKWARD, F.OPTIM_STEP)
     h.observe(F.SAMPLE, 4.0, swap_s=1.0)
     h.observe(F.SAMPLE, 2.0)
@@ -27,12 +29,14 @@ def test_running_means_duty_cycle_and_the_step_loop_come_from_calls_seen():
 
 def test_a_job_borrows_its_kinds_figures_for_what_it_has_not_shown():
     old, new = CallHistory(), CallHistory()
-    old.arrived(F.SAMPLE, 0.0)
-    old.arrived(F.FORWARD_BACKWARD, 0.0)
-    old.arrived(F.SAMPLE, 0.0)
+    old.homed(0.0)
+    old.arrived(F.SAMPLE)
+    old.arrived(F.FORWARD_BACKWARD)
+    old.arrived(F.SAMPLE)
     old.observe(F.SAMPLE, 3.0)
     old.observe(F.FORWARD_BACKWARD, 1.0)
-    new.arrived(F.SAMPLE, 90.0)
+    new.homed(90.0)
+    new.arrived(F.SAMPLE)
     new.observe(F.SAMPLE, 5.0)
     learned = priors([("7B", old), ("7B", new)], now=100.0, min_history_s=50.0)
     assert learned["7B"].duty_cycle == pytest.approx(0.04)

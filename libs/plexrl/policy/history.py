@@ -35,7 +35,9 @@ class CallHistory:
     durations: dict[Function, float] = field(default_factory=dict)
     """Running mean of each function's compute seconds (swaps excluded)."""
     first_seen: float | None = None
-    """When its first call arrived: the start of the span its duty cycle covers."""
+    """When it got its home (`homed`): the start of the span its duty cycle covers. Time
+    spent waiting for admission is not the job's idleness; counted in, a job that waited
+    would look idle and be packed on a full group."""
     busy_s: float = 0.0
     """Seconds (swap + compute) its calls have held a device."""
     queued_s: float = 0.0
@@ -48,10 +50,12 @@ class CallHistory:
     """Counts changes to `durations` and `step_calls` (a cache key for their readers)."""
     _since_sample: list[Function] = field(default_factory=list)
 
-    def arrived(self, function: Function, now: float) -> None:
-        """A call of the job arrived: it starts the history and shows the job's loop."""
-        if self.first_seen is None:
-            self.first_seen = now
+    def homed(self, now: float) -> None:
+        """The job got a home: its history's span starts."""
+        self.first_seen = now
+
+    def arrived(self, function: Function) -> None:
+        """A call of the job arrived: it shows the job's loop."""
         if function == Function.SAMPLE:
             if self._since_sample and self._since_sample[0] == Function.SAMPLE:
                 step = tuple(self._since_sample)

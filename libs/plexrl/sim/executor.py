@@ -99,7 +99,7 @@ class GroupExecutor:
         now = self.events.now
         job.home = action.worker_id
         # The duty cycle counts from here: waiting for a home is not the job's idleness.
-        job.history.first_seen = now
+        job.history.homed(now)
         job.touch()
         job.result.start_s = now
         job.result.group = action.worker_id

@@ -154,7 +154,7 @@ class JobReplay:
         self.tails = tails
 
     def _issue(self, job: SimJob, function: Function, index: int = 0) -> None:
-        job.history.arrived(function, self.events.now)
+        job.history.arrived(function)
         job.pending.append(
             PendingCall(
                 f"{job.spec.job_id}/{job.step}/{function.value}{index}",
