@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import pytest_asyncio
 import tinker
 from gateway_support import (
@@ -29,7 +30,7 @@ from gateway_support import (
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from tinker.proto import request_conv, response_conv
 
-from plexrl import tracing
+from plexrl import hf_cache, tracing
 from plexrl.messages import (
     CreateInput,
     ErrorCode,
@@ -220,17 +221,27 @@ async def test_create_model_publishes_create_with_the_spec(api: Harness) -> None
 
 
 async def test_get_info_names_the_model_and_its_local_tokenizer(
-    api: Harness, tiny_registry: Path
+    api: Harness, tiny_registry: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     model_id = await api.model()
-    info = tinker.types.GetInfoResponse.model_validate(
-        await api.ok("get_info", {"model_id": model_id, "type": "get_info"})
-    )
-    assert info.model_id == model_id and info.is_lora and info.lora_rank == 8
-    assert info.model_data.model_name == TINY_MODEL and info.model_data.arch == "qwen3"
-    tokenizer = info.model_data.tokenizer_id
+
+    async def tokenizer_id() -> str | None:
+        info = tinker.types.GetInfoResponse.model_validate(
+            await api.ok("get_info", {"model_id": model_id, "type": "get_info"})
+        )
+        assert info.model_id == model_id and info.is_lora and info.lora_rank == 8
+        assert info.model_data.model_name == TINY_MODEL and info.model_data.arch == "qwen3"
+        return info.model_data.tokenizer_id
+
+    # Not in the HF cache: the model's directory (what a client on this machine can load).
+    tokenizer = await tokenizer_id()
     assert tokenizer is not None and tokenizer.startswith("/") and ":" not in tokenizer
     assert tokenizer == str((tiny_registry / "tiny-qwen3").resolve())
+    # Registered by name (`plexrl model init-tiny` / `cache`): the name, which a client
+    # elsewhere (the host of a compose stack) resolves from its own cache.
+    hf_cache.register(tiny_registry / "tiny-qwen3", TINY_MODEL)
+    assert await tokenizer_id() == TINY_MODEL
 
 
 async def test_unknown_base_model_lists_the_available_ones(api: Harness) -> None:
