@@ -365,7 +365,7 @@ async def test_bad_training_input_is_refused_before_publishing(api: Harness) -> 
             await api.forward_backward(model_id, 1, [ce([1, 5000])]),
             "outside the vocabulary [0, 768)",
         ),
-        (await api.forward_backward(model_id, 1, [ce([1])], "dro"), "use one of: cross_entropy"),
+        (await api.forward_backward(model_id, 1, [ce([1])], "dpo"), "use one of: cross_entropy"),
         (
             await api.http.post(
                 "/api/v1/forward_backward", content=b"\x0a\xff", headers={**ALICE, **PROTO}
