@@ -14,6 +14,7 @@ LOAD): the copy is taken before the next call runs, the upload goes on behind.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -193,14 +194,47 @@ class NumberedCalls:
         recovery: JobRecovery,
         runner: CallRunner,
         recorder: ResultRecorder,
+        retry_s: float = 120.0,
     ) -> None:
         self._ledger = ledger
         self._recovery = recovery
         self._runner = runner
         self._recorder = recorder
+        # How long a call failing for an internal reason is retried before it is
+        # answered with that error (and counts as applied, without effect).
+        self._retry_s = retry_s
         self.applied = 0
         self.answered = 0
         self.fenced = 0
+
+    async def _run_retrying(self, request: PhaseRequest, head: LedgerState) -> Ran:
+        """Restore if need be and run; an internal failure (the state-store or Redis away,
+        say) is retried from a fresh restore until `retry_s` has passed, so the call is
+        answered late rather than wrongly. Bad input fails at once."""
+        deadline = time.monotonic() + self._retry_s
+        pause_s = 0.5
+        while True:
+            try:
+                restore_s = await self._recovery.ensure(
+                    request.job_id, request.function, head, self._runner.replay
+                )
+                ran = await self._runner.run(request)
+                ran = Ran(
+                    ran.output, ran.error, ran.swap_s + restore_s, ran.compute_s, ran.started_at
+                )
+            except Exception as exc:
+                log.warning("restoring %s failed", request.job_id, exc_info=True)
+                ran = _failed(f"restoring {request.job_id} failed: {type(exc).__name__}: {exc}")
+            if ran.error is None or ran.error.code != ErrorCode.INTERNAL:
+                return ran
+            if time.monotonic() + pause_s > deadline:
+                return ran
+            log.warning("call of %s failed (%s); retrying", request.job_id, ran.error.message)
+            # The failed call may have changed the job halfway: start again from its ledger.
+            with contextlib.suppress(Exception):
+                await self._recovery.forget(request.job_id)
+            await asyncio.sleep(pause_s)
+            pause_s = min(2 * pause_s, 5.0)
 
     async def stale(self, job_id: str, epoch: int) -> bool:
         """True when the job was re-homed since this dispatch was issued: drop our copy."""
@@ -245,10 +279,7 @@ class NumberedCalls:
             case Verdict.APPLY:
                 pass
         resolved = await self._runner.resolved(request)
-        restore_s = await self._recovery.ensure(job_id, request.function, head, self._runner.replay)
-        ran = await self._runner.run(resolved)
-        if restore_s:
-            ran = Ran(ran.output, ran.error, ran.swap_s + restore_s, ran.compute_s, ran.started_at)
+        ran = await self._run_retrying(resolved, head)
         ok = ran.error is None
         logged = resolved if ok and request.function in MUTATING else None
 
