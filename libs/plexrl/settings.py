@@ -65,8 +65,9 @@ class SchedulerSettings(CommonSettings):
     # Most consecutive calls of one job sent to a worker in one dispatch.
     max_calls_per_run: int = 8
     # A worker whose last heartbeat is older than this is treated as down (its jobs
-    # are re-homed and restored elsewhere).
-    worker_timeout_s: float = 10.0
+    # are re-homed and restored elsewhere). Heartbeats come every second; a false alarm
+    # costs a restore, never a wrong result (the old home is fenced off).
+    worker_timeout_s: float = 6.0
     # A dispatch whose worker reports idle this long after it was sent was lost: its
     # calls are requeued (see plexrl_scheduler.liveness.LivenessConfig).
     lease_grace_s: float = 5.0
