@@ -1,9 +1,9 @@
 """An RLVR recipe over the Tinker SDK: a supervised warm-up, then GRPO with a verifiable reward.
 
-The task is copying a string of digits longer than any the tiny base saw in its
-warm-up; the reward is checked by code (exact copy: 1, else half the fraction of
-digits in the right place). Nothing here knows about PlexRL: it is what a user
-would write against any Tinker service.
+The task is shifting every digit of a string by one (the tiny base learned to copy
+digit strings in its warm-up, never to shift them); the reward is checked by code
+(exact answer: 1, else half the fraction of digits in the right place). Nothing here
+knows about PlexRL: it is what a user would write against any Tinker service.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from typing import Any
 import tinker
 from tinker import types
 
+CLEAR_GAIN = 0.05
+"""How much a job's mean reward must rise, from its first RL steps to its last, for the
+run to count as learning (the demo's exit status; bench/demo_robustness.py)."""
+
 
 @dataclass(frozen=True)
 class RlvrConfig:
@@ -25,8 +29,15 @@ class RlvrConfig:
     base_model: str = "plexrl/tiny-qwen3"
     rank: int = 16
     """LoRA rank."""
-    digits: int = 6
-    """Length of the strings to copy."""
+    task: str = "shift"
+    """`shift`: write each of `digits` digits plus one, mod 10 ("shift 3907:" → "4018"). The
+    base copies digit strings (its warm-up) but has never shifted one, so every job starts
+    with room to learn, whatever the machine's numerics made of the base; learning it is
+    a small remapping on top of copying, which LoRA picks up smoothly.
+    `copy`: repeat the digits (the base may already do it perfectly: no room for RL).
+    `multiply`: a×b for single digits (81 facts to memorise; too slow for the demo)."""
+    digits: int = 4
+    """Length of the digit strings (tasks `shift` and `copy`)."""
     sft_steps: int = 30
     """Supervised warm-up steps (cross_entropy)."""
     sft_batch: int = 16
@@ -55,7 +66,7 @@ class JobResult:
 
 
 def reward(answer: str, completion: str) -> float:
-    """The verifier: 1 for an exact copy, else half the fraction of digits in place."""
+    """The verifier: 1 for the exact answer, else half the fraction of digits in place."""
     text = completion.strip()
     if text == answer:
         return 1.0
@@ -78,8 +89,14 @@ class RlvrJob:
         self._rng = random.Random(config.seed)
 
     def _problem(self) -> tuple[str, str]:
-        digits = "".join(self._rng.choice("0123456789") for _ in range(self._config.digits))
-        return f"copy {digits}:", digits
+        if self._config.task == "copy":
+            digits = "".join(self._rng.choice("0123456789") for _ in range(self._config.digits))
+            return f"copy {digits}:", digits
+        if self._config.task == "shift":
+            digits = "".join(self._rng.choice("0123456789") for _ in range(self._config.digits))
+            return f"shift {digits}:", "".join(str((int(d) + 1) % 10) for d in digits)
+        a, b = self._rng.randint(1, 9), self._rng.randint(1, 9)
+        return f"{a}*{b}=", str(a * b)
 
     def run(self) -> JobResult:
         c = self._config
@@ -118,7 +135,7 @@ class RlvrJob:
             self._on_step("sft", {"loss": loss})
 
         for _ in range(c.rl_steps):
-            sampler = client.save_weights_and_get_sampling_client()
+            sampler = client.save_weights_and_get_sampling_client().result()
             problems = [self._problem() for _ in range(c.prompts_per_step)]
             params = types.SamplingParams(
                 max_tokens=c.max_tokens, temperature=1.0, seed=self._rng.randrange(1 << 30)

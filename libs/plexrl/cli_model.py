@@ -25,7 +25,7 @@ def init_tiny(
     ] = None,
     warm_steps: Annotated[
         int, typer.Option(help="Steps of warm-up on synthetic digit tasks (0: random weights).")
-    ] = 400,
+    ] = 1000,  # plexrl.pretrain.WARM_STEPS, the demo's base (not imported: it pulls in torch)
     hf_cache: Annotated[
         bool, typer.Option(help="Also make the name resolvable offline via the HF cache.")
     ] = True,
