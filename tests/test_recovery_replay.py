@@ -7,6 +7,7 @@ deterministic under it, gradients accumulated mid-step included.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
@@ -29,9 +30,9 @@ def calls(steps: int) -> list[Call]:
             inp = ForwardBackwardInput(
                 random_batch(10 * step + half, rows=2, length=12), LossFn.CROSS_ENTROPY
             )
-            out.append(lambda e, inp=inp: e.forward_backward("job", inp))
+            out.append(functools.partial(TorchEngine.forward_backward, job_id="job", inp=inp))
         adam = OptimStepInput(AdamParams(learning_rate=1e-2, grad_clip_norm=1.0))
-        out.append(lambda e, adam=adam: e.optim_step("job", adam))
+        out.append(functools.partial(TorchEngine.optim_step, job_id="job", inp=adam))
     return out
 
 
