@@ -116,11 +116,10 @@ class EngineClient:
 
 class EngineService:
     def __init__(self, engine: TorchEngine, model_dir: Path) -> None:
-        self._engine, self._dir, self._n = engine, model_dir, 0
+        self._engine, self._dir = engine, model_dir
 
     def create_lora_training_client(self, base_model: str, rank: int, seed: int) -> Future[Any]:
-        self._n += 1
-        job_id = f"job-{self._n}"
+        job_id = f"job-{len(self._engine.resident_jobs())}"
         self._engine.create(
             job_id, JobSpec(base_model=base_model, lora=LoraSpec(rank=rank), seed=seed)
         )
