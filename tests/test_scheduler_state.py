@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from aiokafka import TopicPartition
 from opentelemetry.context import Context
 
@@ -19,6 +20,7 @@ from plexrl.messages import (
     WorkerHeartbeat,
 )
 from plexrl.policy import Move, PolicyConfig, Run, plan
+from plexrl.policy.history import CallHistory, describe
 from plexrl_scheduler.offsets import OffsetTracker
 from plexrl_scheduler.state import ClusterState
 
@@ -54,7 +56,13 @@ def req(rid: str, job: str, fn: Function = Function.NOOP) -> PhaseRequest:
 
 
 def done(
-    rid: str, job: str, compute_s: float = 0.5, fn: Function = Function.NOOP
+    rid: str,
+    job: str,
+    compute_s: float = 0.5,
+    fn: Function = Function.NOOP,
+    *,
+    swap_s: float = 0.0,
+    queue_s: float = 0.0,
 ) -> PhaseCompletion:
     return PhaseCompletion(
         request_id=rid,
@@ -63,7 +71,7 @@ def done(
         worker_id="w0",
         function=fn,
         status=CompletionStatus.OK,
-        timings=Timings(compute_s=compute_s),
+        timings=Timings(queue_s=queue_s, swap_s=swap_s, compute_s=compute_s),
     )
 
 
@@ -179,6 +187,7 @@ def test_a_new_job_borrows_the_figures_of_its_kind() -> None:
     # call durations stand in until the newcomer has a history of its own.
     state.add_job("new", "t", JobSpec(base_model="m"), home=None)
     state.on_request(req("r2", "new", Function.FORWARD_BACKWARD), delivery(1))
+    state.apply_admit("new", "w0")
     view = state.snapshot().jobs["new"]
     assert abs(view.duty_cycle - 0.1) < 1e-9
     assert view.estimates.expected_s(Function.SAMPLE) == 1.0
@@ -188,3 +197,88 @@ def test_a_new_job_borrows_the_figures_of_its_kind() -> None:
     # Once the newcomer has its own history, its own figures count.
     clock.t += 10
     assert state.snapshot().jobs["new"].duty_cycle == 0.01
+
+
+def test_queueing_is_not_counted_as_idle() -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock)
+    state.on_heartbeat(beat("w0"))
+    state.add_job("j", "t", JobSpec(base_model="m"), home="w0")
+    state.on_request(req("r1", "j"), delivery(0))
+    state.apply_run("d", "w0", "j", state.take_pending(("r1",)), ())
+    clock.t += 20
+    # 8 s waiting behind another job's run, then 2 s of compute: busy 2 of the 12 s the
+    # job was not waiting for the device (it was 2 of 20 when queueing counted as idle).
+    state.on_completion(done("r1", "j", compute_s=2.0, queue_s=8.0))
+    assert state.snapshot().jobs["j"].duty_cycle == pytest.approx(2.0 / 12.0)
+
+
+def test_queueing_before_admission_or_behind_its_own_calls_stays_out() -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock)
+    state.on_heartbeat(beat("w0"))
+    state.add_job("j", "t", JobSpec(base_model="m"), home=None)
+    state.on_request(req("r1", "j", Function.FORWARD_BACKWARD), delivery(0))
+    state.on_request(req("r2", "j", Function.FORWARD_BACKWARD), delivery(1))
+    clock.t += 30  # waited for a home: outside the job's history
+    state.apply_admit("j", "w0")
+    state.apply_run("d", "w0", "j", state.take_pending(("r1", "r2")), ())
+    clock.t += 4
+    state.on_completion(done("r1", "j", compute_s=4.0, queue_s=30.0))
+    clock.t += 4
+    # r2 queued behind r1, the job's own busy time: not counted as queueing again.
+    state.on_completion(done("r2", "j", compute_s=4.0, queue_s=34.0))
+    assert state.jobs["j"].history.queued_s == 0.0
+    clock.t += 2
+    assert state.snapshot().jobs["j"].duty_cycle == pytest.approx(8.0 / 10.0)
+
+
+def test_snapshot_describes_a_job_as_its_call_history_does() -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock)
+    state.on_heartbeat(beat("w0"))
+    state.add_job("j", "t", JobSpec(base_model="m"), home=None)
+    clock.t += 3  # waiting for admission
+    state.apply_admit("j", "w0")
+    expected = CallHistory()
+    expected.homed(clock.t)
+    # Two training steps (sample, forward_backward x2, optim_step), then the next sample:
+    # (function, idle before its arrival, queue, swap, compute), one call per dispatch.
+    calls = [
+        (Function.SAMPLE, 0.0, 0.0, 1.5, 6.0),
+        (Function.FORWARD_BACKWARD, 4.0, 2.0, 0.0, 3.0),
+        (Function.FORWARD_BACKWARD, 0.0, 0.0, 0.0, 2.0),
+        (Function.OPTIM_STEP, 0.0, 1.0, 0.0, 0.5),
+        (Function.SAMPLE, 2.0, 3.0, 0.5, 5.0),
+        (Function.FORWARD_BACKWARD, 5.0, 0.0, 0.0, 4.0),
+        (Function.FORWARD_BACKWARD, 0.0, 0.5, 0.0, 2.5),
+        (Function.OPTIM_STEP, 0.0, 0.0, 0.0, 0.7),
+        (Function.SAMPLE, 1.0, 0.0, 0.0, 0.0),
+    ]
+    for i, (function, idle_s, queue_s, swap_s, compute_s) in enumerate(calls):
+        clock.t += idle_s
+        state.on_request(req(f"r{i}", "j", function), delivery(i))
+        expected.arrived(function)
+        if i == len(calls) - 1:
+            break  # the last sample is still waiting
+        clock.t += queue_s
+        state.apply_run(f"d{i}", "w0", "j", state.take_pending((f"r{i}",)), ())
+        clock.t += swap_s + compute_s
+        state.on_completion(done(f"r{i}", "j", compute_s, function, swap_s=swap_s, queue_s=queue_s))
+        expected.observe(function, compute_s, swap_s, queue_s)
+
+    view = state.snapshot().jobs["j"]
+    want = describe(expected, None, clock.t, 5.0)
+    assert view.duty_cycle == pytest.approx(want.duty_cycle)
+    assert view.duty_cycle > 0.6  # idle 12 s, queued 6.5 s of the 44.2 s since admission
+    assert view.estimates.seconds == pytest.approx(want.durations)
+    assert (
+        view.step_calls
+        == want.step_calls
+        == (
+            Function.SAMPLE,
+            Function.FORWARD_BACKWARD,
+            Function.FORWARD_BACKWARD,
+            Function.OPTIM_STEP,
+        )
+    )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from plexrl.kafka import Delivery
@@ -30,13 +30,14 @@ from plexrl.policy import (
     SwapCosts,
     WorkerView,
 )
+from plexrl.policy.history import CallHistory, Prior, describe, priors
 
 Clock = Callable[[], float]
 
-# Weight of the newest observation in a job's running mean of call durations.
-_EWMA = 0.3
 # Wall time a job must have been seen for before its measured duty cycle is used.
 _MIN_HISTORY_S = 5.0
+
+Kind = tuple[str, str, bool]
 
 
 @dataclass
@@ -49,64 +50,18 @@ class JobState:
     tier: Tier | None = None
     last_active: float = 0.0
     idle_until: float = 0.0
-    durations: dict[Function, float] = field(default_factory=dict)
-    first_seen: float | None = None
-    """When its first call arrived here: the start of the span its duty cycle covers."""
-    busy_s: float = 0.0
-    """Device-seconds (swap + compute) its calls have used."""
+    history: CallHistory = field(default_factory=CallHistory)
+    """What its calls have shown so far: the simulator's estimator, so the live policy
+    sees a job as the simulated one does."""
     epoch: int = 0
     """Its lease's fencing token on its home (see plexrl.ledger); 0: not known here yet."""
 
-    def observe(self, function: Function, seconds: float) -> None:
-        old = self.durations.get(function)
-        self.durations[function] = seconds if old is None else old + _EWMA * (seconds - old)
-
-    def has_history(self, now: float) -> bool:
-        return self.first_seen is not None and now - self.first_seen >= _MIN_HISTORY_S
-
-    def duty_cycle(self, now: float) -> float:
-        """Fraction of its wall time the job kept a device busy (0.5 until it has a history)."""
-        if self.first_seen is None or not self.has_history(now):
-            return 0.5
-        return min(1.0, max(0.01, self.busy_s / (now - self.first_seen)))
-
     @property
-    def kind(self) -> tuple[str, str, bool]:
-        """Jobs of one kind (tenant, base model, LoRA or full) lend a newcomer their figures."""
+    def kind(self) -> Kind:
+        """Jobs of one kind (tenant, base model, LoRA or full) lend a newcomer their figures:
+        without them a new job counts as half busy with near-instant calls until it has
+        run for `_MIN_HISTORY_S`, and an interference-aware policy finds no group for it."""
         return (self.tenant, self.spec.base_model, self.spec.lora is None)
-
-
-@dataclass(frozen=True)
-class Prior:
-    """What a job without a history is taken to look like: the mean of its kind's."""
-
-    duty_cycle: float
-    durations: dict[Function, float]
-
-
-def priors(jobs: Iterable[JobState], now: float) -> dict[tuple[str, str, bool], Prior]:
-    """Per job kind, the mean duty cycle and call durations of the jobs with a history.
-
-    Without it a new job counts as half busy with near-instant calls until it has run
-    for `_MIN_HISTORY_S`, and an interference-aware policy finds no group for it (a
-    0.5 duty leaves room for one such job; tiny calls make any neighbour look costly).
-    """
-    duties: dict[tuple[str, str, bool], list[float]] = {}
-    durations: dict[tuple[str, str, bool], dict[Function, list[float]]] = {}
-    for job in jobs:
-        if not job.has_history(now):
-            continue
-        duties.setdefault(job.kind, []).append(job.duty_cycle(now))
-        by_function = durations.setdefault(job.kind, {})
-        for function, seconds in job.durations.items():
-            by_function.setdefault(function, []).append(seconds)
-    return {
-        kind: Prior(
-            duty_cycle=sum(values) / len(values),
-            durations={f: sum(v) / len(v) for f, v in durations[kind].items()},
-        )
-        for kind, values in duties.items()
-    }
 
 
 @dataclass
@@ -165,12 +120,15 @@ class ClusterState:
         job = self.jobs.get(job_id)
         if job is None:
             job = self.jobs[job_id] = JobState(job_id, tenant, spec, spec.state_bytes, home)
+            if home is not None:
+                # Homed before this scheduler started: its history starts here.
+                job.history.homed(self._clock())
         return job
 
     def on_request(self, request: PhaseRequest, delivery: Delivery | None) -> None:
         job = self.jobs.get(request.job_id)
-        if job is not None and job.first_seen is None:
-            job.first_seen = self._clock()
+        if job is not None:
+            job.history.arrived(request.function)
         self.pending[request.request_id] = Pending(request, delivery)
         self._changed.set()
 
@@ -182,9 +140,10 @@ class ClusterState:
         worker_id, delivery = entry
         job = self.jobs.get(completion.job_id)
         if job is not None:
-            job.last_active = self._clock()
-            job.observe(completion.function, completion.timings.compute_s)
-            job.busy_s += completion.timings.compute_s + completion.timings.swap_s
+            now, t = self._clock(), completion.timings
+            queued = _queued(job, t.queue_s, started=now - t.compute_s - t.swap_s)
+            job.history.observe(completion.function, t.compute_s, t.swap_s, queued)
+            job.last_active = now
             if completion.function == Function.UNLOAD:
                 del self.jobs[job.job_id]
         run = self.inflight.get(worker_id)
@@ -226,8 +185,14 @@ class ClusterState:
     # Record decisions --------------------------------------------------------
 
     def apply_admit(self, job_id: str, worker_id: str, epoch: int = 0) -> None:
-        self.jobs[job_id].home = worker_id
-        self.jobs[job_id].epoch = epoch
+        job = self.jobs[job_id]
+        job.home = worker_id
+        job.epoch = epoch
+        # Its duty cycle counts from its first home: waiting for admission is not the
+        # job's idleness. A re-home (its worker died) keeps the span, which the busy
+        # seconds measured so far belong to.
+        if job.history.first_seen is None:
+            job.history.homed(self._clock())
 
     def apply_epoch(self, job_id: str, epoch: int) -> None:
         self.jobs[job_id].epoch = epoch
@@ -320,11 +285,8 @@ class ClusterState:
         self._changed.clear()
 
     @staticmethod
-    def _view(job: JobState, now: float, learned: dict[tuple[str, str, bool], Prior]) -> JobView:
-        duty, durations = job.duty_cycle(now), dict(job.durations)
-        prior = None if job.has_history(now) else learned.get(job.kind)
-        if prior is not None:
-            duty, durations = prior.duty_cycle, prior.durations | durations
+    def _view(job: JobState, now: float, learned: dict[Kind, Prior]) -> JobView:
+        seen = describe(job.history, learned.get(job.kind), now, _MIN_HISTORY_S)
         return JobView(
             job_id=job.job_id,
             state_bytes=job.state_bytes,
@@ -333,8 +295,9 @@ class ClusterState:
             base_model=job.spec.base_model,
             last_active=job.last_active,
             idle_until=job.idle_until,
-            estimates=CallEstimates(durations),
-            duty_cycle=duty,
+            estimates=CallEstimates(seen.durations),
+            duty_cycle=seen.duty_cycle,
+            step_calls=seen.step_calls,
         )
 
     def healthy(self, worker_id: str) -> bool:
@@ -355,7 +318,7 @@ class ClusterState:
             )
             for wid, w in self.workers.items()
         }
-        learned = priors(self.jobs.values(), now)
+        learned = priors(((j.kind, j.history) for j in self.jobs.values()), now, _MIN_HISTORY_S)
         jobs = {jid: self._view(j, now, learned) for jid, j in self.jobs.items()}
         pending = tuple(
             PendingCall(rid, p.request.job_id, p.request.function, p.request.arrival_time)
@@ -365,3 +328,14 @@ class ClusterState:
         return ClusterSnapshot(
             now=now, workers=workers, jobs=jobs, pending=pending, swap=self._swap
         )
+
+
+def _queued(job: JobState, queue_s: float, started: float) -> float:
+    """Seconds of a completed call's `queue_s` (from its arrival at the gateway) that the
+    job was homed and ready while its device ran something else, as the simulator counts
+    them: not before its home (waiting for admission is outside its history's span), nor
+    before its previous call ended (a later call of one dispatch waited for the earlier
+    ones, whose seconds are busy time already)."""
+    homed = job.history.first_seen
+    ready = max(started if homed is None else homed, job.last_active)
+    return max(0.0, min(queue_s, started - ready))
