@@ -1,8 +1,9 @@
-"""`plexrl status|jobs|workers|timeline|top` against the real gateway app over HTTP.
+"""`plexrl status|jobs|workers|timeline|top|dlq` against the real gateway app over HTTP.
 
 The gateway runs in a thread with real Redis; only Kafka is faked (its publisher records
 what would be sent). Workers' heartbeats, the timeline and usage are written to Redis the
-way the workers and the scheduler write them.
+way the workers and the scheduler write them; dead letters the way a consumer's
+`DeadLetters` records them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import msgspec
 import pytest
 from gateway_support import FakePublisher, drop_cluster_keys, free_port, unique_cluster
 from rich.console import Console
@@ -31,8 +33,16 @@ from plexrl.cli_status import (
     parse_duration,
     totals,
 )
+from plexrl.dead_letters import DeadLetters
 from plexrl.health import HttpServer
-from plexrl.messages import ResidentState, Tier, WorkerHeartbeat, encode
+from plexrl.messages import (
+    DeadLetter,
+    DeadLetterReason,
+    ResidentState,
+    Tier,
+    WorkerHeartbeat,
+    encode,
+)
 from plexrl.meta import MetaStore, Residency, TimelineEntry
 from plexrl.settings import GatewaySettings
 from plexrl_gateway.app import build_app
@@ -48,6 +58,8 @@ class Served:
     settings: GatewaySettings
     jobs: list[str]
     """Two LoRA models of tenant alice, oldest first."""
+    samplers: list[str]
+    """Two sampler sessions of tenant alice over the base model, never used."""
 
 
 def run_gateway(settings: GatewaySettings, port: int, ready: threading.Event) -> None:
@@ -88,8 +100,42 @@ def create_model(http: httpx.Client) -> str:
     return str(response.json()["model_id"])
 
 
+def create_samplers(http: httpx.Client, n: int) -> list[str]:
+    body = {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0", "type": "create_session"}
+    session = http.post("/api/v1/create_session", json=body).json()["session_id"]
+    samplers = []
+    for seq in range(n):
+        sampler = {
+            "session_id": session,
+            "sampling_session_seq_id": seq,
+            "base_model": "plexrl/tiny-qwen3",
+            "type": "create_sampling_session",
+        }
+        response = http.post("/api/v1/create_sampling_session", json=sampler)
+        assert response.status_code == 200, response.text
+        samplers.append(str(response.json()["sampling_session_id"]))
+    return samplers
+
+
+async def dead_letter(meta: MetaStore, cluster_id: str, offset: int, call: dict[str, str]) -> None:
+    """A request a consumer could not read (its schema is from the future), set aside."""
+    letter = DeadLetter(
+        source_topic="plexrl.requests",
+        partition=0,
+        offset=offset,
+        key=None,
+        reason=DeadLetterReason.UNSUPPORTED_VERSION,
+        detail="schema_version 99 is newer than this reader (1)",
+        value=msgspec.msgpack.encode({**call, "schema_version": 99}),
+        consumer="scheduler-requests",
+        at=time.time() - 100 + offset,
+    )
+    await DeadLetters(meta, FakePublisher(), "plexrl.completions", cluster_id)(letter)
+
+
 async def seed(settings: GatewaySettings, jobs: list[str]) -> None:
-    """Two workers' heartbeats; job 0 trained on worker-0 (a swap-in first), job 1 idle."""
+    """Two workers' heartbeats; job 0 trained on worker-0 (a swap-in first), job 1 idle;
+    two of alice's requests and one of bob's dead-lettered."""
     meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
     now = time.time()
     try:
@@ -126,6 +172,11 @@ async def seed(settings: GatewaySettings, jobs: list[str]) -> None:
         await meta.add_usage(jobs[0], {"calls": 6.0, "device_s": 9.5})
         await meta.mark_active(jobs[0], t)
         await meta.mark_active(jobs[0], t + 23.5)
+        for offset, request_id, tenant in ((41, "dead-1", "alice"), (42, "dead-2", "alice")):
+            call = {"request_id": request_id, "job_id": jobs[0], "tenant": tenant}
+            await dead_letter(meta, settings.cluster_id, offset, call)
+        bobs = {"request_id": "dead-bob", "job_id": "bob-job", "tenant": "bob"}
+        await dead_letter(meta, settings.cluster_id, 43, bobs)
     finally:
         await meta.close()
 
@@ -150,8 +201,9 @@ def served(infra: dict[str, str], tiny_registry: Path) -> Iterator[Served]:
     try:
         with httpx.Client(base_url=url, headers={"X-API-Key": KEY}, timeout=60) as http:
             jobs = [create_model(http), create_model(http)]
+            samplers = create_samplers(http, 2)
         asyncio.run(seed(settings, jobs))
-        yield Served(url, settings, jobs)
+        yield Served(url, settings, jobs, samplers)
     finally:
         loop, stop = SERVERS.pop(port)
         loop.call_soon_threadsafe(stop.set)
@@ -166,12 +218,16 @@ def cli(served: Served, *args: str, key: str = KEY) -> str:
 
 def test_status_sums_the_jobs_and_reads_the_scheduler(served: Served) -> None:
     out = cli(served, "status")
-    assert "workers" in out and "2 live, 2 in all" in out
+    # Sampler sessions are not training jobs: counted on a line of their own.
+    assert "workers" in out and "training jobs" in out and "2 live, 2 in all" in out
+    assert "sampler sessions" in out and "0 sampled in the last 5m 00s, 2 in all" in out
     assert "unreachable" in out  # no scheduler in this test: said so, not a crash
     # 9.5 device-s used against 23.5 s of holding one device: 59.6% saved.
     assert "9.5 used / 23.5 dedicated" in out and "59.6%" in out
     data = json.loads(cli(served, "status", "--json"))
-    assert data["totals"]["jobs"] == 2
+    assert data["totals"]["jobs"] == 2 and data["totals"]["live_jobs"] == 2
+    assert data["totals"]["sampler_sessions"] == 2
+    assert data["totals"]["active_sampler_sessions"] == 0
     assert data["totals"]["savings_fraction"] == pytest.approx(1 - 9.5 / 23.5)
 
 
@@ -208,6 +264,35 @@ def test_timeline_draws_each_worker_and_lists_calls(served: Served) -> None:
 def test_top_refreshes_in_place(served: Served) -> None:
     out = cli(served, "top", "--count", "2", "--interval", "0.2")
     assert "Jobs" in out and "Workers" in out and "Timeline" in out
+
+
+def test_dlq_lists_this_keys_dead_letters_newest_first(served: Served) -> None:
+    out = cli(served, "dlq")
+    assert "Dead letters (2, newest first)" in out
+    assert "plexrl.requests[0]@42" in out and "plexrl.requests[0]@41" in out
+    assert out.index("@42") < out.index("@41")
+    assert "unsupported_version" in out and "scheduler-requests" in out
+    assert "@43" not in out  # bob's
+    assert "answered with an error and not run" in out
+    data = json.loads(cli(served, "dlq", "--json"))
+    assert [e["offset"] for e in data] == [42, 41]
+    assert data[0]["request_ids"] == ["dead-2"] and data[0]["job_ids"] == [served.jobs[0]]
+    assert data[0]["tenant"] == "alice" and data[0]["reason"] == "unsupported_version"
+    assert [e["offset"] for e in json.loads(cli(served, "dlq", "--json", "--limit", "1"))] == [42]
+    (bobs,) = json.loads(cli(served, "dlq", "--json", key="tml-bob"))
+    assert bobs["request_ids"] == ["dead-bob"]
+
+
+def test_dlq_errors_are_one_line(served: Served) -> None:
+    refused = runner.invoke(app, ["dlq", "--url", served.url, "--key", "tml-nope"])
+    assert refused.exit_code == 1
+    (line,) = refused.output.strip().splitlines()
+    assert "refused the API key" in line
+    url = f"http://127.0.0.1:{free_port()}"
+    gone = runner.invoke(app, ["dlq", "--url", url, "--key", KEY, "--json"])
+    assert gone.exit_code == 1
+    (line,) = gone.output.strip().splitlines()
+    assert f"cannot reach the gateway at {url}" in line
 
 
 def test_a_refused_key_is_one_line_that_says_what_to_do(served: Served) -> None:
@@ -256,11 +341,13 @@ def render(table: object) -> str:
     return captured.get()
 
 
-def job_view(job_id: str, device_s: float, dedicated: float) -> dict[str, object]:
+def job_view(
+    job_id: str, device_s: float, dedicated: float, kind: str = "training", calls: int = 0
+) -> dict[str, object]:
     return {
         "job": {
             "job_id": job_id,
-            "kind": "training",
+            "kind": kind,
             "unloaded": False,
             "spec": {"base_model": "m", "lora": None, "state_bytes": 10},
         },
@@ -272,7 +359,13 @@ def job_view(job_id: str, device_s: float, dedicated: float) -> dict[str, object
             "dedicated_device_s": dedicated,
             "savings_fraction": None,
         },
-        "activity": {"calls": 0, "steps": 0, "steps_per_min": None, "swaps": 0, "last_at": None},
+        "activity": {
+            "calls": calls,
+            "steps": 0,
+            "steps_per_min": None,
+            "swaps": 0,
+            "last_at": None,
+        },
     }
 
 
@@ -300,6 +393,12 @@ def test_totals_and_a_job_with_no_history() -> None:
     jobs = [job_view("a", 2.0, 8.0), job_view("b", 1.0, 0.0)]
     assert totals(jobs)["savings_fraction"] == pytest.approx(1 - 3 / 8)
     assert totals([])["savings_fraction"] is None
+    # One training job sampled through many sessions is one job, not twenty-two.
+    samplers = [job_view(f"s{i}", 0.5, 1.0, kind="sampling", calls=i % 2) for i in range(21)]
+    sums = totals([job_view("train", 2.0, 8.0), *samplers])
+    assert (sums["jobs"], sums["live_jobs"]) == (1, 1)
+    assert (sums["sampler_sessions"], sums["active_sampler_sessions"]) == (21, 10)
+    assert sums["device_s"] == pytest.approx(2.0 + 21 * 0.5)  # all of them use devices
     snap = Snapshot({}, [], jobs, [], 300, time.time())
     out = render(jobs_table(snap))
     assert "J1 a" in out and "J2 b" in out and "–" in out

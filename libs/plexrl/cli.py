@@ -18,7 +18,7 @@ def _mount_subcommands() -> None:
     app.add_typer(model_app, name="model")
     app.command("serve")(serve)
     app.command("sim")(sim)
-    register_status(app)  # status, jobs, workers, timeline, top
+    register_status(app)  # status, jobs, workers, timeline, top, dlq
 
 
 _mount_subcommands()

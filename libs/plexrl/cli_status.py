@@ -1,4 +1,4 @@
-"""`plexrl status|jobs|workers|timeline|top`: the cluster as an operator sees it.
+"""`plexrl status|jobs|workers|timeline|top|dlq`: the cluster as an operator sees it.
 
 Every command reads the gateway's `/plexrl/v1` API with an API key, like the web
 dashboard, and shows what that key may see: rich tables with human times, or `--json`
@@ -12,7 +12,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import httpx
 import typer
@@ -31,6 +31,9 @@ OTHER_COLOUR = "#bab0ac"
 STALE_HEARTBEAT_S = 15.0
 # Terminals at least this wide get every column of the jobs table.
 WIDE_COLUMNS = 150
+
+
+T = TypeVar("T")
 
 
 class GatewayError(Exception):
@@ -179,14 +182,27 @@ def short_id(job_id: str) -> str:
     return job_id if len(job_id) <= 16 else f"…{job_id[-14:]}"
 
 
+def is_sampler(job: Mapping[str, Any]) -> bool:
+    """A sampler session (`create_sampling_client`), not a training job: a client makes
+    many and never unloads them, so they are counted apart."""
+    return bool(job["job"].get("kind") == "sampling")
+
+
 def totals(jobs: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
-    """Device-seconds used by the jobs against dedicated devices, and the fraction saved."""
+    """Training jobs and sampler sessions, and the device-seconds all of them used
+    against dedicated devices, and the fraction saved."""
     jobs = list(jobs)
+    training = [j for j in jobs if not is_sampler(j)]
+    samplers = [j for j in jobs if is_sampler(j)]
     used = sum(j["accounting"]["device_s"] for j in jobs)
     dedicated = sum(j["accounting"]["dedicated_device_s"] for j in jobs)
     return {
-        "jobs": len(jobs),
-        "live_jobs": sum(1 for j in jobs if not j["job"]["unloaded"]),
+        "jobs": len(training),
+        "live_jobs": sum(1 for j in training if not j["job"]["unloaded"]),
+        "sampler_sessions": len(samplers),
+        "active_sampler_sessions": sum(
+            1 for j in samplers if (j.get("activity") or {}).get("calls", 0) > 0
+        ),
         "device_s": used,
         "dedicated_device_s": dedicated,
         "savings_fraction": (1.0 - used / dedicated) if dedicated > 0 else None,
@@ -204,7 +220,12 @@ def status_table(snap: Snapshot, url: str) -> Table:
     table.add_row(
         "workers", f"{len(live)}" + (f" ({stale} not heard from lately)" if stale else "")
     )
-    table.add_row("jobs", f"{sums['live_jobs']} live, {sums['jobs']} in all")
+    table.add_row("training jobs", f"{sums['live_jobs']} live, {sums['jobs']} in all")
+    table.add_row(
+        "sampler sessions",
+        f"{sums['active_sampler_sessions']} sampled in the last "
+        f"{human_duration(snap.window_s)}, {sums['sampler_sessions']} in all",
+    )
     if sched.get("reachable"):
         inflight = sched.get("inflight") or {}
         table.add_row("queue depth", f"{sched.get('pending', 0)} calls waiting")
@@ -378,6 +399,42 @@ def timeline_table(snap: Snapshot, limit: int) -> Table:
     return table
 
 
+def dlq_table(
+    entries: Iterable[Mapping[str, Any]], now: float, wide: bool = True
+) -> RenderableType:
+    """One row per dead letter (`GET /plexrl/v1/dlq`), newest first: where the message
+    was read, why it was set aside, and the calls it carried. `wide=False` leaves out
+    the consumer and the jobs so the table fits a 100-column terminal."""
+    entries = list(entries)
+    if not entries:
+        return Text("No dead letters: every message of this key's calls was read.")
+    table = Table(
+        title=f"Dead letters ({len(entries)}, newest first)",
+        caption="Each call named was answered with an error and not run; send it again.",
+        caption_justify="left",
+    )
+    columns = ["when", "message", "reason", "consumer", "jobs", "calls", "detail"]
+    shown = [n for n in columns if wide or n not in ("consumer", "jobs")]
+    for name in shown:
+        table.add_column(
+            name, justify="right" if name == "calls" else "left", no_wrap=name != "detail"
+        )
+    for e in entries:
+        detail = e["detail"] if len(e["detail"]) <= 120 else e["detail"][:119] + "…"
+        # Text, not str: ids and details are data, never rich markup or :emoji: codes.
+        cells: dict[str, RenderableType] = {
+            "when": human_ago(e["at"], now),
+            "message": Text(f"{e['source_topic']}[{e['partition']}]@{e['offset']}"),
+            "reason": Text(e["reason"], "red"),
+            "consumer": Text(e["consumer"]),
+            "jobs": Text(", ".join(short_id(j) for j in e.get("job_ids", [])) or "–"),
+            "calls": str(len(e.get("request_ids", []))),
+            "detail": Text(detail),
+        }
+        table.add_row(*(cells[name] for name in shown))
+    return table
+
+
 def top_view(snap: Snapshot, url: str, width: int, error: str | None = None) -> RenderableType:
     """Everything at once, laid out for a terminal `width` columns wide."""
     parts: list[RenderableType] = [status_table(snap, url), gantt(snap, chart_width(width))]
@@ -429,15 +486,20 @@ def _client(url: str, key: str | None) -> GatewayClient:
     return GatewayClient(url, key)
 
 
-def _snapshot(url: str, key: str | None, window: str) -> Snapshot:
-    window_s = parse_duration(window)
+def _read(url: str, key: str | None, read: Callable[[GatewayClient], T]) -> T:
+    """`read` through a client of the gateway; its errors end the command in one line."""
     client = _client(url, key)
     try:
-        return read_snapshot(client, window_s, time.time)
+        return read(client)
     except GatewayError as exc:
         raise _fail(str(exc)) from None
     finally:
         client.close()
+
+
+def _snapshot(url: str, key: str | None, window: str) -> Snapshot:
+    window_s = parse_duration(window)
+    return _read(url, key, lambda client: read_snapshot(client, window_s, time.time))
 
 
 def _print_json(value: Any) -> None:
@@ -537,6 +599,24 @@ def top(
         client.close()
 
 
+def dlq(
+    url: Url = DEFAULT_URL,
+    key: Key = None,
+    json: Json = False,
+    limit: Annotated[
+        int, typer.Option(help="Most dead letters listed, newest first.", min=1, max=1000)
+    ] = 100,
+) -> None:
+    """Dead letters: messages of this key's calls that could not be read (each call was
+    answered with an error and not run)."""
+    entries = _read(url, key, lambda client: client.get("/dlq", limit=limit))
+    if json:
+        _print_json(entries)
+        return
+    console = _console()
+    console.print(dlq_table(entries, time.time(), wide=console.width >= WIDE_COLUMNS))
+
+
 def register(app: typer.Typer) -> None:
-    for command in (status, jobs, workers, timeline, top):
+    for command in (status, jobs, workers, timeline, top, dlq):
         app.command(command.__name__)(command)
