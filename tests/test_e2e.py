@@ -365,3 +365,30 @@ def test_rl_losses_and_stop_sequences_through_the_sdk(service: tinker.ServiceCli
         assert abs(value + len(free.tokens)) < 1e-2, (loss, value)
         assert len(out.loss_fn_outputs[0]["logprobs"].tolist()) == n
     client.optim_step(ADAM).result()
+
+
+def test_concurrent_samples_run_co_batched_and_match_one_at_a_time(
+    cluster: LocalCluster, service: tinker.ServiceClient
+) -> None:
+    """Sample calls sent at once reach the worker together and run in one batch; each
+    answers exactly what it answers sent alone."""
+    client = service.create_lora_training_client(base_model=BASE, rank=4, seed=9).result()
+    train_steps(client, 1)
+    sampler = client.save_weights_and_get_sampling_client()
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16], [17, 18, 19]]
+
+    def send(i: int, prompt: list[int]) -> Any:
+        params = types.SamplingParams(max_tokens=10, seed=100 + i, temperature=1.0)
+        return sampler.sample(types.ModelInput.from_ints(prompt), 2, params)
+
+    futures = [send(i, p) for i, p in enumerate(prompts)]
+    together = [f.result() for f in futures]
+    alone = [send(i, p).result() for i, p in enumerate(prompts)]
+
+    def seen(results: list[Any]) -> list[list[tuple[list[int], list[float]]]]:
+        return [[(list(s.tokens), list(s.logprobs or [])) for s in r.sequences] for r in results]
+
+    assert seen(together) == seen(alone)
+    port = cluster.config.worker_port_base
+    scraped = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    assert "plexrl_worker_sample_batch_calls_count" in scraped

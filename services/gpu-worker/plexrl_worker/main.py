@@ -15,7 +15,7 @@ from plexrl.dead_letters import DeadLetters
 from plexrl.health import HttpServer, health_app
 from plexrl.kafka import Delivery, MessageConsumer
 from plexrl.ledger import Ledger
-from plexrl.messages import Dispatch
+from plexrl.messages import Dispatch, Function, PhaseCompletion
 from plexrl.models import ModelRegistry
 from plexrl.retry import retrying
 from plexrl.service import join_cluster
@@ -29,7 +29,7 @@ from plexrl_worker.heartbeat import Heartbeat
 from plexrl_worker.recorder import ResultRecorder
 from plexrl_worker.recovery import JobRecovery, NumberedCalls, SnapshotConfig
 from plexrl_worker.residency import StateManager
-from plexrl_worker.runner import CallRunner
+from plexrl_worker.runner import CallRunner, Ran
 
 log = logging.getLogger("plexrl.worker")
 _tracer = tracing.tracer("plexrl.worker")
@@ -67,7 +67,30 @@ class DispatchHandler:
             ):
                 return
             replayed = await self._recorder.recorded(dispatch.calls)
-            for i, request in enumerate(dispatch.calls):
+            seqs = [
+                lease.seqs[i] if lease is not None and i < len(lease.seqs) else 0
+                for i in range(len(dispatch.calls))
+            ]
+            for group in _groups(dispatch, seqs, replayed):
+                await self._run_group(dispatch, delivery, group, seqs, replayed)
+            for move in dispatch.prefetch:
+                await self._states.move(move.job_id, move.to_tier)
+        finally:
+            self._heartbeat.busy = False
+
+    async def _run_group(
+        self,
+        dispatch: Dispatch,
+        delivery: Delivery,
+        group: list[int],
+        seqs: list[int],
+        replayed: dict[str, PhaseCompletion],
+    ) -> None:
+        """Run calls `group` of the dispatch: one call, or several sample calls co-batched."""
+        lease = dispatch.lease
+        with contextlib.ExitStack() as spans:
+            for i in group:
+                request = dispatch.calls[i]
                 # One dispatch batches calls of several API calls: each call's own
                 # trace rides in the message, the Kafka header has only the first's.
                 parent = (
@@ -75,42 +98,72 @@ class DispatchHandler:
                     if i < len(dispatch.traceparents)
                     else delivery.context
                 )
-                with _tracer.start_as_current_span(
-                    f"worker.{request.function}",
-                    context=parent,
-                    kind=trace.SpanKind.CONSUMER,
-                    attributes={
-                        "plexrl.request_id": request.request_id,
-                        "plexrl.job_id": request.job_id,
-                    },
-                ):
-                    last = i == len(dispatch.calls) - 1
-                    seq = lease.seqs[i] if lease is not None and i < len(lease.seqs) else 0
-                    if lease is not None and seq > 0:  # exactly once by the job's ledger
-                        await self._numbered.run(
-                            request, seq, lease.epoch, dispatch.dispatch_id, last
-                        )
-                        self.calls += 1
-                        continue
-                    done = replayed.get(request.request_id)
-                    if done is not None:  # a replay: answer with the recorded result
-                        await self._recorder.publish(done)
-                        metrics.REPLAYED_CALLS.inc()
-                        continue
-                    ran = await self._runner.run(request)
-                    # Retried in place while Redis is away: the call ran, only its record
-                    # is missing, and running it again would apply it twice.
-                    await retrying(
-                        functools.partial(
-                            self._recorder.record, request, ran, dispatch.dispatch_id, last
-                        ),
-                        what=f"recording {request.request_id}",
+                spans.enter_context(
+                    _tracer.start_as_current_span(
+                        f"worker.{request.function}",
+                        context=parent,
+                        kind=trace.SpanKind.CONSUMER,
+                        attributes={
+                            "plexrl.request_id": request.request_id,
+                            "plexrl.job_id": request.job_id,
+                            "plexrl.co_batched": len(group),
+                        },
                     )
-                    self.calls += 1
-            for move in dispatch.prefetch:
-                await self._states.move(move.job_id, move.to_tier)
-        finally:
-            self._heartbeat.busy = False
+                )
+            last_i = len(dispatch.calls) - 1
+            if dispatch.calls[group[0]].function == Function.SAMPLE:
+                metrics.SAMPLE_BATCH_CALLS.observe(len(group))
+            if len(group) > 1:
+                rans = await self._runner.run_samples([dispatch.calls[i] for i in group])
+                for i, ran in zip(group, rans, strict=True):
+                    await self._record(dispatch, i, ran, i == last_i)
+                return
+            i = group[0]
+            request = dispatch.calls[i]
+            if lease is not None and seqs[i] > 0:  # exactly once by the job's ledger
+                await self._numbered.run(
+                    request, seqs[i], lease.epoch, dispatch.dispatch_id, i == last_i
+                )
+                self.calls += 1
+                return
+            done = replayed.get(request.request_id)
+            if done is not None:  # a replay: answer with the recorded result
+                await self._recorder.publish(done)
+                metrics.REPLAYED_CALLS.inc()
+                return
+            await self._record(dispatch, i, await self._runner.run(request), i == last_i)
+
+    async def _record(self, dispatch: Dispatch, i: int, ran: Ran, last: bool) -> None:
+        # Retried in place while Redis is away: the call ran, only its record is
+        # missing, and running it again would apply it twice.
+        await retrying(
+            functools.partial(
+                self._recorder.record, dispatch.calls[i], ran, dispatch.dispatch_id, last
+            ),
+            what=f"recording {dispatch.calls[i].request_id}",
+        )
+        self.calls += 1
+
+
+def _groups(
+    dispatch: Dispatch, seqs: list[int], replayed: dict[str, PhaseCompletion]
+) -> list[list[int]]:
+    """The dispatch's calls in order, with each run of consecutive sample calls that are
+    neither numbered nor replays in one group: they run co-batched."""
+    groups: list[list[int]] = []
+    joining = False
+    for i, request in enumerate(dispatch.calls):
+        joinable = (
+            request.function == Function.SAMPLE
+            and seqs[i] == 0
+            and request.request_id not in replayed
+        )
+        if joinable and joining:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+        joining = joinable
+    return groups
 
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:

@@ -36,6 +36,11 @@ COMPUTE_SECONDS = Histogram(
     ["function"],
     buckets=_SECONDS,
 )
+SAMPLE_BATCH_CALLS = Histogram(
+    "plexrl_worker_sample_batch_calls",
+    "Sample calls run together in one co-batched group",
+    buckets=(1, 2, 4, 8, 16, 32, 64),
+)
 SWAP_BYTES = Counter(
     "plexrl_worker_swap_bytes_total",
     "Bytes of job state moved between tiers; each move counts once out of its source "

@@ -6,8 +6,10 @@ not found), anything else is INTERNAL. Nothing a call does can stop the worker.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -38,6 +40,7 @@ from plexrl.payloads import resolve
 from plexrl.retry import retrying
 from plexrl.state_store_client import StateStoreClient
 from plexrl_worker.engine import BASE_PREFIX, EngineError, TorchEngine
+from plexrl_worker.engine.cobatch import SampleCall
 from plexrl_worker.engine.state import state_from_bytes, state_to_bytes
 from plexrl_worker.engine_thread import EngineThread
 from plexrl_worker.residency import StateManager
@@ -105,11 +108,8 @@ class CallRunner:
             t0 = time.perf_counter()
             output = await self._dispatch(request, payload)
             return Ran(output, None, swap_s, time.perf_counter() - t0, started_at)
-        except EngineError as exc:
-            error = ErrorInfo(exc.code, str(exc))
-        except Exception as exc:  # a bug or an infrastructure fault: report, keep serving
-            log.exception("call %s (%s) failed", request.request_id, request.function)
-            error = ErrorInfo(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+        except Exception as exc:
+            error = _error(request, exc)
         return Ran(None, error, swap_s, time.perf_counter() - t0, started_at)
 
     async def _dispatch(self, request: PhaseRequest, payload: PhaseInput) -> PhaseOutput:
@@ -138,16 +138,69 @@ class CallRunner:
             case _:
                 return NoopOutput()
 
+    async def run_samples(self, requests: Sequence[PhaseRequest]) -> list[Ran]:
+        """Run sample calls in one running batch (co-batched: each call's output is the
+        same as run alone); each Ran's compute_s is the call's seconds in the batch."""
+        started_at = time.time()
+        done: dict[int, Ran] = {}
+        joined: list[tuple[int, SampleCall, float]] = []
+        for i, request in enumerate(requests):
+            swap_s = 0.0
+            t0 = time.perf_counter()
+            try:
+                payload = await retrying(
+                    functools.partial(resolve, self._meta, request.payload, PhaseInput),
+                    what=f"reading the payload of {request.request_id}",
+                )
+                if not isinstance(payload, SampleInput):
+                    raise TypeError(f"{request.request_id} carries no SampleInput")
+                swap_s = await retrying(
+                    functools.partial(self._states.onload, request.job_id),
+                    what=f"bringing {request.job_id} onto the device",
+                )
+                weights_id = await self._sample_weights(request, payload)
+                call = await self._thread.call(self._engine.begin_sample, weights_id, payload)
+                joined.append((i, call, swap_s))
+            except Exception as exc:
+                done[i] = Ran(
+                    None, _error(request, exc), swap_s, time.perf_counter() - t0, started_at
+                )
+        t0 = time.perf_counter()
+        waiting = list(joined)
+        while waiting:
+            try:
+                await self._thread.call(self._engine.sample_step)
+            except Exception as exc:
+                for i, _call, swap_s in waiting:
+                    done[i] = Ran(None, _error(requests[i], exc), swap_s, 0.0, started_at)
+                break
+            now = time.perf_counter() - t0
+            still = []
+            for i, call, swap_s in waiting:
+                if not call.done:
+                    still.append((i, call, swap_s))
+                elif call.abandoned is not None:
+                    error = ErrorInfo(ErrorCode.NOT_FOUND, call.abandoned)
+                    done[i] = Ran(None, error, swap_s, now, started_at)
+                else:
+                    done[i] = Ran(call.output(), None, swap_s, now, started_at)
+            waiting = still
+        return [done[i] for i in range(len(requests))]
+
     async def _sample(self, request: PhaseRequest, inp: SampleInput) -> PhaseOutput:
-        if inp.weights_path is None:
-            weights_id = BASE_PREFIX + (await self._spec(request)).base_model
-        else:
-            weights_id = inp.weights_path
-            if weights_id not in self._engine.installed_samplers():
-                record = await self._checkpoint(inp.weights_path, request.tenant)
-                state = state_from_bytes(await self._store.get_blob(record.blob_key, record.tenant))
-                await self._thread.call(self._engine.install_sampler, weights_id, state)
+        weights_id = await self._sample_weights(request, inp)
         return await self._thread.call(self._engine.sample, weights_id, inp)
+
+    async def _sample_weights(self, request: PhaseRequest, inp: SampleInput) -> str:
+        """The engine's id of the weights a sample call reads (installed if need be)."""
+        if inp.weights_path is None:
+            return BASE_PREFIX + (await self._spec(request)).base_model
+        weights_id = inp.weights_path
+        if weights_id not in self._engine.installed_samplers():
+            record = await self._checkpoint(inp.weights_path, request.tenant)
+            state = state_from_bytes(await self._store.get_blob(record.blob_key, record.tenant))
+            await self._thread.call(self._engine.install_sampler, weights_id, state)
+        return weights_id
 
     async def _save(self, request: PhaseRequest, inp: SaveInput) -> PhaseOutput:
         full = inp.kind == SaveKind.STATE
@@ -200,6 +253,15 @@ class CallRunner:
             spec = record.spec
         self._specs[request.job_id] = spec
         return spec
+
+
+def _error(request: PhaseRequest, exc: Exception) -> ErrorInfo:
+    """What a failed call answers: engine errors carry their own code; anything else is
+    a bug or an infrastructure fault, logged and answered INTERNAL."""
+    if isinstance(exc, EngineError):
+        return ErrorInfo(exc.code, str(exc))
+    log.exception("call %s (%s) failed", request.request_id, request.function, exc_info=exc)
+    return ErrorInfo(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
 
 class _NotFound(EngineError):

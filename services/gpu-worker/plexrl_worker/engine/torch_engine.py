@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
@@ -38,9 +38,10 @@ from plexrl.messages import (
     TensorArray,
 )
 from plexrl.models import BaseModelInfo, ModelRegistry, UnknownModelError
-from plexrl_worker.engine import sampling, state
+from plexrl_worker.engine import cobatch, sampling, state
 from plexrl_worker.engine.arrays import to_array
 from plexrl_worker.engine.batch import ModelLimits, prepare
+from plexrl_worker.engine.cobatch import SampleCall
 from plexrl_worker.engine.config import EngineConfig
 from plexrl_worker.engine.errors import (
     EngineInputError,
@@ -103,6 +104,9 @@ class TorchEngine:
         self._parked: dict[str, _WeightSet] = {}
         self._decoders: dict[Path, Callable[[list[int]], str]] = {}
         self._lock = threading.RLock()
+        self._batcher = cobatch.Batcher(
+            device=config.torch_device, max_batch_tokens=config.max_batch_tokens
+        )
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
 
@@ -207,15 +211,48 @@ class TorchEngine:
     @_locked
     def sample(self, weights_id: str, inp: SampleInput) -> SampleOutput:
         """Generate from a job's current weights, an installed sampler weight set, or
-        `base:<model name>` (see `sampling` for the exact semantics)."""
+        `base:<model name>` (see `sampling` for the exact semantics). Calls already in
+        the running batch (`begin_sample`) advance with it."""
+        call = self._join(weights_id, inp)
+        self._batcher.run([call])
+        return _answer(call)
+
+    @_locked
+    def sample_together(self, calls: Sequence[tuple[str, SampleInput]]) -> list[SampleOutput]:
+        """Several `sample` calls in one running batch; each output is bit-identical to
+        the same call's through `sample` alone."""
+        joined = [self._join(weights_id, inp) for weights_id, inp in calls]
+        self._batcher.run(joined)
+        return [_answer(c) for c in joined]
+
+    @_locked
+    def begin_sample(self, weights_id: str, inp: SampleInput) -> SampleCall:
+        """Put a call in the running batch; `sample_step` advances it (and the others)."""
+        return self._join(weights_id, inp)
+
+    @_locked
+    def sample_step(self) -> list[SampleCall]:
+        """One decode step of the running batch; the calls it finished."""
+        return self._batcher.step()
+
+    def sampling_rows(self) -> tuple[int, int]:
+        """(calls, unfinished sequences) in the running batch; no lock (introspection)."""
+        calls = self._batcher.calls
+        return len(calls), sum(c.remaining for c in calls)
+
+    def _join(self, weights_id: str, inp: SampleInput) -> SampleCall:
         if weights_id.startswith(BASE_PREFIX):
             info = self._info(weights_id.removeprefix(BASE_PREFIX))
-            model = self._base(info).activate(None)
+            model, adapter = self._base(info).model, cobatch.BASE_ADAPTER
         else:
             weight_set = self._jobs.get(weights_id) or self._samplers.get(weights_id)
             if weight_set is None:
                 raise UnknownJobError(weights_id, sorted([*self._jobs, *self._samplers]))
-            info, model = weight_set.info, weight_set.weights.module()
+            info, weights = weight_set.info, weight_set.weights
+            if isinstance(weights, LoraWeights):
+                model, adapter = weights.base.model, weights.slot
+            else:
+                model, adapter = weights.module(), cobatch.BASE_ADAPTER
         sampling.validate(inp, ModelLimits(info.vocab_size, info.max_positions))
         stop = sampling.StopRule(
             token_ids=frozenset(inp.params.stop_tokens)
@@ -223,13 +260,7 @@ class TorchEngine:
             strings=tuple(inp.params.stop_strings),
             decode=self._decoder(info.path) if inp.params.stop_strings else None,
         )
-        return sampling.generate(
-            model,
-            inp,
-            stop,
-            device=self._config.torch_device,
-            max_batch_tokens=self._config.max_batch_tokens,
-        )
+        return self._batcher.join(weights_id, model, adapter, inp, stop)
 
     # ---- state movement --------------------------------------------------------------
 
@@ -249,6 +280,7 @@ class TorchEngine:
     def offload(self, job_id: str) -> JobTensors:
         """Everything the job holds, as a CPU copy; then free its memory here."""
         out = self.export_state(job_id, optimizer=True, gradients=True)
+        self._batcher.abandon(job_id, f"{job_id!r} left the device while sampling")
         job = self._jobs.pop(job_id)
         state.empty_params(job.weights.params(), job.optimizer)
         self._parked[job_id] = job
@@ -310,6 +342,7 @@ class TorchEngine:
         new = self._build(weights_only, trainable=False)
         old = self._samplers.pop(weights_id, None)
         if old is not None:
+            self._batcher.abandon(weights_id, f"{weights_id!r} was replaced while sampling")
             old.weights.release()
         self._samplers[weights_id] = new
 
@@ -323,6 +356,7 @@ class TorchEngine:
         )
         if weight_set is None:
             return False
+        self._batcher.abandon(job_id, f"{job_id!r} was dropped while sampling")
         weight_set.weights.release()
         return True
 
@@ -396,6 +430,12 @@ class TorchEngine:
 
             self._decoders[path] = decode
         return decode
+
+
+def _answer(call: SampleCall) -> SampleOutput:
+    if call.abandoned is not None:
+        raise NotFoundError(call.abandoned)
+    return call.output()
 
 
 def _adamw(weights: Weights) -> torch.optim.AdamW:
