@@ -1,7 +1,8 @@
 """Phase results to Tinker future results: JSON for most, protobuf for forward and sample.
 
 A future remembers (in its FutureRecord) how its result must be shown; `render` reads
-that and the completion, never the request.
+that, the completion, and whether the poll accepts protobuf (SDKs before 0.19 read forward
+and sample results as JSON, and say so by accepting only JSON).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from plexrl.messages import (
 )
 from plexrl.meta import FutureRecord
 from plexrl_gateway.codec import PROTOBUF, encode_forward_backward_output, encode_sample_output
+from plexrl_gateway.codec_json import forward_backward_output_json, sample_output_json
 from plexrl_gateway.errors import Category, error_body
 
 # The reductions the SDK knows how to merge across chunks; others are dropped by it.
@@ -47,7 +49,7 @@ class ResponseKind(enum.StrEnum):
     """`{"type":"save_weights","path":...}`."""
     SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
     """`{"type":"save_weights_for_sampler","path":...}`, plus the sampling session when
-    the save was the ephemeral kind."""
+    the save was the ephemeral kind (and then no path for SDKs before 0.20)."""
     LOAD_WEIGHTS = "load_weights"
     """`{"type":"load_weights","path":...,"model_id":...}`."""
     SAMPLE = "sample"
@@ -73,6 +75,8 @@ class ResultJSON(JSONResponse):
 CTX_MODEL_ID = "model_id"
 CTX_SAMPLING_SESSION = "sampling_session_id"
 CTX_LAST_N = "prompt_logprobs_last_n"
+# Set (to "1") when the ephemeral save's result must not carry its path (sdk.py).
+CTX_NO_PATH = "no_path"
 
 
 def try_again(request_id: str) -> JSONResponse:
@@ -82,9 +86,16 @@ def try_again(request_id: str) -> JSONResponse:
 
 
 def render(
-    future: FutureRecord, completion: PhaseCompletion, output: PhaseOutput | None
+    future: FutureRecord,
+    completion: PhaseCompletion,
+    output: PhaseOutput | None,
+    protobuf: bool = True,
 ) -> Response:
-    """The HTTP answer to a finished future; `output` is the completion's result, resolved."""
+    """The HTTP answer to a finished future; `output` is the completion's result, resolved.
+
+    `protobuf`: the poll accepts protobuf, so forward and sample results go as protobuf;
+    else as JSON.
+    """
     if completion.status != CompletionStatus.OK:
         error = completion.error
         if error is None:
@@ -99,9 +110,13 @@ def render(
             ResponseKind.FORWARD_BACKWARD,
         ):
             metrics = tinker_metrics(output.metrics, default_reduction="sum")
+            if not protobuf:
+                return ResultJSON(forward_backward_output_json(output, metrics))
             return Response(encode_forward_backward_output(output, metrics), media_type=PROTOBUF)
         case SampleOutput() if kind == ResponseKind.SAMPLE:
             last_n = int(ctx[CTX_LAST_N]) if CTX_LAST_N in ctx else None
+            if not protobuf:
+                return ResultJSON(sample_output_json(output, last_n))
             return Response(encode_sample_output(output, last_n), media_type=PROTOBUF)
         case OptimStepOutput() if kind == ResponseKind.OPTIM_STEP:
             metrics = tinker_metrics(output.metrics, default_reduction="mean")
@@ -112,7 +127,9 @@ def render(
             ResponseKind.SAVE_WEIGHTS,
             ResponseKind.SAVE_WEIGHTS_FOR_SAMPLER,
         ):
-            body: dict[str, Any] = {"type": str(kind), "path": output.path}
+            body: dict[str, Any] = {"type": str(kind)}
+            if CTX_NO_PATH not in ctx:
+                body["path"] = output.path
             if CTX_SAMPLING_SESSION in ctx:
                 body["sampling_session_id"] = ctx[CTX_SAMPLING_SESSION]
             return ResultJSON(body)

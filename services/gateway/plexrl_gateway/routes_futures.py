@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
 from plexrl import tracing
 from plexrl.messages import MessageError, PhaseOutput
 from plexrl.payloads import resolve
 from plexrl_gateway import metrics
+from plexrl_gateway.codec import PROTOBUF
 from plexrl_gateway.deps import Futures, GatewayDep, Meta, Tenant
 from plexrl_gateway.errors import Category, error_body, not_found
 from plexrl_gateway.render import render, try_again
@@ -21,7 +23,12 @@ router = APIRouter(prefix="/api/v1")
 
 @router.post("/retrieve_future")
 async def retrieve_future(
-    body: FutureBody, tenant: Tenant, meta: Meta, futures: Futures, gateway: GatewayDep
+    request: Request,
+    body: FutureBody,
+    tenant: Tenant,
+    meta: Meta,
+    futures: Futures,
+    gateway: GatewayDep,
 ) -> Response:
     future = await meta.get_future(body.request_id)
     if future is None or future.tenant != tenant:
@@ -38,7 +45,15 @@ async def retrieve_future(
     except (KeyError, MessageError) as exc:
         message = f"the result of {future.request_id} could not be read: {exc}"
         return JSONResponse(error_body(message, Category.SERVER))
-    return render(future, completion, output)
+    return render(future, completion, output, protobuf=accepts_protobuf(request.headers))
+
+
+def accepts_protobuf(headers: Mapping[str, str]) -> bool:
+    """SDKs since 0.19 poll forward and sample results with `Accept: application/x-protobuf`;
+    older ones send only `Accept: application/json` and read JSON. Without either (no
+    header, `*/*`) the answer is protobuf, as the newest SDK reads it."""
+    accept = headers.get("accept", "")
+    return PROTOBUF in accept or "application/json" not in accept
 
 
 @router.post("/cancel_future")

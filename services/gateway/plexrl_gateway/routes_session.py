@@ -17,8 +17,11 @@ router = APIRouter(prefix="/api/v1")
 
 # What the SDK should do: API keys (no JWT), plain httpx, /retrieve_future long-polls,
 # losses computed here. Every flag is spelled out so an SDK default change cannot bite.
+# `proto_write_fwdbwd` moves SDKs 0.19 to 0.2x, which post JSON by default, to the
+# protobuf body newer ones always send (the gateway reads both; docs/sdk.md).
 CLIENT_CONFIG: dict[str, Any] = {
     "pjwt_auth_enabled": False,
+    "proto_write_fwdbwd": True,
     "credential_default_source": "api_key",
     "use_pyqwest_transport": False,
     "proto_compress_fwdbwd": False,

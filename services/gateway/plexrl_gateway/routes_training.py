@@ -26,10 +26,12 @@ from plexrl.messages import (
 from plexrl.meta import CheckpointRecord, JobKind, JobRecord
 from plexrl.models import BaseModelInfo
 from plexrl_gateway.codec import PROTOBUF, CodecError, decode_forward_backward
+from plexrl_gateway.codec_json import forward_backward_from_json
 from plexrl_gateway.deps import Catalog, Jobs, Submit, Tenant
 from plexrl_gateway.errors import bad_request
+from plexrl_gateway.proto import tinker_public_pb2 as pb
 from plexrl_gateway.registry import metadata_strings, new_job
-from plexrl_gateway.render import CTX_MODEL_ID, CTX_SAMPLING_SESSION, ResponseKind
+from plexrl_gateway.render import CTX_MODEL_ID, CTX_NO_PATH, CTX_SAMPLING_SESSION, ResponseKind
 from plexrl_gateway.schemas import (
     CreateModelBody,
     LoadWeightsBody,
@@ -38,6 +40,7 @@ from plexrl_gateway.schemas import (
     SaveWeightsBody,
     SaveWeightsForSamplerBody,
 )
+from plexrl_gateway.sdk import ephemeral_save_carries_path, sdk_version
 from plexrl_gateway.submitter import Call, CallBuilder, Submission, Submitter
 from plexrl_gateway.translate import (
     CheckpointKind,
@@ -118,16 +121,48 @@ async def get_info(
 async def forward_backward(
     request: Request, tenant: Tenant, jobs: Jobs, catalog: Catalog, submit: Submit
 ) -> dict[str, Any]:
+    proto = await _forward_backward_request(request, forward_only=False)
+    return await _forward_backward(proto, tenant, jobs, catalog, submit)
+
+
+@router.post("/forward")
+async def forward(
+    request: Request, tenant: Tenant, jobs: Jobs, catalog: Catalog, submit: Submit
+) -> dict[str, Any]:
+    """SDKs before protobuf call `forward` here (newer ones set forward_only instead)."""
+    proto = await _forward_backward_request(request, forward_only=True)
+    return await _forward_backward(proto, tenant, jobs, catalog, submit)
+
+
+async def _forward_backward_request(
+    request: Request, forward_only: bool
+) -> pb.ForwardBackwardRequest:
+    """The protobuf body newer SDKs send, or the JSON one older SDKs send, as protobuf."""
     if request.headers.get("content-encoding"):
         raise bad_request(
             "compressed forward_backward bodies are not supported (proto_compress_fwdbwd is off)"
         )
-    if PROTOBUF not in request.headers.get("content-type", ""):
-        raise bad_request("forward_backward takes a tinker_public.ForwardBackwardRequest protobuf")
+    content_type = request.headers.get("content-type", "")
     try:
-        proto = decode_forward_backward(await request.body())
+        if PROTOBUF in content_type:
+            proto = decode_forward_backward(await request.body())
+            proto.forward_only = proto.forward_only or forward_only
+            return proto
+        if "json" in content_type:
+            return forward_backward_from_json(await request.json(), forward_only)
     except CodecError as exc:
         raise bad_request(str(exc)) from None
+    except ValueError as exc:  # a body that is not JSON at all
+        raise bad_request(f"the body is not JSON ({exc})") from None
+    raise bad_request(
+        "forward_backward takes a tinker_public.ForwardBackwardRequest protobuf "
+        f"(Content-Type: {PROTOBUF}) or its JSON form (application/json)"
+    )
+
+
+async def _forward_backward(
+    proto: pb.ForwardBackwardRequest, tenant: str, jobs: Jobs, catalog: Catalog, submit: Submitter
+) -> dict[str, Any]:
     job = await jobs.training_model(tenant, proto.model_id)
     seq = check_seq("seq_id", proto.seq_id)
 
@@ -173,7 +208,7 @@ async def save_weights(
 
 @router.post("/save_weights_for_sampler")
 async def save_weights_for_sampler(
-    body: SaveWeightsForSamplerBody, tenant: Tenant, jobs: Jobs, submit: Submit
+    request: Request, body: SaveWeightsForSamplerBody, tenant: Tenant, jobs: Jobs, submit: Submit
 ) -> dict[str, Any]:
     job = await jobs.training_model(tenant, body.model_id)
     seq = check_seq("seq_id", body.seq_id)
@@ -195,6 +230,8 @@ async def save_weights_for_sampler(
             session_id = sampling_session_id(session_of(job.job_id), body.sampling_session_seq_id)
             await jobs.put_job(sampling_job(job, session_id, str(path)))
             context[CTX_SAMPLING_SESSION] = session_id
+            if not ephemeral_save_carries_path(sdk_version(request.headers)):
+                context[CTX_NO_PATH] = "1"
         inp = SaveInput(SaveKind.SAMPLER, str(path))
         return [Call(Function.SAVE, inp, ResponseKind.SAVE_WEIGHTS_FOR_SAMPLER, context)]
 

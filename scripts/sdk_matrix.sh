@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Install the Tinker SDK versions PlexRL is tested against, and the tinker-cookbook, side
+# by side under .plexrl/sdk/ without touching .venv:
+#
+#   scripts/sdk_matrix.sh          then  .venv/bin/python -m pytest tests/test_sdk_versions.py
+#
+# Each lands in its own folder (.plexrl/sdk/tinker-0.16.1, ...) with --no-deps: a test puts
+# that folder first on PYTHONPATH and runs .venv's Python, whose packages (the lock's, which
+# include tinker 0.38.0's dependencies) cover every version listed here. Pinned and
+# idempotent: a folder whose stamp names its version is kept. PLEXRL_SDK_DIR moves them.
+set -euo pipefail
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+PLEXRL_LOG_TAG=sdk-matrix
+# shellcheck source=scripts/_lib.sh
+source "$ROOT/scripts/_lib.sh"
+
+SDK_DIR=${PLEXRL_SDK_DIR:-$ROOT/.plexrl/sdk}
+# The oldest SDK served, two middle minors, the newest. Keep in step with docs/sdk.md
+# and tests/test_sdk_versions.py.
+TINKER_VERSIONS=(0.16.1 0.22.7 0.30.4 0.38.0)
+# The cookbook pins tml-renderers>=0.4.1, which PyPI does not have (0.2.1 at most), so it
+# goes in with --no-deps beside its other dependencies that .venv lacks: the set
+# `uv pip install --dry-run --python .venv/bin/python datasets chz blobfile termcolor
+# tiktoken cloudpickle aiohttp pyrage` names against the lock (docs/sdk.md).
+COOKBOOK_VERSION=0.6.1
+COOKBOOK_EXTRA=(
+  aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 attrs==26.1.0 blobfile==3.3.0
+  chz==0.4.0 cloudpickle==3.1.3 datasets==5.2.0 dill==0.4.1 frozenlist==1.8.0 lxml==6.1.3
+  multidict==7.2.1 multiprocess==0.70.19 pandas==3.1.1 propcache==0.5.4 pyarrow==26.0.1
+  pycryptodomex==3.24.2 pyrage==1.4.0 termcolor==3.3.0 tiktoken==0.14.0 xxhash==4.1.0
+  yarl==1.25.1
+)
+
+# install NAME SPEC... — SPECs into $SDK_DIR/NAME, once.
+install() {
+  local name=$1 dir=$SDK_DIR/$1 stamp
+  shift
+  stamp=$(printf '%s\n' "$@")
+  if [[ -f $dir/.plexrl-stamp && $(<"$dir/.plexrl-stamp") == "$stamp" ]]; then
+    log "$name is installed"
+    return 0
+  fi
+  log "installing $* into ${dir#"$ROOT"/}"
+  rm -rf "$dir"
+  local -a uv=("$ROOT/.venv/bin/uv" pip install --python "$ROOT/.venv/bin/python" --no-deps)
+  [[ ${CI:-} == true ]] && uv+=(--no-progress)
+  "${uv[@]}" --target "$dir" "$@" || die "installing $* failed; see the output above"
+  echo "$stamp" >"$dir/.plexrl-stamp"
+}
+
+main() {
+  # uv comes with .venv (scripts/bootstrap.sh pins it).
+  [[ -x $ROOT/.venv/bin/uv ]] || "$ROOT/scripts/bootstrap.sh"
+  mkdir -p "$SDK_DIR"
+  for version in "${TINKER_VERSIONS[@]}"; do
+    install "tinker-$version" "tinker==$version"
+  done
+  install "tinker-cookbook-$COOKBOOK_VERSION" "tinker-cookbook==$COOKBOOK_VERSION" \
+    "${COOKBOOK_EXTRA[@]}"
+}
+
+main "$@"
