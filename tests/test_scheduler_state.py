@@ -15,6 +15,7 @@ from plexrl.messages import (
     PhaseCompletion,
     PhaseRequest,
     ResidentState,
+    TailReleased,
     Tier,
     Timings,
     WorkerHeartbeat,
@@ -282,3 +283,58 @@ def test_snapshot_describes_a_job_as_its_call_history_does() -> None:
             Function.OPTIM_STEP,
         )
     )
+
+
+def _tail(worker: str, dispatch_id: str, rids: list[str], jobs: list[str]) -> TailReleased:
+    return TailReleased(
+        worker_id=worker,
+        dispatch_id=dispatch_id,
+        request_ids=rids,
+        job_ids=jobs,
+        remaining=1,
+        total=8,
+        at=0.0,
+    )
+
+
+def _sampling(state: ClusterState) -> None:
+    """Jobs a and b on w0; a dispatch d1 of a's two sample calls and b's one in flight."""
+    state.on_heartbeat(beat("w0"))
+    for job in ("a", "b", "c"):
+        state.add_job(job, "t", JobSpec(base_model="m", state_bytes=10), home="w0")
+    state.on_request(req("a1", "a", Function.SAMPLE), delivery(0))
+    state.on_request(req("a2", "a", Function.SAMPLE), delivery(1))
+    state.on_request(req("b1", "b", Function.SAMPLE), delivery(2))
+    taken = state.take_pending(("a1", "a2", "b1"))
+    state.apply_run("d1", "w0", "a", taken, ())
+
+
+def test_a_tail_release_frees_the_worker_and_pins_the_straggling_jobs() -> None:
+    state = ClusterState(clock=Clock())
+    _sampling(state)
+    state.on_completion(done("a1", "a", fn=Function.SAMPLE))
+    assert state.on_tail_released(_tail("w0", "d1", ["a2", "b1"], ["a", "b"]))
+    snap = state.snapshot()
+    assert snap.workers["w0"].running is None  # free for the next dispatch
+    assert snap.jobs["a"].pinned and snap.jobs["b"].pinned and not snap.jobs["c"].pinned
+    # The next dispatch goes out beside the tail; completions of either are matched.
+    state.on_request(req("c1", "c"), delivery(3))
+    state.apply_run("d2", "w0", "c", state.take_pending(("c1",)), ())
+    assert state.on_completion(done("b1", "b", fn=Function.SAMPLE)) == delivery(2)
+    assert state.on_completion(done("c1", "c")) == delivery(3)
+    assert "w0" not in state.inflight and state.snapshot().jobs["a"].pinned
+    state.on_completion(done("a2", "a", fn=Function.SAMPLE))
+    assert not state.tails and not state.snapshot().jobs["a"].pinned
+
+
+def test_a_late_tail_event_is_ignored_and_a_lost_worker_requeues_its_tails() -> None:
+    state = ClusterState(clock=Clock())
+    _sampling(state)
+    assert not state.on_tail_released(_tail("w0", "other", ["a2"], ["a"]))
+    assert state.on_tail_released(_tail("w0", "d1", ["a2", "b1"], ["a", "b"]))
+    state.on_completion(done("a1", "a", fn=Function.SAMPLE))
+    state.on_request(req("c1", "c"), delivery(3))
+    state.apply_run("d2", "w0", "c", state.take_pending(("c1",)), ())
+    state.on_worker_lost("w0")
+    assert list(state.pending) == ["a2", "b1", "c1"]  # the tail's calls, then the dispatch's
+    assert not state.tails and not state.inflight

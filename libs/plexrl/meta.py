@@ -97,6 +97,9 @@ class TimelineEntry(msgspec.Struct, frozen=True):
     swap_s: float
     compute_s: float
     ok: bool
+    tail_released_at: float | None = None
+    """When the worker let its next dispatch in beside this sample call's straggling
+    tail (wall clock); None if it never did."""
 
 
 class SessionRecord(msgspec.Struct, frozen=True):

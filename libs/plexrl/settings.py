@@ -95,6 +95,10 @@ class WorkerSettings(CommonSettings):
     # Snapshot a job to the disk tier after this many state-changing calls (a restore
     # replays at most this many); see plexrl_worker.recovery.SnapshotConfig.
     snapshot_every_calls: int = 4
+    # Release the worker to its next dispatch once fewer than this fraction of a sample
+    # batch's sequences still decode (the rollout-tail release; 0 turns it off). The
+    # simulator's `tail_threshold` means the same; 0.25 is its `PHYSICAL_TAIL`.
+    tail_threshold: float = Field(default=0.25, ge=0.0, lt=1.0)
 
 
 class StateStoreSettings(CommonSettings):

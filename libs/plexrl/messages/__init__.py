@@ -46,6 +46,7 @@ from plexrl.messages.events import (
     JobFinished,
     ResidencyChanged,
     ResidentState,
+    TailReleased,
     WorkerHeartbeat,
 )
 from plexrl.messages.requests import (
@@ -155,6 +156,7 @@ __all__ = [
     "StateComponent",
     "StateMove",
     "StopReason",
+    "TailReleased",
     "TensorArray",
     "Tier",
     "Timings",

@@ -80,4 +80,24 @@ class IdleHint(msgspec.Struct, frozen=True, tag="idle_hint"):
     schema_version: int = SCHEMA_VERSION
 
 
-Event = WorkerHeartbeat | ResidencyChanged | JobAdmitted | JobFinished | IdleHint
+class TailReleased(msgspec.Struct, frozen=True, tag="tail_released"):
+    """A worker's running sample batch is down to its straggling tail: fewer than the
+    threshold fraction of its sequences still decode (the simulator's `tail_threshold`
+    means the same). The worker takes its next dispatch now, co-batched beside the tail;
+    the scheduler may send one, and keeps the straggling jobs' states pinned on the
+    device until their calls complete."""
+
+    worker_id: str
+    dispatch_id: str
+    request_ids: list[str]
+    """The dispatch's calls still running in the tail."""
+    job_ids: list[str]
+    remaining: int
+    """Sequences still decoding."""
+    total: int
+    """Sequences the released calls sample in all."""
+    at: float
+    schema_version: int = SCHEMA_VERSION
+
+
+Event = WorkerHeartbeat | ResidencyChanged | JobAdmitted | JobFinished | IdleHint | TailReleased

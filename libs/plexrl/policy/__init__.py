@@ -1,7 +1,7 @@
 """The scheduling policy: pure functions from a ClusterSnapshot to a Plan.
 
-The live scheduler and the simulator both call `plan`; nothing here does I/O,
-reads a clock or keeps state between calls.
+The simulator calls `plan`; the live scheduler calls `decide` (the plan, with
+co-sampling). Nothing here does I/O, reads a clock or keeps state between calls.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from collections.abc import Callable
 from plexrl.policy.actions import Action, Admit, Move, Plan, Prefetch, Reject, RejectReason, Run
 from plexrl.policy.backfill import plan_spread_backfill
 from plexrl.policy.config import PolicyConfig
+from plexrl.policy.cosample import co_sample
 from plexrl.policy.fifo import plan_fifo
 from plexrl.policy.pack import plan_pack
 from plexrl.policy.plexrl_policy import plan_plexrl
@@ -48,6 +49,11 @@ def plan(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
     return policy(snapshot, config)
 
 
+def decide(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
+    """What the live scheduler does now: the policy's plan, with co-sampling."""
+    return co_sample(snapshot, plan(snapshot, config), config.max_cosampled_calls)
+
+
 __all__ = [
     "POLICIES",
     "Action",
@@ -65,5 +71,7 @@ __all__ = [
     "Run",
     "SwapCosts",
     "WorkerView",
+    "co_sample",
+    "decide",
     "plan",
 ]

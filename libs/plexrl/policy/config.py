@@ -31,7 +31,16 @@ class PolicyConfig:
     the group is decided again at the next call boundary after it: a job with less
     remaining work cuts in after at most about one quantum (or one call) of another."""
 
+    max_cosampled_calls: int = 32
+    """The live scheduler's co-sampling (`plexrl.policy.cosample`): a Run of sample calls
+    takes other jobs' pending sample calls on its group along, up to this many calls in
+    all, decoded in one batch; 0 turns it off. The simulator does not model it."""
+
     def __post_init__(self) -> None:
+        if self.max_cosampled_calls < 0:
+            raise ValueError(
+                f"max_cosampled_calls is {self.max_cosampled_calls}; use 0 (off) or more"
+            )
         if self.max_calls_per_run < 1:
             raise ValueError(
                 f"max_calls_per_run is {self.max_calls_per_run}; it must be at least 1"

@@ -6,6 +6,9 @@ import asyncio
 import contextlib
 import functools
 import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
@@ -15,7 +18,7 @@ from plexrl.dead_letters import DeadLetters
 from plexrl.health import HttpServer, health_app
 from plexrl.kafka import Delivery, MessageConsumer
 from plexrl.ledger import Ledger
-from plexrl.messages import Dispatch, Function, PhaseCompletion
+from plexrl.messages import Dispatch, Function, PhaseCompletion, TailReleased
 from plexrl.models import ModelRegistry
 from plexrl.retry import retrying
 from plexrl.service import join_cluster
@@ -35,6 +38,24 @@ log = logging.getLogger("plexrl.worker")
 _tracer = tracing.tracer("plexrl.worker")
 
 
+@dataclass(frozen=True)
+class TailRelease:
+    """The rollout-tail release: the fraction of a batch's sequences still decoding below
+    which the worker takes its next dispatch (0: never), and how it tells the scheduler."""
+
+    threshold: float
+    announce: Callable[[TailReleased], Awaitable[None]]
+
+
+def _finished_tail(tails: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
+    def done(task: asyncio.Task[None]) -> None:
+        tails.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a sample batch's tail failed", exc_info=task.exception())
+
+    return done
+
+
 class DispatchHandler:
     """One dispatch: evictions, then each call (onload, run, record), then prefetches."""
 
@@ -45,13 +66,17 @@ class DispatchHandler:
         recorder: ResultRecorder,
         heartbeat: Heartbeat,
         numbered: NumberedCalls,
+        tail: TailRelease,
     ) -> None:
         self._states = states
         self._runner = runner
         self._recorder = recorder
         self._heartbeat = heartbeat
         self._numbered = numbered
+        self._tail = tail
         self.calls = 0
+        self.tails: set[asyncio.Task[None]] = set()
+        """Sample batches left to finish their tails in the background."""
 
     async def __call__(self, dispatch: Dispatch, delivery: Delivery) -> None:
         self._heartbeat.busy = True
@@ -71,8 +96,14 @@ class DispatchHandler:
                 lease.seqs[i] if lease is not None and i < len(lease.seqs) else 0
                 for i in range(len(dispatch.calls))
             ]
-            for group in _groups(dispatch, seqs, replayed):
-                await self._run_group(dispatch, delivery, group, seqs, replayed)
+            groups = _groups(dispatch, seqs, replayed)
+            for n, (group, cobatched) in enumerate(groups):
+                # Only the last group may leave its tail running: calls after it would
+                # otherwise overtake it.
+                releasable = cobatched and n == len(groups) - 1
+                await self._run_group(
+                    dispatch, delivery, group, cobatched, releasable, seqs, replayed
+                )
             for move in dispatch.prefetch:
                 await self._states.move(move.job_id, move.to_tier)
         finally:
@@ -83,10 +114,13 @@ class DispatchHandler:
         dispatch: Dispatch,
         delivery: Delivery,
         group: list[int],
+        cobatched: bool,
+        releasable: bool,
         seqs: list[int],
         replayed: dict[str, PhaseCompletion],
     ) -> None:
-        """Run calls `group` of the dispatch: one call, or several sample calls co-batched."""
+        """Run calls `group` of the dispatch: one call, or sample calls co-batched (and
+        with `releasable`, left to finish in the background once down to their tail)."""
         lease = dispatch.lease
         with contextlib.ExitStack() as spans:
             for i in group:
@@ -111,12 +145,9 @@ class DispatchHandler:
                     )
                 )
             last_i = len(dispatch.calls) - 1
-            if dispatch.calls[group[0]].function == Function.SAMPLE:
+            if cobatched:
                 metrics.SAMPLE_BATCH_CALLS.observe(len(group))
-            if len(group) > 1:
-                rans = await self._runner.run_samples([dispatch.calls[i] for i in group])
-                for i, ran in zip(group, rans, strict=True):
-                    await self._record(dispatch, i, ran, i == last_i)
+                await self._run_samples(dispatch, group, releasable)
                 return
             i = group[0]
             request = dispatch.calls[i]
@@ -133,6 +164,58 @@ class DispatchHandler:
                 return
             await self._record(dispatch, i, await self._runner.run(request), i == last_i)
 
+    async def _run_samples(self, dispatch: Dispatch, group: list[int], releasable: bool) -> None:
+        """Run a co-batched group and record its calls. When it is releasable and the
+        tail release is on, return as soon as the batch is down to its tail (announced
+        on the events topic) and let it finish in the background: the consumer takes
+        the next dispatch, whose calls run beside the tail."""
+        released = asyncio.Event()
+
+        async def on_tail(running: list[int], remaining: int, total: int) -> None:
+            calls = [dispatch.calls[group[k]] for k in running]
+            await self._tail.announce(
+                TailReleased(
+                    worker_id=dispatch.worker_id,
+                    dispatch_id=dispatch.dispatch_id,
+                    request_ids=[c.request_id for c in calls],
+                    job_ids=sorted({c.job_id for c in calls}),
+                    remaining=remaining,
+                    total=total,
+                    at=time.time(),
+                )
+            )
+            metrics.TAIL_RELEASES.inc()
+            released.set()
+
+        last_i = len(dispatch.calls) - 1
+        recorded: set[int] = set()
+
+        async def record(k: int, ran: Ran) -> None:
+            recorded.add(k)
+            await self._record(dispatch, group[k], ran, group[k] == last_i)
+
+        async def run_and_record() -> None:
+            use_tail = releasable and self._tail.threshold > 0
+            rans = await self._runner.run_samples(
+                [dispatch.calls[i] for i in group],
+                tail_threshold=self._tail.threshold,
+                on_tail=on_tail if use_tail else None,
+                on_done=record,
+            )
+            for k, ran in enumerate(rans):  # those that failed before running
+                if k not in recorded:
+                    await record(k, ran)
+
+        task = asyncio.create_task(run_and_record())
+        waiter = asyncio.create_task(released.wait())
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if task.done():
+            task.result()
+            return
+        self.tails.add(task)
+        task.add_done_callback(_finished_tail(self.tails))
+
     async def _record(self, dispatch: Dispatch, i: int, ran: Ran, last: bool) -> None:
         # Retried in place while Redis is away: the call ran, only its record is
         # missing, and running it again would apply it twice.
@@ -147,22 +230,21 @@ class DispatchHandler:
 
 def _groups(
     dispatch: Dispatch, seqs: list[int], replayed: dict[str, PhaseCompletion]
-) -> list[list[int]]:
-    """The dispatch's calls in order, with each run of consecutive sample calls that are
-    neither numbered nor replays in one group: they run co-batched."""
-    groups: list[list[int]] = []
-    joining = False
+) -> list[tuple[list[int], bool]]:
+    """The dispatch's calls in order, in groups: each run of consecutive sample calls that
+    are neither numbered nor replays is one co-batched group (flag True); every other
+    call is a group of its own."""
+    groups: list[tuple[list[int], bool]] = []
     for i, request in enumerate(dispatch.calls):
         joinable = (
             request.function == Function.SAMPLE
             and seqs[i] == 0
             and request.request_id not in replayed
         )
-        if joinable and joining:
-            groups[-1].append(i)
+        if joinable and groups and groups[-1][1]:
+            groups[-1][0].append(i)
         else:
-            groups.append([i])
-        joining = joinable
+            groups.append(([i], joinable))
     return groups
 
 
@@ -213,7 +295,11 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         config=SnapshotConfig(every_calls=settings.snapshot_every_calls),
     )
     numbered = NumberedCalls(ledger=ledger, recovery=recovery, runner=runner, recorder=recorder)
-    handler = DispatchHandler(states, runner, recorder, heartbeat, numbered)
+    tail = TailRelease(
+        settings.tail_threshold,
+        lambda event: publisher.publish(topics.events, settings.worker_id, event),
+    )
+    handler = DispatchHandler(states, runner, recorder, heartbeat, numbered, tail)
     metrics.watch(states)
     dispatches: MessageConsumer[Dispatch] = MessageConsumer(
         bootstrap=settings.kafka_bootstrap,
@@ -250,6 +336,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         await stop.wait()
     finally:
         await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*handler.tails, return_exceptions=True)
         with contextlib.suppress(Exception):
             await dispatches.stop()
         await recovery.drain()

@@ -41,6 +41,10 @@ SAMPLE_BATCH_CALLS = Histogram(
     "Sample calls run together in one co-batched group",
     buckets=(1, 2, 4, 8, 16, 32, 64),
 )
+TAIL_RELEASES = Counter(
+    "plexrl_worker_tail_releases_total",
+    "Sample batches down to their straggling tail, left to finish beside the next dispatch",
+)
 SWAP_BYTES = Counter(
     "plexrl_worker_swap_bytes_total",
     "Bytes of job state moved between tiers; each move counts once out of its source "

@@ -85,6 +85,7 @@ class ResultRecorder:
                 swap_s=ran.swap_s,
                 compute_s=ran.compute_s,
                 ok=ran.error is None,
+                tail_released_at=ran.tail_released_at,
             )
         )
         return completion

@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -57,6 +57,13 @@ class Ran:
     swap_s: float
     compute_s: float
     started_at: float
+    tail_released_at: float | None = None
+    """When the worker let its next dispatch in beside this call's straggling tail."""
+
+
+TailHook = Callable[[list[int], int, int], Awaitable[None]]
+"""Told once, when a sample batch is down to its tail: the indices of the calls still
+running, their sequences still decoding, and the batch's sequences in all."""
 
 
 class CallRunner:
@@ -138,9 +145,20 @@ class CallRunner:
             case _:
                 return NoopOutput()
 
-    async def run_samples(self, requests: Sequence[PhaseRequest]) -> list[Ran]:
+    async def run_samples(
+        self,
+        requests: Sequence[PhaseRequest],
+        *,
+        tail_threshold: float = 0.0,
+        on_tail: TailHook | None = None,
+        on_done: Callable[[int, Ran], Awaitable[None]] | None = None,
+    ) -> list[Ran]:
         """Run sample calls in one running batch (co-batched: each call's output is the
-        same as run alone); each Ran's compute_s is the call's seconds in the batch."""
+        same as run alone); each Ran's compute_s is the call's share of the batch's
+        seconds (see below). With `on_tail`, once fewer than `tail_threshold` of the
+        batch's sequences still decode, it is awaited (once) and the calls finishing
+        after carry the time in `tail_released_at`. `on_done` is awaited with each call's
+        index and Ran as it finishes (before the batch does)."""
         started_at = time.time()
         done: dict[int, Ran] = {}
         joined: list[tuple[int, SampleCall, float]] = []
@@ -165,26 +183,49 @@ class CallRunner:
                 done[i] = Ran(
                     None, _error(request, exc), swap_s, time.perf_counter() - t0, started_at
                 )
-        t0 = time.perf_counter()
+        # Each step's seconds are split among the calls it ran, by their unfinished
+        # sequences: a call's compute_s is its share of the device, and the shares of a
+        # group add up to the group's seconds.
+        share = {i: 0.0 for i, _, _ in joined}
+        total_rows = sum(call.inp.num_samples for _, call, _ in joined)
+        released_at: float | None = None
         waiting = list(joined)
         while waiting:
+            rows = {i: call.remaining for i, call, _ in waiting}
+            t0 = time.perf_counter()
             try:
                 await self._thread.call(self._engine.sample_step)
-            except Exception as exc:
+            except Exception as exc:  # every call in the batch fails with it
                 for i, _call, swap_s in waiting:
-                    done[i] = Ran(None, _error(requests[i], exc), swap_s, 0.0, started_at)
+                    done[i] = Ran(None, _error(requests[i], exc), swap_s, share[i], started_at)
                 break
-            now = time.perf_counter() - t0
+            step_s = time.perf_counter() - t0
+            total = sum(rows.values()) or 1
             still = []
             for i, call, swap_s in waiting:
+                share[i] += step_s * rows[i] / total
                 if not call.done:
                     still.append((i, call, swap_s))
                 elif call.abandoned is not None:
                     error = ErrorInfo(ErrorCode.NOT_FOUND, call.abandoned)
-                    done[i] = Ran(None, error, swap_s, now, started_at)
+                    done[i] = Ran(None, error, swap_s, share[i], started_at, released_at)
                 else:
-                    done[i] = Ran(call.output(), None, swap_s, now, started_at)
+                    out = call.output()
+                    done[i] = Ran(out, None, swap_s, share[i], started_at, released_at)
+            if on_done is not None:
+                for i, _call, _swap in waiting:
+                    if i in done:
+                        await on_done(i, done[i])
             waiting = still
+            remaining = sum(call.remaining for _, call, _ in waiting)
+            if (
+                on_tail is not None
+                and released_at is None
+                and waiting
+                and remaining < tail_threshold * total_rows
+            ):
+                released_at = time.time()
+                await on_tail([i for i, _, _ in waiting], remaining, total_rows)
         return [done[i] for i in range(len(requests))]
 
     async def _sample(self, request: PhaseRequest, inp: SampleInput) -> PhaseOutput:

@@ -135,7 +135,7 @@ class Actuator:
                 kind=trace.SpanKind.INTERNAL,
                 attributes={
                     "plexrl.request_id": pending.request.request_id,
-                    "plexrl.job_id": action.job_id,
+                    "plexrl.job_id": pending.request.job_id,
                     "plexrl.worker_id": action.worker_id,
                     "plexrl.function": pending.request.function,
                     "plexrl.expected_swap_s": action.expected_swap_s,

@@ -13,7 +13,7 @@ from plexrl.kafka import MessageConsumer, ensure_topics
 from plexrl.ledger import Ledger
 from plexrl.messages import Event, PhaseCompletion, PhaseRequest
 from plexrl.meta import MetaStore
-from plexrl.policy import PolicyConfig, plan
+from plexrl.policy import PolicyConfig, decide
 from plexrl.service import join_cluster
 from plexrl.settings import SchedulerSettings
 from plexrl.topics import Topics
@@ -81,7 +81,7 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
         [
             Step("topics", lambda: ensure_worker_topics(settings, topics, receiver)),
             Step("reap", liveness.reap),  # dead workers and lost dispatches give calls back
-            Step("decide and act", lambda: actuator.carry_out(plan(state.snapshot(), policy))),
+            Step("decide and act", lambda: actuator.carry_out(decide(state.snapshot(), policy))),
             Step("record", record),
         ]
     )

@@ -27,6 +27,11 @@ DISPATCHED_CALLS = Counter(
 PREFETCHES = Counter(
     "plexrl_scheduler_prefetches_total", "Prefetch dispatches sent, by worker", ["worker"]
 )
+TAIL_RELEASES = Counter(
+    "plexrl_scheduler_tail_releases_total",
+    "Dispatches a worker released at their sample tail (the worker freed for the next)",
+    ["worker"],
+)
 EVICTIONS = Counter(
     "plexrl_scheduler_evictions_total",
     "State moves off the device tier the scheduler ordered, by target tier",

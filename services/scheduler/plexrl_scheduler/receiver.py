@@ -14,6 +14,7 @@ from plexrl.messages import (
     PhaseCompletion,
     PhaseRequest,
     ResidencyChanged,
+    TailReleased,
     WorkerHeartbeat,
 )
 from plexrl.meta import MetaStore
@@ -102,6 +103,9 @@ class Receiver:
                     self.new_workers.append(event.worker_id)
             case IdleHint():
                 self._state.on_idle_hint(event.job_id, event.seconds)
+            case TailReleased():
+                if self._state.on_tail_released(event):
+                    metrics.TAIL_RELEASES.labels(event.worker_id).inc()
             case ResidencyChanged():
                 pass  # the scheduler moved it itself; heartbeats reconcile
             case _:

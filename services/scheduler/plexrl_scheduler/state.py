@@ -18,6 +18,7 @@ from plexrl.messages import (
     JobSpec,
     PhaseCompletion,
     PhaseRequest,
+    TailReleased,
     Tier,
     WorkerHeartbeat,
 )
@@ -105,6 +106,9 @@ class ClusterState:
         self.pending: dict[str, Pending] = {}
         self.inflight: dict[str, InFlight] = {}
         """By worker id: the dispatch that worker is running."""
+        self.tails: dict[str, InFlight] = {}
+        """By dispatch id: dispatches whose sample batch a worker released at its tail
+        (TailReleased): still running there, beside whatever it was sent next."""
         self._inflight_requests: dict[str, tuple[str, Delivery | None]] = {}
         self._started_at = clock()
         self._never_seen_lost: set[str] = set()
@@ -147,10 +151,14 @@ class ClusterState:
             if completion.function == Function.UNLOAD:
                 del self.jobs[job.job_id]
         run = self.inflight.get(worker_id)
-        if run is not None:
+        if run is not None and completion.request_id in run.remaining:
             run.remaining.discard(completion.request_id)
             if not run.remaining:
                 del self.inflight[worker_id]
+        for dispatch_id, tail in list(self.tails.items()):
+            tail.remaining.discard(completion.request_id)
+            if not tail.remaining:
+                del self.tails[dispatch_id]
         self._changed.set()
         return delivery
 
@@ -175,6 +183,18 @@ class ClusterState:
                     job.state_bytes = resident.bytes
         self._changed.set()
         return new
+
+    def on_tail_released(self, event: TailReleased) -> bool:
+        """The worker's dispatch is down to its sample tail: the worker is free for the
+        next dispatch, the tail's jobs stay pinned until their calls complete. False when
+        the dispatch is no longer in flight (it finished first)."""
+        run = self.inflight.get(event.worker_id)
+        if run is None or run.dispatch_id != event.dispatch_id:
+            return False
+        del self.inflight[event.worker_id]
+        self.tails[run.dispatch_id] = run
+        self._changed.set()
+        return True
 
     def on_idle_hint(self, job_id: str, seconds: float) -> None:
         job = self.jobs.get(job_id)
@@ -265,12 +285,16 @@ class ClusterState:
         return expired
 
     def requeue(self, worker_id: str) -> list[str]:
-        """Put the unanswered calls of the worker's dispatch back at the head of the queue,
-        in their order (a numbered call that did apply is answered from its job's ledger)."""
+        """Put the unanswered calls of the worker's dispatch (and of the tails it was
+        finishing) back at the head of the queue, in their order (a numbered call that
+        did apply is answered from its job's ledger)."""
+        runs = [self.tails.pop(d) for d, t in list(self.tails.items()) if t.worker_id == worker_id]
         run = self.inflight.pop(worker_id, None)
-        if run is None:
+        if run is not None:
+            runs.append(run)
+        if not runs:
             return []
-        back = [p for p in run.calls if p.request.request_id in run.remaining]
+        back = [p for r in runs for p in r.calls if p.request.request_id in r.remaining]
         for p in back:
             self._inflight_requests.pop(p.request.request_id, None)
         self.pending = {p.request.request_id: p for p in back} | self.pending
@@ -285,7 +309,7 @@ class ClusterState:
         self._changed.clear()
 
     @staticmethod
-    def _view(job: JobState, now: float, learned: dict[Kind, Prior]) -> JobView:
+    def _view(job: JobState, now: float, learned: dict[Kind, Prior], pinned: bool) -> JobView:
         seen = describe(job.history, learned.get(job.kind), now, _MIN_HISTORY_S)
         return JobView(
             job_id=job.job_id,
@@ -298,6 +322,7 @@ class ClusterState:
             estimates=CallEstimates(seen.durations),
             duty_cycle=seen.duty_cycle,
             step_calls=seen.step_calls,
+            pinned=pinned,
         )
 
     def healthy(self, worker_id: str) -> bool:
@@ -319,7 +344,13 @@ class ClusterState:
             for wid, w in self.workers.items()
         }
         learned = priors(((j.kind, j.history) for j in self.jobs.values()), now, _MIN_HISTORY_S)
-        jobs = {jid: self._view(j, now, learned) for jid, j in self.jobs.items()}
+        pinned = {
+            p.request.job_id
+            for tail in self.tails.values()
+            for p in tail.calls
+            if p.request.request_id in tail.remaining
+        }
+        jobs = {jid: self._view(j, now, learned, jid in pinned) for jid, j in self.jobs.items()}
         pending = tuple(
             PendingCall(rid, p.request.job_id, p.request.function, p.request.arrival_time)
             for rid, p in self.pending.items()

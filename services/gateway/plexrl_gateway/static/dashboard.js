@@ -251,8 +251,8 @@ function tickStep(windowS) {
   return steps.find((s) => windowS / s <= 8) || 3600;
 }
 
-// Tail releases (a worker letting other jobs run beside a rollout's straggling tail) are
-// not reported yet; when a timeline entry carries `tail_released_at`, it is marked here.
+// Tail releases: a worker let its next dispatch in beside a rollout's straggling tail at
+// `tail_released_at` (timeline entries of the sample calls still running then).
 function drawTailRelease(layer, entry, x, y) {
   if (entry.tail_released_at === undefined || entry.tail_released_at === null) return;
   const xt = x(entry.tail_released_at);
