@@ -1,0 +1,244 @@
+"""The SGLang server child process: start, health-check, stop.
+
+SGLang runs in its own virtualenv (scripts/sglang.sh) because sglang==0.5.23 pins torch
+and transformers to other versions than the project's lock; the worker talks to it over
+HTTP on localhost. The child is the leader of its own process group, since SGLang forks a
+scheduler and a detokenizer process that must go with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from plexrl_worker.sglang.errors import SGLangServerError
+
+REPO_ROOT = Path(__file__).resolve().parents[4]
+DEFAULT_PYTHON = REPO_ROOT / ".plexrl" / "sglang-venv" / "bin" / "python"
+
+
+def sglang_python() -> Path:
+    """The SGLang venv's interpreter: PLEXRL_SGLANG_PYTHON, else scripts/sglang.sh's."""
+    return Path(os.environ.get("PLEXRL_SGLANG_PYTHON") or DEFAULT_PYTHON)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class SGLangServerConfig:
+    """How to launch one SGLang server."""
+
+    model_path: str
+    """A Hugging Face model directory (config, tokenizer, safetensors)."""
+    python: Path = field(default_factory=sglang_python)
+    """The SGLang venv's interpreter (scripts/sglang.sh installs it)."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    """0 picks a free port at each start."""
+    device: str = "cpu"
+    """`cpu` runs SGLang's torch-native paths (SGLANG_USE_CPU_ENGINE=1); `cuda` its kernels."""
+    max_lora_rank: int = 0
+    """0 starts without LoRA support; otherwise the largest adapter rank it will load."""
+    max_loras_per_batch: int = 8
+    """How many adapters one batch may mix (SGLang keeps this many slots in memory)."""
+    lora_target_modules: tuple[str, ...] = (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    )
+    """Modules an adapter may touch (Hugging Face names); SGLang's `all` adds the
+    embedding and lm_head."""
+    lora_backend: str | None = None
+    """SGLang's LoRA kernels; None: `torch_native` on CPU (the others need Triton on a
+    GPU), SGLang's default (`csgmv`) elsewhere."""
+    max_total_tokens: int | None = 65536
+    """KV cache size in tokens. Bounded by default: on CPU SGLang otherwise takes most of
+    the free host memory for the KV pool (about 10 GB on a 24 GB machine)."""
+    mem_fraction_static: float | None = None
+    """Share of device memory for weights and KV cache (SGLang's default when None)."""
+    enable_memory_saver: bool = False
+    """CUDA only: lets release_memory_occupation hand device memory back (torch_memory_saver)."""
+    startup_timeout_s: float = 600.0
+    """How long a start may take before it counts as failed (CPU imports alone take minutes
+    on a busy 2-core machine)."""
+    log_path: Path | None = None
+    """Where the child's stdout and stderr go; None discards them."""
+    extra_args: tuple[str, ...] = ()
+    """More `sglang serve` flags, appended last."""
+
+    def command(self, port: int) -> list[str]:
+        cmd = [
+            str(self.python),
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            self.model_path,
+            "--host",
+            self.host,
+            "--port",
+            str(port),
+            "--device",
+            self.device,
+            "--skip-server-warmup",
+        ]
+        if self.device == "cpu":
+            cmd += ["--attention-backend", "torch_native", "--disable-cuda-graph"]
+        if self.max_lora_rank > 0:
+            cmd += [
+                "--enable-lora",
+                "--max-lora-rank",
+                str(self.max_lora_rank),
+                "--max-loras-per-batch",
+                str(self.max_loras_per_batch),
+                "--lora-target-modules",
+                *self.lora_target_modules,
+            ]
+            backend = self.lora_backend or ("torch_native" if self.device == "cpu" else None)
+            if backend is not None:
+                cmd += ["--lora-backend", backend]
+        if self.max_total_tokens is not None:
+            cmd += ["--max-total-tokens", str(self.max_total_tokens)]
+        if self.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
+        if self.enable_memory_saver:
+            cmd += ["--enable-memory-saver"]
+        return [*cmd, *self.extra_args]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.device == "cpu":
+            # SGLang's CPU engine: torch-native layers unless the Intel AMX kernels exist.
+            env["SGLANG_USE_CPU_ENGINE"] = "1"
+        # The worker's own venv must not leak into the child's imports.
+        env.pop("PYTHONPATH", None)
+        env.pop("VIRTUAL_ENV", None)
+        return env
+
+
+class SGLangServer:
+    """One child `sglang.launch_server`; `start` returns once /health_generate answers 200."""
+
+    def __init__(
+        self, config: SGLangServerConfig, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: object | None = None
+        self.port = 0
+        self.starts = 0
+        """How many times the child was started (1 + restarts)."""
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.config.host}:{self.port}"
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> None:
+        if self.alive():
+            return
+        if not self.config.python.exists():
+            raise SGLangServerError(
+                f"no SGLang interpreter at {self.config.python}; run scripts/sglang.sh "
+                "(or set PLEXRL_SGLANG_PYTHON to an SGLang 0.5.23 venv's python)"
+            )
+        self.port = self.config.port or free_port(self.config.host)
+        log_path = self.config.log_path
+        out: int | object = subprocess.DEVNULL
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = out = log_path.open("ab")
+        self._proc = subprocess.Popen(
+            self.config.command(self.port),
+            env=self.config.environment(),
+            stdin=subprocess.DEVNULL,
+            stdout=out,  # type: ignore[arg-type]
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.starts += 1
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
+        deadline = self._clock() + self.config.startup_timeout_s
+        with httpx.Client(timeout=30.0) as client:
+            while True:
+                if not self.alive():
+                    code = self._proc.returncode if self._proc is not None else None
+                    raise SGLangServerError(
+                        f"the SGLang server exited with status {code} while starting; "
+                        f"see {self.config.log_path or 'its log (set log_path to keep it)'}"
+                    )
+                try:
+                    if client.get(f"{self.url}/health_generate").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if self._clock() > deadline:
+                    raise SGLangServerError(
+                        f"the SGLang server did not answer /health_generate within "
+                        f"{self.config.startup_timeout_s:.0f}s; raise startup_timeout_s or see "
+                        f"{self.config.log_path or 'its log'}"
+                    )
+                time.sleep(1.0)
+
+    def healthy(self, timeout_s: float = 30.0) -> bool:
+        """Alive and generating: SGLang's /health_generate runs one token when idle."""
+        if not self.alive():
+            return False
+        try:
+            r = httpx.get(f"{self.url}/health_generate", timeout=timeout_s)
+        except httpx.HTTPError:
+            return False
+        return r.status_code == 200
+
+    def stop(self, grace_s: float = 20.0) -> None:
+        """Stop the child and the scheduler and detokenizer processes it forked."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            _signal_group(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=grace_s)
+        if proc is not None:
+            # SGLang's children can outlive a leader killed from outside.
+            _signal_group(proc.pid, signal.SIGKILL)
+        log, self._log = self._log, None
+        if log is not None:
+            log.close()  # type: ignore[attr-defined]
+
+    def kill(self) -> None:
+        """Kill the child abruptly (what a crash looks like); for tests and chaos."""
+        if self._proc is not None:
+            _signal_group(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(timeout=30)
+
+
+def _signal_group(pid: int, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, sig)
