@@ -120,7 +120,7 @@ class LocalCluster:
             _Proc(name, process, f"http://127.0.0.1:{port}/healthz", log, module, port, extra)
         )
 
-    def start(self, timeout_s: float = 180.0) -> None:
+    def start(self, timeout_s: float = 600.0) -> None:
         c = self.config
         self._spawn(
             "state-store",
