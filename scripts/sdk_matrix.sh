@@ -22,14 +22,16 @@ TINKER_VERSIONS=(0.16.1 0.22.7 0.30.4 0.38.0)
 # The cookbook pins tml-renderers>=0.4.1, which PyPI does not have (0.2.1 at most), so it
 # goes in with --no-deps beside its other dependencies that .venv lacks: the set
 # `uv pip install --dry-run --python .venv/bin/python datasets chz blobfile termcolor
-# tiktoken cloudpickle aiohttp pyrage` names against the lock (docs/sdk.md).
+# tiktoken cloudpickle aiohttp pyrage pylatexenc math-verify` names against the lock (the
+# last two are its math-rl extra, which rl_loop and math_rl import; docs/sdk.md).
 COOKBOOK_VERSION=0.6.1
 COOKBOOK_EXTRA=(
-  aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 attrs==26.1.0 blobfile==3.3.0
-  chz==0.4.0 cloudpickle==3.1.3 datasets==5.2.0 dill==0.4.1 frozenlist==1.8.0 lxml==6.1.3
+  aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 antlr4-python3-runtime==4.13.2
+  attrs==26.1.0 blobfile==3.3.0 chz==0.4.0 cloudpickle==3.1.3 datasets==5.2.0 dill==0.4.1
+  frozenlist==1.8.0 latex2sympy2-extended==1.11.0 lxml==6.1.3 math-verify==0.9.0
   multidict==7.2.1 multiprocess==0.70.19 pandas==3.1.1 propcache==0.5.4 pyarrow==26.0.1
-  pycryptodomex==3.24.2 pyrage==1.4.0 termcolor==3.3.0 tiktoken==0.14.0 xxhash==4.1.0
-  yarl==1.25.1
+  pycryptodomex==3.24.2 pylatexenc==2.11 pyrage==1.4.0 termcolor==3.3.0 tiktoken==0.14.0
+  xxhash==4.1.0 yarl==1.25.1
 )
 
 # install NAME SPEC... — SPECs into $SDK_DIR/NAME, once.
