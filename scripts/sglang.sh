@@ -13,7 +13,8 @@
 # The install is about 9.5 GB (torch's CUDA libraries and SGLang's CUDA kernels come from
 # PyPI even on a CPU machine; there is no CPU build) and takes minutes on a fresh machine.
 # Reinstalls only when the lock, the shim, the interpreter or the checkout's path changed;
-# PLEXRL_REINSTALL=1 forces it. Linux x86_64 (or aarch64) with glibc 2.34+ only.
+# PLEXRL_REINSTALL=1 forces it. Linux with glibc 2.34+; the lock is resolved for x86_64
+# (on aarch64 run `scripts/sglang.sh lock` first).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -57,6 +58,11 @@ install_stamp() {
 
 install() {
   [[ $(uname -s) == Linux ]] || die "SGLang's PyPI wheels are Linux-only; use PLEXRL_SAMPLER=torch here"
+  local glibc
+  glibc=$(getconf GNU_LIBC_VERSION 2>/dev/null | awk '{print $2}')
+  if [[ -n $glibc ]] && ! printf '2.34\n%s\n' "$glibc" | sort -C -V; then
+    die "glibc $glibc is older than 2.34, which sglang $SGLANG_VERSION's wheels need; use a newer distribution or PLEXRL_SAMPLER=torch"
+  fi
   [[ -f $LOCK ]] || die "$LOCK is missing; restore it from git (or create it: scripts/sglang.sh lock)"
   [[ -f $SHIM ]] || die "$SHIM is missing; restore it from git"
   ensure_uv
