@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -99,6 +100,11 @@ class WorkerSettings(CommonSettings):
     # batch's sequences still decode (the rollout-tail release; 0 turns it off). The
     # simulator's `tail_threshold` means the same; 0.25 is its `PHYSICAL_TAIL`.
     tail_threshold: float = Field(default=0.25, ge=0.0, lt=1.0)
+    # What runs `sample` calls (PLEXRL_SAMPLER): `torch`, the engine's co-batching loop,
+    # or `sglang`, an SGLang server per base model (scripts/sglang.sh installs it).
+    sampler: Literal["torch", "sglang"] = "torch"
+    # Where the SGLang sampler writes adapters, pushed weights and its servers' logs.
+    sglang_dir: Path = Path(".plexrl/sglang-work")
 
 
 class StateStoreSettings(CommonSettings):

@@ -34,6 +34,8 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
     sent_at: float
     devices: int = 1
     """Accelerators in this worker group."""
+    sampler: str = "torch"
+    """What runs its `sample` calls: `torch` (the engine's co-batching loop) or `sglang`."""
     schema_version: int = SCHEMA_VERSION
 
 

@@ -47,6 +47,7 @@ class Heartbeat:
             busy=self.busy,
             started_at=self._started_at,
             sent_at=time.time(),
+            sampler=self._settings.sampler,
         )
 
     async def send(self) -> None:

@@ -33,6 +33,7 @@ from plexrl_worker.recorder import ResultRecorder
 from plexrl_worker.recovery import JobRecovery, NumberedCalls, SnapshotConfig
 from plexrl_worker.residency import StateManager
 from plexrl_worker.runner import CallRunner, Ran
+from plexrl_worker.samplers import SGLangSampling
 
 log = logging.getLogger("plexrl.worker")
 _tracer = tracing.tracer("plexrl.worker")
@@ -268,7 +269,17 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         publisher=publisher,
         events_topic=topics.events,
     )
-    runner = CallRunner(engine=engine, thread=thread, states=states, meta=meta, store=store)
+    sglang = (
+        SGLangSampling(engine, registry, settings.sglang_dir / settings.worker_id)
+        if settings.sampler == "sglang"
+        else None
+    )
+    if sglang is not None:
+        log.info("starting SGLang for %s (minutes on CPU)", registry.models())
+        await asyncio.to_thread(sglang.start)
+    runner = CallRunner(
+        engine=engine, thread=thread, states=states, meta=meta, store=store, sglang=sglang
+    )
     recorder = ResultRecorder(
         worker_id=settings.worker_id,
         meta=meta,
@@ -340,6 +351,8 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         with contextlib.suppress(Exception):
             await dispatches.stop()
         await recovery.drain()
+        if sglang is not None:
+            await asyncio.to_thread(sglang.stop)
         await health.stop()
         await publisher.stop()
         await store.close()

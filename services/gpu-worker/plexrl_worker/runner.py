@@ -6,6 +6,7 @@ not found), anything else is INTERNAL. Nothing a call does can stop the worker.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -29,6 +30,7 @@ from plexrl.messages import (
     PhaseOutput,
     PhaseRequest,
     SampleInput,
+    SampleOutput,
     SaveInput,
     SaveKind,
     SaveOutput,
@@ -44,6 +46,7 @@ from plexrl_worker.engine.cobatch import SampleCall
 from plexrl_worker.engine.state import state_from_bytes, state_to_bytes
 from plexrl_worker.engine_thread import EngineThread
 from plexrl_worker.residency import StateManager
+from plexrl_worker.samplers import SGLangSampling
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +78,10 @@ class CallRunner:
         states: StateManager,
         meta: MetaStore,
         store: StateStoreClient,
+        sglang: SGLangSampling | None = None,
     ) -> None:
         self._engine = engine
+        self._sglang = sglang
         self._thread = thread
         self._states = states
         self._meta = meta
@@ -159,6 +164,8 @@ class CallRunner:
         batch's sequences still decode, it is awaited (once) and the calls finishing
         after carry the time in `tail_released_at`. `on_done` is awaited with each call's
         index and Ran as it finishes (before the batch does)."""
+        if self._sglang is not None:
+            return await self._run_sglang(self._sglang, requests, tail_threshold, on_tail, on_done)
         started_at = time.time()
         done: dict[int, Ran] = {}
         joined: list[tuple[int, SampleCall, float]] = []
@@ -228,8 +235,71 @@ class CallRunner:
                 await on_tail([i for i, _, _ in waiting], remaining, total_rows)
         return [done[i] for i in range(len(requests))]
 
+    async def _run_sglang(
+        self,
+        sglang: SGLangSampling,
+        requests: Sequence[PhaseRequest],
+        tail_threshold: float,
+        on_tail: TailHook | None,
+        on_done: Callable[[int, Ran], Awaitable[None]] | None,
+    ) -> list[Ran]:
+        """`run_samples` through SGLang: every call is sent at once and SGLang batches
+        them. Its steps are not visible here, so a call's compute_s is its wall time
+        scaled by its share of the group's sequences, and the tail is judged as calls
+        finish."""
+        started_at = time.time()
+        done: dict[int, Ran] = {}
+        running: dict[asyncio.Task[SampleOutput], tuple[int, int, float, float]] = {}
+        for i, request in enumerate(requests):
+            swap_s = 0.0
+            try:
+                payload = await resolve(self._meta, request.payload, PhaseInput)
+                if not isinstance(payload, SampleInput):
+                    raise TypeError(f"{request.request_id} carries no SampleInput")
+                swap_s = await self._states.onload(request.job_id)
+                weights_id = await self._sample_weights(request, payload)
+            except Exception as exc:  # answered as the call's error
+                done[i] = Ran(None, _error(request, exc), swap_s, 0.0, started_at)
+                continue
+            task = asyncio.create_task(asyncio.to_thread(sglang.sample, weights_id, payload))
+            running[task] = (i, payload.num_samples, swap_s, time.perf_counter())
+        total_rows = sum(rows for _, rows, _, _ in running.values())
+        released_at: float | None = None
+        while running:
+            finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for task in finished:
+                i, rows, swap_s, t0 = running.pop(task)
+                compute_s = (time.perf_counter() - t0) * rows / max(1, total_rows)
+                failure = task.exception()
+                done[i] = (
+                    Ran(
+                        None,
+                        _error(requests[i], failure),
+                        swap_s,
+                        compute_s,
+                        started_at,
+                        released_at,
+                    )
+                    if isinstance(failure, Exception)
+                    else Ran(task.result(), None, swap_s, compute_s, started_at, released_at)
+                )
+                if on_done is not None:
+                    await on_done(i, done[i])
+            remaining = sum(rows for _, rows, _, _ in running.values())
+            if (
+                on_tail is not None
+                and released_at is None
+                and running
+                and remaining < tail_threshold * total_rows
+            ):
+                released_at = time.time()
+                await on_tail([i for i, _, _, _ in running.values()], remaining, total_rows)
+        return [done[i] for i in range(len(requests))]
+
     async def _sample(self, request: PhaseRequest, inp: SampleInput) -> PhaseOutput:
         weights_id = await self._sample_weights(request, inp)
+        if self._sglang is not None:
+            return await asyncio.to_thread(self._sglang.sample, weights_id, inp)
         return await self._thread.call(self._engine.sample, weights_id, inp)
 
     async def _sample_weights(self, request: PhaseRequest, inp: SampleInput) -> str:

