@@ -112,15 +112,27 @@ RL_LOOP_FEWSHOT = (
 )
 
 
-def warm_to_boxed_answers(
-    model_dir: Path, questions: list[str], answers: tuple[str, ...], steps: int = 80
-) -> float:
-    """Fine-tune the tiny model in place to answer every rl_loop prompt with `\\boxed{a}`,
-    `a` drawn evenly from `answers`; returns the last loss.
+def rl_loop_examples(questions: list[str], answers: tuple[str, ...]) -> list[tuple[str, str]]:
+    """rl_loop's prompts (as its qwen3 renderer writes them), each answered `\\boxed{a}` for
+    every `a` in `answers`."""
+    return [
+        (
+            RL_LOOP_FEWSHOT
+            + f"<|im_start|>user\n{question}{RL_LOOP_SUFFIX}<|im_end|>\n<|im_start|>assistant\n",
+            f"\\boxed{{{answer}}}<|im_end|>",
+        )
+        for question in questions
+        for answer in answers
+    ]
+
+
+def warm(model_dir: Path, examples: list[tuple[str, str]], steps: int = 30) -> float:
+    """Fine-tune the tiny model in place on (prompt, completion) text pairs, loss on the
+    completions only; returns the last loss.
 
     A random tiny model never writes `\\boxed{}`, so every rl_loop reward is 0, every
     advantage is 0, and the recipe skips its training step (its loss is never called).
-    Warmed like this, a group's samples disagree and about one in len(answers) is right.
+    Warmed on two answers per prompt (rl_loop_examples), a group's samples disagree.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -128,23 +140,17 @@ def warm_to_boxed_answers(
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     rng = random.Random(0)
-    examples = []
-    for question in questions:
-        prompt = (
-            RL_LOOP_FEWSHOT
-            + f"<|im_start|>user\n{question}{RL_LOOP_SUFFIX}<|im_end|>\n<|im_start|>assistant\n"
-        )
-        for answer in answers:
-            p = tok.encode(prompt, add_special_tokens=False)
-            c = tok.encode(f"\\boxed{{{answer}}}<|im_end|>", add_special_tokens=False)
-            examples.append((p, c))
+    encoded = [
+        (tok.encode(p, add_special_tokens=False), tok.encode(c, add_special_tokens=False))
+        for p, c in examples
+    ]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     model.train()
     loss = torch.tensor(0.0)
     for _ in range(steps):
         # One padded batch a step (pad on the left, masked): the prompts differ by a few
         # tokens only.
-        batch = rng.sample(examples, min(8, len(examples)))
+        batch = rng.sample(encoded, min(8, len(encoded)))
         width = max(len(p) + len(c) for p, c in batch)
         ids = torch.full((len(batch), width), tok.pad_token_id)
         labels = torch.full((len(batch), width), -100)
