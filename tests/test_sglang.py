@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from plexrl.messages import ErrorCode, SampleInput, SampleOutput, SamplingParams, StopReason
+from plexrl_worker.engine.errors import NotFoundError
 from plexrl_worker.sglang import (
     SGLangSampler,
     SGLangServerConfig,
@@ -199,7 +200,7 @@ def test_lora_adapter_samples_come_from_the_adapter(
     finally:
         sampler.unload_adapter("job-a")
     assert "job-a" not in sampler.adapters
-    with pytest.raises(SGLangUnsupportedError, match="load_adapter"):
+    with pytest.raises(NotFoundError, match="load_adapter"):
         sampler.sample(_greedy(), adapter="job-a")
     assert _seq(sampler.sample(_greedy())) == base_out
 

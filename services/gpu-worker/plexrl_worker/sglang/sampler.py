@@ -23,15 +23,16 @@ import threading
 import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 
 from plexrl.messages import SampledSequence, SampleInput, SampleOutput, StopReason
+from plexrl_worker.engine.errors import NotFoundError
 from plexrl_worker.sglang.errors import SGLangServerError, SGLangUnsupportedError
 from plexrl_worker.sglang.server import SGLangServer, SGLangServerConfig
 
-PauseMode = str
+PauseMode = Literal["abort", "retract", "in_place"]
 """SGLang's /pause_generation modes: `abort` (running requests end, aborted), `retract`
 (they go back to the queue and their KV cache is recomputed on continue), `in_place`
 (they stay in the batch with their KV cache)."""
@@ -81,6 +82,10 @@ class SGLangSampler:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def healthy(self) -> bool:
+        """The server is alive and generates (SGLang's /health_generate)."""
+        return self.server.healthy()
+
     @property
     def restarts(self) -> int:
         return max(0, self.server.starts - 1)
@@ -118,7 +123,7 @@ class SGLangSampler:
         last pushed ones) or, with `adapter`, through that loaded LoRA adapter."""
         check_supported(inp)
         if adapter is not None and adapter not in self._adapters:
-            raise SGLangUnsupportedError(
+            raise NotFoundError(
                 f"no LoRA adapter {adapter!r} is loaded in the SGLang sampler (loaded: "
                 f"{', '.join(sorted(self._adapters)) or 'none'}); load_adapter() it first"
             )
@@ -204,15 +209,17 @@ class SGLangSampler:
     # -- transport ---------------------------------------------------------------------------
 
     def _post(self, route: str, body: Mapping[str, Any], *, retry_on_death: bool = False) -> Any:
-        self.ensure_running()
-        try:
-            r = self._client.post(self.server.url + route, json=dict(body))
-        except httpx.TransportError as exc:
-            if retry_on_death and not self.server.alive():
-                self.ensure_running()
+        attempts = 2 if retry_on_death else 1
+        for attempt in range(1, attempts + 1):
+            self.ensure_running()
+            try:
                 r = self._client.post(self.server.url + route, json=dict(body))
-            else:
-                raise SGLangServerError(f"SGLang {route} failed: {exc}") from exc
+                break
+            except httpx.TransportError as exc:
+                # A dying server drops the connection a moment before its leader exits;
+                # the next attempt restarts it.
+                if attempt == attempts or not self.server.wait_exit(timeout_s=10.0):
+                    raise SGLangServerError(f"SGLang {route} failed: {exc}") from exc
         if r.status_code >= 400:
             raise SGLangServerError(f"SGLang {route} answered {r.status_code}: {r.text[:500]}")
         if not r.content:

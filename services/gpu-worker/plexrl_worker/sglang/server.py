@@ -153,6 +153,16 @@ class SGLangServer:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
 
+    def wait_exit(self, timeout_s: float) -> bool:
+        """True once the child has exited (False if it still runs after `timeout_s`)."""
+        if self._proc is None:
+            return True
+        try:
+            self._proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def start(self) -> None:
         if self.alive():
             return
