@@ -13,6 +13,8 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT" || exit
 
 scripts/bootstrap.sh || exit
+# The SGLang sampler tier (its own venv, several GB): always under CI, else on request.
+if [[ ${CI:-} == true || ${PLEXRL_SGLANG:-0} == 1 ]]; then scripts/sglang.sh || exit; fi
 scripts/chromium.sh >/dev/null || exit  # headless Chromium for the dashboard test
 
 lint_status=0

@@ -105,6 +105,8 @@ class SGLangSampling:
                     model_path=str(base),
                     device=self._device,
                     max_lora_rank=self._max_lora_rank,
+                    # The tinker SDK trains the unembedding by default (train_unembed).
+                    lora_target_modules=(*SGLangServerConfig.lora_target_modules, "lm_head"),
                     log_path=self._workdir / f"sglang-{base.name}.log",
                 )
                 self._workdir.mkdir(parents=True, exist_ok=True)
