@@ -143,7 +143,10 @@ function renderSummary(cluster, workers, jobs) {
   const sched = cluster.scheduler || {};
   const live = workers.filter((w) => !w.error).length;
   $("s-workers").textContent = String(live);
-  $("s-jobs").textContent = String(jobs.filter((j) => !j.job.unloaded).length);
+  $("s-jobs").textContent = String(
+    jobs.filter((j) => j.job.kind === "training" && !j.job.unloaded).length,
+  );
+  $("s-samplers").textContent = String(jobs.filter((j) => j.job.kind === "sampling").length);
   $("s-queue").textContent = sched.reachable ? String(sched.pending ?? 0) : "?";
   $("s-queue").title = sched.reachable ? "calls waiting at the scheduler" : "scheduler unreachable";
   $("s-inflight").textContent = sched.reachable ? String(Object.keys(sched.inflight || {}).length) : "?";
