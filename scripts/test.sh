@@ -15,6 +15,9 @@ cd "$ROOT" || exit
 scripts/bootstrap.sh || exit
 # The SGLang sampler tier (its own venv, several GB): always under CI, else on request.
 if [[ ${CI:-} == true || ${PLEXRL_SGLANG:-0} == 1 ]]; then scripts/sglang.sh || exit; fi
+# Older tinker SDKs and the tinker-cookbook, side by side (tests/test_sdk_versions.py,
+# tests/test_cookbook_recipes.py): always under CI, else on request.
+if [[ ${CI:-} == true || ${PLEXRL_SDK_MATRIX:-0} == 1 ]]; then scripts/sdk_matrix.sh || exit; fi
 scripts/chromium.sh >/dev/null || exit  # headless Chromium for the dashboard test
 
 lint_status=0
