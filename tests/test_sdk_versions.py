@@ -185,7 +185,7 @@ def test_a_json_forward_backward_reads_as_the_protobuf_one() -> None:
     )
     # What SDKs before protobuf post for the same call: their pydantic request dumped with
     # exclude_unset (so no chunk `type`), lists typed by the Datum validator.
-    body = {
+    body: dict[str, Any] = {
         "forward_backward_input": {
             "data": [
                 {
@@ -225,6 +225,14 @@ def test_a_json_forward_backward_reads_as_the_protobuf_one() -> None:
     }
     with pytest.raises(CodecError, match="image chunk"):
         forward_backward_from_json(image, forward_only=False)
+    bad_shape = json.loads(json.dumps(body))
+    bad_shape["forward_backward_input"]["data"][0]["loss_fn_inputs"]["logprobs"]["shape"] = "3"
+    with pytest.raises(CodecError, match="shape"):
+        forward_backward_from_json(bad_shape, forward_only=False)
+    no_chunks = {**body, "forward_backward_input": {**body["forward_backward_input"]}}
+    no_chunks["forward_backward_input"]["data"] = [{"model_input": [1, 2], "loss_fn_inputs": {}}]
+    with pytest.raises(CodecError, match="model_input needs chunks"):
+        forward_backward_from_json(no_chunks, forward_only=False)
 
 
 def test_results_are_json_when_the_poll_does_not_accept_protobuf() -> None:

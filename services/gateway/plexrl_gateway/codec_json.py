@@ -105,7 +105,8 @@ def _datum(where: str, datum: Any) -> pb.Datum:
     if not isinstance(datum, Mapping):
         raise CodecError(f"{where} must be an object with model_input and loss_fn_inputs")
     out = pb.Datum()
-    chunks = (datum.get("model_input") or {}).get("chunks")
+    model_input = datum.get("model_input")
+    chunks = model_input.get("chunks") if isinstance(model_input, Mapping) else None
     if not isinstance(chunks, list):
         raise CodecError(f"{where}.model_input needs chunks (a list)")
     for j, chunk in enumerate(chunks):
@@ -136,6 +137,10 @@ def _tensor(where: str, tensor: Any) -> pb.Tensor:
     except (TypeError, ValueError) as exc:
         raise CodecError(f"{where} data is not a flat list of numbers ({exc})") from None
     shape = tensor.get("shape")
+    if shape is not None and not (
+        isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+    ):
+        raise CodecError(f"{where} has shape {shape!r}; send a list of sizes")
     return pb.Tensor(
         dense=values.tobytes(), dtype=dtype[0], shape=list(shape) if shape else [values.size]
     )
