@@ -126,13 +126,30 @@ def rl_loop_examples(questions: list[str], answers: tuple[str, ...]) -> list[tup
     ]
 
 
-def warm(model_dir: Path, examples: list[tuple[str, str]], steps: int = 30) -> float:
+def arithmetic_examples(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """math_rl's default arithmetic prompts (its few-shot `What is 4 + 5?` first), each
+    answered once within the recipe's 5-token budget and once past it, so the format part
+    of its reward differs within a group."""
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(n):
+        x, y = rng.randint(0, 101), rng.randint(0, 101)
+        prompt = (
+            "<|im_start|>user\nWhat is 4 + 5?<|im_end|>\n<|im_start|>assistant\n9<|im_end|>\n"
+            f"<|im_start|>user\nWhat is {x} + {y}?<|im_end|>\n<|im_start|>assistant\n"
+        )
+        examples += [(prompt, "7<|im_end|>"), (prompt, "7 7 7 7 7 7 7<|im_end|>")]
+    return examples
+
+
+def warm(model_dir: Path, examples: list[tuple[str, str]], steps: int = 80) -> float:
     """Fine-tune the tiny model in place on (prompt, completion) text pairs, loss on the
     completions only; returns the last loss.
 
-    A random tiny model never writes `\\boxed{}`, so every rl_loop reward is 0, every
-    advantage is 0, and the recipe skips its training step (its loss is never called).
-    Warmed on two answers per prompt (rl_loop_examples), a group's samples disagree.
+    A random tiny model never writes `\\boxed{}` (every rl_loop reward is 0, so the
+    recipe skips its training step) and never ends within math_rl's 5 tokens (every
+    advantage is 0). Warmed on two answers per prompt (rl_loop_examples,
+    arithmetic_examples), a group's samples disagree and the losses see real advantages.
     """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
