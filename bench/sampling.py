@@ -6,10 +6,13 @@ Each job sends `--prompts` sample calls of `--samples` samples × `--tokens` tok
 GRPO-style workload of issue 8: 8 prompts × 4 samples × 16 tokens, LoRA rank 8), all at
 t = 0. Per mode and K: total sampled tokens/s and each call's latency from t = 0 to its
 answer (p50/p99). Co-batched outputs are checked bit-identical to the time-sliced ones.
+With `--previous REV` a third column: the decode loop the worker had at git revision REV
+(`engine/sampling.py`'s `generate`, one call at a time), loaded from git into this run,
+so co-batching is also set beside what the worker did before it existed (c4c759d^).
 Ends with one JSON line.
 
-    .venv/bin/python bench/sampling.py                   # K = 1, 2, 4, 8 on the tiny model
-    .venv/bin/python bench/sampling.py --jobs 4 --repeats 3
+    .venv/bin/python bench/sampling.py --threads 1        # K = 1, 2, 4, 8 on the tiny model
+    .venv/bin/python bench/sampling.py --threads 1 --previous c4c759d^
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,6 +72,37 @@ def co_batched(
     return [c.output() for c in joined], [finished_at[id(c)] for c in joined]
 
 
+def previous_loop(
+    rev: str,
+) -> Callable[[TorchEngine, list[tuple[str, SampleInput]]], tuple[list[SampleOutput], list[float]]]:
+    """Time-sliced sampling through the decode loop of git revision `rev`."""
+    path = "services/gpu-worker/plexrl_worker/engine/sampling.py"
+    source = subprocess.run(
+        ["git", "show", f"{rev}:{path}"], check=True, capture_output=True, text=True
+    ).stdout
+    module = types.ModuleType("previous_sampling")
+    sys.modules[module.__name__] = module  # its dataclasses look their module up
+    exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)  # our own code, from git
+
+    def run(
+        engine: TorchEngine, calls: list[tuple[str, SampleInput]]
+    ) -> tuple[list[SampleOutput], list[float]]:
+        t0 = time.perf_counter()
+        outs, done = [], []
+        for weights_id, inp in calls:
+            model = engine._jobs[weights_id].weights.module()  # a bench reaches in
+            stop = module.StopRule(token_ids=frozenset(), strings=(), decode=None)
+            outs.append(
+                module.generate(
+                    model, inp, stop, device=torch.device("cpu"), max_batch_tokens=16384
+                )
+            )
+            done.append(time.perf_counter() - t0)
+        return outs, done
+
+    return run
+
+
 def measure(
     run: Callable[
         [TorchEngine, list[tuple[str, SampleInput]]], tuple[list[SampleOutput], list[float]]
@@ -101,6 +138,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2, help="best of N per cell")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--previous", default=None, help="git revision of a decode loop to compare")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -121,6 +159,9 @@ def main() -> None:
             sliced_out, sliced = measure(time_sliced, engine, calls, args.repeats)
             batched_out, batched = measure(co_batched, engine, calls, args.repeats)
             identical = sliced_out == batched_out
+            previous = None
+            if args.previous:
+                _, previous = measure(previous_loop(args.previous), engine, calls, args.repeats)
             row = {
                 "jobs": k,
                 "calls": len(calls),
@@ -128,6 +169,10 @@ def main() -> None:
                 "co_batched": batched,
                 "speedup": batched["tokens_per_s"] / sliced["tokens_per_s"],
                 "identical": identical,
+                "previous_loop": previous,
+                "speedup_vs_previous": (
+                    batched["tokens_per_s"] / previous["tokens_per_s"] if previous else None
+                ),
             }
             results.append(row)
             print(
@@ -135,7 +180,13 @@ def main() -> None:
                 f"(p50 {sliced['p50_s']:.2f} s, p99 {sliced['p99_s']:.2f} s) | "
                 f"co-batched {batched['tokens_per_s']:8.0f} tok/s "
                 f"(p50 {batched['p50_s']:.2f} s, p99 {batched['p99_s']:.2f} s) | "
-                f"{row['speedup']:.2f}x, identical: {identical}",
+                f"{row['speedup']:.2f}x, identical: {identical}"
+                + (
+                    f" | previous loop {previous['tokens_per_s']:8.0f} tok/s: co-batched "
+                    f"{row['speedup_vs_previous']:.2f}x it"
+                    if previous
+                    else ""
+                ),
                 flush=True,
             )
     print(json.dumps({"bench": "sampling", "workload": vars(args), "results": results}))
