@@ -85,8 +85,8 @@ class SampleCall:
     inp: SampleInput
     stop: sampling.StopRule
     seed: int
-    rows: list[_Row | None] = field(default_factory=list)
-    """By sample index; None until admitted."""
+    rows: list[_Row] = field(default_factory=list)
+    """The admitted samples, by index (the rest wait for room in the batch)."""
     prompt_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     first_logits: torch.Tensor | None = None
     prompt_logprobs: list[float | None] | None = None
@@ -101,8 +101,7 @@ class SampleCall:
     @property
     def done(self) -> bool:
         return self.abandoned is not None or (
-            len(self.rows) == self.inp.num_samples
-            and all(r is not None and r.done for r in self.rows)
+            len(self.rows) == self.inp.num_samples and all(r.done for r in self.rows)
         )
 
     @property
@@ -110,14 +109,13 @@ class SampleCall:
         """Sequences not finished yet (admitted or waiting)."""
         if self.abandoned is not None:
             return 0
-        return self.inp.num_samples - sum(1 for r in self.rows if r is not None and r.done)
+        return self.inp.num_samples - sum(1 for r in self.rows if r.done)
 
     def output(self) -> SampleOutput:
         return SampleOutput(
             sequences=[
                 SampledSequence(tokens=r.tokens, logprobs=r.logprobs, stop_reason=r.reason)
                 for r in self.rows
-                if r is not None
             ],
             prompt_logprobs=self.prompt_logprobs,
             topk_prompt_logprobs=self.topk_prompt_logprobs,
@@ -160,7 +158,7 @@ class Batcher:
         """Admit waiting rows, pick one token for every running row, and run the rows
         still going one position on; the calls this finished, now out of the batch."""
         self._admit()
-        running = [r for c in self._calls for r in c.rows if r is not None and not r.done]
+        running = [r for c in self._calls for r in c.rows if not r.done]
         going: list[_Row] = []
         for row in running:
             params = row.call.inp.params
@@ -221,9 +219,7 @@ class Batcher:
 
     def _admit(self) -> None:
         """Give waiting rows a place while the batch's tokens fit (always at least one)."""
-        used = sum(
-            c.tokens_per_row for c in self._calls for r in c.rows if r is not None and not r.done
-        )
+        used = sum(c.tokens_per_row for c in self._calls for r in c.rows if not r.done)
         for call in self._calls:
             while len(call.rows) < call.inp.num_samples:
                 if used > 0 and used + call.tokens_per_row > self._max_batch_tokens:
