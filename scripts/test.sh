@@ -34,7 +34,8 @@ if [[ ${PLEXRL_SKIP_INFRA:-0} != 1 ]]; then
   done < <(scripts/infra.sh env)
 fi
 
-.venv/bin/python -m pytest -q "$@"
+# The slowest tests, printed at the end, keep the suite's time budget visible.
+.venv/bin/python -m pytest -q --durations=25 "$@"
 test_status=$?
 
 if ((lint_status != 0)); then
