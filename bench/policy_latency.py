@@ -28,9 +28,9 @@ from pathlib import Path
 
 from plexrl.messages import Function
 from plexrl.policy import ClusterSnapshot, PendingCall, PolicyConfig, plan
-from plexrl.sim.multiplexed import MultiplexedSim
-from plexrl.sim.run import policy_config, prepare
-from plexrl.sim.workload import TAIL_RELEASE
+from plexrl_sim.multiplexed import MultiplexedSim
+from plexrl_sim.run import policy_config, prepare
+from plexrl_sim.workload import TAIL_RELEASE
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import msgspec
 
-from plexrl.sim.report import figures
-from plexrl.sim.run import prepare, run_deployment
+from plexrl_sim.report import figures
+from plexrl_sim.run import prepare, run_deployment
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,8 +9,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from plexrl.sim.cli import sim
-from plexrl.sim.workload import load_workload
+from plexrl_sim.cli import sim
+from plexrl_sim.workload import load_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKLOADS = sorted((ROOT / "workloads").glob("*.yaml"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from plexrl.sim.dedicated import (
+from plexrl_sim.dedicated import (
     best_rollout_share,
     colocated_wall_s,
     isolated_wall_s,
@@ -13,7 +13,7 @@ from plexrl.sim.dedicated import (
     split_async_wall_s,
     split_stages,
 )
-from plexrl.sim.workload import Colocated, Profile, Rollout, SplitAsync, Steps
+from plexrl_sim.workload import Colocated, Profile, Rollout, SplitAsync, Steps
 
 
 def steps(

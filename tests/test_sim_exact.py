@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from plexrl.messages import Function
-from plexrl.sim.multiplexed import MultiplexedSim
-from plexrl.sim.report import makespan_floor_s
-from plexrl.sim.run import policy_config, prepare, run_deployment
+from plexrl_sim.multiplexed import MultiplexedSim
+from plexrl_sim.report import makespan_floor_s
+from plexrl_sim.run import policy_config, prepare, run_deployment
 from tests.sim_fixtures import two_jobs_one_worker, write_workload
 
 

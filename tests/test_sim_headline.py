@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from plexrl.sim.report import figures
-from plexrl.sim.run import prepare, run_deployment
+from plexrl_sim.report import figures
+from plexrl_sim.run import prepare, run_deployment
 from tests.sim_fixtures import write_workload
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from plexrl.messages import Function
-from plexrl.sim.multiplexed import MultiplexedSim
-from plexrl.sim.report import makespan_floor_s
-from plexrl.sim.results import HOUR
-from plexrl.sim.run import DEPLOYMENTS, TAIL_SUFFIX, policy_config, prepare, run_deployment
-from plexrl.sim.workload import TAIL_RELEASE
+from plexrl_sim.multiplexed import MultiplexedSim
+from plexrl_sim.report import makespan_floor_s
+from plexrl_sim.results import HOUR
+from plexrl_sim.run import DEPLOYMENTS, TAIL_SUFFIX, policy_config, prepare, run_deployment
+from plexrl_sim.workload import TAIL_RELEASE
 from tests.sim_fixtures import small_trace, write_workload
 
 POLICY_RUNS = ["fifo", "pack", "spread", "spread-backfill", "plexrl", "plexrl+tail"]

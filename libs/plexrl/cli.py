@@ -13,7 +13,7 @@ def _mount_subcommands() -> None:
     from plexrl.cli_model import app as model_app
     from plexrl.cli_serve import serve
     from plexrl.cli_status import register as register_status
-    from plexrl.sim.cli import sim
+    from plexrl_sim.cli import sim
 
     app.add_typer(model_app, name="model")
     app.command("serve")(serve)

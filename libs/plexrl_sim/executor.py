@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 
 from plexrl.messages import Tier
 from plexrl.policy import Admit, Move, PendingCall, Prefetch, Run, WorkerView
-from plexrl.sim.accounting import Accounting
-from plexrl.sim.events import Attention, Event, EventQueue
-from plexrl.sim.replay import SimJob
-from plexrl.sim.workload import CoLocation, GroupSpec
+from plexrl_sim.accounting import Accounting
+from plexrl_sim.events import Attention, Event, EventQueue
+from plexrl_sim.replay import SimJob
+from plexrl_sim.workload import CoLocation, GroupSpec
 
 
 class SimulationError(RuntimeError):

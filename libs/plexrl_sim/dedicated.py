@@ -22,8 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from plexrl.sim.results import DeploymentResult, GroupUsage, JobResult, Timeline
-from plexrl.sim.workload import GroupSpec, JobFactory, JobSpec, Profile, SplitAsync, Steps
+from plexrl_sim.results import DeploymentResult, GroupUsage, JobResult, Timeline
+from plexrl_sim.workload import GroupSpec, JobFactory, JobSpec, Profile, SplitAsync, Steps
 
 DEDICATED = ("isolated", "colocated", "split-async")
 

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from plexrl.policy import POLICIES, PolicyConfig
-from plexrl.sim.dedicated import DEDICATED, simulate_dedicated
-from plexrl.sim.multiplexed import MultiplexedSim
-from plexrl.sim.results import DeploymentResult
-from plexrl.sim.workload import (
+from plexrl_sim.dedicated import DEDICATED, simulate_dedicated
+from plexrl_sim.multiplexed import MultiplexedSim
+from plexrl_sim.results import DeploymentResult
+from plexrl_sim.workload import (
     TAIL_RELEASE,
     CoLocation,
     GroupSpec,

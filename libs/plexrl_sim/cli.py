@@ -91,8 +91,8 @@ def sim(
     """Simulate RLVR jobs on a cluster under the scheduler's own policy code."""
     from tqdm import tqdm
 
-    from plexrl.sim.report import write_report
-    from plexrl.sim.run import DEPLOYMENTS, label, prepare, run_many
+    from plexrl_sim.report import write_report
+    from plexrl_sim.run import DEPLOYMENTS, label, prepare, run_many
 
     started = time.perf_counter()
     try:

@@ -17,9 +17,9 @@ from typing import Protocol
 from plexrl.messages import Function, Tier
 from plexrl.policy import CallEstimates, JobView, PendingCall
 from plexrl.policy.history import CallHistory, Prior, describe
-from plexrl.sim.events import Attention, Event, EventQueue
-from plexrl.sim.results import JobResult
-from plexrl.sim.workload import JobSpec, Steps
+from plexrl_sim.events import Attention, Event, EventQueue
+from plexrl_sim.results import JobResult
+from plexrl_sim.workload import JobSpec, Steps
 
 
 @dataclass

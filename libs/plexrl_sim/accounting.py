@@ -5,7 +5,7 @@ of every second its group was held)."""
 
 from __future__ import annotations
 
-from plexrl.sim.results import DeploymentResult, GroupUsage, JobResult, Timeline
+from plexrl_sim.results import DeploymentResult, GroupUsage, JobResult, Timeline
 
 
 class Accounting:

@@ -35,12 +35,12 @@ from plexrl.policy import (
     plan,
 )
 from plexrl.policy.history import Prior, priors
-from plexrl.sim.accounting import Accounting
-from plexrl.sim.events import Attention, Event, EventQueue
-from plexrl.sim.executor import GroupExecutor, RunInFlight, SimGroup, SimulationError
-from plexrl.sim.replay import JobReplay, SimJob
-from plexrl.sim.results import DeploymentResult, GroupUsage
-from plexrl.sim.workload import CoLocation, GroupSpec, JobFactory, JobSpec, nbytes
+from plexrl_sim.accounting import Accounting
+from plexrl_sim.events import Attention, Event, EventQueue
+from plexrl_sim.executor import GroupExecutor, RunInFlight, SimGroup, SimulationError
+from plexrl_sim.replay import JobReplay, SimJob
+from plexrl_sim.results import DeploymentResult, GroupUsage
+from plexrl_sim.workload import CoLocation, GroupSpec, JobFactory, JobSpec, nbytes
 
 __all__ = ["MultiplexedSim", "SimulationError"]
 

@@ -9,10 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from plexrl.sim.dedicated import bubble_ratio
-from plexrl.sim.results import HOUR, DeploymentResult
-from plexrl.sim.run import TAIL_SUFFIX, Setup, label
-from plexrl.sim.workload import TAIL_RELEASE
+from plexrl_sim.dedicated import bubble_ratio
+from plexrl_sim.results import HOUR, DeploymentResult
+from plexrl_sim.run import TAIL_SUFFIX, Setup, label
+from plexrl_sim.workload import TAIL_RELEASE
 
 DAY = 86400.0
 BEAT = {"savings_vs_split_async": -0.45, "mean_slowdown": 0.05, "makespan_vs_isolated": 0.50}
