@@ -52,7 +52,7 @@ def admit_least_loaded(snapshot: ClusterSnapshot, job: JobView) -> Admit | Rejec
         return refuse(snapshot, job)
 
     def load(w: WorkerView) -> tuple[int, int, str]:
-        homed = snapshot.homed(w.worker_id)
+        homed = snapshot.homed_view(w.worker_id)
         return (sum(j.state_bytes for j in homed), len(homed), w.worker_id)
 
     return Admit(job.job_id, min(fits, key=load).worker_id)
@@ -87,7 +87,7 @@ def make_room(
     candidates = sorted(
         (
             j
-            for j in snapshot.homed(worker_id)
+            for j in snapshot.homed_view(worker_id)
             if j.tier == Tier.DEVICE
             and not j.pinned
             and j.job_id not in (job.job_id, worker.running)
@@ -109,6 +109,8 @@ def make_room(
 
 def switch_s(snapshot: ClusterSnapshot, job: JobView, evict: tuple[Move, ...]) -> float:
     """Expected seconds to evict `evict` and bring `job` onto the device tier."""
+    if not evict:
+        return snapshot.swap.move_s(job.state_bytes, job.tier, Tier.DEVICE)
     seconds = sum(
         snapshot.swap.move_s(
             snapshot.jobs[m.job_id].state_bytes, snapshot.jobs[m.job_id].tier, m.to_tier
@@ -150,7 +152,7 @@ Placement = Callable[[ClusterSnapshot, JobView], str | None]
 
 def reserved_bytes(snapshot: ClusterSnapshot, worker_id: str) -> int:
     """Bytes of every state homed on the group, whatever tier it is in (or not yet created)."""
-    return sum(j.state_bytes for j in snapshot.homed(worker_id))
+    return sum(j.state_bytes for j in snapshot.homed_view(worker_id))
 
 
 def fits_memory(snapshot: ClusterSnapshot, worker: WorkerView, job: JobView) -> bool:
@@ -169,7 +171,7 @@ def fits_memory(snapshot: ClusterSnapshot, worker: WorkerView, job: JobView) -> 
 
 def load(snapshot: ClusterSnapshot, worker_id: str) -> float:
     """Sum of the duty cycles of the jobs homed on the group."""
-    return sum(j.duty_cycle for j in snapshot.homed(worker_id))
+    return sum(j.duty_cycle for j in snapshot.homed_view(worker_id))
 
 
 def waiting_jobs(snapshot: ClusterSnapshot) -> list[JobView]:
@@ -240,7 +242,7 @@ def oldest_call_first(
     snapshot: ClusterSnapshot, worker: WorkerView, jobs: list[JobView]
 ) -> Sequence[JobView]:
     """FIFO: the job whose oldest pending call arrived first."""
-    return sorted(jobs, key=lambda j: (snapshot.calls_of(j.job_id)[0].arrival_time, j.job_id))
+    return sorted(jobs, key=lambda j: (snapshot.calls_view(j.job_id)[0].arrival_time, j.job_id))
 
 
 def run_of(
@@ -253,22 +255,24 @@ def run_of(
 ) -> Run:
     """A Run of the job's oldest pending calls: at most `max_calls_per_run`, and with a
     `quantum_s` only as many as fit in it by their expected seconds (at least one)."""
-    calls = snapshot.calls_of(job.job_id)[: config.max_calls_per_run]
+    calls = snapshot.calls_view(job.job_id)[: config.max_calls_per_run]
+    seconds_of, default_s = job.estimates.seconds, job.estimates.default_s
+    expected = [seconds_of.get(c.function, default_s) for c in calls]  # expected_s, inlined
     if quantum_s is not None:
         total, keep = 0.0, 0
-        for c in calls:
-            total += job.estimates.expected_s(c.function)
+        for seconds in expected:
+            total += seconds
             if keep and total > quantum_s:
                 break
             keep += 1
-        calls = calls[:keep]
+        calls, expected = calls[:keep], expected[:keep]
     return Run(
         worker_id,
         job.job_id,
         tuple(c.request_id for c in calls),
         evict,
         switch_s(snapshot, job, evict),
-        sum(job.estimates.expected_s(c.function) for c in calls),
+        sum(expected),
     )
 
 
@@ -276,10 +280,10 @@ def quiet_s(snapshot: ClusterSnapshot, worker_id: str, job: JobView) -> float:
     """Seconds before any other job homed on the group may want it: the nearest end of
     their idle hints; 0 when one has calls pending or gave no hint (it may call now)."""
     quiet = float("inf")
-    for other in snapshot.homed(worker_id):
+    for other in snapshot.homed_view(worker_id):
         if other.job_id == job.job_id:
             continue
-        if other.idle_until <= snapshot.now or snapshot.calls_of(other.job_id):
+        if other.idle_until <= snapshot.now or snapshot.calls_view(other.job_id):
             return 0.0
         quiet = min(quiet, other.idle_until - snapshot.now)
     return quiet if quiet != float("inf") else 0.0
@@ -312,7 +316,7 @@ def dispatch(
             if evict is None:
                 continue
             quantum = None
-            if quantum_s is not None and len(snapshot.homed(worker_id)) > 1:
+            if quantum_s is not None and len(snapshot.homed_view(worker_id)) > 1:
                 quantum = max(quantum_s, quiet_s(snapshot, worker_id, job))
             runs.append(run_of(snapshot, config, worker_id, job, evict, quantum))
             break
@@ -357,5 +361,5 @@ def under_load_cap(
     (an empty group takes any job)."""
     if not fits_memory(snapshot, worker, job):
         return False
-    homed = snapshot.homed(worker.worker_id)
+    homed = snapshot.homed_view(worker.worker_id)
     return not homed or sum(j.duty_cycle for j in homed) + job.duty_cycle <= max_load

@@ -85,7 +85,7 @@ class CallHistory:
         it has a history). Its calls' queueing is taken out of the span: counted in, a
         job slowed by its neighbours would look idler the more it shares, and draw more
         neighbours still."""
-        if self.first_seen is None or not self.has_history(now, min_history_s):
+        if self.first_seen is None or now - self.first_seen < min_history_s:
             return UNKNOWN_DUTY
         span = now - self.first_seen - self.queued_s
         return min(1.0, max(0.01, self.busy_s / span)) if span > 0 else 1.0
@@ -142,12 +142,11 @@ def describe(
     """The job's own figures; its kind's (`prior`) for the duty cycle until it has a
     history, and for any function or step loop it has not shown yet (a job that has
     only sampled so far would otherwise look as if its training took no time)."""
-    duty = history.duty_cycle(now, min_history_s)
-    durations = dict(history.durations)
     step = history.step_calls
-    if prior is not None:
-        if not history.has_history(now, min_history_s):
-            duty = prior.duty_cycle
-        durations = prior.durations | durations
-        step = step or prior.step_calls
-    return Described(duty, durations, step)
+    if prior is None:
+        return Described(history.duty_cycle(now, min_history_s), dict(history.durations), step)
+    if history.has_history(now, min_history_s):
+        duty = history.duty_cycle(now, min_history_s)
+    else:
+        duty = prior.duty_cycle
+    return Described(duty, prior.durations | history.durations, step or prior.step_calls)

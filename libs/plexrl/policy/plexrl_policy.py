@@ -54,6 +54,7 @@ from plexrl.policy.common import (
     make_room,
     size_class,
     switch_s,
+    waiting_jobs,
 )
 from plexrl.policy.config import PolicyConfig
 from plexrl.policy.snapshot import ClusterSnapshot, JobView, WorkerView
@@ -238,7 +239,7 @@ class InterferenceFit:
         group = self._groups.get(worker_id)
         if group is None:
             group = self._groups[worker_id] = _Group()
-            for job in snapshot.homed(worker_id):
+            for job in snapshot.homed_view(worker_id):
                 group.add(self.figures(job), job.state_bytes, self.pair)
         return group
 
@@ -291,7 +292,7 @@ def shortest_remaining_first(
         return jobs
 
     def key(job: JobView) -> tuple[float, int, float, str]:
-        calls = snapshot.calls_of(job.job_id)
+        calls = snapshot.calls_view(job.job_id)
         service = sum(job.estimates.expected_s(c.function) for c in calls)
         switch = switch_s(snapshot, job, ()) if job.tier != Tier.DEVICE else 0.0
         resident = 0 if job.tier == Tier.DEVICE else 1
@@ -309,13 +310,13 @@ def prefetches(snapshot: ClusterSnapshot, config: PolicyConfig, runs: list[Run])
     for worker in snapshot.workers.values():
         if not worker.healthy or worker.running is None:
             continue
-        homed = snapshot.homed(worker.worker_id)
+        homed = snapshot.homed_view(worker.worker_id)
         candidates = [
             j for j in homed if j.tier not in (Tier.DEVICE, None) and j.job_id != worker.running
         ]
         if not candidates:
             continue
-        with_calls = [j for j in candidates if snapshot.calls_of(j.job_id)]
+        with_calls = [j for j in candidates if snapshot.calls_view(j.job_id)]
         if with_calls:
             target = shortest_remaining_first(snapshot, worker, with_calls, config.switch_weight)[0]
         else:
@@ -331,7 +332,7 @@ def prefetches(snapshot: ClusterSnapshot, config: PolicyConfig, runs: list[Run])
 
 
 def _has_calls(snapshot: ClusterSnapshot, move: Move) -> bool:
-    return bool(snapshot.calls_of(move.job_id))
+    return bool(snapshot.calls_view(move.job_id))
 
 
 def _off_device(snapshot: ClusterSnapshot) -> bool:
@@ -343,10 +344,11 @@ def _off_device(snapshot: ClusterSnapshot) -> bool:
 
 def plan_plexrl(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
     actions: list[Action] = []
-    admitted, snapshot = admit_waiting(
-        snapshot, InterferenceFit(config.slowdown_budget), backfill=True
-    )
-    actions.extend(admitted)
+    if waiting_jobs(snapshot):  # (most plans only dispatch: no placement to set up)
+        admitted, snapshot = admit_waiting(
+            snapshot, InterferenceFit(config.slowdown_budget), backfill=True
+        )
+        actions.extend(admitted)
     order = partial(shortest_remaining_first, switch_weight=config.switch_weight)
     prefetch = config.prefetch and _off_device(snapshot)
     runs, snapshot = dispatch(

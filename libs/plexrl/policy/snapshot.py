@@ -7,11 +7,35 @@ so both run exactly the same decisions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from typing import Any, Generic, TypeVar, overload
 
 from plexrl.messages import Function, Tier
+
+_T = TypeVar("_T")
+_TIER_ORDER = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
+
+
+class _lazy(Generic[_T]):
+    """`functools.cached_property` without its lock (Python 3.11 takes one on every first
+    read): a snapshot is built and read by one thread, and the simulator builds one per
+    decision, so the lock cost more than the index it guarded."""
+
+    def __init__(self, build: Callable[[Any], _T]) -> None:
+        self.build = build
+        self.name = build.__name__
+
+    @overload
+    def __get__(self, obj: None, owner: type) -> _lazy[_T]: ...
+    @overload
+    def __get__(self, obj: object, owner: type) -> _T: ...
+    def __get__(self, obj: object | None, owner: type) -> _T | _lazy[_T]:
+        if obj is None:
+            return self
+        value = self.build(obj)
+        obj.__dict__[self.name] = value  # later reads find it before this descriptor
+        return value
 
 
 @dataclass(frozen=True)
@@ -33,8 +57,7 @@ class SwapCosts:
         """Seconds to move `nbytes` from `src` to `dst` (None: created fresh, free)."""
         if src is None or src == dst:
             return 0.0
-        order = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
-        lo, hi = sorted((order[src], order[dst]))
+        lo, hi = sorted((_TIER_ORDER[src], _TIER_ORDER[dst]))
         seconds = self.fixed_s
         if lo == 0 and hi >= 1:
             seconds += nbytes / self.device_host_bytes_per_s
@@ -122,7 +145,7 @@ class ClusterSnapshot:
     """In arrival order."""
     swap: SwapCosts = field(default_factory=SwapCosts)
 
-    @cached_property
+    @_lazy
     def _by_home(self) -> dict[str, list[JobView]]:
         # Built once per snapshot so per-group questions cost O(jobs on the group),
         # not O(all jobs): admission asks them for every group.
@@ -132,7 +155,7 @@ class ClusterSnapshot:
                 index.setdefault(job.home, []).append(job)
         return index
 
-    @cached_property
+    @_lazy
     def _pending_by_job(self) -> dict[str, list[PendingCall]]:
         index: dict[str, list[PendingCall]] = {}
         for call in self.pending:
@@ -144,10 +167,21 @@ class ClusterSnapshot:
         return list(self._pending_by_job.get(job_id, ()))
 
     def device_used(self, worker_id: str) -> int:
-        return sum(j.state_bytes for j in self.homed(worker_id) if j.tier == Tier.DEVICE)
+        return sum(j.state_bytes for j in self.homed_view(worker_id) if j.tier == Tier.DEVICE)
 
     def host_used(self, worker_id: str) -> int:
-        return sum(j.state_bytes for j in self.homed(worker_id) if j.tier == Tier.HOST)
+        return sum(j.state_bytes for j in self.homed_view(worker_id) if j.tier == Tier.HOST)
 
     def homed(self, worker_id: str) -> list[JobView]:
         return list(self._by_home.get(worker_id, ()))
+
+    # Read-only views of the indexes, not copied: for the policy's own loops, which run
+    # once per decision (the simulator makes millions) and never change what they read.
+
+    def homed_view(self, worker_id: str) -> Sequence[JobView]:
+        """`homed`, not copied: do not change it."""
+        return self._by_home.get(worker_id, ())
+
+    def calls_view(self, job_id: str) -> Sequence[PendingCall]:
+        """`calls_of`, not copied: do not change it."""
+        return self._pending_by_job.get(job_id, ())
