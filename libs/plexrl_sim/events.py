@@ -31,7 +31,7 @@ class EventQueue:
     def __init__(self) -> None:
         self.now = 0.0
         self._seq = 0
-        self._heap: list[tuple[float, int, int, object]] = []
+        self._heap: list[tuple[float, Event, int, object]] = []
 
     def push(self, at: float, kind: Event, obj: object) -> None:
         self._seq += 1
@@ -47,7 +47,17 @@ class EventQueue:
         """The next event; the clock moves to its time."""
         at, kind, _, obj = heapq.heappop(self._heap)
         self.now = at
-        return Event(kind), obj
+        return kind, obj
+
+    def pop_until(self, until: float) -> tuple[Event, object] | None:
+        """The next event if there is one at or before `until` (the clock moves to its
+        time), else None."""
+        heap = self._heap
+        if not heap or heap[0][0] > until:
+            return None
+        at, kind, _, obj = heapq.heappop(heap)
+        self.now = at
+        return kind, obj
 
 
 @dataclass

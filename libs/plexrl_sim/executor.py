@@ -150,11 +150,15 @@ class GroupExecutor:
             raise SimulationError(f"run of {run.job_id} on {run.worker_id}, not its home")
         if group.running is not None:
             raise SimulationError(f"run on {run.worker_id} while {group.running} runs there")
-        n = len(run.request_ids)
-        if n == 0 or tuple(c.request_id for c in job.pending[:n]) != run.request_ids:
+        ids, pending = run.request_ids, job.pending
+        n = len(ids)
+        if n == 0 or n > len(pending):
             raise SimulationError(f"run of {run.job_id} skips or reorders its calls")
+        for call, request_id in zip(pending, ids, strict=False):
+            if call.request_id != request_id:
+                raise SimulationError(f"run of {run.job_id} skips or reorders its calls")
         now = self.events.now
-        calls, job.pending = job.pending[:n], job.pending[n:]
+        calls, job.pending = pending[:n], pending[n:]
         swap = self._evict(group, job.job_id, run.evict) if run.evict else 0.0
         moved = bool(run.evict) or job.tier != Tier.DEVICE
         if job.tier != Tier.DEVICE:
@@ -169,12 +173,12 @@ class GroupExecutor:
         planned = [job.call_s(c.function) for c in calls]
         work = sum(planned)
         start = now + swap
-        end = self._stretched_end(group, start, work)
+        end = self._stretched_end(group, start, work) if group.tails else start + work
         group.running = job.job_id
         group.busy_until = end
         group.view = None
         job.idle_until = 0.0
-        job.touch()
+        job.view = None
         r = job.result
         # Time the job was ready but the group was not: from its oldest call's arrival
         # (or its home, or the end of its own previous Run, whichever is later) to now.
@@ -183,8 +187,9 @@ class GroupExecutor:
         r.call_queue_s += queued
         r.swap_s += swap
         r.compute_s += end - start
-        self.accounting.charge(r, group.group_id, group.spec.devices * (swap + work))
-        useful = sum(job.call_useful(c.function) for c in calls) * group.spec.devices
+        devices = group.spec.devices
+        self.accounting.charge(r, group.spec.group_id, devices * (swap + work))
+        useful = sum([job.call_useful(c.function) for c in calls]) * devices
         self.accounting.busy(start, end, useful)
         self.events.push(end, Event.RUN_DONE, RunInFlight(job, calls, swap, start, planned, queued))
 
@@ -192,23 +197,21 @@ class GroupExecutor:
         """The Run's calls ended: the group is free; the scheduler sees each call's compute
         seconds (the Run's, stretched by any stragglers beside it, split in proportion)
         and its swaps."""
-        job = done.job
+        job, now = done.job, self.events.now
         group = self.groups[job.home or ""]
         group.running = None
         group.view = None
-        job.last_active = self.events.now
-        job.touch()
-        self.attention.group(group.group_id)
-        work = sum(done.planned_s)
-        stretch = (self.events.now - done.started) / work if work > 0 else 1.0
-        for i, (call, seconds) in enumerate(zip(done.calls, done.planned_s, strict=True)):
-            first = i == 0
-            job.history.observe(
-                call.function,
-                seconds * stretch,
-                done.swap_s if first else 0.0,
-                done.queue_s if first else 0.0,
-            )
+        job.last_active = now
+        job.view = None
+        self.attention.groups.add(group.spec.group_id)
+        planned = done.planned_s
+        work = sum(planned)
+        stretch = (now - done.started) / work if work > 0 else 1.0
+        observe = job.history.observe
+        # The first call carries the Run's swaps and queueing; the rest only compute.
+        observe(done.calls[0].function, planned[0] * stretch, done.swap_s, done.queue_s)
+        for call, seconds in zip(done.calls[1:], planned[1:], strict=True):
+            observe(call.function, seconds * stretch, 0.0, 0.0)
 
     def prefetch(self, action: Prefetch) -> None:
         group = self.groups[action.worker_id]
@@ -248,6 +251,8 @@ class GroupExecutor:
     def _stretched_end(self, group: SimGroup, start: float, work: float) -> float:
         """When `work` seconds of full-group compute end, given the stragglers decoding in
         the background take their share of the group until each tail ends."""
+        if not group.tails:
+            return start + work
         tails = sorted(t for t in group.tails if t[0] > start)
         group.tails = tails
         if not tails:

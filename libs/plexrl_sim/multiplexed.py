@@ -45,6 +45,13 @@ from plexrl_sim.workload import CoLocation, GroupSpec, JobFactory, JobSpec, nbyt
 __all__ = ["MultiplexedSim", "SimulationError"]
 
 
+_OFF_DEVICE = (Tier.HOST, Tier.DISK)
+
+
+def _arrival(call: PendingCall) -> float:
+    return call.arrival_time
+
+
 class MultiplexedSim:
     """One shared-cluster deployment driven by one policy."""
 
@@ -98,11 +105,12 @@ class MultiplexedSim:
         self, progress: Callable[[float], None] | None = None, until_s: float = math.inf
     ) -> DeploymentResult:
         started = time.perf_counter()
-        while self.clock and self.clock.peek_time() <= until_s:
-            kind, obj = self.clock.pop()
+        clock, handle, decide = self.clock, self._handle, self._decide
+        while (event := clock.pop_until(until_s)) is not None:
+            kind, obj = event
             self.events += 1
-            self._handle(kind, obj)
-            self._decide()
+            handle(kind, obj)
+            decide()
             if progress is not None and self.events % 4096 == 0:
                 progress(self.now)
         if progress is not None:
@@ -140,13 +148,14 @@ class MultiplexedSim:
     # Asking the policy -------------------------------------------------------------------
 
     def _decide(self) -> None:
-        if self.attention.admission_due and self.waiting:
-            self.attention.admission_due = False
+        attention = self.attention
+        if attention.admission_due and self.waiting:
+            attention.admission_due = False
             self._carry_out(self.full_snapshot())
-        self.attention.admission_due = False
-        dirty = self.attention.groups
+        attention.admission_due = False
+        dirty, groups = attention.groups, self.groups
         while dirty:
-            group = self.groups[dirty.pop()]
+            group = groups[dirty.pop()]
             if self._wants_plan(group):
                 self._carry_out(self.group_snapshot(group.group_id))
 
@@ -155,17 +164,23 @@ class MultiplexedSim:
         if group.running is None:
             return any(j.pending for j in group.homed.values())
         # Busy: only a prefetch could be decided, and only for a job off the device.
-        return any(j.tier in (Tier.HOST, Tier.DISK) for j in group.homed.values())
+        return any(j.tier in _OFF_DEVICE for j in group.homed.values())
 
     def group_snapshot(self, group_id: str) -> ClusterSnapshot:
         """What the policy sees when something happens on one group."""
         group = self.groups[group_id]
-        jobs = {
-            jid: j.as_view(self.now, self._priors, self.min_history_s)
-            for jid, j in group.homed.items()
-        }
-        calls = [c for j in group.homed.values() for c in j.pending]
-        calls.sort(key=lambda c: c.arrival_time)
+        now, learned, min_history_s = self.now, self._priors, self.min_history_s
+        jobs: dict[str, JobView] = {}
+        calls: list[PendingCall] = []
+        calling = 0
+        for jid, j in group.homed.items():
+            view = j.view
+            jobs[jid] = view if view is not None else j.as_view(now, learned, min_history_s)
+            if j.pending:
+                calls += j.pending
+                calling += 1
+        if calling > 1:  # one job's calls are already in arrival order
+            calls.sort(key=_arrival)
         return ClusterSnapshot(
             now=self.now,
             workers={group_id: group.as_view()},
@@ -188,7 +203,7 @@ class MultiplexedSim:
         for j in (*homed, *self.waiting.values()):
             jobs[j.job_id] = j.as_view(self.now, self._priors, self.min_history_s)
             calls.extend(j.pending)
-        calls.sort(key=lambda c: c.arrival_time)
+        calls.sort(key=_arrival)
         return ClusterSnapshot(
             now=self.now,
             workers={gid: g.as_view() for gid, g in self.groups.items()},

@@ -21,6 +21,9 @@ from plexrl_sim.events import Attention, Event, EventQueue
 from plexrl_sim.results import JobResult
 from plexrl_sim.workload import JobSpec, Steps
 
+_NAMES = {f: f.value for f in Function}
+"""Each function's wire name, for request ids (an enum's `.value` is a slow property)."""
+
 
 @dataclass
 class SimJob:
@@ -54,6 +57,16 @@ class SimJob:
     _described: tuple[int, Prior | None, CallEstimates, tuple[Function, ...]] | None = None
     """(history version, prior, estimates, step calls) of the last view: rebuilt only when
     the history or the kind's figures changed."""
+    _call_s: dict[Function, list[float]] = field(default_factory=dict)
+    """Per function, each step's seconds of one call (`call_s`), as Python floats: read
+    once per call, millions of times a run, where indexing numpy arrays costs more than
+    the rest of the lookup."""
+    _useful: dict[Function, list[float]] = field(default_factory=dict)
+    """The same for `call_useful`."""
+    job_id: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.job_id = self.spec.job_id
 
     @classmethod
     def of(cls, spec: JobSpec, steps: Steps, devices: int, state_bytes: int) -> SimJob:
@@ -66,11 +79,23 @@ class SimJob:
             isolated_step_time_s=float(steps.isolated_step_s.sum()),
             useful_device_s=float(steps.useful_work.sum()) * devices,
         )
-        return cls(spec=spec, steps=steps, devices=devices, state_bytes=state_bytes, result=result)
-
-    @property
-    def job_id(self) -> str:
-        return self.spec.job_id
+        job = cls(spec=spec, steps=steps, devices=devices, state_bytes=state_bytes, result=result)
+        s, n = steps, steps.n
+        fb = [x / s.fb_calls for x in steps.fb_s.tolist()]
+        job._call_s = {
+            Function.SAMPLE: steps.dense_s.tolist(),
+            Function.FORWARD_BACKWARD: fb,
+            Function.OPTIM_STEP: [s.optim_s] * n,
+            Function.SAVE: [s.save_s] * n,
+            Function.CREATE: [s.create_s] * n,
+        }
+        job._useful = {
+            Function.SAMPLE: steps.dense_work.tolist(),
+            Function.FORWARD_BACKWARD: [x * s.train_util for x in fb],
+            Function.OPTIM_STEP: [s.optim_s * s.train_util] * n,
+            Function.SAVE: [s.save_s * s.save_util] * n,
+        }
+        return job
 
     def touch(self) -> None:
         self.view = None
@@ -85,7 +110,8 @@ class SimJob:
                 seen = describe(h, prior, now, min_history_s)
                 cached = (h.version, prior, CallEstimates(seen.durations), seen.step_calls)
                 self._described = cached
-            if prior is None or h.has_history(now, min_history_s):
+                duty = seen.duty_cycle
+            elif prior is None or h.has_history(now, min_history_s):
                 duty = h.duty_cycle(now, min_history_s)
             else:
                 duty = prior.duty_cycle
@@ -105,32 +131,18 @@ class SimJob:
         return self.view
 
     def call_s(self, function: Function) -> float:
-        """Seconds of one call of this step on the whole group."""
-        s, k = self.steps, self.step
-        if function == Function.SAMPLE:
-            return float(s.dense_s[k])
-        if function == Function.FORWARD_BACKWARD:
-            return float(s.fb_s[k]) / s.fb_calls
-        if function == Function.OPTIM_STEP:
-            return s.optim_s
-        if function == Function.SAVE:
-            return s.save_s
-        if function == Function.CREATE:
-            return s.create_s
-        raise ValueError(f"unexpected call {function}")
+        """Seconds of one call of this step on the whole group: the sample's dense part,
+        one forward_backward's share of the step's, optim_step, save or create."""
+        per_step = self._call_s.get(function)
+        if per_step is None:
+            raise ValueError(f"unexpected call {function}")
+        # A create call comes before the first step; any step's figure is the same.
+        return per_step[min(self.step, len(per_step) - 1)]
 
     def call_useful(self, function: Function) -> float:
-        """Group-seconds of useful work of one call of this step."""
-        s, k = self.steps, self.step
-        if function == Function.SAMPLE:
-            return float(s.dense_work[k])
-        if function == Function.FORWARD_BACKWARD:
-            return float(s.fb_s[k]) / s.fb_calls * s.train_util
-        if function == Function.OPTIM_STEP:
-            return s.optim_s * s.train_util
-        if function == Function.SAVE:
-            return s.save_s * s.save_util
-        return 0.0
+        """Group-seconds of useful work of one call of this step (none for create)."""
+        per_step = self._useful.get(function)
+        return per_step[self.step] if per_step is not None else 0.0
 
 
 class Tails(Protocol):
@@ -157,7 +169,7 @@ class JobReplay:
         job.history.arrived(function)
         job.pending.append(
             PendingCall(
-                f"{job.spec.job_id}/{job.step}/{function.value}{index}",
+                f"{job.spec.job_id}/{job.step}/{_NAMES[function]}{index}",
                 job.spec.job_id,
                 function,
                 self.events.now,

@@ -67,41 +67,42 @@ class Timeline:
     """Per-hour sums of allocated and busy device-seconds."""
 
     bin_s: float = HOUR
-    allocated: np.ndarray = field(default_factory=lambda: np.zeros(24 * 30))
-    busy: np.ndarray = field(default_factory=lambda: np.zeros(24 * 30))
+    allocated: list[float] = field(default_factory=lambda: [0.0] * (24 * 30))
+    busy: list[float] = field(default_factory=lambda: [0.0] * (24 * 30))
+    # Python lists, not numpy arrays: a shared deployment adds to one bin millions of
+    # times, and a numpy element costs more to update than a list's.
 
     def _grow(self, n: int) -> None:
-        if n > self.allocated.size:
-            size = max(n, 2 * self.allocated.size)
-            self.allocated = np.pad(self.allocated, (0, size - self.allocated.size))
-            self.busy = np.pad(self.busy, (0, size - self.busy.size))
+        size = len(self.allocated)
+        if n > size:
+            more = [0.0] * (max(n, 2 * size) - size)
+            self.allocated.extend(more)
+            self.busy.extend(more)
 
     def add(self, which: str, start: float, end: float, device_s: float) -> None:
         """Spread `device_s` evenly over [start, end)."""
         if device_s <= 0:
             return
-        arr_name = "allocated" if which == "allocated" else "busy"
-        b0 = int(start // self.bin_s)
-        if end <= start:
-            self._grow(b0 + 1)
-            getattr(self, arr_name)[b0] += device_s
-            return
-        b1 = int(end // self.bin_s)
+        bin_s = self.bin_s
+        b0 = int(start // bin_s)
+        b1 = int(end // bin_s) if end > start else b0
         self._grow(b1 + 1)
-        arr: np.ndarray = getattr(self, arr_name)
+        arr = self.allocated if which == "allocated" else self.busy
         if b0 == b1:
             arr[b0] += device_s
             return
         rate = device_s / (end - start)
-        edges = np.arange(b0 + 1, b1 + 1) * self.bin_s
-        lo = np.concatenate(([start], edges))
-        hi = np.concatenate((edges, [end]))
-        arr[b0 : b1 + 1] += rate * (hi - lo)
+        lo = start
+        for b in range(b0, b1):
+            hi = (b + 1) * bin_s
+            arr[b] += rate * (hi - lo)
+            lo = hi
+        arr[b1] += rate * (end - lo)
 
     def trimmed(self, end_s: float) -> tuple[np.ndarray, np.ndarray]:
         n = max(1, math.ceil(end_s / self.bin_s))
         self._grow(n)
-        return self.allocated[:n], self.busy[:n]
+        return np.array(self.allocated[:n], dtype=float), np.array(self.busy[:n], dtype=float)
 
 
 @dataclass
