@@ -13,6 +13,12 @@ snapshots of that moment are timed:
   per-event dispatch decision).
 
     .venv/bin/python bench/policy_latency.py [--policy plexrl] [--at-days 30] [--repeat 300]
+        [--snapshot PATH]
+
+With `--snapshot`, the whole-cluster snapshot is written there after the simulation, or,
+if the file exists, read from it instead of simulating: so two revisions of the policy
+can be timed on the same snapshot without simulating a month twice (a snapshot holds
+only the policy's own types).
 
 Ends with one JSON line: p50 / p99 / mean milliseconds per `plan` call.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pickle
 import statistics
 import time
 from dataclasses import replace
@@ -28,9 +35,6 @@ from pathlib import Path
 
 from plexrl.messages import Function
 from plexrl.policy import ClusterSnapshot, PendingCall, PolicyConfig, plan
-from plexrl_sim.multiplexed import MultiplexedSim
-from plexrl_sim.run import policy_config, prepare
-from plexrl_sim.workload import TAIL_RELEASE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -82,6 +86,22 @@ def group_of(snapshot: ClusterSnapshot, worker_id: str) -> ClusterSnapshot:
     )
 
 
+def simulate(args: argparse.Namespace) -> tuple[int, PolicyConfig, ClusterSnapshot, float]:
+    """The trace under the policy up to `--at-days`: (GPUs, config, snapshot, seconds)."""
+    from plexrl_sim.multiplexed import MultiplexedSim
+    from plexrl_sim.run import policy_config, prepare
+    from plexrl_sim.workload import TAIL_RELEASE
+
+    setup = prepare(args.workload, seed=args.seed, gpus=args.gpus)
+    config = policy_config(setup, args.policy, {})
+    factory = setup.factory.with_tail_release(TAIL_RELEASE if args.tail_release else None)
+    layout = setup.groups_for(args.policy, factory)
+    sim = MultiplexedSim(factory, setup.jobs, layout, config, setup.gpus)
+    t0 = time.perf_counter()
+    sim.run(until_s=args.at_days * 86400)
+    return setup.gpus, config, sim.full_snapshot(), time.perf_counter() - t0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", default=str(ROOT / "workloads" / "trace-3mo.yaml"))
@@ -96,18 +116,16 @@ def main() -> None:
         default=True,
         help="warm up on the engine with the early tail release (denser groups)",
     )
+    parser.add_argument("--snapshot", type=Path, help="read the snapshot here, or save it")
     args = parser.parse_args()
 
-    setup = prepare(args.workload, seed=args.seed, gpus=args.gpus)
-    config = policy_config(setup, args.policy, {})
-    factory = setup.factory.with_tail_release(TAIL_RELEASE if args.tail_release else None)
-    layout = setup.groups_for(args.policy, factory)
-    sim = MultiplexedSim(factory, setup.jobs, layout, config, setup.gpus)
-    t0 = time.perf_counter()
-    sim.run(until_s=args.at_days * 86400)
-    warmup_s = time.perf_counter() - t0
-
-    full = sim.full_snapshot()
+    if args.snapshot is not None and args.snapshot.exists():
+        gpus, config, full = pickle.loads(args.snapshot.read_bytes())
+        warmup_s = 0.0
+    else:
+        gpus, config, full, warmup_s = simulate(args)
+        if args.snapshot is not None:
+            args.snapshot.write_bytes(pickle.dumps((gpus, config, replace(full))))
     stress = all_free(full)
     per_group = [group_of(stress, wid) for wid in stress.workers if stress.homed(wid)]
     full_ms = time_plan(full, config, args.repeat)
@@ -120,8 +138,8 @@ def main() -> None:
     homed = sum(1 for j in full.jobs.values() if j.home is not None)
     figures = {
         "bench": "policy_latency",
-        "policy": args.policy,
-        "gpus": setup.gpus,
+        "policy": config.name,
+        "gpus": gpus,
         "workers": len(full.workers),
         "jobs": len(full.jobs),
         "homed_jobs": homed,
@@ -135,7 +153,7 @@ def main() -> None:
         "warmup_sim_s": warmup_s,
     }
     print(
-        f"{args.policy} on {setup.gpus} GPUs, day {args.at_days:g}: {len(full.workers)} groups, "
+        f"{config.name} on {gpus} GPUs, day {args.at_days:g}: {len(full.workers)} groups, "
         f"{homed} homed + {len(full.jobs) - homed} waiting jobs, {len(full.pending)} pending "
         f"calls"
     )
