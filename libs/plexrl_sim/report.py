@@ -28,8 +28,11 @@ def _f(x: float, digits: int = 2, pct: bool = False, sign: bool = False) -> str:
 
 
 def profiles_of(setup: Setup) -> list[str]:
+    """The profiles with jobs, smallest first; profiles of one size in the workload's
+    order (a set's order would change with the process's hash seed)."""
     present = {j.profile for j in setup.jobs}
-    return sorted(present, key=lambda p: setup.workload.profiles[p].devices)
+    declared = list(setup.workload.profiles)
+    return sorted(present, key=lambda p: (setup.workload.profiles[p].devices, declared.index(p)))
 
 
 def dedicated_bubbles(
