@@ -40,14 +40,6 @@ KAFKA = os.environ.get("PLEXRL_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
 REDIS = os.environ.get("PLEXRL_REDIS_URL", "redis://127.0.0.1:6379/0")
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def park_on_disk(cluster_id: str, job_id: str) -> None:
     """A dispatch that only evicts the job to disk, as the scheduler would under pressure."""
     publisher = Publisher(KAFKA, "jaeger-trace")
@@ -143,15 +135,11 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="plexrl-jaeger-"))
     registry = work / "models"
     init_tiny(registry / "tiny-qwen3")
-    config = ClusterConfig(
-        model_registry=registry,
-        state_dir=work,
-        cluster_id="jg" + uuid.uuid4().hex[:8],
+    config = ClusterConfig.on_free_ports(
+        registry,
+        work,
+        "jg",
         workers=1,
-        gateway_port=free_port(),
-        scheduler_port=free_port(),
-        worker_port_base=free_port(),
-        state_store_port=free_port(),
         api_keys=f"{KEY}=jaeger",
         worker_threads=1,
         env={"OTEL_EXPORTER_OTLP_ENDPOINT": args.otlp, "OTEL_BSP_SCHEDULE_DELAY": "200"},

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from plexrl.cluster import free_port as free_port  # re-exported to the tests
+
 # No model hub is reachable: every Hugging Face lookup must stay local (read at import).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -44,12 +46,6 @@ def cluster_id() -> str:
     return "t" + uuid.uuid4().hex[:10]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def tiny_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """A model registry holding one tiny Qwen3 model (random weights, local tokenizer)."""
@@ -58,3 +54,17 @@ def tiny_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     root = tmp_path_factory.mktemp("models")
     init_tiny(root / "tiny-qwen3")
     yield root
+
+
+def require_sglang() -> Path:
+    """The SGLang venv's python (scripts/sglang.sh); skips the caller without it, except
+    under CI=true, where the SGLang tier must run and its absence fails."""
+    from plexrl_worker.sglang import sglang_python
+
+    python = sglang_python()
+    if python.exists():
+        return python
+    reason = f"no SGLang venv at {python}; install it with scripts/sglang.sh"
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"{reason} (CI must run the SGLang tests, not skip them)")
+    pytest.skip(reason)

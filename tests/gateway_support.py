@@ -8,13 +8,13 @@ worker records them (Redis first, then the completions topic).
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from plexrl import tracing
+from plexrl.cluster import free_port as free_port  # re-exported to the tests
 from plexrl.messages import (
     CompletionStatus,
     CreateOutput,
@@ -49,12 +49,6 @@ TINY_MODEL = "plexrl/tiny-qwen3"
 
 def unique_cluster(prefix: str = "gwtest") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def drop_cluster_keys(meta: MetaStore, cluster_id: str) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from plexrl import hf_cache
 from plexrl.cli import app
 from plexrl.cluster import ClusterConfig, LocalCluster
 from plexrl.models import PLEXRL_JSON, ModelRegistry, UnknownModelError, init_tiny
-from tests.conftest import free_port
 
 CANONICAL = "plexrl/tiny-qwen3"
 ALIAS = "Qwen/Qwen3-8B"
@@ -106,24 +104,15 @@ KEY = "tml-aliases"
 def service(
     infra: dict[str, str], aliased: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tinker.ServiceClient]:
-    config = ClusterConfig(
-        model_registry=aliased,
-        state_dir=tmp_path_factory.mktemp("aliases-cluster"),
-        cluster_id="alias" + uuid.uuid4().hex[:8],
-        gateway_port=free_port(),
-        scheduler_port=free_port(),
-        worker_port_base=free_port(),
-        state_store_port=free_port(),
+    config = ClusterConfig.on_free_ports(
+        aliased,
+        tmp_path_factory.mktemp("aliases-cluster"),
+        "alias",
         api_keys=f"{KEY}=aliases",
         worker_threads=1,
     )
-    cluster = LocalCluster(config)
-    # Generous: on a loaded two-core machine four services importing torch take minutes.
-    cluster.start(timeout_s=600)
-    try:
+    with LocalCluster(config):  # stopped on the way out
         yield tinker.ServiceClient(base_url=config.gateway_url, api_key=KEY)
-    finally:
-        cluster.stop()
 
 
 @pytest.mark.integration

@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from plexrl.meta import MetaStore, TimelineEntry
 from plexrl.settings import GatewaySettings
 from plexrl_gateway.app import build_app
 from plexrl_gateway.components import Gateway
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT
 
 KEY = "tml-dash"
 ALICE = {"X-API-Key": "tml-alice"}
@@ -216,15 +215,11 @@ def small_run(
 ) -> Iterator[Run]:
     """Three LoRA jobs on two workers with room for one job state each (so the worker
     with two jobs swaps), a few training steps each."""
-    config = ClusterConfig(
-        model_registry=tiny_registry,
-        state_dir=tmp_path_factory.mktemp("dash-cluster"),
-        cluster_id="dash" + uuid.uuid4().hex[:8],
+    config = ClusterConfig.on_free_ports(
+        tiny_registry,
+        tmp_path_factory.mktemp("dash-cluster"),
+        "dash",
         workers=2,
-        gateway_port=free_port(),
-        scheduler_port=free_port(),
-        worker_port_base=free_port(),
-        state_store_port=free_port(),
         api_keys=f"{KEY}=dash",
         worker_threads=1,
         worker_device_bytes=400_000,

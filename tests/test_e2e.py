@@ -6,7 +6,6 @@ import asyncio
 import os
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -18,7 +17,6 @@ import tinker
 from tinker import types
 
 from plexrl.cluster import ClusterConfig, LocalCluster
-from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -68,15 +66,11 @@ def cluster(
     tmp_path_factory: pytest.TempPathFactory,
     otlp_collector: str,
 ) -> Iterator[LocalCluster]:
-    config = ClusterConfig(
-        model_registry=tiny_registry,
-        state_dir=tmp_path_factory.mktemp("cluster"),
-        cluster_id="e2e" + uuid.uuid4().hex[:8],
+    config = ClusterConfig.on_free_ports(
+        tiny_registry,
+        tmp_path_factory.mktemp("cluster"),
+        "e2e",
         workers=1,
-        gateway_port=free_port(),
-        scheduler_port=free_port(),
-        worker_port_base=free_port(),
-        state_store_port=free_port(),
         api_keys=f"{KEY}=alpha,{OTHER_KEY}=beta",
         env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_collector, "OTEL_BSP_SCHEDULE_DELAY": "200"},
     )

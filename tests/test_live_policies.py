@@ -7,7 +7,6 @@ from one policy to the next (and so to any placement or interleaving of their ca
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ import tinker
 from tinker import types
 
 from plexrl.cluster import ClusterConfig, LocalCluster
-from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -23,15 +21,11 @@ KEY = "tml-policies"
 
 
 def run_jobs(policy: str, registry: Path, state_dir: Path) -> list[list[float]]:
-    config = ClusterConfig(
-        model_registry=registry,
-        state_dir=state_dir,
-        cluster_id="pol" + uuid.uuid4().hex[:8],
+    config = ClusterConfig.on_free_ports(
+        registry,
+        state_dir,
+        "pol",
         workers=2,
-        gateway_port=free_port(),
-        scheduler_port=free_port(),
-        worker_port_base=free_port(),
-        state_store_port=free_port(),
         api_keys=f"{KEY}=t",
         policy=policy,
         worker_threads=1,

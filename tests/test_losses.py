@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import os
 import typing
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,6 @@ from plexrl_gateway.translate import ModelLimits, forward_backward_input
 from plexrl_worker.engine import EngineConfig, TorchEngine
 from plexrl_worker.engine.arrays import to_tensor
 from plexrl_worker.engine.losses import elementwise_loss
-from tests.conftest import free_port
 
 # The tiny batch every value below is computed on by hand: one datum of three tokens.
 # Sampler logprobs are set so the ratios p/q are exactly 0.5, 1 and 3.
@@ -313,24 +311,15 @@ KEY = "tml-losses"
 def service(
     infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tinker.ServiceClient]:
-    config = ClusterConfig(
-        model_registry=tiny_registry,
-        state_dir=tmp_path_factory.mktemp("losses-cluster"),
-        cluster_id="loss" + uuid.uuid4().hex[:8],
-        gateway_port=free_port(),
-        scheduler_port=free_port(),
-        worker_port_base=free_port(),
-        state_store_port=free_port(),
+    config = ClusterConfig.on_free_ports(
+        tiny_registry,
+        tmp_path_factory.mktemp("losses-cluster"),
+        "loss",
         api_keys=f"{KEY}=losses",
         worker_threads=1,
     )
-    cluster = LocalCluster(config)
-    # Generous: on a loaded two-core machine four services importing torch take minutes.
-    cluster.start(timeout_s=600)
-    try:
+    with LocalCluster(config):  # stopped on the way out
         yield tinker.ServiceClient(base_url=config.gateway_url, api_key=KEY)
-    finally:
-        cluster.stop()
 
 
 def sdk_datum(tokens: list[int], sampler_lp: list[float], advantages: list[float]) -> types.Datum:

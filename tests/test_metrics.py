@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from tinker import types
 from plexrl.cluster import ClusterConfig, LocalCluster
 from plexrl.kafka import Publisher
 from plexrl.topics import Topics
-from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -54,27 +52,18 @@ def series(samples: Samples, name: str) -> list[dict[str, str]]:
 def cluster(
     infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    config = ClusterConfig(
-        model_registry=tiny_registry,
-        state_dir=tmp_path_factory.mktemp("metrics"),
-        cluster_id="met" + uuid.uuid4().hex[:8],
+    config = ClusterConfig.on_free_ports(
+        tiny_registry,
+        tmp_path_factory.mktemp("metrics"),
+        "met",
         workers=1,
-        gateway_port=free_port(),
-        scheduler_port=free_port(),
-        worker_port_base=free_port(),
-        state_store_port=free_port(),
         api_keys=f"{KEY}=t",
         worker_threads=1,
         # Room for one job state on the device tier: two jobs take turns, so they swap.
         worker_device_bytes=400_000,
     )
-    running = LocalCluster(config)
-    # Generous: on a loaded two-core machine four services importing torch take minutes.
-    running.start(timeout_s=600)
-    try:
+    with LocalCluster(config) as running:  # stopped on the way out
         yield running
-    finally:
-        running.stop()
 
 
 def run_jobs(cluster: LocalCluster) -> list[str]:

@@ -9,7 +9,6 @@ weights run through transformers in the project's own venv.
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,10 +24,10 @@ from plexrl_worker.sglang import (
     SGLangSampler,
     SGLangServerConfig,
     SGLangUnsupportedError,
-    sglang_python,
     write_full_weights,
     write_lora_adapter,
 )
+from tests.conftest import require_sglang
 
 PROMPT = [5, 17, 42, 99, 7, 300, 12]
 LORA_RANK = 8
@@ -40,13 +39,7 @@ LOGPROB_TOL = 1e-2
 @pytest.fixture(scope="module", autouse=True)
 def sglang_venv_python() -> Path:
     """Skips (or under CI fails) the module before anything is built."""
-    python = sglang_python()
-    if python.exists():
-        return python
-    reason = f"no SGLang venv at {python}; install it with scripts/sglang.sh"
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"{reason} (CI must run the SGLang tests, not skip them)")
-    pytest.skip(reason)
+    return require_sglang()
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,6 @@ what SGLang cannot do here is a clear 4xx."""
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +16,7 @@ import tinker
 from tinker import types
 
 from plexrl.cluster import ClusterConfig, LocalCluster
-from plexrl_worker.sglang import sglang_python
-from tests.conftest import free_port
+from tests.conftest import require_sglang
 
 pytestmark = pytest.mark.integration
 
@@ -30,20 +28,12 @@ BASE = "plexrl/tiny-qwen3"
 def cluster(
     infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    if not sglang_python().exists():
-        reason = f"no SGLang venv at {sglang_python()}; install it with scripts/sglang.sh"
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"{reason} (CI must run the SGLang tests, not skip them)")
-        pytest.skip(reason)
+    require_sglang()
     state = tmp_path_factory.mktemp("sglang-cluster")
-    config = ClusterConfig(
-        model_registry=tiny_registry,
-        state_dir=state,
-        cluster_id="sgl" + uuid.uuid4().hex[:8],
-        gateway_port=free_port(),
-        scheduler_port=free_port(),
-        worker_port_base=free_port(),
-        state_store_port=free_port(),
+    config = ClusterConfig.on_free_ports(
+        tiny_registry,
+        state,
+        "sgl",
         api_keys=f"{KEY}=sgl",
         worker_threads=1,
         env={"PLEXRL_SAMPLER": "sglang", "PLEXRL_SGLANG_DIR": str(state / "sglang")},

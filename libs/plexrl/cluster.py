@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import httpx
 
@@ -53,6 +56,30 @@ class ClusterConfig:
     @property
     def gateway_url(self) -> str:
         return f"http://127.0.0.1:{self.gateway_port}"
+
+    @classmethod
+    def on_free_ports(
+        cls, model_registry: Path, state_dir: Path, id_prefix: str, **fields: Any
+    ) -> ClusterConfig:
+        """A cluster with a fresh id (its own topics, groups and keys) on ports free now:
+        for tests and benchmarks that run beside other clusters on one machine."""
+        return cls(
+            model_registry=model_registry,
+            state_dir=state_dir,
+            cluster_id=id_prefix + uuid.uuid4().hex[:8],
+            gateway_port=free_port(),
+            scheduler_port=free_port(),
+            worker_port_base=free_port(),
+            state_store_port=free_port(),
+            **fields,
+        )
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @dataclass
