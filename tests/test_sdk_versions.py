@@ -11,10 +11,6 @@ real Kafka and Redis.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,26 +52,8 @@ from plexrl_gateway.sdk import (
     sdk_version,
 )
 from plexrl_gateway.translate import ModelLimits, forward_backward_input
-from tests.conftest import ROOT, free_port
-
-# Keep in step with scripts/sdk_matrix.sh and docs/sdk.md.
-OLDEST, NEWEST = "0.16.1", "0.38.0"
-MIDDLE = ("0.22.7", "0.30.4")
-SDK_DIR = Path(os.environ.get("PLEXRL_SDK_DIR", ROOT / ".plexrl" / "sdk"))
-IN_CI = os.environ.get("CI") == "true"
-
-
-def side_install(name: str) -> Path:
-    """The folder scripts/sdk_matrix.sh installed `name` into; skipped when missing, except
-    in CI, where the script runs first and a missing folder is a failure."""
-    folder = SDK_DIR / name
-    if not (folder / ".plexrl-stamp").is_file():
-        reason = f"{folder} is not installed; run scripts/sdk_matrix.sh"
-        if IN_CI:
-            pytest.fail(reason + " (CI must run it before pytest)")
-        pytest.skip(reason)
-    return folder
-
+from tests.conftest import free_port
+from tests.sdk_support import MIDDLE, NEWEST, OLDEST, loop_result, run_sdk_loop, side_install
 
 # What each SDK sends -------------------------------------------------------------------
 
@@ -302,32 +280,16 @@ def cluster(
         cluster.stop()
 
 
-def run_loop(sdk: Path, cluster: ClusterConfig, tokenizer_dir: Path) -> dict[str, Any]:
-    env = {**os.environ, "PYTHONPATH": str(sdk), "HF_HUB_OFFLINE": "1"}
-    env.pop("TINKER_BASE_URL", None)
-    cmd = [
-        sys.executable,
-        str(ROOT / "tests" / "sdk_loop.py"),
-        cluster.gateway_url,
-        KEY,
-        MODEL,
-        str(tokenizer_dir),
-    ]
-    started = time.monotonic()
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert done.returncode == 0, f"{sdk.name} failed:\n{done.stdout}\n{done.stderr[-6000:]}"
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    result["wall_s"] = round(time.monotonic() - started, 1)
-    return result
-
-
 @pytest.mark.integration
 @pytest.mark.parametrize("version", [OLDEST, *MIDDLE, NEWEST])
 def test_the_same_loop_runs_with_each_sdk_version(
     version: str, cluster: ClusterConfig, tiny_registry: Path
 ) -> None:
     sdk = side_install(f"tinker-{version}")
-    result = run_loop(sdk, cluster, tiny_registry / "tiny-qwen3")
+    tokenizer_dir = tiny_registry / "tiny-qwen3"
+    done = run_sdk_loop(sdk, cluster.gateway_url, KEY, MODEL, tokenizer_dir, timeout_s=600)
+    assert done.returncode == 0, f"{sdk.name} failed:\n{done.stdout}\n{done.stderr[-6000:]}"
+    result = loop_result(done)
     # The subprocess ran the side install, not .venv's SDK.
     assert result["sdk"] == version and result["file"].startswith(str(sdk)), result
     first, second = result["losses"]
