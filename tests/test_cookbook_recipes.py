@@ -11,13 +11,11 @@ scripts/sdk_matrix.sh (docs/sdk.md), run with .venv's Python and its tinker 0.38
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 
 import pytest
 
 from plexrl.cluster import ClusterConfig, LocalCluster
-from tests.conftest import free_port
 from tests.sdk_support import (
     COOKBOOK,
     MATH_RL_ARGS,
@@ -40,16 +38,8 @@ def recipes(infra: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> 
     registry, env = prepare_cookbook(cookbook, work, KEY)
     runs = work / "runs"
     runs.mkdir()
-    config = ClusterConfig(
-        model_registry=registry,
-        state_dir=work / "cluster",
-        cluster_id="cook" + uuid.uuid4().hex[:8],
-        gateway_port=free_port(),
-        scheduler_port=free_port(),
-        worker_port_base=free_port(),
-        state_store_port=free_port(),
-        api_keys=f"{KEY}=cookbook",
-        worker_threads=1,
+    config = ClusterConfig.on_free_ports(
+        registry, work / "cluster", "cook", api_keys=f"{KEY}=cookbook", worker_threads=1
     )
     cluster = LocalCluster(config)
     # Generous: on a loaded two-core machine four services importing torch take minutes.

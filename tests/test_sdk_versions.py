@@ -11,7 +11,6 @@ real Kafka and Redis.
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,7 +51,6 @@ from plexrl_gateway.sdk import (
     sdk_version,
 )
 from plexrl_gateway.translate import ModelLimits, forward_backward_input
-from tests.conftest import free_port
 from tests.sdk_support import MIDDLE, NEWEST, OLDEST, loop_result, run_sdk_loop, side_install
 
 # What each SDK sends -------------------------------------------------------------------
@@ -260,14 +258,10 @@ def cluster(
     infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ClusterConfig]:
     side_install(f"tinker-{OLDEST}")  # skip (or fail in CI) before starting four services
-    config = ClusterConfig(
-        model_registry=tiny_registry,
-        state_dir=tmp_path_factory.mktemp("sdk-versions-cluster"),
-        cluster_id="sdkv" + uuid.uuid4().hex[:8],
-        gateway_port=free_port(),
-        scheduler_port=free_port(),
-        worker_port_base=free_port(),
-        state_store_port=free_port(),
+    config = ClusterConfig.on_free_ports(
+        tiny_registry,
+        tmp_path_factory.mktemp("sdk-versions-cluster"),
+        "sdkv",
         api_keys=f"{KEY}=sdk-versions",
         worker_threads=1,
     )
