@@ -36,7 +36,12 @@ def cluster(
         "sgl",
         api_keys=f"{KEY}=sgl",
         worker_threads=1,
-        env={"PLEXRL_SAMPLER": "sglang", "PLEXRL_SGLANG_DIR": str(state / "sglang")},
+        env={
+            "PLEXRL_SAMPLER": "sglang",
+            "PLEXRL_SGLANG_DIR": str(state / "sglang"),
+            # On CPU the worker would keep SGLang's memory; here it hands it to training.
+            "PLEXRL_SGLANG_YIELD": "training",
+        },
     )
     cluster = LocalCluster(config)
     cluster.start(timeout_s=900)  # the worker starts an SGLang server first: minutes on CPU
@@ -67,6 +72,15 @@ def test_a_lora_jobs_samples_come_from_sglang_through_the_sdk(cluster: LocalClus
     base = service.create_sampling_client(base_model=BASE)
     assert base.sample(prompt, 1, greedy).result().sequences[0].tokens
 
+    # A training call takes the device from SGLang; the next sample takes it back, and
+    # what it serves has not changed (no optimizer step in between).
+    released = _worker_counter(cluster, "plexrl_worker_sglang_releases_total")
+    client.forward_backward([datum], "cross_entropy").result()
+    assert _worker_counter(cluster, "plexrl_worker_sglang_releases_total") > released
+    again = sampler.sample(prompt, 2, greedy).result()
+    assert [q.tokens for q in again.sequences] == [q.tokens for q in out.sequences]
+    assert [q.logprobs for q in again.sequences] == [q.logprobs for q in out.sequences]
+
     with httpx.Client(base_url=cluster.config.gateway_url, headers={"X-API-Key": KEY}) as http:
         workers = http.get("/plexrl/v1/workers", timeout=30).json()
     assert workers and all(w["sampler"] == "sglang" for w in workers)
@@ -79,3 +93,12 @@ def test_a_seeded_call_is_a_clear_4xx(cluster: LocalCluster) -> None:
     # A user error (the SDK does not retry it), saying what to change.
     with pytest.raises(tinker.RequestFailedError, match="seed"):
         sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, seeded).result()
+
+
+def _worker_counter(cluster: LocalCluster, name: str) -> float:
+    """A counter's value on worker-0's /metrics."""
+    url = f"http://127.0.0.1:{cluster.config.worker_port_base}/metrics"
+    for line in httpx.get(url, timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0

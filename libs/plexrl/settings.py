@@ -105,6 +105,12 @@ class WorkerSettings(CommonSettings):
     sampler: Literal["torch", "sglang"] = "torch"
     # Where the SGLang sampler writes adapters, pushed weights and its servers' logs.
     sglang_dir: Path = Path(".plexrl/sglang-work")
+    # Whether SGLang hands the device to training (PLEXRL_SGLANG_YIELD): `training`
+    # releases its weights and KV cache before each training call that finds no sample
+    # running and takes them back before the next sample; `never` keeps them; `auto`
+    # is `training` on an accelerator and `never` on CPU, where the "device" is host
+    # memory and a release frees nothing.
+    sglang_yield: Literal["auto", "training", "never"] = "auto"
 
 
 class StateStoreSettings(CommonSettings):

@@ -270,7 +270,14 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         events_topic=topics.events,
     )
     sglang = (
-        SGLangSampling(engine, registry, settings.sglang_dir / settings.worker_id)
+        SGLangSampling(
+            engine,
+            registry,
+            settings.sglang_dir / settings.worker_id,
+            device=settings.worker_device.split(":")[0],  # SGLang's own: "cuda", "cpu"
+            yield_device=settings.sglang_yield == "training"
+            or (settings.sglang_yield == "auto" and settings.worker_device != "cpu"),
+        )
         if settings.sampler == "sglang"
         else None
     )

@@ -45,6 +45,10 @@ TAIL_RELEASES = Counter(
     "plexrl_worker_tail_releases_total",
     "Sample batches down to their straggling tail, left to finish beside the next dispatch",
 )
+SGLANG_RELEASES = Counter(
+    "plexrl_worker_sglang_releases_total",
+    "Times the SGLang sampler released its device memory (weights, KV cache) to training",
+)
 SWAP_BYTES = Counter(
     "plexrl_worker_swap_bytes_total",
     "Bytes of job state moved between tiers; each move counts once out of its source "

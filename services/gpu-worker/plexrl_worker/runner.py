@@ -133,8 +133,10 @@ class CallRunner:
                 await self._states.created(job_id, created.state_bytes)
                 return created
             case ForwardBackwardInput():
+                await self._train_on_device()
                 return await self._thread.call(self._engine.forward_backward, job_id, payload)
             case OptimStepInput():
+                await self._train_on_device()
                 return await self._thread.call(self._engine.optim_step, job_id, payload)
             case SampleInput():
                 return await self._sample(request, payload)
@@ -149,6 +151,11 @@ class CallRunner:
                 return UnloadOutput()
             case _:
                 return NoopOutput()
+
+    async def _train_on_device(self) -> None:
+        """A training call is next: SGLang hands over the device if it is set to."""
+        if self._sglang is not None and self._sglang.yield_device:
+            await asyncio.to_thread(self._sglang.release_for_training)
 
     async def run_samples(
         self,

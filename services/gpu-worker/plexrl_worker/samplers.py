@@ -10,6 +10,11 @@
   weights back when another full set was pushed last. Calls run at once and SGLang
   batches them (across adapters too).
 
+  With `yield_device` (PLEXRL_SGLANG_YIELD), SGLang hands the device to training: before
+  a training call that finds no sample running, every server releases its weights and
+  KV cache (`release_memory_occupation`); the next sample takes them back first
+  (`resume_memory_occupation`). What it serves does not change across the round trip.
+
 The gateway, the policy and the Tinker API do not change with the sampler; the worker
 reports which one it runs in its heartbeat.
 """
@@ -22,6 +27,7 @@ from pathlib import Path
 
 from plexrl.messages import SampleInput, SampleOutput
 from plexrl.models import ModelRegistry
+from plexrl_worker import metrics
 from plexrl_worker.engine import BASE_PREFIX, TorchEngine
 from plexrl_worker.sglang.files import write_full_weights, write_lora_adapter
 from plexrl_worker.sglang.sampler import SGLangSampler
@@ -43,7 +49,9 @@ class SGLangSampling:
         *,
         device: str = "cpu",
         max_lora_rank: int = 64,
+        yield_device: bool = False,
     ) -> None:
+        self.yield_device = yield_device
         self._engine = engine
         self._registry = registry
         self._workdir = workdir
@@ -55,6 +63,10 @@ class SGLangSampling:
         self._lock = threading.Lock()
         self._full_lock = threading.Lock()
         """Held while a call samples pushed full weights: one set at a time per server."""
+        self._hand = threading.Lock()
+        """Guards `_running` and the release / resume of the servers' memory."""
+        self._running = 0
+        """Sample calls inside SGLang now: the memory is never released under them."""
 
     def start(self) -> None:
         """Start a server for every base model (minutes each on CPU)."""
@@ -67,8 +79,40 @@ class SGLangSampling:
                 server.stop()
             self._servers.clear()
 
+    def release_for_training(self) -> bool:
+        """Release every server's device memory to a training call, unless a sample is
+        running or `yield_device` is off; True when something was released."""
+        if not self.yield_device:
+            return False
+        with self._hand:
+            if self._running:
+                return False
+            with self._lock:
+                servers = [s for s in self._servers.values() if not s.released]
+            for server in servers:
+                server.release_memory()
+                metrics.SGLANG_RELEASES.inc()
+            return bool(servers)
+
     def sample(self, weights_id: str, inp: SampleInput) -> SampleOutput:
         """`sample` of the weights the torch engine knows as `weights_id` (installed)."""
+        with self._hand:
+            self._running += 1
+            with self._lock:
+                released = [s for s in self._servers.values() if s.released]
+            try:
+                for server in released:  # taken back before any sample runs on it
+                    server.resume_memory()
+            except BaseException:
+                self._running -= 1
+                raise
+        try:
+            return self._sample(weights_id, inp)
+        finally:
+            with self._hand:
+                self._running -= 1
+
+    def _sample(self, weights_id: str, inp: SampleInput) -> SampleOutput:
         if weights_id.startswith(BASE_PREFIX):
             base = self._registry.resolve(weights_id.removeprefix(BASE_PREFIX))
             server = self._server(base)
@@ -105,6 +149,8 @@ class SGLangSampling:
                     model_path=str(base),
                     device=self._device,
                     max_lora_rank=self._max_lora_rank,
+                    # Without it a release on a GPU would mark the engine, not free memory.
+                    enable_memory_saver=self.yield_device and self._device != "cpu",
                     # The tinker SDK trains the unembedding by default (train_unembed).
                     lora_target_modules=(*SGLangServerConfig.lora_target_modules, "lm_head"),
                     log_path=self._workdir / f"sglang-{base.name}.log",

@@ -187,6 +187,11 @@ class SGLangSampler:
             self._post("/release_memory_occupation", {"tags": list(tags) or None})
             self._released = list(tags)
 
+    @property
+    def released(self) -> bool:
+        """Whether its memory is released (`release_memory`) and not yet resumed."""
+        return self._released is not None
+
     def resume_memory(self, tags: Sequence[str] = ()) -> None:
         with self._lock:
             self._post("/resume_memory_occupation", {"tags": list(tags) or None})
