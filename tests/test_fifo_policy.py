@@ -77,6 +77,40 @@ def test_oldest_call_first_and_consecutive_calls_of_a_job_batched() -> None:
     assert isinstance(run, Run) and run.job_id == "b" and run.request_ids == ("b1", "b2")
 
 
+def test_tenants_take_turns_however_many_calls_one_queued_first() -> None:
+    """Tenant x queued four jobs' calls before tenant y's one; x was served last (its job
+    just ended a call), so y goes next, then x again, oldest call first."""
+    w = WorkerView("w0", GB, GB)
+    jobs = [
+        JobView(f"x{i}", 10, home="w0", tier=Tier.DEVICE, tenant="x", last_active=50.0 + i)
+        for i in range(4)
+    ] + [JobView("y0", 10, home="w0", tier=Tier.DEVICE, tenant="y", last_active=40.0)]
+    pending = [call(f"rx{i}", f"x{i}", 1.0 + i) for i in range(4)] + [call("ry", "y0", 9.0)]
+    order = []
+    for _ in range(3):
+        (run,) = plan(snap([w], jobs, pending), CFG)
+        assert isinstance(run, Run)
+        order.append(run.job_id)
+        pending = [p for p in pending if p.request_id not in run.request_ids]
+        jobs = [
+            JobView(j.job_id, 10, home="w0", tier=Tier.DEVICE, tenant=j.tenant, last_active=99.0)
+            if j.job_id == run.job_id
+            else j
+            for j in jobs
+        ]
+    assert order == ["y0", "x0", "x1"]
+
+
+def test_one_tenant_is_plain_fifo() -> None:
+    w = WorkerView("w0", GB, GB)
+    jobs = [
+        JobView("a", 10, home="w0", tier=Tier.DEVICE, tenant="t", last_active=5.0),
+        JobView("b", 10, home="w0", tier=Tier.DEVICE, tenant="t", last_active=1.0),
+    ]
+    (run,) = plan(snap([w], jobs, [call("b1", "b", 2.0), call("a1", "a", 1.0)]), CFG)
+    assert isinstance(run, Run) and run.job_id == "a"
+
+
 def test_busy_worker_gets_nothing() -> None:
     w = WorkerView("w0", GB, GB, running="a")
     jobs = [

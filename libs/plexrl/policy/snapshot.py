@@ -124,6 +124,8 @@ class JobView:
     step_calls: tuple[Function, ...] = ()
     """The calls one training step of the job makes, in order, when known (from its
     profile or its observed loop); empty: unknown."""
+    tenant: str = ""
+    """Who owns the job: FIFO takes tenants in turns on a group (`policy.fifo`)."""
 
 
 @dataclass(frozen=True)

@@ -323,6 +323,7 @@ class ClusterState:
             duty_cycle=seen.duty_cycle,
             step_calls=seen.step_calls,
             pinned=pinned,
+            tenant=job.tenant,
         )
 
     def healthy(self, worker_id: str) -> bool:
