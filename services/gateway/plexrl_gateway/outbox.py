@@ -35,11 +35,13 @@ log = logging.getLogger(__name__)
 # KEYS: outbox list, outbox job set, seq cursor, retry key, future keys (n)
 # ARGV: has retry key ("1"/"0"), request id for the retry key, ttl, seq_id (-1: none),
 #       job id, n, future records (n), outbox entries (m)
+# Returns {standing request id} when the retry key was claimed already (nothing written),
+# else {'', the outbox's head}: the first entry to publish, read in the same round trip.
 _ACCEPT = """
 local ttl = tonumber(ARGV[3])
 if ARGV[1] == '1' then
   local standing = redis.call('GET', KEYS[4])
-  if standing then return standing end
+  if standing then return {standing} end
 end
 local n = tonumber(ARGV[6])
 for i = 1, n do
@@ -59,7 +61,7 @@ for i = 7 + n, #ARGV do
   redis.call('RPUSH', KEYS[1], ARGV[i])
 end
 redis.call('SADD', KEYS[2], ARGV[5])
-return false
+return {'', redis.call('LINDEX', KEYS[1], 0)}
 """
 
 # KEYS: outbox list, outbox job set; ARGV: the published entry ("" for none), job id.
@@ -97,6 +99,17 @@ class Accept:
     """Moves the model's cursor past this seq_id (never back)."""
 
 
+@dataclass(frozen=True)
+class Accepted:
+    """What `Outbox.accept` found."""
+
+    standing: str | None
+    """The request id that stood for the retry key already (then nothing was written)."""
+    head: bytes | None = None
+    """The job's outbox head as the acceptance left it, when no flush of the job in this
+    process could have moved it since: `flush` starts from it without reading it again."""
+
+
 Send = Callable[[PhaseRequest], Any]
 """Publishes one request to Kafka (awaitable), raising if the broker did not take it."""
 
@@ -111,14 +124,19 @@ class Outbox:
         self._clock = clock
         self._locks: dict[str, asyncio.Lock] = {}
         self._users: dict[str, int] = {}
+        self._flushes = 0
+        """Flushes (of any job) started in this process: one that started while an
+        acceptance was in Redis may have published the head that acceptance read."""
 
     def _list_key(self, job_id: str) -> str:
         return self._meta.key("outbox", job_id)
 
-    async def accept(self, accept: Accept) -> str | None:
-        """Write everything of one submission at once; returns the request id that stood
-        for the retry key already (and then wrote nothing), else None."""
+    async def accept(self, accept: Accept) -> Accepted:
+        """Write everything of one submission at once; says the request id that stood
+        for the retry key already (and then nothing was written)."""
         now = self._clock()
+        flushes = self._flushes
+        idle = accept.job_id not in self._users
         keys = [
             self._list_key(accept.job_id),
             self._jobs_key,
@@ -136,20 +154,29 @@ class Outbox:
             *(encode(f) for f in accept.futures),
             *(encode(OutboxEntry(r, now)) for r in accept.requests),
         ]
-        standing = await self._accept(keys=keys, args=args)
-        if standing is None:
-            return None
-        return standing.decode() if isinstance(standing, bytes) else str(standing)
+        reply: list[Any] = await self._accept(keys=keys, args=args)
+        if reply[0]:
+            return Accepted(_raw(reply[0]).decode())
+        # A flush of the job that ran meanwhile may have published that head already.
+        fresh = idle and flushes == self._flushes and accept.job_id not in self._users
+        return Accepted(None, _raw(reply[1]) if fresh and reply[1] else None)
 
-    async def flush(self, job_id: str, send: Send, min_age_s: float = 0.0) -> int:
+    async def flush(
+        self, job_id: str, send: Send, min_age_s: float = 0.0, head: bytes | None = None
+    ) -> int:
         """Publish the job's outbox in order; returns how many were published. Raises
         what `send` raised (what is left stays for the next flush). `min_age_s` leaves
         an outbox whose oldest entry is younger alone (its gateway is publishing it);
-        once started, a flush goes to the end, so nothing accepted meanwhile waits."""
+        once started, a flush goes to the end, so nothing accepted meanwhile waits.
+        `head`: the head `accept` just read (`Accepted.head`), saving a round trip."""
+        if job_id in self._users:  # a flush of the job runs: it may publish that head
+            head = None
         async with self._lock(job_id):
             published = 0
             keys = [self._list_key(job_id), self._jobs_key]
-            raw = await self._done(keys=keys, args=[b"", job_id])  # the head, if any
+            raw = head
+            if raw is None:
+                raw = await self._done(keys=keys, args=[b"", job_id])  # the head, if any
             while raw is not None:
                 entry: OutboxEntry = decode(_raw(raw), OutboxEntry)
                 if published == 0 and self._clock() - entry.queued_at < min_age_s:
@@ -171,6 +198,7 @@ class Outbox:
         """One flusher per job in this process, so the job's requests go out in order."""
         lock = self._locks.setdefault(job_id, asyncio.Lock())
         self._users[job_id] = self._users.get(job_id, 0) + 1
+        self._flushes += 1
         try:
             async with lock:
                 yield

@@ -163,7 +163,7 @@ class Submitter:
                 await self._request(sub, request_id, call, now)
                 for request_id, call in zip(ids, calls, strict=True)
             ]
-            standing = await self._outbox.accept(
+            accepted = await self._outbox.accept(
                 Accept(
                     job_id=sub.job_id,
                     futures=futures,
@@ -179,6 +179,7 @@ class Submitter:
                 f"could not accept the call ({type(exc).__name__}: {exc}); try again",
                 Category.SERVER,
             ) from exc
+        standing = accepted.standing
         if standing is not None and standing != ids[-1]:
             return standing  # a concurrent send of the same call won
         # (`standing == ids[-1]`: Redis ran the acceptance, then the connection dropped
@@ -186,7 +187,7 @@ class Submitter:
         if turn is not None:
             turn.settle(stored=True)  # the cursor moved with the acceptance
         try:
-            await self._outbox.flush(sub.job_id, self._send)
+            await self._outbox.flush(sub.job_id, self._send, head=accepted.head)
         except Exception as exc:  # accepted all the same: the outbox sweeper delivers it
             log.warning(
                 "publishing %s for %s failed (%r); it stays in the outbox", ids, sub.job_id, exc
