@@ -164,6 +164,17 @@ class Publisher:
         delivery = await self._producer.send(topic, encode(message), key=_key_bytes(key))
         delivery.add_done_callback(_log_failure)
 
+    async def publish_deferred(
+        self, topic: str, key: str | bytes | None, message: Any
+    ) -> asyncio.Future[Any]:
+        """Queue a message now and return the broker's acknowledgement, to await later.
+
+        Messages queued one after another on one partition go out in that order (the
+        producer is idempotent), so a caller with several messages to send queues them
+        all and waits once, instead of one broker round trip each. Awaiting the result
+        raises what the send met; the caller decides how to retry (see `publish`)."""
+        return await self._producer.send(topic, encode(message), key=_key_bytes(key))
+
     async def publish_raw(self, topic: str, key: bytes | None, value: bytes) -> None:
         await self._producer.send_and_wait(topic, value, key=key)
 
@@ -223,7 +234,7 @@ class MessageConsumer(Generic[T]):
         name: str,
         from_latest: bool = False,
         commit_after_handler: bool = True,
-        commit_interval_s: float = 0.05,
+        commit_interval_s: float = 0.25,
         answer: Answer | None = None,
         skipped: Skipped | None = None,
         tuning: ConsumerTuning | None = None,

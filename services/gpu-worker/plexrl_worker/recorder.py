@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from plexrl.kafka import Publisher
 from plexrl.messages import CompletionStatus, PhaseCompletion, PhaseRequest, Timings
@@ -11,6 +14,8 @@ from plexrl.meta import MetaStore, TimelineEntry
 from plexrl.payloads import inline_or_ref
 from plexrl_worker import metrics
 from plexrl_worker.runner import Ran
+
+log = logging.getLogger(__name__)
 
 
 class ResultRecorder:
@@ -28,6 +33,8 @@ class ResultRecorder:
         self._publisher = publisher
         self._topic = completions_topic
         self._inline_max_bytes = inline_max_bytes
+        self._unacked: list[tuple[PhaseCompletion, asyncio.Future[Any]]] = []
+        """Completions queued on the producer whose acknowledgement is not seen yet."""
 
     async def recorded(self, requests: list[PhaseRequest]) -> dict[str, PhaseCompletion]:
         """Completions recorded earlier for any of these requests (those already ran)."""
@@ -70,24 +77,26 @@ class ResultRecorder:
         # answered from there, however long after; then the future's record (first wins).
         if commit is not None and not await commit(completion):
             return None
-        completion = await self._meta.record_completion(completion)
+        entry = TimelineEntry(
+            worker_id=self._worker_id,
+            job_id=request.job_id,
+            request_id=request.request_id,
+            function=request.function,
+            started_at=ran.started_at,
+            swap_s=ran.swap_s,
+            compute_s=ran.compute_s,
+            ok=ran.error is None,
+            tail_released_at=ran.tail_released_at,
+        )
+        # Two independent writes, one round trip's wait (a retry of the whole record
+        # may append the timeline entry twice, as it could before; the record is NX).
+        completion, _ = await asyncio.gather(
+            self._meta.record_completion(completion), self._meta.append_timeline(entry)
+        )
         await self.publish(completion)
         metrics.CALLS.labels(str(request.function), str(completion.status)).inc()
         metrics.BUSY_SECONDS.labels(request.job_id).inc(ran.swap_s + ran.compute_s)
         metrics.COMPUTE_SECONDS.labels(str(request.function)).observe(ran.compute_s)
-        await self._meta.append_timeline(
-            TimelineEntry(
-                worker_id=self._worker_id,
-                job_id=request.job_id,
-                request_id=request.request_id,
-                function=request.function,
-                started_at=ran.started_at,
-                swap_s=ran.swap_s,
-                compute_s=ran.compute_s,
-                ok=ran.error is None,
-                tail_released_at=ran.tail_released_at,
-            )
-        )
         return completion
 
     async def answer(self, stored: PhaseCompletion) -> None:
@@ -95,4 +104,31 @@ class ResultRecorder:
         await self.publish(await self._meta.record_completion(stored))
 
     async def publish(self, completion: PhaseCompletion) -> None:
-        await self._publisher.publish(self._topic, completion.job_id, completion)
+        """Hand the recorded completion to the producer; `settle` waits for the broker.
+
+        Redis holds the truth (recorded first); the message wakes the gateway's waiter
+        and tells the scheduler. A dispatch's completions are queued one after another
+        and acknowledged together (they keep their order on the job's partition)."""
+        try:
+            ack = await self._publisher.publish_deferred(self._topic, completion.job_id, completion)
+        except Exception:  # not even queued (the broker away): send it the patient way
+            await self._publisher.publish(self._topic, completion.job_id, completion)
+            return
+        self._unacked.append((completion, ack))
+
+    async def settle(self) -> None:
+        """Until every completion handed over so far is acknowledged; one whose send
+        failed is published again (retried while the broker is away). The dispatch
+        handler settles before it returns, so a dispatch's offset is committed only
+        once its completions are in Kafka, as when each was awaited in turn."""
+        while self._unacked:
+            completion, ack = self._unacked.pop(0)
+            try:
+                await ack
+            except Exception as exc:
+                log.warning(
+                    "completion %s not acknowledged (%r); sending it again",
+                    completion.request_id,
+                    exc,
+                )
+                await self._publisher.publish(self._topic, completion.job_id, completion)
