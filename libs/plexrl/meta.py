@@ -361,10 +361,17 @@ class MetaStore:
 
     # Counters (accounting) ---------------------------------------------------
 
-    async def add_usage(self, job_id: str, fields: dict[str, float]) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
+    async def add_usage(
+        self, job_id: str, fields: dict[str, float], active_at: float | None = None
+    ) -> None:
+        """Add to a job's counters; with `active_at`, also `mark_active` in the same
+        round trip (one transaction: a retry after a failure does not count twice)."""
+        async with self.redis.pipeline(transaction=active_at is not None) as pipe:
             for name, value in fields.items():
                 pipe.hincrbyfloat(self._k("usage", job_id), name, value)
+            if active_at is not None:
+                pipe.hsetnx(self._k("usage", job_id), "first_at", active_at)
+                pipe.hset(self._k("usage", job_id), "last_at", active_at)
             await pipe.execute()
 
     async def mark_active(self, job_id: str, at: float) -> None:

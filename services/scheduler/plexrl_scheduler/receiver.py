@@ -86,13 +86,11 @@ class Receiver:
             "device_s": t.swap_s + t.compute_s,
         }
         # Retried in place: the state above already took the completion, so a second
-        # delivery of it would not count again.
+        # delivery of it would not count again. One round trip: the completions of a
+        # dispatch are handled one after another, and the last one frees the worker.
         await retrying(
-            lambda: self._meta.add_usage(completion.job_id, usage), what="recording usage"
-        )
-        await retrying(
-            lambda: self._meta.mark_active(completion.job_id, completion.finished_at),
-            what="recording activity",
+            lambda: self._meta.add_usage(completion.job_id, usage, completion.finished_at),
+            what="recording usage",
         )
 
     async def on_event(self, event: Event, delivery: Delivery) -> None:
