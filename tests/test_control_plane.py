@@ -1,0 +1,240 @@
+"""The control plane's fast paths keep its contracts: each call published once and in
+order, every completion in Kafka before a dispatch counts as done, none lost when the
+broker refuses one.
+
+Real Redis and Kafka; only the gateway's publisher and the worker's producer are
+faked where a test must make a send slow or fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from aiokafka import AIOKafkaConsumer
+from aiokafka.errors import KafkaConnectionError
+
+from plexrl.kafka import Publisher, ensure_topics
+from plexrl.messages import (
+    CompletionStatus,
+    Function,
+    NoopInput,
+    NoopOutput,
+    PhaseRequest,
+    decode,
+)
+from plexrl.meta import MetaStore
+from plexrl.topics import Topics, core_topics
+from plexrl_gateway import deps
+from plexrl_gateway.outbox import Accept, Outbox
+from plexrl_gateway.render import ResponseKind
+from plexrl_gateway.sequencer import Sequencer
+from plexrl_gateway.submitter import Call, Submission, Submitter, ready
+from plexrl_worker.recorder import ResultRecorder
+from plexrl_worker.runner import Ran
+
+pytestmark = pytest.mark.integration
+
+JOB = "plexrl-echo:alice"
+
+
+@pytest_asyncio.fixture
+async def meta(infra: dict[str, str], cluster_id: str) -> AsyncIterator[MetaStore]:
+    store = MetaStore.from_url(infra["redis"], cluster_id, 3600)
+    try:
+        yield store
+    finally:
+        keys = [k async for k in store.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
+        if keys:
+            await store.redis.delete(*keys)
+        await store.close()
+
+
+def request(n: int) -> PhaseRequest:
+    return PhaseRequest(
+        request_id=f"req-{n}",
+        job_id=JOB,
+        tenant="alice",
+        function=Function.NOOP,
+        payload=NoopInput(),
+        arrival_time=time.time(),
+    )
+
+
+def accept(n: int) -> Accept:
+    return Accept(job_id=JOB, futures=[], requests=[request(n)])
+
+
+@dataclass
+class SlowPublisher:
+    """Records what the gateway publishes; each send takes a while, so flushes overlap."""
+
+    sent: list[str] = field(default_factory=list)
+
+    async def publish(self, topic: str, key: str | bytes | None, message: Any) -> None:
+        await asyncio.sleep(0.002)
+        self.sent.append(message.request_id)
+
+    async def ping(self, timeout_s: float = 2.0) -> bool:
+        return True
+
+
+async def test_acceptance_reads_the_outbox_head_and_the_flush_starts_from_it(
+    meta: MetaStore,
+) -> None:
+    outbox = Outbox(meta)
+    sent: list[str] = []
+
+    async def send(r: PhaseRequest) -> None:
+        sent.append(r.request_id)
+
+    first = await outbox.accept(accept(1))  # left unpublished, as by a gateway that died
+    second = await outbox.accept(accept(2))
+    assert first.standing is None and second.standing is None
+    assert second.head == first.head  # the oldest entry, not the one just written
+    assert await outbox.flush(JOB, send, head=second.head) == 2
+    assert sent == ["req-1", "req-2"]
+    assert await outbox.depth(JOB) == 0 and await outbox.pending_jobs() == []
+
+
+async def test_an_acceptance_beside_a_running_flush_does_not_trust_its_head(
+    meta: MetaStore,
+) -> None:
+    outbox = Outbox(meta)
+    sending = asyncio.Event()
+    sent: list[str] = []
+
+    async def send(r: PhaseRequest) -> None:
+        sent.append(r.request_id)
+        await sending.wait()
+
+    await outbox.accept(accept(1))
+    flushing = asyncio.create_task(outbox.flush(JOB, send))
+    while not sent:
+        await asyncio.sleep(0.001)  # the flush is sending req-1 now
+    accepted = await outbox.accept(accept(2))
+    assert accepted.head is None  # the running flush goes to the end: it sends req-2
+    sending.set()
+    assert await flushing == 2
+    assert await outbox.flush(JOB, send, head=accepted.head) == 0
+    assert sent == ["req-1", "req-2"]
+
+
+async def test_concurrent_calls_of_one_job_are_each_published_exactly_once(
+    meta: MetaStore, cluster_id: str
+) -> None:
+    publisher = SlowPublisher()
+    submitter = Submitter(
+        meta, publisher, Topics(cluster_id), Sequencer(meta, gap_timeout_s=2.0), 512 * 1024
+    )
+    call = Call(Function.NOOP, NoopInput(), ResponseKind.NOOP)
+    sub = Submission(JOB, "alice", sequenced=False)
+    ids = await asyncio.gather(*(submitter.submit(sub, ready(call)) for _ in range(40)))
+    assert sorted(publisher.sent) == sorted(ids)  # no call lost, none sent twice
+    assert await Outbox(meta).depth(JOB) == 0
+
+
+def test_gateway_dependencies_run_on_the_event_loop() -> None:
+    # A plain `def` dependency runs in FastAPI's thread pool: a thread hop per request.
+    providers = [f for name, f in vars(deps).items() if name.startswith("_") and callable(f)]
+    providers = [f for f in providers if inspect.isfunction(f) and f.__module__ == deps.__name__]
+    assert providers
+    assert all(inspect.iscoroutinefunction(f) for f in providers), providers
+
+
+@dataclass
+class FlakyProducer:
+    """Stands in for the worker's producer: queued sends are acknowledged (or refused)
+    only when the test says so; patient publishes always go through."""
+
+    acks: list[asyncio.Future[Any]] = field(default_factory=list)
+    queued: list[str] = field(default_factory=list)
+    published: list[str] = field(default_factory=list)
+
+    async def publish_deferred(self, topic: str, key: str | bytes | None, message: Any) -> Any:
+        self.queued.append(message.request_id)
+        ack: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.acks.append(ack)
+        return ack
+
+    async def publish(self, topic: str, key: str | bytes | None, message: Any) -> None:
+        self.published.append(message.request_id)
+
+
+def ran() -> Ran:
+    return Ran(NoopOutput(), None, 0.0, 0.001, time.time())
+
+
+async def test_a_dispatch_settles_only_when_every_completion_is_acknowledged(
+    meta: MetaStore,
+) -> None:
+    producer = FlakyProducer()
+    recorder = ResultRecorder(
+        worker_id="w",
+        meta=meta,
+        publisher=producer,  # type: ignore[arg-type]
+        completions_topic="completions",
+        inline_max_bytes=1024,
+    )
+    for n in range(3):
+        done = await recorder.record(request(n), ran(), "d1", last=n == 2)
+        assert done is not None and done.status == CompletionStatus.OK
+    assert producer.queued == ["req-0", "req-1", "req-2"]  # all queued, none waited on
+    # Recorded in Redis (the truth) and on the timeline before anything is acknowledged.
+    assert set(await meta.get_completions(["req-0", "req-1", "req-2"])) == {
+        "req-0",
+        "req-1",
+        "req-2",
+    }
+    assert len(await meta.timeline()) == 3
+
+    settle = asyncio.create_task(recorder.settle())
+    await asyncio.sleep(0.01)
+    assert not settle.done()  # nothing acknowledged yet: the offset must not be committed
+    producer.acks[0].set_result(None)
+    producer.acks[1].set_exception(KafkaConnectionError("broker went away"))
+    producer.acks[2].set_result(None)
+    await asyncio.wait_for(settle, 5)
+    assert producer.published == ["req-1"]  # the refused one went out the patient way
+
+
+async def test_deferred_publishes_keep_their_order_on_the_partition(
+    infra: dict[str, str], cluster_id: str
+) -> None:
+    topics = Topics(cluster_id)
+    await ensure_topics(infra["kafka"], core_topics(topics))
+    publisher = Publisher(infra["kafka"], "test-worker")
+    await publisher.start()
+    try:
+        acks = [
+            await publisher.publish_deferred(topics.completions, JOB, request(n)) for n in range(20)
+        ]
+        await asyncio.gather(*acks)
+    finally:
+        await publisher.stop()
+    consumer = AIOKafkaConsumer(
+        topics.completions, bootstrap_servers=infra["kafka"], auto_offset_reset="earliest"
+    )
+    await consumer.start()
+    seen: list[str] = []
+    try:
+        deadline = time.monotonic() + 20
+        while len(seen) < 20 and time.monotonic() < deadline:
+            for records in (await consumer.getmany(timeout_ms=200)).values():
+                seen += [decode(r.value or b"", PhaseRequest).request_id for r in records]
+    finally:
+        await consumer.stop()
+    assert seen == [f"req-{n}" for n in range(20)]
+
+
+async def test_usage_and_activity_are_recorded_in_one_write(meta: MetaStore) -> None:
+    await meta.add_usage("job", {"calls": 1.0, "device_s": 0.5}, active_at=100.0)
+    await meta.add_usage("job", {"calls": 1.0, "device_s": 0.25}, active_at=103.5)
+    usage = await meta.usage("job")
+    assert usage == {"calls": 2.0, "device_s": 0.75, "first_at": 100.0, "last_at": 103.5}
