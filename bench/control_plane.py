@@ -1,22 +1,34 @@
 """Control-plane latency and throughput: one NOOP call gateway → Kafka → scheduler → worker → back.
 
-    .venv/bin/python bench/control_plane.py [--calls 300] [--clients 16]
+    .venv/bin/python bench/control_plane.py [--calls 300] [--clients 16] [--previous REV]
 
 Starts a local cluster (one worker), measures `POST /plexrl/v1/echo` one at a time
 (p50/p99 latency) and with many concurrent clients (calls/s), and, side by side, a
 plain HTTP round trip to the gateway (`POST /api/v1/client/config`, no I/O behind
-it) so the Kafka path's added cost is visible. Ends with one JSON line of figures.
+it) so the Kafka path's added cost is visible.
+
+With `--previous REV` a second cluster runs the services of git revision REV (checked
+out in a `git worktree` under the system temp directory, imported through PYTHONPATH
+ahead of this checkout's editable install, with the same `.venv`), beside the first,
+on the same Kafka and Redis. The two are measured in alternating rounds (`--rounds`),
+so a machine that is busier at one moment than the next weighs on both alike; the
+figures pool every round's calls. Ends with one JSON line of figures (the current
+revision's at the top level, the previous one's under "previous", and the ratios).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import statistics
+import subprocess
 import tempfile
 import time
-import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +37,46 @@ import httpx
 from plexrl.cluster import ClusterConfig, LocalCluster
 
 KEY = "tml-bench"
+REPO = Path(__file__).resolve().parent.parent
+# Where each package of the services lives in a checkout (PYTHONPATH entries).
+SOURCE_DIRS = (
+    "libs",
+    "services/gateway",
+    "services/scheduler",
+    "services/gpu-worker",
+    "services/state-store",
+)
+
+
+def service_pids(cluster_id: str) -> dict[str, int]:
+    """The processes of one local cluster's services by name (Linux: read from /proc)."""
+    mark = f"PLEXRL_CLUSTER_ID={cluster_id}".encode()
+    pids: dict[str, int] = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            env = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if mark in env:
+            names = [e[len(b"OTEL_SERVICE_NAME=") :] for e in env if e.startswith(b"OTEL_SERVICE")]
+            if names:
+                pids[names[0].decode().removeprefix("plexrl-")] = int(proc.name)
+    return pids
+
+
+def cpu_s(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) each process used so far; 0 for one that is gone."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[name] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, IndexError, ValueError):
+            out[name] = 0.0
+    return out
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -57,53 +109,160 @@ async def concurrent(http: httpx.AsyncClient, clients: int, n: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-async def measure(url: str, calls: int, clients: int) -> dict[str, Any]:
+@dataclass
+class Samples:
+    """Every round's measurements of one cluster."""
+
+    http: list[float] = field(default_factory=list)
+    echo: list[float] = field(default_factory=list)
+    rates: list[float] = field(default_factory=list)
+    cpu: dict[str, float] = field(default_factory=dict)
+    """CPU seconds each service spent during the sequential echo calls."""
+
+    def figures(self, calls: int, clients: int) -> dict[str, Any]:
+        ms = 1000.0
+        echo_p50 = statistics.median(self.echo)
+        http_p50 = statistics.median(self.http)
+        per_call = {k: round(v / len(self.echo) * ms, 3) for k, v in sorted(self.cpu.items())}
+        return {
+            "calls": calls,
+            "echo_p50_ms": round(echo_p50 * ms, 3),
+            "echo_p99_ms": round(percentile(self.echo, 0.99) * ms, 3),
+            "http_p50_ms": round(http_p50 * ms, 3),
+            "added_p50_ms": round((echo_p50 - http_p50) * ms, 3),
+            "clients": clients,
+            "calls_per_s": round(statistics.median(self.rates), 1),
+            # CPU is what a busy shared machine does not blur: the services' own work.
+            "cpu_ms_per_echo": round(sum(per_call.values()), 3),
+            "cpu_ms_per_echo_by_service": per_call,
+        }
+
+
+def client(url: str, clients: int) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(
-        base_url=url, headers={"X-API-Key": KEY}, timeout=60, limits=limits
-    ) as http:
-        await sequential(http, "POST", "/plexrl/v1/echo", 20)  # warm up every hop
-        http_rt = await sequential(http, "POST", "/api/v1/client/config", calls)
-        echo = await sequential(http, "POST", "/plexrl/v1/echo", calls)
-        rate = await concurrent(http, clients, calls * 2)
-    ms = 1000.0
-    return {
-        "benchmark": "control_plane",
-        "calls": calls,
-        "echo_p50_ms": round(statistics.median(echo) * ms, 3),
-        "echo_p99_ms": round(percentile(echo, 0.99) * ms, 3),
-        "http_p50_ms": round(statistics.median(http_rt) * ms, 3),
-        "added_p50_ms": round((statistics.median(echo) - statistics.median(http_rt)) * ms, 3),
-        "clients": clients,
-        "calls_per_s": round(rate, 1),
-    }
+    return httpx.AsyncClient(base_url=url, headers={"X-API-Key": KEY}, timeout=60, limits=limits)
+
+
+async def measure(
+    clusters: dict[str, ClusterConfig], calls: int, clients: int, rounds: int
+) -> dict[str, Samples]:
+    """`rounds` rounds; in each, every cluster in turn: plain HTTP, echo, concurrent echo."""
+    per_round = max(1, calls // rounds)
+    samples = {name: Samples() for name in clusters}
+    urls = {name: c.gateway_url for name, c in clusters.items()}
+    pids = {name: service_pids(c.cluster_id) for name, c in clusters.items()}
+    async with contextlib.AsyncExitStack() as stack:
+        https = {
+            name: await stack.enter_async_context(client(url, clients))
+            for name, url in urls.items()
+        }
+        for http in https.values():
+            await sequential(http, "POST", "/plexrl/v1/echo", 20)  # warm up every hop
+        for n in range(rounds):
+            # Alternate who goes first, so neither always follows the other's burst.
+            order = list(https) if n % 2 == 0 else list(reversed(https))
+            for name in order:
+                http, s = https[name], samples[name]
+                s.http += await sequential(http, "POST", "/api/v1/client/config", per_round)
+                before = cpu_s(pids[name])
+                s.echo += await sequential(http, "POST", "/plexrl/v1/echo", per_round)
+                for service, used in cpu_s(pids[name]).items():
+                    s.cpu[service] = s.cpu.get(service, 0.0) + used - before.get(service, 0.0)
+                s.rates.append(await concurrent(http, clients, per_round * 2))
+    return samples
+
+
+@contextlib.contextmanager
+def worktree(rev: str) -> Iterator[tuple[str, Path]]:
+    """A detached checkout of `rev` (its full commit id and path), removed afterwards."""
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--verify", f"{rev}^{{commit}}"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    path = Path(tempfile.mkdtemp(prefix=f"plexrl-prev-{commit[:8]}-"))
+    subprocess.run(
+        ["git", "-C", str(REPO), "worktree", "add", "--detach", "--force", str(path), commit],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield commit, path
+    finally:
+        subprocess.run(
+            ["git", "-C", str(REPO), "worktree", "remove", "--force", str(path)],
+            check=False,
+            capture_output=True,
+        )
+
+
+def cluster_config(tmp: Path, name: str, registry: Path, env: dict[str, str]) -> ClusterConfig:
+    return ClusterConfig.on_free_ports(
+        registry,
+        tmp / name,
+        f"bench-{name}-",
+        api_keys=f"{KEY}=bench",
+        worker_threads=1,
+        env=env,
+    )
+
+
+def line(name: str, f: dict[str, Any]) -> str:
+    return (
+        f"{name}: echo p50 {f['echo_p50_ms']} ms, p99 {f['echo_p99_ms']} ms "
+        f"(plain HTTP p50 {f['http_p50_ms']} ms; added {f['added_p50_ms']} ms); "
+        f"{f['calls_per_s']} calls/s with {f['clients']} clients; services' CPU "
+        f"{f['cpu_ms_per_echo']} ms per echo {f['cpu_ms_per_echo_by_service']}"
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--calls", type=int, default=300, help="sequential calls per cluster")
     p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--previous", default=None, help="git revision to measure beside this one")
+    p.add_argument("--rounds", type=int, default=4, help="alternating rounds (with --previous)")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
+    rounds = args.rounds if args.previous else 1
+    with tempfile.TemporaryDirectory() as tmp_dir, contextlib.ExitStack() as stack:
+        tmp = Path(tmp_dir)
         from plexrl.models import init_tiny
 
-        registry = Path(tmp) / "models"
+        registry = tmp / "models"
         init_tiny(registry / "tiny-qwen3")
-        config = ClusterConfig(
-            model_registry=registry,
-            state_dir=Path(tmp) / "state",
-            cluster_id="bench-" + uuid.uuid4().hex[:8],
-            api_keys=f"{KEY}=bench",
-            worker_threads=1,
+        configs = {"current": cluster_config(tmp, "current", registry, {})}
+        commit = None
+        if args.previous:
+            commit, path = stack.enter_context(worktree(args.previous))
+            paths = [str(path / d) for d in SOURCE_DIRS]
+            if os.environ.get("PYTHONPATH"):
+                paths.append(os.environ["PYTHONPATH"])
+            env = {"PYTHONPATH": os.pathsep.join(paths)}
+            configs["previous"] = cluster_config(tmp, "previous", registry, env)
+        for config in configs.values():
+            stack.enter_context(LocalCluster(config))
+        samples = asyncio.run(measure(configs, args.calls, args.clients, rounds))
+    figures = {name: s.figures(args.calls, args.clients) for name, s in samples.items()}
+    result: dict[str, Any] = {"benchmark": "control_plane", **figures["current"]}
+    print(line("this revision", figures["current"]))
+    if commit is not None:
+        prev = figures["previous"]
+        cur = figures["current"]
+        result["rounds"] = rounds
+        result["previous"] = {"rev": commit, **prev}
+        result["echo_p50_ratio"] = round(cur["echo_p50_ms"] / prev["echo_p50_ms"], 3)
+        result["added_p50_ratio"] = round(cur["added_p50_ms"] / prev["added_p50_ms"], 3)
+        result["calls_per_s_ratio"] = round(cur["calls_per_s"] / prev["calls_per_s"], 3)
+        result["cpu_per_echo_ratio"] = round(cur["cpu_ms_per_echo"] / prev["cpu_ms_per_echo"], 3)
+        print(line(f"previous {commit[:10]}", prev))
+        print(
+            f"this / previous: echo p50 x{result['echo_p50_ratio']}, added p50 "
+            f"x{result['added_p50_ratio']}, calls/s x{result['calls_per_s_ratio']}, "
+            f"CPU per echo x{result['cpu_per_echo_ratio']} "
+            f"({rounds} alternating rounds)"
         )
-        with LocalCluster(config):
-            figures = asyncio.run(measure(config.gateway_url, args.calls, args.clients))
-    print(
-        f"echo p50 {figures['echo_p50_ms']} ms, p99 {figures['echo_p99_ms']} ms "
-        f"(plain HTTP p50 {figures['http_p50_ms']} ms; added {figures['added_p50_ms']} ms); "
-        f"{figures['calls_per_s']} calls/s with {args.clients} clients"
-    )
-    print(json.dumps(figures))
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
