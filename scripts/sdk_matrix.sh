@@ -3,6 +3,7 @@
 # by side under .plexrl/sdk/ without touching .venv:
 #
 #   scripts/sdk_matrix.sh          then  .venv/bin/python -m pytest tests/test_sdk_versions.py
+#   scripts/sdk_matrix.sh --all    also every other minor 0.16-0.38 (bench/sdk_minors.py)
 #
 # Each lands in its own folder (.plexrl/sdk/tinker-0.16.1, ...) with --no-deps: a test puts
 # that folder first on PYTHONPATH and runs .venv's Python, whose packages (the lock's, which
@@ -19,6 +20,16 @@ SDK_DIR=${PLEXRL_SDK_DIR:-$ROOT/.plexrl/sdk}
 # The oldest SDK served, two middle minors, the newest. Keep in step with docs/sdk.md
 # and tests/test_sdk_versions.py.
 TINKER_VERSIONS=(0.16.1 0.22.7 0.30.4 0.38.0)
+# Every minor from 0.16 to 0.38 on PyPI, the latest patch of each (PyPI had no 0.17 and no
+# 0.37 on 2026-11-30), for the sweep outside CI: scripts/sdk_matrix.sh --all, then
+# bench/sdk_minors.py. Keep in step with bench/sdk_minors.py and docs/sdk.md.
+TINKER_ALL=(
+  0.16.1 0.18.2 0.19.0 0.20.0 0.21.0 0.22.7 0.23.4 0.24.1 0.25.0 0.26.2 0.27.2
+  0.28.1 0.29.1 0.30.4 0.31.0 0.32.0 0.33.1 0.34.0 0.35.0 0.36.0 0.38.0
+)
+# What a version imports that the lock lacks goes in beside it. 0.21.0 alone imports grpc
+# (for a gRPC transport a server may advertise; PlexRL does not, so it is never used).
+declare -A TINKER_EXTRA=([0.21.0]="grpcio==1.85.3")
 # The cookbook pins tml-renderers>=0.4.1, which PyPI does not have (0.2.1 at most), so it
 # goes in with --no-deps beside its other dependencies that .venv lacks: the set
 # `uv pip install --dry-run --python .venv/bin/python datasets chz blobfile termcolor
@@ -52,11 +63,18 @@ install() {
 }
 
 main() {
+  local -a versions=("${TINKER_VERSIONS[@]}")
+  case ${1:-} in
+    "") ;;
+    --all) versions=("${TINKER_ALL[@]}") ;;
+    *) die "usage: scripts/sdk_matrix.sh [--all]  (--all: every minor 0.16-0.38, not only CI's)" ;;
+  esac
   # uv comes with .venv (scripts/bootstrap.sh pins it).
   [[ -x $ROOT/.venv/bin/uv ]] || "$ROOT/scripts/bootstrap.sh"
   mkdir -p "$SDK_DIR"
-  for version in "${TINKER_VERSIONS[@]}"; do
-    install "tinker-$version" "tinker==$version"
+  for version in "${versions[@]}"; do
+    # shellcheck disable=SC2086  # the extras are a word list
+    install "tinker-$version" "tinker==$version" ${TINKER_EXTRA[$version]:-}
   done
   install "tinker-cookbook-$COOKBOOK_VERSION" "tinker-cookbook==$COOKBOOK_VERSION" \
     "${COOKBOOK_EXTRA[@]}"
