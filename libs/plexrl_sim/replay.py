@@ -57,11 +57,13 @@ class SimJob:
     _described: tuple[int, Prior | None, CallEstimates, tuple[Function, ...]] | None = None
     """(history version, prior, estimates, step calls) of the last view: rebuilt only when
     the history or the kind's figures changed."""
-    _call_s: dict[Function, list[float]] = field(default_factory=dict)
-    """Per function, each step's seconds of one call (`call_s`), as Python floats: read
-    once per call, millions of times a run, where indexing numpy arrays costs more than
-    the rest of the lookup."""
-    _useful: dict[Function, list[float]] = field(default_factory=dict)
+    _figures_of_step: int = -1
+    """The step `_call_s` and `_useful` are for."""
+    _call_s: dict[Function, float] = field(default_factory=dict)
+    """Seconds of one call of each function in that step (`call_s`), as Python floats:
+    read once per call, millions of times a run, where indexing numpy arrays each time
+    cost more than the rest of the lookup."""
+    _useful: dict[Function, float] = field(default_factory=dict)
     """The same for `call_useful`."""
     job_id: str = field(init=False)
 
@@ -79,23 +81,7 @@ class SimJob:
             isolated_step_time_s=float(steps.isolated_step_s.sum()),
             useful_device_s=float(steps.useful_work.sum()) * devices,
         )
-        job = cls(spec=spec, steps=steps, devices=devices, state_bytes=state_bytes, result=result)
-        s, n = steps, steps.n
-        fb = [x / s.fb_calls for x in steps.fb_s.tolist()]
-        job._call_s = {
-            Function.SAMPLE: steps.dense_s.tolist(),
-            Function.FORWARD_BACKWARD: fb,
-            Function.OPTIM_STEP: [s.optim_s] * n,
-            Function.SAVE: [s.save_s] * n,
-            Function.CREATE: [s.create_s] * n,
-        }
-        job._useful = {
-            Function.SAMPLE: steps.dense_work.tolist(),
-            Function.FORWARD_BACKWARD: [x * s.train_util for x in fb],
-            Function.OPTIM_STEP: [s.optim_s * s.train_util] * n,
-            Function.SAVE: [s.save_s * s.save_util] * n,
-        }
-        return job
+        return cls(spec=spec, steps=steps, devices=devices, state_bytes=state_bytes, result=result)
 
     def touch(self) -> None:
         self.view = None
@@ -130,19 +116,39 @@ class SimJob:
             )
         return self.view
 
+    def _figures(self) -> None:
+        """This step's figures of each call (recomputed when the step moves on)."""
+        s, k = self.steps, self.step
+        fb = float(s.fb_s[k]) / s.fb_calls
+        self._call_s = {
+            Function.SAMPLE: float(s.dense_s[k]),
+            Function.FORWARD_BACKWARD: fb,
+            Function.OPTIM_STEP: s.optim_s,
+            Function.SAVE: s.save_s,
+            Function.CREATE: s.create_s,
+        }
+        self._useful = {
+            Function.SAMPLE: float(s.dense_work[k]),
+            Function.FORWARD_BACKWARD: fb * s.train_util,
+            Function.OPTIM_STEP: s.optim_s * s.train_util,
+            Function.SAVE: s.save_s * s.save_util,
+        }
+        self._figures_of_step = k
+
     def call_s(self, function: Function) -> float:
-        """Seconds of one call of this step on the whole group: the sample's dense part,
-        one forward_backward's share of the step's, optim_step, save or create."""
-        per_step = self._call_s.get(function)
-        if per_step is None:
+        """Seconds of one call of this step on the whole group."""
+        if self._figures_of_step != self.step:
+            self._figures()
+        seconds = self._call_s.get(function)
+        if seconds is None:
             raise ValueError(f"unexpected call {function}")
-        # A create call comes before the first step; any step's figure is the same.
-        return per_step[min(self.step, len(per_step) - 1)]
+        return seconds
 
     def call_useful(self, function: Function) -> float:
-        """Group-seconds of useful work of one call of this step (none for create)."""
-        per_step = self._useful.get(function)
-        return per_step[self.step] if per_step is not None else 0.0
+        """Group-seconds of useful work of one call of this step."""
+        if self._figures_of_step != self.step:
+            self._figures()
+        return self._useful.get(function, 0.0)
 
 
 class Tails(Protocol):
