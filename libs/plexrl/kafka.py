@@ -263,7 +263,10 @@ class MessageConsumer(Generic[T]):
             client_id=name,
             enable_auto_commit=False,
             auto_offset_reset="latest" if from_latest else "earliest",
-            fetch_max_wait_ms=200,
+            # The broker answers a fetch as soon as a record arrives (fetch_min_bytes=1):
+            # this bounds only how often an idle consumer asks again (a request, a
+            # response, a socket write and a wake-up in every service, all the time).
+            fetch_max_wait_ms=500,
             max_partition_fetch_bytes=16 * 1024 * 1024,
             fetch_max_bytes=64 * 1024 * 1024,
             session_timeout_ms=10000,
