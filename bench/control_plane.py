@@ -12,7 +12,10 @@ out in a `git worktree` under the system temp directory, imported through PYTHON
 ahead of this checkout's editable install, with the same `.venv`), beside the first,
 on the same Kafka and Redis. The two are measured in alternating rounds (`--rounds`),
 so a machine that is busier at one moment than the next weighs on both alike; the
-figures pool every round's calls. Ends with one JSON line of figures (the current
+figures pool every round's calls. CPU per echo is the services' own (gateway,
+scheduler, worker, state-store; not Kafka's or Redis's) during the sequential echo
+calls, less what they burn idle at the same time (measured just before): the figure a
+busy shared machine blurs least. Ends with one JSON line of figures (the current
 revision's at the top level, the previous one's under "previous", and the ratios).
 """
 
@@ -37,6 +40,8 @@ import httpx
 from plexrl.cluster import ClusterConfig, LocalCluster
 
 KEY = "tml-bench"
+IDLE_S = 1.5
+"""Before each round's echo calls: how long the services' idle CPU rate is measured."""
 REPO = Path(__file__).resolve().parent.parent
 # Where each package of the services lives in a checkout (PYTHONPATH entries).
 SOURCE_DIRS = (
@@ -117,7 +122,7 @@ class Samples:
     echo: list[float] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)
-    """CPU seconds each service spent during the sequential echo calls."""
+    """CPU seconds each service spent on the sequential echo calls, less its idle rate."""
 
     def figures(self, calls: int, clients: int) -> dict[str, Any]:
         ms = 1000.0
@@ -164,10 +169,20 @@ async def measure(
             for name in order:
                 http, s = https[name], samples[name]
                 s.http += await sequential(http, "POST", "/api/v1/client/config", per_round)
-                before = cpu_s(pids[name])
+                # What the services burn idle (heartbeats, polls), to take off below: on a
+                # busy machine each echo takes longer, and that would count as its cost.
+                before, start = cpu_s(pids[name]), time.perf_counter()
+                await asyncio.sleep(IDLE_S)
+                idle = {
+                    k: (v - before.get(k, 0.0)) / (time.perf_counter() - start)
+                    for k, v in cpu_s(pids[name]).items()
+                }
+                before, start = cpu_s(pids[name]), time.perf_counter()
                 s.echo += await sequential(http, "POST", "/plexrl/v1/echo", per_round)
+                elapsed = time.perf_counter() - start
                 for service, used in cpu_s(pids[name]).items():
-                    s.cpu[service] = s.cpu.get(service, 0.0) + used - before.get(service, 0.0)
+                    spent = used - before.get(service, 0.0) - idle.get(service, 0.0) * elapsed
+                    s.cpu[service] = s.cpu.get(service, 0.0) + spent
                 s.rates.append(await concurrent(http, clients, per_round * 2))
     return samples
 
