@@ -177,26 +177,13 @@ class CallRunner:
         done: dict[int, Ran] = {}
         joined: list[tuple[int, SampleCall, float]] = []
         for i, request in enumerate(requests):
-            swap_s = 0.0
             t0 = time.perf_counter()
             try:
-                payload = await retrying(
-                    functools.partial(resolve, self._meta, request.payload, PhaseInput),
-                    what=f"reading the payload of {request.request_id}",
-                )
-                if not isinstance(payload, SampleInput):
-                    raise TypeError(f"{request.request_id} carries no SampleInput")
-                swap_s = await retrying(
-                    functools.partial(self._states.onload, request.job_id),
-                    what=f"bringing {request.job_id} onto the device",
-                )
-                weights_id = await self._sample_weights(request, payload)
+                payload, weights_id, swap_s = await self._prepare_sample(request)
                 call = await self._thread.call(self._engine.begin_sample, weights_id, payload)
                 joined.append((i, call, swap_s))
             except Exception as exc:
-                done[i] = Ran(
-                    None, _error(request, exc), swap_s, time.perf_counter() - t0, started_at
-                )
+                done[i] = Ran(None, _error(request, exc), 0.0, time.perf_counter() - t0, started_at)
         # Each step's seconds are split among the calls it ran, by their unfinished
         # sequences: a call's compute_s is its share of the device, and the shares of a
         # group add up to the group's seconds.
@@ -258,15 +245,10 @@ class CallRunner:
         done: dict[int, Ran] = {}
         running: dict[asyncio.Task[SampleOutput], tuple[int, int, float, float]] = {}
         for i, request in enumerate(requests):
-            swap_s = 0.0
             try:
-                payload = await resolve(self._meta, request.payload, PhaseInput)
-                if not isinstance(payload, SampleInput):
-                    raise TypeError(f"{request.request_id} carries no SampleInput")
-                swap_s = await self._states.onload(request.job_id)
-                weights_id = await self._sample_weights(request, payload)
+                payload, weights_id, swap_s = await self._prepare_sample(request)
             except Exception as exc:  # answered as the call's error
-                done[i] = Ran(None, _error(request, exc), swap_s, 0.0, started_at)
+                done[i] = Ran(None, _error(request, exc), 0.0, 0.0, started_at)
                 continue
             task = asyncio.create_task(asyncio.to_thread(sglang.sample, weights_id, payload))
             running[task] = (i, payload.num_samples, swap_s, time.perf_counter())
@@ -302,6 +284,22 @@ class CallRunner:
                 released_at = time.time()
                 await on_tail([i for i, _, _, _ in running.values()], remaining, total_rows)
         return [done[i] for i in range(len(requests))]
+
+    async def _prepare_sample(self, request: PhaseRequest) -> tuple[SampleInput, str, float]:
+        """A co-batched sample call's input, its job brought onto the device, and the
+        engine's id of the weights it reads; returns (input, weights id, swap seconds).
+        Redis or the state-store being away only delays it (retried in place)."""
+        payload = await retrying(
+            functools.partial(resolve, self._meta, request.payload, PhaseInput),
+            what=f"reading the payload of {request.request_id}",
+        )
+        if not isinstance(payload, SampleInput):
+            raise TypeError(f"{request.request_id} carries no SampleInput")
+        swap_s = await retrying(
+            functools.partial(self._states.onload, request.job_id),
+            what=f"bringing {request.job_id} onto the device",
+        )
+        return payload, await self._sample_weights(request, payload), swap_s
 
     async def _sample(self, request: PhaseRequest, inp: SampleInput) -> PhaseOutput:
         weights_id = await self._sample_weights(request, inp)
