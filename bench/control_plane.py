@@ -121,6 +121,7 @@ class Samples:
     http: list[float] = field(default_factory=list)
     echo: list[float] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
+    round_p50s: list[float] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)
     """CPU seconds each service spent on the sequential echo calls, less its idle rate."""
 
@@ -137,6 +138,9 @@ class Samples:
             "added_p50_ms": round((echo_p50 - http_p50) * ms, 3),
             "clients": clients,
             "calls_per_s": round(statistics.median(self.rates), 1),
+            # Each round's own figures: how much the machine moved under the run.
+            "echo_p50_ms_by_round": [round(v * ms, 2) for v in self.round_p50s],
+            "calls_per_s_by_round": [round(v, 1) for v in self.rates],
             # CPU is what a busy shared machine does not blur: the services' own work.
             "cpu_ms_per_echo": round(sum(per_call.values()), 3),
             "cpu_ms_per_echo_by_service": per_call,
@@ -178,7 +182,9 @@ async def measure(
                     for k, v in cpu_s(pids[name]).items()
                 }
                 before, start = cpu_s(pids[name]), time.perf_counter()
-                s.echo += await sequential(http, "POST", "/plexrl/v1/echo", per_round)
+                echo = await sequential(http, "POST", "/plexrl/v1/echo", per_round)
+                s.echo += echo
+                s.round_p50s.append(statistics.median(echo))
                 elapsed = time.perf_counter() - start
                 for service, used in cpu_s(pids[name]).items():
                     spent = used - before.get(service, 0.0) - idle.get(service, 0.0) * elapsed
