@@ -186,13 +186,18 @@ def main() -> None:
         wall = row.get("wall_s", float("nan"))
         same_text = "yes" if same else "no"
         read = row.get("headers_say", "")
-        print(f"{row['version']:<8} {read:<12} {result:<7} {wall:>7.1f}  {losses:<24} {same_text}")
+        refused_text = ", ".join(f"{k} x{n}" for k, n in row.get("gateway_non_2xx", {}).items())
+        print(
+            f"{row['version']:<8} {read:<12} {result:<7} {wall:>7.1f}  {losses:<24} "
+            f"{same_text:<16} {refused_text or 'none'}"
+        )
     summary = {
         "bench": "sdk_minors",
         "versions": len(rows),
         "passed": sum(r["ok"] for r in rows),
         "failed": [r["version"] for r in rows if not r["ok"]],
         "all_same_as_newest": all(r["same_as_newest"] for r in rows),
+        "gateway_non_2xx": sum(sum(r.get("gateway_non_2xx", {}).values()) for r in rows),
         "rows": [{k: v for k, v in r.items() if k != "output"} for r in rows],
     }
     print(json.dumps(summary), flush=True)
