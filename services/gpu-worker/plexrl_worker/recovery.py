@@ -292,7 +292,18 @@ class NumberedCalls:
             await self._recovery.forget(job_id)
             return False
 
-        if await self._recorder.record(request, ran, dispatch_id, last, commit=commit):
+        try:
+            recorded = await self._recorder.record(request, ran, dispatch_id, last, commit=commit)
+        except BaseException:
+            # The call ran on this worker's copy of the job, but whether it was committed
+            # is unknown (Redis or Kafka went away under the record): the redelivery must
+            # not run it again on top of itself, so the copy goes and the next attempt
+            # restores from the ledger (snapshot + logged calls) and asks it again.
+            if request.function in MUTATING:
+                with contextlib.suppress(Exception):
+                    await self._recovery.forget(job_id)
+            raise
+        if recorded:
             self.applied += 1
             await self._recovery.committed(request, seq, epoch, ok)
 
