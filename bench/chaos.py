@@ -1,8 +1,10 @@
 """Chaos: kill -9 each kind of process at random points of a multi-job LoRA run.
 
-One local cluster (two workers), one undisturbed run of the fixed workload of
+One local cluster (two workers) on a Kafka broker and a Redis of its own (the shared
+pair is never touched), one undisturbed run of the fixed workload of
 `plexrl.faults` as the reference, then, per process kind, N runs of it with one
-process killed (SIGKILL) at a random moment and restarted with the same id. Each run
+process killed (SIGKILL) at a random moment and restarted with the same id (the broker
+and Redis on the same data). Each run
 is compared to the reference: calls lost (the client saw an error), optimizer steps
 applied twice (or skipped), jobs not bit-identical (losses or checkpoint bytes).
 
@@ -10,7 +12,8 @@ Recovery time of an injection: from the kill to the moment every job has finishe
 training step that was still to come at the kill, minus that step's undisturbed
 duration — the stall a job saw. Ends with one JSON line.
 
-    .venv/bin/python bench/chaos.py --injections 3 --kinds worker,scheduler,gateway,state-store
+    .venv/bin/python bench/chaos.py --injections 3 \
+        --kinds worker,scheduler,gateway,state-store,broker,redis
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ import tinker
 from plexrl.cluster import ClusterConfig, LocalCluster
 from plexrl.faults import JobOutcome, Workload, compare, run_workload
 from plexrl.models import init_tiny
+from plexrl.private_infra import Part, PrivateInfra
 
 KEY, TENANT = "tml-chaos", "chaos"
 KINDS = {
@@ -40,22 +43,18 @@ KINDS = {
     "scheduler": "scheduler",
     "gateway": "gateway",
     "state-store": "state-store",
+    "broker": "broker",
+    "redis": "redis",
 }
-"""Process kind -> service killed (for a worker: the one the first job runs on)."""
+"""Process kind -> what is killed (for a worker: the one the first job runs on)."""
+INFRA_PARTS: dict[str, Part] = {"broker": "broker", "redis": "redis"}
 # Service start-up imports torch and transformers: minutes on a busy 2-core machine.
 START_TIMEOUT_S = 600.0
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def inject(
     cluster: LocalCluster,
+    infra: PrivateInfra,
     service: Any,
     workload: Workload,
     blobs: Path,
@@ -76,8 +75,12 @@ def inject(
             killed["before"] = {s: len(t) for s, t in done_at.items()}
             killed["at"] = time.monotonic()
             killed["victim"] = victim
-        cluster.kill(victim)
-        cluster.restart(victim, START_TIMEOUT_S)
+        if victim in INFRA_PARTS:
+            infra.kill(INFRA_PARTS[victim])
+            infra.up()
+        else:
+            cluster.kill(victim)
+            cluster.restart(victim, START_TIMEOUT_S)
 
     def on_step(job: JobOutcome, step: int) -> None:
         with lock:
@@ -106,7 +109,7 @@ def cluster_home(cluster: LocalCluster, model_id: str) -> str | None:
     """The worker the job is homed on (from Redis)."""
     import redis
 
-    url = os.environ.get("PLEXRL_REDIS_URL", "redis://127.0.0.1:6379/0")
+    url = cluster.config.env["PLEXRL_REDIS_URL"]
     with redis.Redis.from_url(url) as store:
         raw = store.get(f"{cluster.config.cluster_id}:home:{model_id}")
     return None if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
@@ -115,7 +118,7 @@ def cluster_home(cluster: LocalCluster, model_id: str) -> str | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--injections", type=int, default=3, help="kills per process kind")
-    parser.add_argument("--kinds", default="worker,scheduler,gateway,state-store")
+    parser.add_argument("--kinds", default=",".join(KINDS))
     parser.add_argument("--steps", type=int, default=4, help="training steps per job")
     parser.add_argument("--seed", type=int, default=None, help="seed of the kill points")
     parser.add_argument("--worker-timeout-s", type=float, default=3.0)
@@ -129,21 +132,20 @@ def main() -> None:
     workload = Workload(steps=args.steps)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+    infra = PrivateInfra()
+    print(f"private kafka {infra.bootstrap}, redis {infra.redis_url}: starting", flush=True)
+    infra.up()
     with tempfile.TemporaryDirectory(prefix="plexrl-chaos-") as tmp:
         root = Path(tmp)
         init_tiny(root / "models" / "tiny-qwen3")
-        config = ClusterConfig(
-            model_registry=root / "models",
-            state_dir=root / "cluster",
-            cluster_id="chaos" + uuid.uuid4().hex[:8],
+        config = ClusterConfig.on_free_ports(
+            root / "models",
+            root / "cluster",
+            "chaos",
             workers=2,
-            gateway_port=free_port(),
-            scheduler_port=free_port(),
-            worker_port_base=free_port(),
-            state_store_port=free_port(),
             api_keys=f"{KEY}={TENANT}",
             worker_threads=1,
-            env={"PLEXRL_WORKER_TIMEOUT_S": str(args.worker_timeout_s)},
+            env={"PLEXRL_WORKER_TIMEOUT_S": str(args.worker_timeout_s), **infra.env()},
         )
         blobs = config.state_dir / "blobs"
         cluster = LocalCluster(config)
@@ -162,7 +164,7 @@ def main() -> None:
                 recovery: list[float] = []
                 for i in range(args.injections):
                     outcomes, stall_s, victim = inject(
-                        cluster, service, workload, blobs, kind, rng, step_s
+                        cluster, infra, service, workload, blobs, kind, rng, step_s
                     )
                     c = compare(reference, outcomes)
                     totals["lost"] += c.lost
@@ -178,6 +180,7 @@ def main() -> None:
                 }
         finally:
             cluster.stop()
+            infra.down()
     line = {
         "benchmark": "chaos",
         "seed": seed,

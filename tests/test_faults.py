@@ -1,8 +1,12 @@
-"""Fault suite: kill -9 a gpu-worker mid-run, replay old requests after their dedupe
-records are gone — every job's losses, step counters and checkpoint bytes must be
+"""Fault suite: kill -9 each kind of process mid-run — a gpu-worker, the scheduler, the
+gateway, the state-store, the Kafka broker, Redis — and replay old requests after their
+dedupe records are gone: every job's losses, step counters and checkpoint bytes must be
 exactly those of the undisturbed run, with no call lost (the client sees a delay).
 
-Two workers, two tiny LoRA jobs through the unmodified tinker SDK, a few steps each.
+Two workers, two tiny LoRA jobs through the unmodified tinker SDK, a few steps each, on
+a Kafka broker and a Redis of the module's own (the shared pair is never killed). The
+gateway's two crash windows are in tests/test_reliability_gateway.py; `bench/chaos.py`
+repeats these kills at more random points and reports recovery times.
 """
 
 from __future__ import annotations
@@ -13,7 +17,6 @@ import random
 import statistics
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,8 +36,8 @@ from plexrl.faults import (
     run_workload,
 )
 from plexrl.kafka import Publisher
+from plexrl.private_infra import PrivateInfra
 from plexrl.topics import Topics
-from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -45,29 +48,31 @@ START_TIMEOUT_S = 600.0
 
 
 @pytest.fixture(scope="module")
+def private_infra() -> Iterator[PrivateInfra]:
+    pair = PrivateInfra()
+    pair.up()
+    try:
+        yield pair
+    finally:
+        pair.down()
+
+
+@pytest.fixture(scope="module")
 def cluster(
-    infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
+    private_infra: PrivateInfra, tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    config = ClusterConfig(
-        model_registry=tiny_registry,
-        state_dir=tmp_path_factory.mktemp("faults"),
-        cluster_id="flt" + uuid.uuid4().hex[:8],
+    config = ClusterConfig.on_free_ports(
+        tiny_registry,
+        tmp_path_factory.mktemp("faults"),
+        "flt",
         workers=2,
-        gateway_port=free_port(),
-        scheduler_port=free_port(),
-        worker_port_base=free_port(),
-        state_store_port=free_port(),
         api_keys=f"{KEY}={TENANT}",
         worker_threads=1,
         # A dead worker is noticed after 3 s of silence (heartbeats every second).
-        env={"PLEXRL_WORKER_TIMEOUT_S": "3"},
+        env={"PLEXRL_WORKER_TIMEOUT_S": "3", **private_infra.env()},
     )
-    running = LocalCluster(config)
-    running.start(timeout_s=START_TIMEOUT_S)
-    try:
+    with LocalCluster(config) as running:  # stopped on the way out
         yield running
-    finally:
-        running.stop()
 
 
 @pytest.fixture(scope="module")
@@ -92,14 +97,19 @@ def reference(service: tinker.ServiceClient, blobs: Path) -> tuple[list[JobOutco
 
 
 def home_of(cluster: LocalCluster, model_id: str) -> str | None:
-    store = redis.Redis.from_url(os.environ.get("PLEXRL_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    store = redis.Redis.from_url(cluster.config.env["PLEXRL_REDIS_URL"])
     raw = store.get(f"{cluster.config.cluster_id}:home:{model_id}")
     store.close()
     return None if raw is None else _text(raw)
 
 
-def test_a_worker_killed_mid_run_changes_nothing(
+@pytest.mark.parametrize(
+    "kind", ["worker", "scheduler", "gateway", "state-store", "broker", "redis"]
+)
+def test_a_process_killed_mid_run_changes_nothing(
+    kind: str,
     cluster: LocalCluster,
+    private_infra: PrivateInfra,
     service: tinker.ServiceClient,
     blobs: Path,
     reference: tuple[list[JobOutcome], float],
@@ -113,16 +123,23 @@ def test_a_worker_killed_mid_run_changes_nothing(
 
     def kill(victim: str) -> None:
         time.sleep(delay_s)  # somewhere in the job's next step
+        if victim in ("broker", "redis"):
+            private_infra.kill("broker" if victim == "broker" else "redis")
+            killed.append(victim)
+            private_infra.up()  # on the same data
+            return
         cluster.kill(victim)
         killed.append(victim)
-        # It comes back with the same id while its jobs run elsewhere.
+        # It comes back with the same id (a worker: while its jobs run elsewhere).
         cluster.restart(victim, START_TIMEOUT_S)
 
     killer: list[threading.Thread] = []
 
     def on_step(job: JobOutcome, step: int) -> None:
         if job.seed == WORKLOAD.seeds[0] and step == first_step:
-            victim = home_of(cluster, job.model_id) or "worker-0"
+            victim = kind
+            if kind == "worker":  # the one the job runs on
+                victim = home_of(cluster, job.model_id) or "worker-0"
             killer.append(threading.Thread(target=kill, args=(victim,)))
             killer[0].start()
 
@@ -148,11 +165,13 @@ def test_old_requests_replayed_after_their_dedupe_records_expired_apply_nothing(
     done = run_job(service, WORKLOAD, WORKLOAD.seeds[0], blobs, TENANT)
     assert not done.errors and done.checkpoint_sha256 == expected.checkpoint_sha256
 
-    store = redis.Redis.from_url(os.environ.get("PLEXRL_REDIS_URL", "redis://127.0.0.1:6379/0"))
+    store = redis.Redis.from_url(cluster.config.env["PLEXRL_REDIS_URL"])
     cid = cluster.config.cluster_id
     expired = list(store.scan_iter(match=f"{cid}:done:*"))
     store.delete(*expired)  # as if their 24 h had passed
-    replayed = asyncio.run(_replay_requests(cid, done.model_id))
+    replayed = asyncio.run(
+        _replay_requests(cluster.config.env["PLEXRL_KAFKA_BOOTSTRAP"], cid, done.model_id)
+    )
     assert len(replayed) >= 2 * WORKLOAD.steps + 2  # create, the steps, the save
 
     # Each replayed call is answered again (from the job's ledger), none is rerun.
@@ -170,11 +189,10 @@ def test_old_requests_replayed_after_their_dedupe_records_expired_apply_nothing(
     assert again == expected.checkpoint_sha256, "a replayed optimizer step was applied again"
 
 
-async def _replay_requests(cluster_id: str, job_id: str) -> list[str]:
+async def _replay_requests(bootstrap: str, cluster_id: str, job_id: str) -> list[str]:
     """Publish again, as they were, every request of the job the requests topic holds."""
     from plexrl.messages import PhaseRequest, decode
 
-    bootstrap = os.environ.get("PLEXRL_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
     topic = Topics(cluster_id).requests
     consumer = AIOKafkaConsumer(
         topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None
