@@ -249,6 +249,10 @@ class LocalCluster:
         """The services of this cluster: `state-store`, `scheduler`, `worker-<i>`, `gateway`."""
         return [p.name for p in self._procs]
 
+    def pid(self, name: str) -> int:
+        """The process id of one service (e.g. to watch its memory)."""
+        return self._proc(name).process.pid
+
     def kill(self, name: str) -> None:
         """SIGKILL one service (`kill -9`: no clean-up, as in a crash); `restart` revives it."""
         proc = self._proc(name)
