@@ -59,7 +59,7 @@ def job_loop(
                 sampler.sample(prompt, 4, params).result()
                 tally["samples"] += 1
             if step % args.save_every == args.save_every - 1:
-                client.save_state(f"soak-{seed}").result()
+                client.save_state(f"soak-{seed}-{step}").result()  # names are unique
                 tally["saves"] += 1
             tally["steps"] += 1
         except Exception as exc:  # the client saw an error: count it, keep going
