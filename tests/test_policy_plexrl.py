@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from plexrl.messages import Function, Tier
@@ -139,6 +141,49 @@ def test_a_bigger_budget_packs_deeper():
     )
     assert admits(plan(s, PolicyConfig(name="plexrl", slowdown_budget=0.02))) == {"new": "g1"}
     assert admits(plan(s, PolicyConfig(name="plexrl", slowdown_budget=0.5))) == {"new": "g0"}
+
+
+FIXED = PolicyConfig(name="plexrl", pack=False)
+
+
+def test_in_a_fixed_pool_jobs_go_where_they_slow_the_others_least():
+    # Packing would put "new" beside x (fullest within a generous budget); in a fixed
+    # pool g1 is held anyway, and alone there "new" slows nobody.
+    s = snap(
+        [worker("g0"), worker("g1")],
+        [job("x", "g0", duty=0.3), job("new", duty=0.3)],
+        [call("new", 1.0)],
+    )
+    assert admits(plan(s, PolicyConfig(name="plexrl", slowdown_budget=0.5))) == {"new": "g0"}
+    assert admits(plan(s, replace(FIXED, slowdown_budget=0.5))) == {"new": "g1"}
+
+
+def test_in_a_fixed_pool_four_alike_jobs_split_two_and_two_and_none_waits():
+    jobs = [job(f"j{i}", duty=0.5) for i in range(4)]
+    s = snap([worker("g0"), worker("g1")], jobs, [call(f"j{i}", float(i)) for i in range(4)])
+    placed = admits(plan(s, FIXED))
+    assert sorted(placed) == ["j0", "j1", "j2", "j3"]  # nobody waits, though loads reach 1
+    assert sorted(placed.values()) == ["g0", "g0", "g1", "g1"]
+
+
+def test_in_a_fixed_pool_a_stopped_job_weighs_nothing():
+    # A job with duty 0 (the live scheduler's view of one that stopped calling) adds no
+    # predicted slowdown: the newcomer joins it rather than the busy group.
+    s = snap(
+        [worker("g0"), worker("g1")],
+        [job("busy", "g0", duty=0.4), job("done", "g1", duty=0.0), job("new", duty=0.4)],
+        [call("new", 1.0)],
+    )
+    assert admits(plan(s, FIXED)) == {"new": "g1"}
+
+
+def test_in_a_fixed_pool_a_job_waits_only_for_memory():
+    s = snap(
+        [worker("g0", device_gb=10)],
+        [job("x", "g0", duty=0.9, state=400 * GB), job("new", duty=0.9, state=20 * GB)],
+        [call("new", 1.0)],
+    )
+    assert admits(plan(s, FIXED)) == {}
 
 
 def test_dispatch_prefers_the_resident_job_at_equal_wait():

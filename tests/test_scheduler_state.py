@@ -157,7 +157,7 @@ async def test_calls_wait_for_a_worker_instead_of_failing() -> None:
     async def finished(_: object) -> None:
         raise AssertionError("nothing may be answered yet")
 
-    actuator = Actuator(state, None, None, None, finished, None)  # type: ignore[arg-type]
+    actuator = Actuator(state, None, None, None, None, finished, None)  # type: ignore[arg-type]
     await actuator.carry_out((reject,))
     assert "r1" in state.pending and "j" in state.jobs
 
@@ -338,3 +338,29 @@ def test_a_late_tail_event_is_ignored_and_a_lost_worker_requeues_its_tails() -> 
     state.on_worker_lost("w0")
     assert list(state.pending) == ["a2", "b1", "c1"]  # the tail's calls, then the dispatch's
     assert not state.tails and not state.inflight
+
+
+def test_a_job_silent_for_a_minute_weighs_nothing_and_lends_no_figures() -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock, worker_timeout_s=1e9)
+    state.on_heartbeat(beat("w0"))
+    state.add_job("old", "t", JobSpec(base_model="m"), home=None)
+    state.apply_admit("old", "w0")
+    for i in range(4):  # busy 4 s of every 5 s for 20 s
+        state.on_request(req(f"r{i}", "old"), delivery(i))
+        state.apply_run(f"d{i}", "w0", "old", state.take_pending((f"r{i}",)), ())
+        clock.t += 4
+        state.on_completion(done(f"r{i}", "old", compute_s=4.0))
+        clock.t += 1
+    state.add_job("new", "t", JobSpec(base_model="m"), home=None)
+    view = state.snapshot()
+    assert view.jobs["old"].duty_cycle == pytest.approx(0.8)
+    assert view.jobs["new"].duty_cycle == pytest.approx(0.8)  # its kind's figure
+    clock.t += 61  # the old job's client has gone quiet; the new one waits unhomed
+    view = state.snapshot()
+    assert state.dormant(clock.t) == {"old"}
+    assert view.jobs["old"].duty_cycle == 0.0
+    assert view.jobs["new"].duty_cycle == 0.5  # no active job of its kind to borrow from
+    state.on_request(req("r9", "old"), delivery(9))  # its next call wakes it
+    assert state.dormant(clock.t) == set()
+    assert state.snapshot().jobs["old"].duty_cycle > 0.0

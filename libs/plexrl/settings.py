@@ -65,6 +65,11 @@ class SchedulerSettings(CommonSettings):
     policy: str = "fifo"
     # Most consecutive calls of one job sent to a worker in one dispatch.
     max_calls_per_run: int = 8
+    # The plexrl policy's placement (`PolicyConfig.pack`): false for a fixed pool, whose
+    # workers are held whether they run anything or not (new jobs go where they slow
+    # the others least); true packs jobs onto the fullest worker within the slowdown
+    # budget, so whole workers stay free (worth it only if idle workers are released).
+    pack_groups: bool = False
     # A worker whose last heartbeat is older than this is treated as down (its jobs
     # are re-homed and restored elsewhere). Heartbeats come every second; a false alarm
     # costs a restore, never a wrong result (the old home is fenced off).

@@ -20,6 +20,14 @@ class PolicyConfig:
     """The plexrl policy admits a job onto a shared group only while the mean predicted
     step-time slowdown of the jobs there stays within this fraction (and no job's
     exceeds twice it)."""
+    pack: bool = True
+    """How the plexrl policy places a new job. True: on the *fullest* group where every
+    job stays within `slowdown_budget`, else an empty group, else it waits, so whole
+    groups stay free for later jobs (a cluster whose idle groups cost nothing, as the
+    simulator's occupied cost counts them). False, for a fixed pool whose groups are
+    held whether they run anything or not (the live scheduler's default): on the group
+    where the jobs' predicted mean slowdown after adding it is least, never waiting
+    while a group can hold its state; packing there would only lengthen the makespan."""
     switch_weight: float = 1.0
     """How strongly the plexrl policy's dispatch discounts a job by the seconds needed
     to bring its state onto the device (0: ignore switch cost)."""

@@ -18,6 +18,9 @@ of the jobs' step times (and none exceeds twice the budget). Jobs whose busy per
 rarely coincide (low duty cycles, short calls) stack deep; jobs with long calls get
 fewer neighbours. When no shared group is within budget the job takes an empty group,
 and when none is empty it waits while later jobs that do fit are admitted past it.
+That packing pays where an idle group costs nothing (it is released); in a fixed pool
+(`PolicyConfig.pack` False) the job goes where the predicted mean slowdown after adding
+it is least, and waits only while no group can hold its state.
 
 The interference model. A job's step is a sequence of *phases* (its sample, then its
 training calls, which arrive together); phase x of job i meets neighbour k (step period
@@ -176,7 +179,8 @@ class _Group:
 
 class InterferenceFit:
     """Placement: the fullest group of the job's size class where the jobs stay within
-    budget; else an empty group; else None (wait).
+    budget; else an empty group; else None (wait). With `pack` False (a fixed pool):
+    the group where the mean predicted slowdown after adding the job is least.
 
     One instance serves one admission pass (`admit_waiting`), which admits the job
     wherever this returns: it caches job figures, size classes and group totals, and
@@ -184,8 +188,9 @@ class InterferenceFit:
     group costs arithmetic, not snapshot scans.
     """
 
-    def __init__(self, budget: float) -> None:
+    def __init__(self, budget: float, pack: bool = True) -> None:
         self.budget = budget
+        self.pack = pack
         self._figures: dict[str, Figures] = {}
         self._shapes: dict[tuple[tuple[int, ...], int], int] = {}
         self._representatives: list[Figures] = []
@@ -235,6 +240,32 @@ class InterferenceFit:
             total += slow
         return total / (len(group.members) + 1) <= self.budget
 
+    def _mean_adding(self, group: _Group, fig: Figures) -> float:
+        """The mean predicted slowdown of `group`'s jobs with `fig` added (inf when the
+        group's load would reach 1: it would not drain)."""
+        if not group.members:
+            return 0.0
+        pair = self.pair
+        total = _slowdown(fig, sum(pair(fig, other) for other in group.members), group.load)
+        for other, waits in zip(group.members, group.waits, strict=True):
+            total += _slowdown(other, waits + pair(other, fig), group.load - other.duty + fig.duty)
+        return total / (len(group.members) + 1)
+
+    def _least_slowed(self, snapshot: ClusterSnapshot, job: JobView, fig: Figures) -> str | None:
+        best: tuple[float, float, int, int] | None = None
+        chosen: WorkerView | None = None
+        for i, worker in enumerate(self._size_class(snapshot, job)):
+            group = self._group(snapshot, worker.worker_id)
+            if group.reserved + job.state_bytes > worker.device_bytes + worker.host_bytes:
+                continue
+            key = (self._mean_adding(group, fig), group.load, len(group.members), i)
+            if best is None or key < best:
+                best, chosen = key, worker
+        if chosen is None:
+            return None
+        self._groups[chosen.worker_id].add(fig, job.state_bytes, self.pair)
+        return chosen.worker_id
+
     def _group(self, snapshot: ClusterSnapshot, worker_id: str) -> _Group:
         group = self._groups.get(worker_id)
         if group is None:
@@ -250,9 +281,11 @@ class InterferenceFit:
         return self._classes[key]
 
     def __call__(self, snapshot: ClusterSnapshot, job: JobView) -> str | None:
+        fig = self.figures(job)
+        if not self.pack:
+            return self._least_slowed(snapshot, job, fig)
         empty: WorkerView | None = None
         shared: list[tuple[float, int, WorkerView, _Group]] = []
-        fig = self.figures(job)
         for i, worker in enumerate(self._size_class(snapshot, job)):
             group = self._group(snapshot, worker.worker_id)
             if group.reserved + job.state_bytes > worker.device_bytes + worker.host_bytes:
@@ -346,7 +379,7 @@ def plan_plexrl(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
     actions: list[Action] = []
     if waiting_jobs(snapshot):  # (most plans only dispatch: no placement to set up)
         admitted, snapshot = admit_waiting(
-            snapshot, InterferenceFit(config.slowdown_budget), backfill=True
+            snapshot, InterferenceFit(config.slowdown_budget, config.pack), backfill=True
         )
         actions.extend(admitted)
     order = partial(shortest_remaining_first, switch_weight=config.switch_weight)

@@ -31,7 +31,11 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
     topics, meta, publisher = await join_cluster(settings, "plexrl-scheduler")
     state = ClusterState(worker_timeout_s=settings.worker_timeout_s)
     await restore(state, meta)
-    policy = PolicyConfig(name=settings.policy, max_calls_per_run=settings.max_calls_per_run)
+    policy = PolicyConfig(
+        name=settings.policy,
+        max_calls_per_run=settings.max_calls_per_run,
+        pack=settings.pack_groups,
+    )
     receiver = Receiver(state, meta)
     ledger = Ledger(meta.redis, settings.cluster_id)
     actuator = Actuator(state, publisher, meta, topics, finished=receiver.finished, ledger=ledger)

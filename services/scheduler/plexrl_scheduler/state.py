@@ -37,6 +37,11 @@ Clock = Callable[[], float]
 
 # Wall time a job must have been seen for before its measured duty cycle is used.
 _MIN_HISTORY_S = 5.0
+# A job that has made no call for this long, has none waiting or running and no idle
+# hint in force is taken to have stopped (a finished run, a closed client): it keeps its
+# home and its state, but adds no load to its group when jobs are placed (its duty cycle
+# reads 0) and lends no figures to newcomers. Its next call wakes it.
+_DORMANT_S = 60.0
 
 Kind = tuple[str, str, bool]
 
@@ -308,8 +313,24 @@ class ClusterState:
             await asyncio.wait_for(self._changed.wait(), timeout_s)
         self._changed.clear()
 
+    def dormant(self, now: float) -> set[str]:
+        """Jobs taken to have stopped (`_DORMANT_S`)."""
+        active = {p.request.job_id for p in self.pending.values()}
+        active |= {run.job_id for run in self.inflight.values()}
+        active |= {p.request.job_id for tail in self.tails.values() for p in tail.calls}
+        return {
+            jid
+            for jid, job in self.jobs.items()
+            if jid not in active
+            and job.home is not None
+            and job.idle_until <= now
+            and now - max(job.last_active, job.history.first_seen or 0.0) > _DORMANT_S
+        }
+
     @staticmethod
-    def _view(job: JobState, now: float, learned: dict[Kind, Prior], pinned: bool) -> JobView:
+    def _view(
+        job: JobState, now: float, learned: dict[Kind, Prior], pinned: bool, dormant: bool
+    ) -> JobView:
         seen = describe(job.history, learned.get(job.kind), now, _MIN_HISTORY_S)
         return JobView(
             job_id=job.job_id,
@@ -320,7 +341,7 @@ class ClusterState:
             last_active=job.last_active,
             idle_until=job.idle_until,
             estimates=CallEstimates(seen.durations),
-            duty_cycle=seen.duty_cycle,
+            duty_cycle=0.0 if dormant else seen.duty_cycle,
             step_calls=seen.step_calls,
             pinned=pinned,
             tenant=job.tenant,
@@ -344,14 +365,22 @@ class ClusterState:
             )
             for wid, w in self.workers.items()
         }
-        learned = priors(((j.kind, j.history) for j in self.jobs.values()), now, _MIN_HISTORY_S)
+        dormant = self.dormant(now)
+        learned = priors(
+            ((j.kind, j.history) for jid, j in self.jobs.items() if jid not in dormant),
+            now,
+            _MIN_HISTORY_S,
+        )
         pinned = {
             p.request.job_id
             for tail in self.tails.values()
             for p in tail.calls
             if p.request.request_id in tail.remaining
         }
-        jobs = {jid: self._view(j, now, learned, jid in pinned) for jid, j in self.jobs.items()}
+        jobs = {
+            jid: self._view(j, now, learned, jid in pinned, jid in dormant)
+            for jid, j in self.jobs.items()
+        }
         pending = tuple(
             PendingCall(rid, p.request.job_id, p.request.function, p.request.arrival_time)
             for rid, p in self.pending.items()
