@@ -3,7 +3,9 @@
 One local cluster (two workers, the shared Kafka and Redis), `--jobs` LoRA jobs through
 the unmodified tinker SDK, each looping: forward_backward + optim_step, and every
 `--sample-every` steps a sampler save and a sample call (4 × 16 tokens), and every
-`--save-every` steps a `save_state`. Every `--every-s` seconds it records the resident
+`--save-every` steps a `save_state`, then `--pause-s` idle (a reward stall: RL jobs
+wait on rollouts and rewards, and a soak that kept both cores busy would starve the
+services' own loops rather than show their memory). Every `--every-s` seconds it records the resident
 memory of each service (and of Redis: `used_memory`). Growth is the mean of the last
 quarter of the samples against the mean of the second quarter (the first is warm-up:
 imports, first allocations, caches filling). Errors seen by the clients are counted.
@@ -62,6 +64,7 @@ def job_loop(
                 client.save_state(f"soak-{seed}-{step}").result()  # names are unique
                 tally["saves"] += 1
             tally["steps"] += 1
+            time.sleep(args.pause_s)
         except Exception as exc:  # the client saw an error: count it, keep going
             tally["errors"] += 1
             print(f"job {seed} step {step}: {type(exc).__name__}: {exc}", flush=True)
@@ -93,6 +96,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=3)
     parser.add_argument("--sample-every", type=int, default=4, help="steps between samples")
     parser.add_argument("--save-every", type=int, default=10, help="steps between save_state")
+    parser.add_argument("--pause-s", type=float, default=1.0, help="idle seconds per step")
     parser.add_argument("--every-s", type=float, default=30.0, help="seconds between readings")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -138,6 +142,7 @@ def main() -> None:
         "benchmark": "soak",
         "minutes": args.minutes,
         "jobs": args.jobs,
+        "pause_s": args.pause_s,
         **tally,
         "readings": len(memory["gateway"]),
         "rss_mib_last": {n: round(v[-1], 1) for n, v in memory.items() if v},

@@ -69,7 +69,9 @@ def parse() -> argparse.Namespace:
     p.add_argument(
         "--policy",
         default="fifo",
-        help="the scheduler's policy (fifo, pack, spread, spread-backfill, plexrl)",
+        help="the scheduler's policy (fifo, pack, spread, spread-backfill, plexrl), or a\n"
+        "comma list (fifo,plexrl): the shared run once per policy, each on a fresh\n"
+        "cluster, against the one dedicated baseline, side by side",
     )
     p.add_argument("--state-dir", type=Path, default=ROOT / ".plexrl" / "demo")
     p.add_argument("--registry", type=Path, default=ROOT / ".plexrl" / "models")
@@ -78,43 +80,85 @@ def parse() -> argparse.Namespace:
 
 def main() -> int:
     args = parse()
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    from plexrl.policy import POLICIES
+
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or not policies:
+        print(f"unknown policy {unknown}; choose from {sorted(POLICIES)}", file=sys.stderr)
+        return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     ensure_model(args.registry)
+
+    total = 1 + len(policies)
+    print(f"\n[1/{total}] dedicated baseline: each job alone, one worker to itself", flush=True)
+    with start_cluster(args, policies[0], "dedicated") as cluster:
+        alone = [run_jobs(cluster, args, [i])[0][0] for i in range(args.jobs)]
+    summaries = []
+    for n, policy in enumerate(policies, start=2):
+        print(
+            f"\n[{n}/{total}] PlexRL, policy {policy}: {args.jobs} jobs at once on "
+            f"{args.workers} workers (a fresh cluster)",
+            flush=True,
+        )
+        with start_cluster(args, policy, policy) as cluster:
+            shared, makespan = run_jobs(cluster, args, list(range(args.jobs)))
+            summaries.append(summarize(cluster, alone, shared, makespan, args, policy))
+    if len(summaries) > 1:
+        side_by_side(summaries)
+    line = dict(summaries[0])
+    if len(summaries) > 1:
+        line["runs"] = [{k: v for k, v in s.items() if k != "jobs"} for s in summaries]
+    print(json.dumps(line))
+    problems = [p for s in summaries for p in verdict(s)]
+    for problem in problems:
+        print(f"FAILED: {problem}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+def start_cluster(args: argparse.Namespace, policy: str, phase: str) -> LocalCluster:
+    """A fresh cluster of `args.workers` workers under `policy` (one per phase, so no
+    phase's jobs, history or placement carry into the next)."""
     from plexrl.models import ModelRegistry
 
     job_bytes = ModelRegistry(args.registry).info("plexrl/tiny-qwen3").state_bytes(16)
     config = ClusterConfig(
         model_registry=args.registry,
-        state_dir=args.state_dir,
-        cluster_id="demo-" + uuid.uuid4().hex[:8],
+        state_dir=args.state_dir / phase,
+        cluster_id=f"demo-{phase}-" + uuid.uuid4().hex[:8],
         workers=args.workers,
         api_keys=f"{API_KEY}=demo",
         worker_device_bytes=int(job_bytes * args.device_jobs),
         worker_threads=1,
-        policy=args.policy,
+        policy=policy,
     )
     print(
-        f"starting PlexRL: {args.workers} workers, policy {args.policy}, "
-        f"gateway {config.gateway_url}",
+        f"starting PlexRL: {args.workers} workers, policy {policy}, gateway {config.gateway_url}",
         flush=True,
     )
-    with LocalCluster(config) as cluster:
+    cluster = LocalCluster(config)
+    print(
+        f"watch it live: {config.gateway_url}/dashboard?key={API_KEY}  or  "
+        f".venv/bin/plexrl top --url {config.gateway_url} --key {API_KEY}",
+        flush=True,
+    )
+    return cluster
+
+
+def side_by_side(summaries: list[dict[str, Any]]) -> None:
+    print()
+    print(
+        f"{'policy':>16} {'saved':>7} {'mean slowdown':>14} {'makespan s':>11} "
+        f"{'busy device-s':>14} {'swapped calls':>14} {'same as alone':>14}"
+    )
+    for s in summaries:
+        same = f"{sum(j['same_as_alone'] for j in s['jobs'])} of {len(s['jobs'])}"
         print(
-            f"watch it live: {config.gateway_url}/dashboard?key={API_KEY}  or  "
-            f".venv/bin/plexrl top --url {config.gateway_url} --key {API_KEY}",
-            flush=True,
+            f"{s['policy']:>16} {s['savings_fraction']:>7.1%} {s['mean_slowdown']:>14.3f} "
+            f"{s['makespan_s']:>11.1f} {s['busy_device_s']:>14.1f} {s['swapped_calls']:>14} "
+            f"{same:>14}"
         )
-        print("\n[1/2] dedicated baseline: each job alone, one worker to itself", flush=True)
-        alone = [run_jobs(cluster, args, [i])[0][0] for i in range(args.jobs)]
-        print(f"\n[2/2] PlexRL: {args.jobs} jobs at once on {args.workers} workers", flush=True)
-        shared, makespan = run_jobs(cluster, args, list(range(args.jobs)))
-        summary = summarize(cluster, alone, shared, makespan, args)
-    print(json.dumps(summary))
-    problems = verdict(summary)
-    for problem in problems:
-        print(f"FAILED: {problem}", file=sys.stderr)
-    return 1 if problems else 0
 
 
 def verdict(summary: dict[str, Any]) -> list[str]:
@@ -123,14 +167,15 @@ def verdict(summary: dict[str, Any]) -> list[str]:
     for j in summary["jobs"]:
         if j["reward_last"] - j["reward_first"] < CLEAR_GAIN:
             problems.append(
-                f"job {j['job']}'s reward did not rise by {CLEAR_GAIN} ({j['reward_first']:.3f} "
-                f"in its first RL steps, {j['reward_last']:.3f} in its last): the recipe did "
-                "not learn here; bench/demo_robustness.py checks it across seeds"
+                f"{summary['policy']}: job {j['job']}'s reward did not rise by {CLEAR_GAIN} "
+                f"({j['reward_first']:.3f} in its first RL steps, {j['reward_last']:.3f} in its "
+                "last): the recipe did not learn here; bench/demo_robustness.py checks it "
+                "across seeds"
             )
         if not j["same_as_alone"]:
             problems.append(
-                f"job {j['job']}'s rewards or losses differ from its run alone: "
-                "multiplexing changed what it learned"
+                f"{summary['policy']}: job {j['job']}'s rewards or losses differ from its run "
+                "alone: multiplexing changed what it learned"
             )
     return problems
 
@@ -183,6 +228,7 @@ def summarize(
     shared: list[JobResult],
     makespan: float,
     args: argparse.Namespace,
+    policy: str,
 ) -> dict[str, Any]:
     url = cluster.config.gateway_url
     jobs: list[dict[str, Any]] = []
@@ -228,6 +274,7 @@ def summarize(
     print(f"savings:   {1 - pool / dedicated:.1%} of device-time, same training steps")
     return {
         "benchmark": "rlvr_demo",
+        "policy": policy,
         "jobs": jobs,
         "workers": args.workers,
         "makespan_s": round(makespan, 2),
