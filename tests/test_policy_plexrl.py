@@ -216,6 +216,26 @@ def test_dispatch_runs_the_least_remaining_work_first():
     assert run.job_id == "b"
 
 
+def test_tenants_take_turns_and_least_work_orders_each_tenants_own_jobs():
+    # Tenant x has two jobs with short calls and was served last; tenant y's long call
+    # goes first, then x's shortest.
+    jobs = [
+        job("x1", "g0", tenant="x", last_active=90.0),
+        job("x2", "g0", tenant="x", last_active=80.0),
+        job("y", "g0", tenant="y", last_active=10.0),
+    ]
+    calls = [
+        call("x1", 50.0, Function.OPTIM_STEP),
+        call("x2", 51.0, Function.SAVE),
+        call("y", 60.0, Function.SAMPLE),
+    ]
+    (run,) = [a for a in plan(snap([worker("g0")], jobs, calls), CFG) if isinstance(a, Run)]
+    assert run.job_id == "y"
+    served = [replace(j, last_active=99.0) if j.job_id == "y" else j for j in jobs]
+    (run,) = [a for a in plan(snap([worker("g0")], served, calls), CFG) if isinstance(a, Run)]
+    assert run.job_id == "x1"  # both x's calls are 5 s; the older one first
+
+
 def test_switch_cost_counts_as_remaining_work():
     here_est = CallEstimates({Function.SAVE: 7.0})
     slow_disk = snap(

@@ -32,15 +32,21 @@ def tenants_in_turn(
 ) -> Sequence[JobView]:
     """The tenant served longest ago first; within it, the job whose oldest call arrived
     first."""
-    served: dict[str, float] = {}
-    for job in snapshot.jobs.values():
-        served[job.tenant] = max(served.get(job.tenant, 0.0), job.last_active)
+    served = last_served(snapshot)
 
     def key(job: JobView) -> tuple[float, float, str]:
         first = snapshot.calls_view(job.job_id)[0].arrival_time
         return (served[job.tenant], first, job.job_id)
 
     return sorted(jobs, key=key)
+
+
+def last_served(snapshot: ClusterSnapshot) -> dict[str, float]:
+    """Per tenant, the latest end of any of its jobs' calls (0: never served)."""
+    served: dict[str, float] = {}
+    for job in snapshot.jobs.values():
+        served[job.tenant] = max(served.get(job.tenant, 0.0), job.last_active)
+    return served
 
 
 def plan_fifo(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:

@@ -60,6 +60,7 @@ from plexrl.policy.common import (
     waiting_jobs,
 )
 from plexrl.policy.config import PolicyConfig
+from plexrl.policy.fifo import last_served
 from plexrl.policy.snapshot import ClusterSnapshot, JobView, WorkerView
 
 _TRAIN = (Function.FORWARD_BACKWARD, Function.OPTIM_STEP, Function.SAVE)
@@ -320,7 +321,11 @@ def shortest_remaining_first(
 ) -> Sequence[JobView]:
     """Least remaining work first: the expected seconds of the job's pending calls plus
     `switch_weight` times the seconds to bring its state onto the device; ties to the
-    resident job, then the oldest call."""
+    resident job, then the oldest call.
+
+    When jobs of several tenants are ready, tenants take turns first (the one served
+    longest ago, as `fifo` does) and least remaining work orders each tenant's own jobs:
+    short calls of one tenant never hold back another's beyond one dispatch each."""
     if len(jobs) < 2:
         return jobs
 
@@ -331,7 +336,11 @@ def shortest_remaining_first(
         resident = 0 if job.tier == Tier.DEVICE else 1
         return (service + switch_weight * switch, resident, calls[0].arrival_time, job.job_id)
 
-    return sorted(jobs, key=key)
+    first = jobs[0].tenant
+    if all(job.tenant == first for job in jobs):
+        return sorted(jobs, key=key)
+    served = last_served(snapshot)
+    return sorted(jobs, key=lambda job: (served[job.tenant], key(job)))
 
 
 def prefetches(snapshot: ClusterSnapshot, config: PolicyConfig, runs: list[Run]) -> list[Prefetch]:
