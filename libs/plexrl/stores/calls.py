@@ -1,0 +1,103 @@
+"""A call's life in Redis: its future, its completion, the client's retry key, its job's
+seq cursor; and payloads too big to travel inline."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+
+import msgspec
+
+from plexrl.messages import PayloadRef, PhaseCompletion, decode, encode
+from plexrl.stores.redis import RedisStore, raw_bytes, text
+
+
+class FutureRecord(msgspec.Struct, frozen=True):
+    request_id: str
+    tenant: str
+    job_id: str
+    function: str
+    created_at: float
+    """Wall-clock seconds when the gateway accepted it."""
+    response_kind: str = ""
+    """How the gateway renders the result for the client (API-specific)."""
+    response_context: dict[str, str] = {}
+    traceparent: str = ""
+    """W3C traceparent of the API call's span: `retrieve_future` spans link to it."""
+
+
+class CallStore(RedisStore):
+    """Futures, completions, retry keys and seq cursors; each lives `ttl_s`. Keys:
+    `future:<request>`, `done:<request>`, `idem:<retry key>`, `seq:<job>`."""
+
+    # Futures and results ------------------------------------------------------
+
+    async def put_future(self, future: FutureRecord) -> None:
+        await self._redis.set(
+            self._k("future", future.request_id), encode(future), ex=self._keys.ttl_s
+        )
+
+    async def get_future(self, request_id: str) -> FutureRecord | None:
+        return await self._get(self._k("future", request_id), FutureRecord)
+
+    async def record_completion(self, completion: PhaseCompletion) -> PhaseCompletion:
+        """Record a call's completion once; returns the record that stands (first wins)."""
+        key = self._k("done", completion.request_id)
+        if await self._redis.set(key, encode(completion), ex=self._keys.ttl_s, nx=True):
+            return completion
+        existing = await self.get_completion(completion.request_id)
+        return existing if existing is not None else completion
+
+    async def get_completion(self, request_id: str) -> PhaseCompletion | None:
+        return await self._get(self._k("done", request_id), PhaseCompletion)
+
+    async def get_completions(self, request_ids: Iterable[str]) -> dict[str, PhaseCompletion]:
+        ids = list(request_ids)
+        if not ids:
+            return {}
+        raws = await self._redis.mget([self._k("done", i) for i in ids])
+        return {
+            i: decode(raw_bytes(r), PhaseCompletion) for i, r in zip(ids, raws, strict=True) if r
+        }
+
+    # Client retries and per-job call order -----------------------------------
+
+    async def claim_request(self, key: str, request_id: str) -> str:
+        """Bind a client's retry key to a request id once; returns the id that stands."""
+        k = self._k("idem", key)
+        if await self._redis.set(k, request_id, ex=self._keys.ttl_s, nx=True):
+            return request_id
+        existing = await self._redis.get(k)
+        return request_id if existing is None else text(existing)
+
+    async def claimed_request(self, key: str) -> str | None:
+        raw = await self._redis.get(self._k("idem", key))
+        return None if raw is None else text(raw)
+
+    async def release_request(self, key: str, request_id: str) -> None:
+        """Undo a claim that was never published, so a retry can claim the key again."""
+        if await self.claimed_request(key) == request_id:
+            await self._redis.delete(self._k("idem", key))
+
+    async def get_next_seq(self, job_id: str) -> int | None:
+        """The next seq_id the gateway will publish for a job (None: never recorded)."""
+        raw = await self._redis.get(self._k("seq", job_id))
+        return None if raw is None else int(raw)
+
+    async def set_next_seq(self, job_id: str, next_seq: int) -> None:
+        await self._redis.set(self._k("seq", job_id), next_seq, ex=self._keys.ttl_s)
+
+
+class PayloadStore(RedisStore):
+    """Payloads sent by reference (`payload:<uuid>`), each stored once for `ttl_s`."""
+
+    async def put_payload(self, data: bytes) -> PayloadRef:
+        key = uuid.uuid4().hex
+        await self._redis.set(self._k("payload", key), data, ex=self._keys.ttl_s)
+        return PayloadRef(key=key, size=len(data))
+
+    async def get_payload(self, ref: PayloadRef) -> bytes:
+        data = await self._redis.get(self._k("payload", ref.key))
+        if data is None:
+            raise KeyError(f"payload {ref.key} expired or never stored")
+        return raw_bytes(data)
