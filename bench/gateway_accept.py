@@ -19,8 +19,9 @@ import uuid
 from typing import Any
 
 from plexrl.messages import AdamParams, Function, OptimStepInput
-from plexrl.meta import MetaStore
+from plexrl.stores import Stores
 from plexrl.topics import Topics
+from plexrl_gateway.outbox import Outbox
 from plexrl_gateway.render import ResponseKind
 from plexrl_gateway.sequencer import Sequencer
 from plexrl_gateway.submitter import Call, Submission, Submitter, ready
@@ -39,11 +40,19 @@ class Instant:
 async def run(calls: int) -> dict[str, Any]:
     cluster = "bench-" + uuid.uuid4().hex[:8]
     url = os.environ.get("PLEXRL_REDIS_URL", "redis://127.0.0.1:6379/0")
-    meta = MetaStore.from_url(url, cluster, 600)
-    submitter = Submitter(meta, Instant(), Topics(cluster), Sequencer(meta, 30.0), 512 * 1024)
+    stores = Stores.from_url(url, cluster, 600)
+    submitter = Submitter(
+        stores.calls,
+        stores.payloads,
+        Outbox(stores.keys),
+        Instant(),
+        Topics(cluster),
+        Sequencer(stores.calls, 30.0),
+        512 * 1024,
+    )
     call = Call(Function.OPTIM_STEP, OptimStepInput(adam=AdamParams()), ResponseKind.OPTIM_STEP)
     times: list[float] = []
-    before = await _commands(meta)
+    before = await _commands(stores)
     try:
         for seq in range(calls):
             sub = Submission("model-1", "bench", seq, retry_key=f"model-1:{seq}")
@@ -51,12 +60,12 @@ async def run(calls: int) -> dict[str, Any]:
             await submitter.submit(sub, ready(call))
             times.append((time.perf_counter() - start) * 1000)
         # Exact on a Redis of its own (PLEXRL_REDIS_URL); others' commands count too.
-        per_call = (await _commands(meta) - before - 1) / calls
+        per_call = (await _commands(stores) - before - 1) / calls
     finally:
-        keys = [k async for k in meta.redis.scan_iter(match=f"{cluster}:*", count=1000)]
+        keys = [k async for k in stores.keys.redis.scan_iter(match=f"{cluster}:*", count=1000)]
         if keys:
-            await meta.redis.delete(*keys)
-        await meta.close()
+            await stores.keys.redis.delete(*keys)
+        await stores.close()
     times.sort()
     return {
         "benchmark": "gateway_accept",
@@ -67,8 +76,8 @@ async def run(calls: int) -> dict[str, Any]:
     }
 
 
-async def _commands(meta: MetaStore) -> int:
-    stats: dict[str, Any] = await meta.redis.info("stats")
+async def _commands(stores: Stores) -> int:
+    stats: dict[str, Any] = await stores.keys.redis.info("stats")
     return int(stats["total_commands_processed"])
 
 

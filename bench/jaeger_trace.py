@@ -31,8 +31,8 @@ from tinker import types
 from plexrl.cluster import ClusterConfig, LocalCluster
 from plexrl.kafka import Publisher
 from plexrl.messages import Dispatch, StateMove, Tier
-from plexrl.meta import MetaStore
 from plexrl.models import init_tiny
+from plexrl.stores import Stores
 from plexrl.topics import Topics
 
 KEY = "tml-jaeger"
@@ -44,7 +44,7 @@ async def park_on_disk(cluster_id: str, job_id: str) -> None:
     """A dispatch that only evicts the job to disk, as the scheduler would under pressure."""
     publisher = Publisher(KAFKA, "jaeger-trace")
     await publisher.start()
-    meta = MetaStore.from_url(REDIS, cluster_id, 600)
+    stores = Stores.from_url(REDIS, cluster_id, 600)
     try:
         evict = Dispatch(
             dispatch_id=uuid.uuid4().hex,
@@ -55,13 +55,13 @@ async def park_on_disk(cluster_id: str, job_id: str) -> None:
         )
         await publisher.publish(Topics(cluster_id).dispatch("worker-0"), job_id, evict)
         deadline = time.monotonic() + 60
-        while (r := await meta.get_residency(job_id)) is None or r.tier != Tier.DISK:
+        while (r := await stores.residency.get_residency(job_id)) is None or r.tier != Tier.DISK:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{job_id} never reached the disk tier")
             await asyncio.sleep(0.1)
     finally:
         await publisher.stop()
-        await meta.close()
+        await stores.close()
 
 
 def find_trace(query: str, service: str, operation: str, since_us: int) -> dict[str, Any]:

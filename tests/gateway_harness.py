@@ -17,8 +17,8 @@ import httpx
 from gateway_support import TINY_MODEL, FakePublisher, drop_cluster_keys, unique_cluster
 
 from plexrl.limits import DEFAULT_LIMITS, CallLimits
-from plexrl.meta import MetaStore
 from plexrl.settings import GatewaySettings
+from plexrl.stores import Stores
 from plexrl_gateway.app import build_app
 from plexrl_gateway.components import Gateway
 
@@ -32,7 +32,7 @@ class Gw:
     http: httpx.AsyncClient
     publisher: FakePublisher
     gateway: Gateway
-    meta: MetaStore
+    stores: Stores
 
     async def post(self, path: str, body: Any, who: dict[str, str] = ALICE) -> httpx.Response:
         return await self.http.post(f"/api/v1/{path}", json=body, headers=who)
@@ -80,14 +80,14 @@ async def gateway(
         scheduler_url="http://127.0.0.1:9",
         state_store_url="http://127.0.0.1:9",
     )
-    meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
+    stores = Stores.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
     publisher = FakePublisher()
-    gw = Gateway.build(settings, meta, publisher, limits)
+    gw = Gateway.build(settings, stores, publisher, limits)
     transport = httpx.ASGITransport(app=build_app(gw))
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
-            yield Gw(http, publisher, gw, meta)
+            yield Gw(http, publisher, gw, stores)
     finally:
         await gw.close()
-        await drop_cluster_keys(meta, settings.cluster_id)
-        await meta.close()
+        await drop_cluster_keys(stores, settings.cluster_id)
+        await stores.close()

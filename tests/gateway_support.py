@@ -40,8 +40,8 @@ from plexrl.messages import (
     Timings,
     UnloadOutput,
 )
-from plexrl.meta import CheckpointRecord, MetaStore
 from plexrl.payloads import resolve
+from plexrl.stores import CheckpointRecord, Stores
 
 TINY_MODEL = "plexrl/tiny-qwen3"
 """The name conftest's `tiny_registry` model answers to."""
@@ -51,10 +51,10 @@ def unique_cluster(prefix: str = "gwtest") -> str:
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
 
 
-async def drop_cluster_keys(meta: MetaStore, cluster_id: str) -> None:
-    keys = [k async for k in meta.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
+async def drop_cluster_keys(stores: Stores, cluster_id: str) -> None:
+    keys = [k async for k in stores.keys.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
     if keys:
-        await meta.redis.delete(*keys)
+        await stores.keys.redis.delete(*keys)
 
 
 @dataclass
@@ -80,9 +80,9 @@ class FakePublisher:
         return [m for _, _, m in self.sent if isinstance(m, PhaseRequest)]
 
 
-async def canned_output(meta: MetaStore, request: PhaseRequest) -> PhaseOutput:
+async def canned_output(stores: Stores, request: PhaseRequest) -> PhaseOutput:
     """What a worker would answer, without a model: fixed numbers of the right shapes."""
-    payload = await resolve(meta, request.payload, PhaseInput)
+    payload = await resolve(stores.payloads, request.payload, PhaseInput)
     match payload:
         case ForwardBackwardInput():
             outputs = [
@@ -106,7 +106,7 @@ async def canned_output(meta: MetaStore, request: PhaseRequest) -> PhaseOutput:
             return SampleOutput(sequences=sequences, prompt_logprobs=prompt_lp)
         case SaveInput():
             kind = "weights" if payload.kind == SaveKind.STATE else "sampler_weights"
-            await meta.put_checkpoint(
+            await stores.checkpoints.put_checkpoint(
                 CheckpointRecord(
                     path=payload.path,
                     tenant=request.tenant,

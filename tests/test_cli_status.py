@@ -43,8 +43,8 @@ from plexrl.messages import (
     WorkerHeartbeat,
     encode,
 )
-from plexrl.meta import MetaStore, Residency, TimelineEntry
 from plexrl.settings import GatewaySettings
+from plexrl.stores import Residency, Stores, TimelineEntry
 from plexrl_gateway.app import build_app
 from plexrl_gateway.components import Gateway
 
@@ -66,8 +66,8 @@ def run_gateway(settings: GatewaySettings, port: int, ready: threading.Event) ->
     """The gateway app in its own loop, until the module's tests are done."""
 
     async def main() -> None:
-        meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
-        gateway = Gateway.build(settings, meta, FakePublisher())
+        stores = Stores.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
+        gateway = Gateway.build(settings, stores, FakePublisher())
         http = HttpServer(build_app(gateway), "127.0.0.1", port)
         await http.start()
         stop = asyncio.Event()
@@ -76,8 +76,8 @@ def run_gateway(settings: GatewaySettings, port: int, ready: threading.Event) ->
         await stop.wait()
         await http.stop()
         await gateway.close()
-        await drop_cluster_keys(meta, settings.cluster_id)
-        await meta.close()
+        await drop_cluster_keys(stores, settings.cluster_id)
+        await stores.close()
 
     asyncio.run(main())
 
@@ -117,7 +117,7 @@ def create_samplers(http: httpx.Client, n: int) -> list[str]:
     return samplers
 
 
-async def dead_letter(meta: MetaStore, cluster_id: str, offset: int, call: dict[str, str]) -> None:
+async def dead_letter(stores: Stores, cluster_id: str, offset: int, call: dict[str, str]) -> None:
     """A request a consumer could not read (its schema is from the future), set aside."""
     letter = DeadLetter(
         source_topic="plexrl.requests",
@@ -130,13 +130,13 @@ async def dead_letter(meta: MetaStore, cluster_id: str, offset: int, call: dict[
         consumer="scheduler-requests",
         at=time.time() - 100 + offset,
     )
-    await DeadLetters(meta, FakePublisher(), "plexrl.completions", cluster_id)(letter)
+    await DeadLetters(stores.calls, stores.keys, FakePublisher(), "plexrl.completions")(letter)
 
 
 async def seed(settings: GatewaySettings, jobs: list[str]) -> None:
     """Two workers' heartbeats; job 0 trained on worker-0 (a swap-in first), job 1 idle;
     two of alice's requests and one of bob's dead-lettered."""
-    meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
+    stores = Stores.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
     now = time.time()
     try:
         residents = {"worker-0": [ResidentState(jobs[0], Tier.DEVICE, 3 << 20, 2)], "worker-1": []}
@@ -152,9 +152,11 @@ async def seed(settings: GatewaySettings, jobs: list[str]) -> None:
                 started_at=now - 100,
                 sent_at=now,
             )
-            await meta.put_worker(worker, encode(beat), ttl_s=600)
-        await meta.cas_residency(jobs[0], 0, Residency("worker-0", Tier.DEVICE, 3 << 20, 1, now))
-        await meta.set_home(jobs[0], "worker-0")
+            await stores.workers.put_worker(worker, encode(beat), ttl_s=600)
+        await stores.residency.cas_residency(
+            jobs[0], 0, Residency("worker-0", Tier.DEVICE, 3 << 20, 1, now)
+        )
+        await stores.jobs.set_home(jobs[0], "worker-0")
         t = now - 40
         for i in range(3):
             for function, offset in (("forward_backward", 0.0), ("optim_step", 2.0)):
@@ -168,17 +170,17 @@ async def seed(settings: GatewaySettings, jobs: list[str]) -> None:
                     compute_s=1.5,
                     ok=True,
                 )
-                await meta.append_timeline(entry)
-        await meta.add_usage(jobs[0], {"calls": 6.0, "device_s": 9.5})
-        await meta.mark_active(jobs[0], t)
-        await meta.mark_active(jobs[0], t + 23.5)
+                await stores.timeline.append_timeline(entry)
+        await stores.usage.add_usage(jobs[0], {"calls": 6.0, "device_s": 9.5})
+        await stores.usage.mark_active(jobs[0], t)
+        await stores.usage.mark_active(jobs[0], t + 23.5)
         for offset, request_id, tenant in ((41, "dead-1", "alice"), (42, "dead-2", "alice")):
             call = {"request_id": request_id, "job_id": jobs[0], "tenant": tenant}
-            await dead_letter(meta, settings.cluster_id, offset, call)
+            await dead_letter(stores, settings.cluster_id, offset, call)
         bobs = {"request_id": "dead-bob", "job_id": "bob-job", "tenant": "bob"}
-        await dead_letter(meta, settings.cluster_id, 43, bobs)
+        await dead_letter(stores, settings.cluster_id, 43, bobs)
     finally:
-        await meta.close()
+        await stores.close()
 
 
 @pytest.fixture(scope="module")

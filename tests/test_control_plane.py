@@ -29,7 +29,7 @@ from plexrl.messages import (
     PhaseRequest,
     decode,
 )
-from plexrl.meta import MetaStore
+from plexrl.stores import Stores
 from plexrl.topics import Topics, core_topics
 from plexrl_gateway import deps
 from plexrl_gateway.outbox import Accept, Outbox
@@ -45,14 +45,14 @@ JOB = "plexrl-echo:alice"
 
 
 @pytest_asyncio.fixture
-async def meta(infra: dict[str, str], cluster_id: str) -> AsyncIterator[MetaStore]:
-    store = MetaStore.from_url(infra["redis"], cluster_id, 3600)
+async def stores(infra: dict[str, str], cluster_id: str) -> AsyncIterator[Stores]:
+    store = Stores.from_url(infra["redis"], cluster_id, 3600)
     try:
         yield store
     finally:
-        keys = [k async for k in store.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
+        keys = [k async for k in store.keys.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
         if keys:
-            await store.redis.delete(*keys)
+            await store.keys.redis.delete(*keys)
         await store.close()
 
 
@@ -86,9 +86,9 @@ class SlowPublisher:
 
 
 async def test_acceptance_reads_the_outbox_head_and_the_flush_starts_from_it(
-    meta: MetaStore,
+    stores: Stores,
 ) -> None:
-    outbox = Outbox(meta)
+    outbox = Outbox(stores.keys)
     sent: list[str] = []
 
     async def send(r: PhaseRequest) -> None:
@@ -104,9 +104,9 @@ async def test_acceptance_reads_the_outbox_head_and_the_flush_starts_from_it(
 
 
 async def test_an_acceptance_beside_a_running_flush_does_not_trust_its_head(
-    meta: MetaStore,
+    stores: Stores,
 ) -> None:
-    outbox = Outbox(meta)
+    outbox = Outbox(stores.keys)
     sending = asyncio.Event()
     sent: list[str] = []
 
@@ -127,17 +127,23 @@ async def test_an_acceptance_beside_a_running_flush_does_not_trust_its_head(
 
 
 async def test_concurrent_calls_of_one_job_are_each_published_exactly_once(
-    meta: MetaStore, cluster_id: str
+    stores: Stores, cluster_id: str
 ) -> None:
     publisher = SlowPublisher()
     submitter = Submitter(
-        meta, publisher, Topics(cluster_id), Sequencer(meta, gap_timeout_s=2.0), 512 * 1024
+        stores.calls,
+        stores.payloads,
+        Outbox(stores.keys),
+        publisher,
+        Topics(cluster_id),
+        Sequencer(stores.calls, gap_timeout_s=2.0),
+        512 * 1024,
     )
     call = Call(Function.NOOP, NoopInput(), ResponseKind.NOOP)
     sub = Submission(JOB, "alice", sequenced=False)
     ids = await asyncio.gather(*(submitter.submit(sub, ready(call)) for _ in range(40)))
     assert sorted(publisher.sent) == sorted(ids)  # no call lost, none sent twice
-    assert await Outbox(meta).depth(JOB) == 0
+    assert await Outbox(stores.keys).depth(JOB) == 0
 
 
 def test_gateway_dependencies_run_on_the_event_loop() -> None:
@@ -172,12 +178,14 @@ def ran() -> Ran:
 
 
 async def test_a_dispatch_settles_only_when_every_completion_is_acknowledged(
-    meta: MetaStore,
+    stores: Stores,
 ) -> None:
     producer = FlakyProducer()
     recorder = ResultRecorder(
         worker_id="w",
-        meta=meta,
+        calls=stores.calls,
+        payloads=stores.payloads,
+        timeline=stores.timeline,
         publisher=producer,  # type: ignore[arg-type]
         completions_topic="completions",
         inline_max_bytes=1024,
@@ -187,12 +195,12 @@ async def test_a_dispatch_settles_only_when_every_completion_is_acknowledged(
         assert done is not None and done.status == CompletionStatus.OK
     assert producer.queued == ["req-0", "req-1", "req-2"]  # all queued, none waited on
     # Recorded in Redis (the truth) and on the timeline before anything is acknowledged.
-    assert set(await meta.get_completions(["req-0", "req-1", "req-2"])) == {
+    assert set(await stores.calls.get_completions(["req-0", "req-1", "req-2"])) == {
         "req-0",
         "req-1",
         "req-2",
     }
-    assert len(await meta.timeline()) == 3
+    assert len(await stores.timeline.timeline()) == 3
 
     settle = asyncio.create_task(recorder.settle())
     await asyncio.sleep(0.01)
@@ -233,8 +241,8 @@ async def test_deferred_publishes_keep_their_order_on_the_partition(
     assert seen == [f"req-{n}" for n in range(20)]
 
 
-async def test_usage_and_activity_are_recorded_in_one_write(meta: MetaStore) -> None:
-    await meta.add_usage("job", {"calls": 1.0, "device_s": 0.5}, active_at=100.0)
-    await meta.add_usage("job", {"calls": 1.0, "device_s": 0.25}, active_at=103.5)
-    usage = await meta.usage("job")
+async def test_usage_and_activity_are_recorded_in_one_write(stores: Stores) -> None:
+    await stores.usage.add_usage("job", {"calls": 1.0, "device_s": 0.5}, active_at=100.0)
+    await stores.usage.add_usage("job", {"calls": 1.0, "device_s": 0.25}, active_at=103.5)
+    usage = await stores.usage.usage("job")
     assert usage == {"calls": 2.0, "device_s": 0.75, "first_at": 100.0, "last_at": 103.5}

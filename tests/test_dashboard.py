@@ -23,8 +23,8 @@ from gateway_support import FakePublisher, drop_cluster_keys, unique_cluster
 from tinker import types
 
 from plexrl.cluster import ClusterConfig, LocalCluster
-from plexrl.meta import MetaStore, TimelineEntry
 from plexrl.settings import GatewaySettings
+from plexrl.stores import Stores, TimelineEntry
 from plexrl_gateway.app import build_app
 from plexrl_gateway.components import Gateway
 from tests.conftest import ROOT
@@ -43,7 +43,7 @@ STEPS = 4
 @pytest_asyncio.fixture
 async def api(
     infra: dict[str, str], tiny_registry: Path
-) -> AsyncIterator[tuple[httpx.AsyncClient, MetaStore]]:
+) -> AsyncIterator[tuple[httpx.AsyncClient, Stores]]:
     settings = GatewaySettings(
         cluster_id=unique_cluster("dash"),
         kafka_bootstrap=infra["kafka"],
@@ -53,26 +53,26 @@ async def api(
         scheduler_url="http://127.0.0.1:9",
         state_store_url="http://127.0.0.1:9",
     )
-    meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
-    gateway = Gateway.build(settings, meta, FakePublisher())
+    stores = Stores.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
+    gateway = Gateway.build(settings, stores, FakePublisher())
     transport = httpx.ASGITransport(app=build_app(gateway))
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
-            yield http, meta
+            yield http, stores
     finally:
         await gateway.close()
-        await drop_cluster_keys(meta, settings.cluster_id)
-        await meta.close()
+        await drop_cluster_keys(stores, settings.cluster_id)
+        await stores.close()
 
 
-async def test_root_redirects_to_the_dashboard(api: tuple[httpx.AsyncClient, MetaStore]) -> None:
+async def test_root_redirects_to_the_dashboard(api: tuple[httpx.AsyncClient, Stores]) -> None:
     http, _ = api
     response = await http.get("/")
     assert response.status_code == 307 and response.headers["location"] == "/dashboard"
 
 
 async def test_the_page_loads_only_from_the_gateway(
-    api: tuple[httpx.AsyncClient, MetaStore],
+    api: tuple[httpx.AsyncClient, Stores],
 ) -> None:
     http, _ = api
     page = await http.get("/dashboard")
@@ -104,15 +104,15 @@ async def create_model(http: httpx.AsyncClient) -> str:
 
 
 async def test_job_details_carry_residency_accounting_and_recent_activity(
-    api: tuple[httpx.AsyncClient, MetaStore],
+    api: tuple[httpx.AsyncClient, Stores],
 ) -> None:
-    http, meta = api
+    http, stores = api
     busy, quiet = await create_model(http), await create_model(http)
     t = time.time() - 30
     # busy: forward_backward + optim_step three times, 10 s apart; the first swapped in.
     for i in range(3):
         for function, offset in (("forward_backward", 0.0), ("optim_step", 1.0)):
-            await meta.append_timeline(
+            await stores.timeline.append_timeline(
                 TimelineEntry(
                     worker_id="worker-0",
                     job_id=busy,
@@ -124,9 +124,9 @@ async def test_job_details_carry_residency_accounting_and_recent_activity(
                     ok=True,
                 )
             )
-    await meta.add_usage(busy, {"calls": 6.0, "device_s": 3.25})
-    await meta.mark_active(busy, t)
-    await meta.mark_active(busy, t + 21.5)
+    await stores.usage.add_usage(busy, {"calls": 6.0, "device_s": 3.25})
+    await stores.usage.mark_active(busy, t)
+    await stores.usage.mark_active(busy, t + 21.5)
 
     response = await http.get("/plexrl/v1/jobs", params={"details": "true"}, headers=ALICE)
     assert response.status_code == 200, response.text

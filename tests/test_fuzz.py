@@ -33,8 +33,8 @@ from schemathesis import GenerationMode
 from schemathesis.generation.case import Case
 
 from plexrl.health import HttpServer
-from plexrl.meta import MetaStore
 from plexrl.settings import GatewaySettings
+from plexrl.stores import Stores
 from plexrl_gateway.app import build_app
 from plexrl_gateway.components import Gateway
 
@@ -96,15 +96,15 @@ def served(infra: dict[str, str], tiny_registry: Path) -> Iterator[Served]:
     )
     port = free_port()
 
-    async def start() -> tuple[MetaStore, Gateway, HttpServer, dict[str, Any]]:
-        meta = MetaStore.from_url(settings_.redis_url, settings_.cluster_id, 600)
-        gateway = Gateway.build(settings_, meta, FakePublisher())
+    async def start() -> tuple[Stores, Gateway, HttpServer, dict[str, Any]]:
+        stores = Stores.from_url(settings_.redis_url, settings_.cluster_id, 600)
+        gateway = Gateway.build(settings_, stores, FakePublisher())
         app = build_app(gateway)
         server = HttpServer(app, "127.0.0.1", port)
         await server.start()
-        return meta, gateway, server, app.openapi()
+        return stores, gateway, server, app.openapi()
 
-    meta, gateway, server, schema = loop.run(start())
+    stores, gateway, server, schema = loop.run(start())
     url = f"http://127.0.0.1:{port}"
     try:
         yield Served(url, schema, live_ids(url))
@@ -113,8 +113,8 @@ def served(infra: dict[str, str], tiny_registry: Path) -> Iterator[Served]:
         async def stop() -> None:
             await server.stop()
             await gateway.close()
-            await drop_cluster_keys(meta, settings_.cluster_id)
-            await meta.close()
+            await drop_cluster_keys(stores, settings_.cluster_id)
+            await stores.close()
 
         loop.run(stop())
         loop.close()

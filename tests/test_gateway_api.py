@@ -45,8 +45,8 @@ from plexrl.messages import (
     SaveInput,
     SaveKind,
 )
-from plexrl.meta import MetaStore, TimelineEntry
 from plexrl.settings import GatewaySettings
+from plexrl.stores import Stores, TimelineEntry
 from plexrl_gateway.app import build_app
 from plexrl_gateway.components import Gateway
 
@@ -60,7 +60,7 @@ class Harness:
     http: httpx.AsyncClient
     publisher: FakePublisher
     gateway: Gateway
-    meta: MetaStore
+    stores: Stores
 
     async def post(self, path: str, body: Any, who: dict[str, str] = ALICE) -> httpx.Response:
         return await self.http.post(f"/api/v1/{path}", json=body, headers=who)
@@ -106,8 +106,8 @@ class Harness:
 
     async def complete(self, request: PhaseRequest, error: ErrorInfo | None = None) -> None:
         """What a worker does: record the completion in Redis, then wake the gateway."""
-        output = None if error else await canned_output(self.meta, request)
-        await self.meta.record_completion(completion_for(request, output, error))
+        output = None if error else await canned_output(self.stores, request)
+        await self.stores.calls.record_completion(completion_for(request, output, error))
         await self.gateway.futures.on_completion(completion_for(request, output, error))
 
     def published(self, function: Function | None = None) -> list[PhaseRequest]:
@@ -133,17 +133,17 @@ async def harness(infra: dict[str, str], models: Path, **overrides: Any) -> Asyn
         **overrides,
     }
     settings = GatewaySettings(**options)
-    meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
+    stores = Stores.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
     publisher = FakePublisher()
-    gateway = Gateway.build(settings, meta, publisher)
+    gateway = Gateway.build(settings, stores, publisher)
     transport = httpx.ASGITransport(app=build_app(gateway))
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
-            yield Harness(http, publisher, gateway, meta)
+            yield Harness(http, publisher, gateway, stores)
     finally:
         await gateway.close()
-        await drop_cluster_keys(meta, settings.cluster_id)
-        await meta.close()
+        await drop_cluster_keys(stores, settings.cluster_id)
+        await stores.close()
 
 
 @pytest_asyncio.fixture
@@ -633,7 +633,7 @@ async def test_timeline_shows_only_the_tenants_calls(api: Harness) -> None:
             compute_s=0.5,
             ok=True,
         )
-        await api.meta.append_timeline(entry)
+        await api.stores.timeline.append_timeline(entry)
     timeline = (await api.http.get("/plexrl/v1/timeline", headers=ALICE)).json()
     assert [e["job_id"] for e in timeline] == [mine]
     later = await api.http.get(

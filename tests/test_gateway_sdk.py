@@ -30,8 +30,8 @@ from gateway_support import (
 
 from plexrl.kafka import Delivery, MessageConsumer, Publisher
 from plexrl.messages import Function, PhaseRequest
-from plexrl.meta import MetaStore
 from plexrl.settings import GatewaySettings
+from plexrl.stores import Stores
 from plexrl.topics import Topics
 from plexrl_gateway.main import serve
 
@@ -50,16 +50,16 @@ class Cluster:
 class FakeWorker:
     """Answers every phase request at once with a canned output of the right shape."""
 
-    def __init__(self, meta: MetaStore, publisher: Publisher, topics: Topics) -> None:
-        self._meta = meta
+    def __init__(self, stores: Stores, publisher: Publisher, topics: Topics) -> None:
+        self._stores = stores
         self._publisher = publisher
         self._topics = topics
         self.handled: list[PhaseRequest] = []
 
     async def on_request(self, request: PhaseRequest, _: Delivery) -> None:
         self.handled.append(request)
-        output = await canned_output(self._meta, request)
-        completion = await self._meta.record_completion(completion_for(request, output))
+        output = await canned_output(self._stores, request)
+        completion = await self._stores.calls.record_completion(completion_for(request, output))
         await self._publisher.publish(self._topics.completions, request.job_id, completion)
 
 
@@ -89,9 +89,9 @@ async def cluster(infra: dict[str, str], tiny_registry: Path) -> AsyncIterator[C
                 pass
             await asyncio.sleep(0.05)
     topics = Topics(settings.cluster_id)
-    meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
+    stores = Stores.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
     publisher = Publisher(settings.kafka_bootstrap, "fake-worker")
-    worker = FakeWorker(meta, publisher, topics)
+    worker = FakeWorker(stores, publisher, topics)
     requests = MessageConsumer[PhaseRequest](
         bootstrap=settings.kafka_bootstrap,
         topics=[topics.requests],
@@ -115,8 +115,8 @@ async def cluster(infra: dict[str, str], tiny_registry: Path) -> AsyncIterator[C
         await publisher.stop()
         stop.set()
         await gateway
-        await drop_cluster_keys(meta, settings.cluster_id)
-        await meta.close()
+        await drop_cluster_keys(stores, settings.cluster_id)
+        await stores.close()
 
 
 def sdk_session(base_url: str) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from plexrl.messages import (
     TensorArray,
     Timings,
 )
-from plexrl.meta import FutureRecord
+from plexrl.stores import FutureRecord
 from plexrl_gateway.errors import ApiError
 from plexrl_gateway.proto import tinker_public_pb2 as pb
 from plexrl_gateway.render import CTX_SAMPLING_SESSION, ResponseKind, render, tinker_metrics

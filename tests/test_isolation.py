@@ -22,10 +22,10 @@ from gateway_support import TINY_MODEL, free_port
 from plexrl.cluster import ClusterConfig, LocalCluster
 from plexrl.health import HttpServer
 from plexrl.messages import Function, ResidentState, Tier, WorkerHeartbeat, encode
-from plexrl.meta import CheckpointRecord, MetaStore
 from plexrl.service_auth import auth_headers, bearer_matches, is_loopback
 from plexrl.settings import StateStoreSettings, parse_api_keys
 from plexrl.state_store_client import StateStoreClient, StateStoreError
+from plexrl.stores import CheckpointRecord, Stores
 from plexrl_state_store.app import build_app
 from plexrl_state_store.blobs import BlobDir
 from plexrl_state_store.main import NoTokenError, check_exposure
@@ -34,19 +34,21 @@ TOKEN = "test-service-token"
 
 
 @pytest_asyncio.fixture
-async def meta(infra: dict[str, str], cluster_id: str) -> AsyncIterator[MetaStore]:
-    store = MetaStore.from_url(infra["redis"], cluster_id, ttl_s=60)
+async def stores(infra: dict[str, str], cluster_id: str) -> AsyncIterator[Stores]:
+    store = Stores.from_url(infra["redis"], cluster_id, ttl_s=60)
     yield store
-    keys = [k async for k in store.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
+    keys = [k async for k in store.keys.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
     if keys:
-        await store.redis.delete(*keys)
+        await store.keys.redis.delete(*keys)
     await store.close()
 
 
 @pytest_asyncio.fixture
-async def store(meta: MetaStore, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+async def store(stores: Stores, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     """The state-store's API with a service token, called without credentials."""
-    transport = httpx.ASGITransport(app=build_app(BlobDir(tmp_path), meta, TOKEN))
+    transport = httpx.ASGITransport(
+        app=build_app(BlobDir(tmp_path), stores.checkpoints, stores.residency, TOKEN)
+    )
     async with httpx.AsyncClient(transport=transport, base_url="http://store") as http:
         yield http
 
@@ -148,7 +150,7 @@ async def test_a_tenant_cannot_read_write_or_delete_another_tenants_blob(
 
 
 async def test_a_record_cannot_be_forged_to_point_at_another_tenants_blob(
-    store: httpx.AsyncClient, meta: MetaStore
+    store: httpx.AsyncClient, stores: Stores
 ) -> None:
     await store.put("/v1/blobs/ckpt/alice/j/weights/a", content=b"abc", headers=acting("alice"))
     own = record("alice", "ckpt/alice/j/weights/a")
@@ -175,18 +177,20 @@ async def test_a_record_cannot_be_forged_to_point_at_another_tenants_blob(
             "/v1/checkpoints", content=msgspec.json.encode(forged), headers=acting(who)
         )
         assert answer.status_code == status, (forged, answer.text)
-    standing = await meta.get_checkpoint("tinker://j/weights/a")
+    standing = await stores.checkpoints.get_checkpoint("tinker://j/weights/a")
     assert standing is not None and standing.tenant == "alice"
-    assert await meta.get_checkpoint("tinker://j/weights/b") is None
+    assert await stores.checkpoints.get_checkpoint("tinker://j/weights/b") is None
     listed = await store.get("/v1/checkpoints", headers=acting("bob"))
     assert listed.json() == []
     gone = await store.delete("/v1/checkpoints", params={"path": own.path}, headers=acting("bob"))
     assert gone.status_code == 404
 
 
-async def test_client_sends_the_token_and_the_tenant(meta: MetaStore, tmp_path: Path) -> None:
+async def test_client_sends_the_token_and_the_tenant(stores: Stores, tmp_path: Path) -> None:
     port = free_port()
-    server = HttpServer(build_app(BlobDir(tmp_path), meta, TOKEN), "127.0.0.1", port)
+    server = HttpServer(
+        build_app(BlobDir(tmp_path), stores.checkpoints, stores.residency, TOKEN), "127.0.0.1", port
+    )
     await server.start()
     url = f"http://127.0.0.1:{port}"
     client = StateStoreClient(url, token=TOKEN)
@@ -216,7 +220,9 @@ async def test_a_tenant_cannot_load_or_sample_another_tenants_checkpoint(
     async with gateway(infra, tiny_registry) as gw:
         bobs = await gw.model(BOB)
         path = f"tinker://{bobs}/weights/mine"
-        await gw.meta.put_checkpoint(record("bob", f"ckpt/bob/{bobs}/weights/mine", path))
+        await gw.stores.checkpoints.put_checkpoint(
+            record("bob", f"ckpt/bob/{bobs}/weights/mine", path)
+        )
         alices = await gw.model(ALICE)
         load = await gw.post("load_weights", {"model_id": alices, "seq_id": 1, "path": path})
         assert load.status_code == 404 and "no checkpoint" in load.json()["error"]
@@ -248,7 +254,7 @@ async def test_workers_and_cluster_hide_other_tenants_model_ids(
             started_at=time.time(),
             sent_at=time.time(),
         )
-        await gw.meta.put_worker("worker-0", encode(beat), ttl_s=60)
+        await gw.stores.workers.put_worker("worker-0", encode(beat), ttl_s=60)
         for url in ("/plexrl/v1/workers", "/plexrl/v1/cluster"):
             text = (await gw.http.get(url, headers=ALICE)).text
             assert alices in text and bobs not in text, url

@@ -20,6 +20,7 @@ from plexrl.messages import (
     DeadLetter,
     DeadLetterReason,
     Function,
+    JobSpec,
     NoopInput,
     PayloadRef,
     PhaseCompletion,
@@ -30,8 +31,17 @@ from plexrl.messages import (
     Tier,
     Timings,
 )
-from plexrl.meta import CheckpointRecord, MetaStore, Residency, TimelineEntry
 from plexrl.payloads import inline_or_ref, resolve
+from plexrl.stores import (
+    CheckpointRecord,
+    FutureRecord,
+    JobKind,
+    JobRecord,
+    Residency,
+    SessionRecord,
+    Stores,
+    TimelineEntry,
+)
 from plexrl.topics import Topics, core_topics
 from plexrl_state_store.app import build_app
 from plexrl_state_store.blobs import BlobDir
@@ -116,13 +126,54 @@ async def test_publish_consume_carries_trace_and_dead_letters_garbage(
 
 
 @pytest.fixture()
-async def meta(infra: dict[str, str], cluster_id: str) -> AsyncIterator[MetaStore]:
-    store = MetaStore.from_url(infra["redis"], cluster_id, ttl_s=60)
+async def stores(infra: dict[str, str], cluster_id: str) -> AsyncIterator[Stores]:
+    store = Stores.from_url(infra["redis"], cluster_id, ttl_s=60)
     yield store
     await store.close()
 
 
-async def test_completion_is_recorded_once_first_wins(meta: MetaStore) -> None:
+async def test_the_split_stores_keep_the_key_names(stores: Stores, cluster_id: str) -> None:
+    """Key names are a wire format: records an older version wrote must still be found."""
+    now = time.time()
+    spec = JobSpec(base_model="m")
+    await stores.jobs.put_job(JobRecord("j", "t", JobKind.TRAINING, spec, now))
+    await stores.jobs.set_home("j", "w")
+    await stores.calls.put_future(FutureRecord("r", "t", "j", "noop", now))
+    await stores.calls.claim_request("k", "r")
+    await stores.calls.set_next_seq("j", 3)
+    ref = await stores.payloads.put_payload(b"x")
+    await stores.residency.cas_residency("j", 0, Residency("w", Tier.HOST, 1, 1, now))
+    await stores.workers.put_worker("w", b"beat", ttl_s=60)
+    await stores.sessions.put_session(SessionRecord("s", "t", now, now))
+    ckpt = CheckpointRecord("tinker://j/weights/a", "t", "j", "weights", "b", 1, now, "m")
+    await stores.checkpoints.put_checkpoint(ckpt)
+    await stores.timeline.append_timeline(TimelineEntry("w", "j", "r", "noop", now, 0, 0, True))
+    await stores.usage.add_usage("j", {"calls": 1.0})
+    redis = stores.keys.redis
+    found = {k.decode() async for k in redis.scan_iter(match=f"{cluster_id}:*", count=1000)}
+    names = {k.removeprefix(f"{cluster_id}:") for k in found}
+    assert names == {
+        "job:j",
+        "tenant:t:jobs",
+        "home:j",
+        "future:r",
+        "idem:k",
+        "seq:j",
+        f"payload:{ref.key}",
+        "residency:j",
+        "worker:w",
+        "workers",
+        "session:s",
+        "tenant:t:sessions",
+        "ckpt:tinker://j/weights/a",
+        "tenant:t:ckpts",
+        "timeline",
+        "usage:j",
+    }
+    await redis.delete(*found)
+
+
+async def test_completion_is_recorded_once_first_wins(stores: Stores) -> None:
     first = PhaseCompletion(
         request_id="r",
         job_id="j",
@@ -133,42 +184,42 @@ async def test_completion_is_recorded_once_first_wins(meta: MetaStore) -> None:
         timings=Timings(),
     )
     replay = msgspec.structs.replace(first, worker_id="w1")
-    assert await meta.record_completion(first) == first
-    assert await meta.record_completion(replay) == first
-    assert (await meta.get_completions(["r", "missing"])) == {"r": first}
+    assert await stores.calls.record_completion(first) == first
+    assert await stores.calls.record_completion(replay) == first
+    assert (await stores.calls.get_completions(["r", "missing"])) == {"r": first}
 
 
-async def test_residency_moves_are_compare_and_set(meta: MetaStore) -> None:
+async def test_residency_moves_are_compare_and_set(stores: Stores) -> None:
     a = Residency("w0", Tier.DEVICE, 10, 1, 0.0)
-    assert await meta.cas_residency("j", 0, a)
-    assert not await meta.cas_residency("j", 0, a)  # someone already created it
+    assert await stores.residency.cas_residency("j", 0, a)
+    assert not await stores.residency.cas_residency("j", 0, a)  # someone already created it
     b = Residency("w0", Tier.HOST, 10, 2, 1.0)
-    assert await meta.cas_residency("j", 1, b)
-    assert not await meta.cas_residency("j", 1, Residency("w1", Tier.DISK, 10, 2, 2.0))
-    assert await meta.get_residency("j") == b
+    assert await stores.residency.cas_residency("j", 1, b)
+    assert not await stores.residency.cas_residency("j", 1, Residency("w1", Tier.DISK, 10, 2, 2.0))
+    assert await stores.residency.get_residency("j") == b
 
 
-async def test_large_payloads_go_by_reference(meta: MetaStore) -> None:
+async def test_large_payloads_go_by_reference(stores: Stores) -> None:
     small = SampleOutput(sequences=[SampledSequence([1], [-0.1], StopReason.STOP)])
     big = SampleOutput(
         sequences=[SampledSequence(list(range(50_000)), [0.0] * 50_000, StopReason.LENGTH)]
     )
-    assert await inline_or_ref(meta, small, 1024) is small
-    ref = await inline_or_ref(meta, big, 1024)
+    assert await inline_or_ref(stores.payloads, small, 1024) is small
+    ref = await inline_or_ref(stores.payloads, big, 1024)
     assert isinstance(ref, PayloadRef) and ref.size > 1024
-    assert await resolve(meta, ref, SampleOutput) == big
+    assert await resolve(stores.payloads, ref, SampleOutput) == big
 
 
-async def test_timeline_keeps_calls_in_order(meta: MetaStore) -> None:
+async def test_timeline_keeps_calls_in_order(stores: Stores) -> None:
     for i in range(3):
-        await meta.append_timeline(
+        await stores.timeline.append_timeline(
             TimelineEntry("w0", "j", f"r{i}", "noop", float(i), 0.0, 0.1, True)
         )
-    assert [e.request_id for e in await meta.timeline()] == ["r0", "r1", "r2"]
+    assert [e.request_id for e in await stores.timeline.timeline()] == ["r0", "r1", "r2"]
 
 
-async def test_state_store_blobs_and_checkpoints(meta: MetaStore, tmp_path: Path) -> None:
-    app = build_app(BlobDir(tmp_path), meta)
+async def test_state_store_blobs_and_checkpoints(stores: Stores, tmp_path: Path) -> None:
+    app = build_app(BlobDir(tmp_path), stores.checkpoints, stores.residency)
     transport = httpx.ASGITransport(app=app)
     # Checkpoint blobs are served acting for their tenant (tests/test_isolation.py).
     t = {"x-plexrl-tenant": "t"}

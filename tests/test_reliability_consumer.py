@@ -29,9 +29,9 @@ from plexrl.messages import (
     NoopInput,
     PhaseRequest,
 )
-from plexrl.meta import FutureRecord, MetaStore
 from plexrl.retry import Backoff
 from plexrl.settings import GatewaySettings
+from plexrl.stores import FutureRecord, Stores
 from plexrl.topics import Topics, core_topics
 from plexrl_gateway.app import build_app
 from plexrl_gateway.components import Gateway
@@ -47,7 +47,7 @@ class Env:
     kafka: str
     cluster_id: str
     topics: Topics
-    meta: MetaStore
+    stores: Stores
     publisher: Publisher
 
     def consumer(self, handler: Any, name: str, **kw: Any) -> MessageConsumer[PhaseRequest]:
@@ -59,7 +59,9 @@ class Env:
             handler=handler,
             dlq=(kw.pop("dlq_publisher", self.publisher), self.topics.dlq),
             name=name,
-            answer=DeadLetters(self.meta, self.publisher, self.topics.completions, self.cluster_id),
+            answer=DeadLetters(
+                self.stores.calls, self.stores.keys, self.publisher, self.topics.completions
+            ),
             tuning=kw.pop("tuning", FAST),
             **kw,
         )
@@ -69,17 +71,17 @@ class Env:
 async def env(infra: dict[str, str], cluster_id: str) -> AsyncIterator[Env]:
     topics = Topics(cluster_id)
     await ensure_topics(infra["kafka"], core_topics(topics))
-    meta = MetaStore.from_url(infra["redis"], cluster_id, 3600)
+    stores = Stores.from_url(infra["redis"], cluster_id, 3600)
     publisher = Publisher(infra["kafka"], "test")
     await publisher.start()
     try:
-        yield Env(infra["kafka"], cluster_id, topics, meta, publisher)
+        yield Env(infra["kafka"], cluster_id, topics, stores, publisher)
     finally:
         await publisher.stop()
-        keys = [k async for k in meta.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
+        keys = [k async for k in stores.keys.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
         if keys:
-            await meta.redis.delete(*keys)
-        await meta.close()
+            await stores.keys.redis.delete(*keys)
+        await stores.close()
 
 
 def call(rid: str, tenant: str = "alice") -> PhaseRequest:
@@ -137,7 +139,7 @@ async def test_an_unreadable_call_is_answered_with_an_error_and_listed_for_its_t
     env: Env, tmp_path: Path
 ) -> None:
     # What a gateway wrote when it accepted the call.
-    await env.meta.put_future(
+    await env.stores.calls.put_future(
         FutureRecord(
             request_id="req-bad",
             tenant="alice",
@@ -161,7 +163,7 @@ async def test_an_unreadable_call_is_answered_with_an_error_and_listed_for_its_t
         await env.publisher.publish_raw(env.topics.requests, b"job-1", raw)
         await env.publisher.publish(env.topics.requests, "job-1", call("after"))
         await until(lambda: handled == ["after"])  # the consumer went on
-        done = await FutureWaiter(env.meta).wait("req-bad", timeout_s=10)
+        done = await FutureWaiter(env.stores.calls).wait("req-bad", timeout_s=10)
     assert consumer.dead_lettered == 1
     assert done is not None and done.status == CompletionStatus.ERROR and done.error
     assert done.error.code == ErrorCode.INTERNAL and "could not be read" in done.error.message
@@ -174,7 +176,7 @@ async def test_an_unreadable_call_is_answered_with_an_error_and_listed_for_its_t
         api_keys="tml-alice=alice,tml-bob=bob",
         model_registry=tmp_path,
     )
-    gateway = Gateway.build(settings, env.meta, env.publisher)
+    gateway = Gateway.build(settings, env.stores, env.publisher)
     transport = httpx.ASGITransport(app=build_app(gateway))
     async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
         alice = (await http.get("/plexrl/v1/dlq", headers={"X-API-Key": "tml-alice"})).json()

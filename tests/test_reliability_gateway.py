@@ -33,9 +33,10 @@ from plexrl.messages import (
     Timings,
     decode,
 )
-from plexrl.meta import MetaStore
+from plexrl.stores import Stores
 from plexrl.topics import Topics, core_topics
 from plexrl_gateway.futures import FutureWaiter
+from plexrl_gateway.outbox import Outbox
 from plexrl_gateway.render import ResponseKind
 from plexrl_gateway.sequencer import Sequencer
 from plexrl_gateway.submitter import Call, Submission, Submitter, ready
@@ -75,7 +76,7 @@ class CrashingPublisher:
 
 @dataclass
 class Env:
-    meta: MetaStore
+    stores: Stores
     topics: Topics
     publisher: Publisher
     kafka: str
@@ -83,8 +84,16 @@ class Env:
     def gateway(self, publisher: Any) -> Submitter:
         """A gateway's submitting part, as a fresh process builds it."""
         # A short gap timeout: a call held back by a stale cursor fails fast, not in 30 s.
-        sequencer = Sequencer(self.meta, gap_timeout_s=2.0)
-        return Submitter(self.meta, publisher, self.topics, sequencer, 512 * 1024)
+        sequencer = Sequencer(self.stores.calls, gap_timeout_s=2.0)
+        return Submitter(
+            self.stores.calls,
+            self.stores.payloads,
+            Outbox(self.stores.keys),
+            publisher,
+            self.topics,
+            sequencer,
+            512 * 1024,
+        )
 
     async def requests_on_kafka(self, at_least: int, timeout_s: float = 30.0) -> list[str]:
         """Request ids on the requests topic, in order (all partitions: one job, one key)."""
@@ -115,17 +124,17 @@ class Env:
 async def env(infra: dict[str, str], cluster_id: str) -> AsyncIterator[Env]:
     topics = Topics(cluster_id)
     await ensure_topics(infra["kafka"], core_topics(topics))
-    meta = MetaStore.from_url(infra["redis"], cluster_id, 3600)
+    stores = Stores.from_url(infra["redis"], cluster_id, 3600)
     publisher = Publisher(infra["kafka"], "test-gateway")
     await publisher.start()
     try:
-        yield Env(meta, topics, publisher, infra["kafka"])
+        yield Env(stores, topics, publisher, infra["kafka"])
     finally:
         await publisher.stop()
-        keys = [k async for k in meta.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
+        keys = [k async for k in stores.keys.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
         if keys:
-            await meta.redis.delete(*keys)
-        await meta.close()
+            await stores.keys.redis.delete(*keys)
+        await stores.close()
 
 
 def create() -> Call:
@@ -143,7 +152,7 @@ def sent(seq_id: int) -> Submission:
 async def answer_like_a_worker(env: Env, request_ids: list[str]) -> None:
     """Each request id run once and recorded (first record wins, as on a worker)."""
     for request_id in request_ids:
-        await env.meta.record_completion(
+        await env.stores.calls.record_completion(
             PhaseCompletion(
                 request_id=request_id,
                 job_id=JOB,
@@ -166,8 +175,8 @@ async def test_a_crash_between_claiming_the_retry_key_and_publishing_is_harmless
     with pytest.raises(GatewayCrash):
         await first.submit(sent(1), ready(step()))
     # The retry key, the future and the cursor were written with the request itself.
-    accepted = await env.meta.claimed_request(f"{JOB}:1")
-    assert accepted is not None and await env.meta.get_future(accepted) is not None
+    accepted = await env.stores.calls.claimed_request(f"{JOB}:1")
+    assert accepted is not None and await env.stores.calls.get_future(accepted) is not None
 
     second = env.gateway(env.publisher)  # a fresh gateway over the same Redis and Kafka
     assert await second.deliver(min_age_s=0) == 1  # what it does first on start-up
@@ -177,7 +186,7 @@ async def test_a_crash_between_claiming_the_retry_key_and_publishing_is_harmless
     on_kafka = await env.requests_on_kafka(at_least=3)
     assert on_kafka == [created, accepted, later]
     await answer_like_a_worker(env, on_kafka)
-    waiter = FutureWaiter(env.meta)
+    waiter = FutureWaiter(env.stores.calls)
     done = await waiter.wait(accepted, timeout_s=5)
     assert done is not None and done.status == CompletionStatus.OK
 
@@ -187,9 +196,9 @@ async def test_a_crash_between_publishing_and_moving_the_cursor_is_harmless(env:
     created = await first.submit(sent(0), ready(create()))
     with pytest.raises(GatewayCrash):
         await first.submit(sent(1), ready(step()))  # on Kafka, then the gateway died
-    accepted = await env.meta.claimed_request(f"{JOB}:1")
+    accepted = await env.stores.calls.claimed_request(f"{JOB}:1")
     assert accepted is not None
-    assert await env.meta.get_next_seq(JOB) == 2  # the cursor moved with the acceptance
+    assert await env.stores.calls.get_next_seq(JOB) == 2  # the cursor moved with the acceptance
 
     second = env.gateway(env.publisher)
     await second.deliver(min_age_s=0)  # may publish it again: same request id
@@ -201,7 +210,7 @@ async def test_a_crash_between_publishing_and_moving_the_cursor_is_harmless(env:
     assert [i for i in on_kafka if i != accepted] == [created, later]
     assert on_kafka.index(accepted) < on_kafka.index(later)
     await answer_like_a_worker(env, on_kafka)
-    assert len(await env.meta.get_completions(set(on_kafka))) == 3
+    assert len(await env.stores.calls.get_completions(set(on_kafka))) == 3
 
 
 async def test_a_gateway_that_dies_before_its_first_write_leaves_nothing(env: Env) -> None:
@@ -213,8 +222,8 @@ async def test_a_gateway_that_dies_before_its_first_write_leaves_nothing(env: En
 
     with pytest.raises(GatewayCrash):
         await first.submit(sent(1), dies_while_validating)
-    assert await env.meta.claimed_request(f"{JOB}:1") is None
-    assert await env.meta.get_next_seq(JOB) == 1
+    assert await env.stores.calls.claimed_request(f"{JOB}:1") is None
+    assert await env.stores.calls.get_next_seq(JOB) == 1
     second = env.gateway(env.publisher)
     resent = await second.submit(sent(1), ready(step()))  # a first send, in effect
     assert (await env.requests_on_kafka(at_least=2))[1:] == [resent]

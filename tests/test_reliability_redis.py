@@ -22,7 +22,7 @@ import pytest
 import redis
 
 from plexrl.messages import JobSpec, LoraSpec, Tier
-from plexrl.meta import JobKind, JobRecord, MetaStore, SessionRecord
+from plexrl.stores import JobKind, JobRecord, SessionRecord, Stores
 from plexrl_state_store.app import build_app
 from plexrl_state_store.blobs import BlobDir
 from plexrl_state_store.records import CheckpointRecords
@@ -113,12 +113,12 @@ class QuietPublisher:
 async def test_metadata_survives_a_redis_restart_and_lost_records_are_rebuilt(
     private_redis: PrivateRedis, tmp_path: Path
 ) -> None:
-    meta = MetaStore.from_url(private_redis.url, "c1", 3600)
+    stores = Stores.from_url(private_redis.url, "c1", 3600)
     now = time.time()
-    await meta.put_session(SessionRecord("sess-1", "alice", now, now))
-    await meta.put_job(JobRecord("model-1", "alice", JobKind.TRAINING, SPEC, now, "sess-1"))
+    await stores.sessions.put_session(SessionRecord("sess-1", "alice", now, now))
+    await stores.jobs.put_job(JobRecord("model-1", "alice", JobKind.TRAINING, SPEC, now, "sess-1"))
     blobs = BlobDir(tmp_path / "blobs")
-    app = build_app(blobs, meta)
+    app = build_app(blobs, stores.checkpoints, stores.residency)
     alice = {"x-plexrl-tenant": "alice"}
     key = "ckpt/alice/model-1/weights/step-10"
     path = "tinker://model-1/weights/step-10"
@@ -142,7 +142,7 @@ async def test_metadata_survives_a_redis_restart_and_lost_records_are_rebuilt(
         worker_id="worker-0",
         engine=None,  # type: ignore[arg-type]  # no state moves here, only their records
         thread=None,  # type: ignore[arg-type]
-        meta=meta,
+        residency=stores.residency,
         store=None,  # type: ignore[arg-type]
         publisher=QuietPublisher(),  # type: ignore[arg-type]
         events_topic="events",
@@ -152,23 +152,23 @@ async def test_metadata_survives_a_redis_restart_and_lost_records_are_rebuilt(
     private_redis.stop()
     private_redis.start()
     # The same clients, whose pooled connections died with the old server, just work.
-    assert (await meta.get_session("sess-1")) is not None
-    job = await meta.get_job("model-1")
+    assert (await stores.sessions.get_session("sess-1")) is not None
+    job = await stores.jobs.get_job("model-1")
     assert job is not None and job.spec == SPEC and job.tenant == "alice"
-    assert [c.path for c in await meta.tenant_checkpoints("alice")] == [path]
-    residency = await meta.get_residency("model-1")
+    assert [c.path for c in await stores.checkpoints.tenant_checkpoints("alice")] == [path]
+    residency = await stores.residency.get_residency("model-1")
     assert residency is not None and residency.worker_id == "worker-0"
 
     # Now a Redis that comes back empty: the owners of what can be rebuilt rebuild it.
     private_redis.stop()
     private_redis.wipe()
     private_redis.start()
-    assert await meta.get_job("model-1") is None
-    assert await CheckpointRecords(blobs, meta).rebuild() == 1
+    assert await stores.jobs.get_job("model-1") is None
+    assert await CheckpointRecords(blobs, stores.checkpoints).rebuild() == 1
     assert await states.reannounce() == 1  # what every heartbeat does
-    (ckpt,) = await meta.tenant_checkpoints("alice")
+    (ckpt,) = await stores.checkpoints.tenant_checkpoints("alice")
     assert ckpt.blob_key == key and ckpt.lora_rank == 4
-    residency = await meta.get_residency("model-1")
+    residency = await stores.residency.get_residency("model-1")
     assert residency is not None and residency.tier == Tier.DEVICE and residency.version == 1
     assert await states.reannounce() == 0  # a record that exists is left alone
     # A deleted checkpoint is not brought back.
@@ -177,6 +177,6 @@ async def test_metadata_survives_a_redis_restart_and_lost_records_are_rebuilt(
     ) as http:
         deleted = await http.delete("/v1/checkpoints", params={"path": path}, headers=alice)
         assert deleted.is_success
-    assert await CheckpointRecords(blobs, meta).rebuild() == 0
-    assert await meta.tenant_checkpoints("alice") == []
-    await meta.close()
+    assert await CheckpointRecords(blobs, stores.checkpoints).rebuild() == 0
+    assert await stores.checkpoints.tenant_checkpoints("alice") == []
+    await stores.close()

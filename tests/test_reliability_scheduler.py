@@ -34,8 +34,8 @@ from plexrl.messages import (
     WorkerHeartbeat,
     decode,
 )
-from plexrl.meta import MetaStore
 from plexrl.settings import SchedulerSettings
+from plexrl.stores import JobStore, Stores
 from plexrl.topics import Topics, core_topics
 from plexrl_scheduler.main import serve
 from tests.conftest import free_port
@@ -63,20 +63,20 @@ class Faults:
 async def faults(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Faults]:
     faults = Faults()
     send = Publisher._send
-    set_home = MetaStore.set_home
+    set_home = JobStore.set_home
 
     async def flaky_send(self: Publisher, topic: str, key: Any, message: Any) -> None:
         if isinstance(message, Dispatch) and faults.once("publish"):
             raise KafkaConnectionError("the broker went away (injected)")
         await send(self, topic, key, message)
 
-    async def flaky_set_home(self: MetaStore, job_id: str, worker_id: str) -> None:
+    async def flaky_set_home(self: JobStore, job_id: str, worker_id: str) -> None:
         if faults.once("store"):
             raise redis.exceptions.ConnectionError("Redis went away (injected)")
         await set_home(self, job_id, worker_id)
 
     monkeypatch.setattr(Publisher, "_send", flaky_send)
-    monkeypatch.setattr(MetaStore, "set_home", flaky_set_home)
+    monkeypatch.setattr(JobStore, "set_home", flaky_set_home)
     yield faults
 
 
@@ -113,14 +113,14 @@ async def test_a_failed_publish_and_a_failed_store_call_do_not_stop_the_loop(
     )
     await dispatches.start()
     beating = asyncio.create_task(heartbeats(worker, topics, stop))
-    meta = MetaStore.from_url(infra["redis"], cluster_id, 3600)
+    stores = Stores.from_url(infra["redis"], cluster_id, 3600)
     health = f"http://127.0.0.1:{settings.scheduler_port}/healthz"
     try:
         for rid in ("call-1", "call-2"):
             await worker.publish(topics.requests, "job-1", request(rid))
             dispatch = await next_dispatch(dispatches, scheduler)
             assert [c.request_id for c in dispatch.calls] == [rid]
-            await answer(worker, meta, topics, dispatch)
+            await answer(worker, stores, topics, dispatch)
         assert sorted(faults.fired) == ["publish", "store"]
         assert not scheduler.done()
         async with httpx.AsyncClient() as http:
@@ -133,10 +133,10 @@ async def test_a_failed_publish_and_a_failed_store_call_do_not_stop_the_loop(
         await beating
         await dispatches.stop()
         await worker.stop()
-        keys = [k async for k in meta.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
+        keys = [k async for k in stores.keys.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
         if keys:
-            await meta.redis.delete(*keys)
-        await meta.close()
+            await stores.keys.redis.delete(*keys)
+        await stores.close()
 
 
 async def heartbeats(worker: Publisher, topics: Topics, stop: asyncio.Event) -> None:
@@ -173,7 +173,7 @@ async def next_dispatch(consumer: AIOKafkaConsumer, scheduler: asyncio.Task[None
     raise AssertionError("no dispatch within 60 s")
 
 
-async def answer(worker: Publisher, meta: MetaStore, topics: Topics, dispatch: Dispatch) -> None:
+async def answer(worker: Publisher, stores: Stores, topics: Topics, dispatch: Dispatch) -> None:
     """What a worker does: record the completion, then publish it."""
     for i, call in enumerate(dispatch.calls):
         completion = PhaseCompletion(
@@ -189,5 +189,5 @@ async def answer(worker: Publisher, meta: MetaStore, topics: Topics, dispatch: D
             dispatch_id=dispatch.dispatch_id,
             last_in_dispatch=i == len(dispatch.calls) - 1,
         )
-        await meta.record_completion(completion)
+        await stores.calls.record_completion(completion)
         await worker.publish(topics.completions, call.job_id, completion)

@@ -31,7 +31,7 @@ from plexrl.messages import (
     TensorArray,
     Timings,
 )
-from plexrl.meta import FutureRecord
+from plexrl.stores import FutureRecord
 from plexrl_gateway.codec import CodecError
 from plexrl_gateway.codec_json import forward_backward_from_json
 from plexrl_gateway.proto import tinker_public_pb2 as pb

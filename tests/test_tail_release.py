@@ -59,7 +59,13 @@ def _call(rid: str, samples: int, max_tokens: int, seed: int) -> PhaseRequest:
 def _runner(engine: TorchEngine, thread: EngineThread) -> CallRunner:
     none = cast(Any, None)
     return CallRunner(
-        engine=engine, thread=thread, states=cast(Any, _Resident()), meta=none, store=none
+        engine=engine,
+        thread=thread,
+        states=cast(Any, _Resident()),
+        payloads=none,
+        checkpoints=none,
+        jobs=none,
+        store=none,
     )
 
 

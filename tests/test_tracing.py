@@ -26,8 +26,8 @@ from tinker.proto import request_conv
 from plexrl import tracing
 from plexrl.kafka import Publisher
 from plexrl.messages import Dispatch, StateMove, Tier
-from plexrl.meta import MetaStore
 from plexrl.settings import GatewaySettings, SchedulerSettings, StateStoreSettings, WorkerSettings
+from plexrl.stores import Stores
 from plexrl.topics import Topics
 from plexrl_gateway.main import serve as serve_gateway
 from plexrl_scheduler.main import serve as serve_scheduler
@@ -287,7 +287,7 @@ async def park_on_disk(infra: dict[str, str], cluster_id: str, worker_id: str, j
     topics = Topics(cluster_id)
     publisher = Publisher(infra["kafka"], "test-evict")
     await publisher.start()
-    meta = MetaStore.from_url(infra["redis"], cluster_id, 60)
+    stores = Stores.from_url(infra["redis"], cluster_id, 60)
     try:
         evict = Dispatch(
             dispatch_id=uuid.uuid4().hex,
@@ -298,11 +298,11 @@ async def park_on_disk(infra: dict[str, str], cluster_id: str, worker_id: str, j
         )
         await publisher.publish(topics.dispatch(worker_id), job_id, evict)
         deadline = time.monotonic() + 30
-        while (residency := await meta.get_residency(job_id)) is None or (
+        while (residency := await stores.residency.get_residency(job_id)) is None or (
             residency.tier != Tier.DISK
         ):
             assert time.monotonic() < deadline, f"{job_id} never reached the disk tier"
             await asyncio.sleep(0.1)
     finally:
         await publisher.stop()
-        await meta.close()
+        await stores.close()

@@ -28,8 +28,8 @@ from plexrl.messages import (
     decode,
     encode,
 )
-from plexrl.meta import MetaStore
 from plexrl.retry import retrying
+from plexrl.stores import CallStore, RedisKeys
 
 _MAX_ENTRIES = 10_000
 """Dead-letter index entries kept in Redis (oldest trimmed first); Kafka keeps them all."""
@@ -97,15 +97,18 @@ class DeadLetters:
 
     def __init__(
         self,
-        meta: MetaStore,
+        calls: CallStore,
+        keys: RedisKeys,
         publisher: CompletionPublisher,
         completions_topic: str,
-        cluster_id: str,
     ) -> None:
-        self._meta = meta
+        """`calls`: the future records it trusts and where the error completions go;
+        `keys`: the connection its own index (`<cluster>:dlq`, a stream) lives on."""
+        self._calls = calls
+        self._redis = keys.redis
         self._publisher = publisher
         self._completions_topic = completions_topic
-        self._index = f"{cluster_id}:dlq"
+        self._index = keys.key("dlq")
 
     async def __call__(self, letter: DeadLetter) -> None:
         """Answer every call the letter names, then index it; retries Redis and Kafka."""
@@ -127,7 +130,7 @@ class DeadLetters:
             job_ids=sorted({r.job_id for r in answered if r.job_id}),
         )
         await retrying(
-            lambda: self._meta.redis.xadd(
+            lambda: self._redis.xadd(
                 self._index, {"e": encode(entry)}, maxlen=_MAX_ENTRIES, approximate=True
             ),
             what=f"indexing the dead letter {letter.source_topic}@{letter.offset}",
@@ -138,7 +141,7 @@ class DeadLetters:
     ) -> CallRef:
         # The gateway's future record is the trusted source of who owns the call.
         future = await retrying(
-            lambda: self._meta.get_future(ref.request_id), what="reading a future record"
+            lambda: self._calls.get_future(ref.request_id), what="reading a future record"
         )
         if future is not None:
             ref = CallRef(ref.request_id, future.job_id, future.tenant, future.function)
@@ -165,7 +168,7 @@ class DeadLetters:
             last_in_dispatch=last,
         )
         standing = await retrying(
-            lambda: self._meta.record_completion(completion), what="recording an error completion"
+            lambda: self._calls.record_completion(completion), what="recording an error completion"
         )
         await retrying(
             lambda: self._publisher.publish(self._completions_topic, standing.job_id, standing),
@@ -175,7 +178,7 @@ class DeadLetters:
 
     async def entries(self, tenant: str, limit: int = 100) -> list[DeadLetterEntry]:
         """The tenant's most recent dead letters, newest first."""
-        rows: Any = await self._meta.redis.xrevrange(self._index, count=_MAX_ENTRIES)
+        rows: Any = await self._redis.xrevrange(self._index, count=_MAX_ENTRIES)
         mine: list[DeadLetterEntry] = []
         for _, fields in rows or []:
             entry: DeadLetterEntry = decode(bytes(fields[b"e"]), DeadLetterEntry)

@@ -10,16 +10,16 @@ from typing import NamedTuple
 
 from plexrl import tracing
 from plexrl.kafka import Publisher, ensure_topics, wait_for_kafka
-from plexrl.meta import MetaStore
 from plexrl.settings import CommonSettings
+from plexrl.stores import Stores
 from plexrl.topics import Topics, core_topics
 
 
 class ClusterLink(NamedTuple):
-    """What every service opens first: its topics, the metadata store, a (stopped) producer."""
+    """What every service opens first: its topics, the metadata stores, a (stopped) producer."""
 
     topics: Topics
-    meta: MetaStore
+    stores: Stores
     publisher: Publisher
 
 
@@ -31,8 +31,8 @@ async def join_cluster(
     topics = Topics(settings.cluster_id)
     await wait_for_kafka(settings.kafka_bootstrap)
     await ensure_topics(settings.kafka_bootstrap, {**core_topics(topics), **(extra_topics or {})})
-    meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
-    return ClusterLink(topics, meta, Publisher(settings.kafka_bootstrap, name))
+    stores = Stores.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
+    return ClusterLink(topics, stores, Publisher(settings.kafka_bootstrap, name))
 
 
 def configure_logging(level: str) -> None:

@@ -6,8 +6,8 @@ import httpx
 import msgspec
 
 from plexrl import tracing
-from plexrl.meta import CheckpointRecord
 from plexrl.service_auth import auth_headers
+from plexrl.stores import CheckpointRecord
 
 
 class StateStoreError(RuntimeError):

@@ -7,15 +7,17 @@ import logging
 import httpx
 
 from plexrl import tracing
-from plexrl.meta import CheckpointRecord, MetaStore
 from plexrl.service_auth import auth_headers
+from plexrl.stores import CheckpointRecord, CheckpointStore
 
 log = logging.getLogger(__name__)
 
 
 class CheckpointRemover:
-    def __init__(self, meta: MetaStore, state_store_url: str, token: str | None = None) -> None:
-        self._meta = meta
+    def __init__(
+        self, records: CheckpointStore, state_store_url: str, token: str | None = None
+    ) -> None:
+        self._records = records
         self._http = httpx.AsyncClient(base_url=state_store_url.rstrip("/"), timeout=10.0)
         # A delete_checkpoint call's state-store hop stays in the call's trace.
         tracing.instrument_client(self._http)
@@ -41,7 +43,7 @@ class CheckpointRemover:
             reason = f"{response.status_code} {response.text[:200]}"
         except httpx.HTTPError as exc:
             reason = repr(exc)
-        await self._meta.delete_checkpoint(record)
+        await self._records.delete_checkpoint(record)
         log.warning(
             "state-store did not delete %s (%s): record removed, blob %s left behind",
             record.path,

@@ -12,16 +12,33 @@ import httpx
 import msgspec
 
 from plexrl.messages import MessageError, WorkerHeartbeat, decode
-from plexrl.meta import JobRecord, MetaStore, TimelineEntry
+from plexrl.stores import (
+    JobRecord,
+    JobStore,
+    ResidencyStore,
+    TimelineEntry,
+    UsageStore,
+    WorkerStore,
+)
 
 log = logging.getLogger(__name__)
 
 
 class ClusterView:
     def __init__(
-        self, meta: MetaStore, scheduler_url: str, clock: Callable[[], float] = time.time
+        self,
+        *,
+        jobs: JobStore,
+        workers: WorkerStore,
+        residency: ResidencyStore,
+        usage: UsageStore,
+        scheduler_url: str,
+        clock: Callable[[], float] = time.time,
     ) -> None:
-        self._meta = meta
+        self._jobs = jobs
+        self._workers = workers
+        self._residency = residency
+        self._usage = usage
         self._http = httpx.AsyncClient(base_url=scheduler_url.rstrip("/"), timeout=1.0)
         self._clock = clock
 
@@ -31,7 +48,7 @@ class ClusterView:
     async def workers(self) -> list[dict[str, Any]]:
         """Every worker with a live heartbeat record, as it last described itself."""
         out = []
-        for worker_id, raw in (await self._meta.workers()).items():
+        for worker_id, raw in (await self._workers.workers()).items():
             try:
                 beat: WorkerHeartbeat = decode(raw, WorkerHeartbeat)
             except MessageError as exc:
@@ -41,6 +58,10 @@ class ClusterView:
             view["age_s"] = round(self._clock() - beat.sent_at, 3)
             out.append(view)
         return out
+
+    async def job_count(self) -> int:
+        """Jobs of every tenant (a number only: the records stay per tenant)."""
+        return len(await self._jobs.all_jobs())
 
     async def scheduler(self) -> dict[str, Any] | None:
         """The scheduler's own status (pending and in-flight calls), if it answers."""
@@ -52,12 +73,12 @@ class ClusterView:
 
     async def job(self, job: JobRecord) -> dict[str, Any]:
         """A job's record, home, residency and accounting against a dedicated deployment."""
-        home = (await self._meta.homes()).get(job.job_id)
-        residency = await self._meta.get_residency(job.job_id)
-        usage = await self._meta.usage(job.job_id)
+        home = (await self._jobs.homes()).get(job.job_id)
+        residency = await self._residency.get_residency(job.job_id)
+        usage = await self._usage.usage(job.job_id)
         devices = 1
         if home is not None:
-            beat = (await self._meta.workers()).get(home)
+            beat = (await self._workers.workers()).get(home)
             if beat is not None:
                 with contextlib.suppress(MessageError):
                     devices = decode(beat, WorkerHeartbeat).devices

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from plexrl.dead_letters import DeadLetters
 from plexrl.health import Watched
 from plexrl.limits import DEFAULT_LIMITS, CallLimits
-from plexrl.meta import MetaStore
 from plexrl.models import ModelRegistry
 from plexrl.settings import GatewaySettings
+from plexrl.stores import CallStore, PayloadStore, Stores, TimelineStore, UsageStore
 from plexrl.topics import Topics
 from plexrl_gateway.admission import CountingPublisher, PendingCalls
 from plexrl_gateway.auth import ApiKeys
@@ -17,6 +17,7 @@ from plexrl_gateway.catalog import ModelCatalog
 from plexrl_gateway.checkpoints import CheckpointRemover
 from plexrl_gateway.cluster import ClusterView
 from plexrl_gateway.futures import FutureWaiter
+from plexrl_gateway.outbox import Outbox
 from plexrl_gateway.registry import Registry
 from plexrl_gateway.sequencer import Sequencer
 from plexrl_gateway.submitter import RequestPublisher, Submitter
@@ -26,8 +27,14 @@ from plexrl_gateway.submitter import RequestPublisher, Submitter
 class Gateway:
     keys: ApiKeys
     """X-API-Key → tenant."""
-    meta: MetaStore
-    """Redis metadata: futures, completions, records."""
+    calls: CallStore
+    """Future records and completions (and whether Redis answers)."""
+    payloads: PayloadStore
+    """Results that came by reference."""
+    timeline: TimelineStore
+    """Which call ran where and when."""
+    usage: UsageStore
+    """Each job's device-time counters."""
     catalog: ModelCatalog
     """Base models by name."""
     registry: Registry
@@ -62,29 +69,47 @@ class Gateway:
     def build(
         cls,
         settings: GatewaySettings,
-        meta: MetaStore,
+        stores: Stores,
         publisher: RequestPublisher,
         limits: CallLimits = DEFAULT_LIMITS,
     ) -> Gateway:
+        """Every component over its own stores, all on one Redis connection."""
         topics = Topics(settings.cluster_id)
         pending = PendingCalls(limits)
         publisher = CountingPublisher(publisher, pending, topics.requests)
-        sequencer = Sequencer(meta, settings.sequence_gap_timeout_s)
+        sequencer = Sequencer(stores.calls, settings.sequence_gap_timeout_s)
         return cls(
             keys=ApiKeys(settings.api_keys),
-            meta=meta,
+            calls=stores.calls,
+            payloads=stores.payloads,
+            timeline=stores.timeline,
+            usage=stores.usage,
             catalog=ModelCatalog(ModelRegistry(settings.model_registry)),
-            registry=Registry(meta),
+            registry=Registry(stores.sessions, stores.jobs, stores.checkpoints),
             submitter=Submitter(
-                meta, publisher, topics, sequencer, settings.payload_inline_max_bytes
+                stores.calls,
+                stores.payloads,
+                Outbox(stores.keys),
+                publisher,
+                topics,
+                sequencer,
+                settings.payload_inline_max_bytes,
             ),
-            futures=FutureWaiter(meta, on_answered=pending.done),
+            futures=FutureWaiter(stores.calls, on_answered=pending.done),
             publisher=publisher,
             topics=topics,
-            cluster=ClusterView(meta, settings.scheduler_url),
-            checkpoints=CheckpointRemover(meta, settings.state_store_url, settings.service_token),
+            cluster=ClusterView(
+                jobs=stores.jobs,
+                workers=stores.workers,
+                residency=stores.residency,
+                usage=stores.usage,
+                scheduler_url=settings.scheduler_url,
+            ),
+            checkpoints=CheckpointRemover(
+                stores.checkpoints, settings.state_store_url, settings.service_token
+            ),
             future_wait_s=settings.future_wait_s,
-            dead_letters=DeadLetters(meta, publisher, topics.completions, settings.cluster_id),
+            dead_letters=DeadLetters(stores.calls, stores.keys, publisher, topics.completions),
             limits=limits,
             pending=pending,
         )

@@ -10,7 +10,7 @@ from typing import Annotated
 
 from fastapi import Depends, Header, Request
 
-from plexrl.meta import MetaStore
+from plexrl.stores import CallStore, PayloadStore, TimelineStore, UsageStore
 from plexrl_gateway.catalog import ModelCatalog
 from plexrl_gateway.components import Gateway
 from plexrl_gateway.futures import FutureWaiter
@@ -30,8 +30,20 @@ async def _tenant(gateway: GatewayDep, x_api_key: Annotated[str | None, Header()
     return gateway.keys.tenant(x_api_key)
 
 
-async def _meta(gateway: GatewayDep) -> MetaStore:
-    return gateway.meta
+async def _calls(gateway: GatewayDep) -> CallStore:
+    return gateway.calls
+
+
+async def _payloads(gateway: GatewayDep) -> PayloadStore:
+    return gateway.payloads
+
+
+async def _timeline(gateway: GatewayDep) -> TimelineStore:
+    return gateway.timeline
+
+
+async def _usage(gateway: GatewayDep) -> UsageStore:
+    return gateway.usage
 
 
 async def _registry(gateway: GatewayDep) -> Registry:
@@ -53,7 +65,10 @@ async def _futures(gateway: GatewayDep) -> FutureWaiter:
 
 
 Tenant = Annotated[str, Depends(_tenant)]
-Meta = Annotated[MetaStore, Depends(_meta)]
+Calls = Annotated[CallStore, Depends(_calls)]
+Payloads = Annotated[PayloadStore, Depends(_payloads)]
+Timeline = Annotated[TimelineStore, Depends(_timeline)]
+Usage = Annotated[UsageStore, Depends(_usage)]
 Jobs = Annotated[Registry, Depends(_registry)]
 Catalog = Annotated[ModelCatalog, Depends(_catalog)]
 Submit = Annotated[Submitter, Depends(_submitter)]

@@ -18,8 +18,8 @@ log = logging.getLogger("plexrl.gateway")
 
 
 async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
-    topics, meta, publisher = await join_cluster(settings, "plexrl-gateway")
-    gateway = Gateway.build(settings, meta, publisher)
+    topics, stores, publisher = await join_cluster(settings, "plexrl-gateway")
+    gateway = Gateway.build(settings, stores, publisher)
     # Every gateway sees every completion (no group, from now on): they only wake
     # waiters; Redis holds the results.
     completions = MessageConsumer[PhaseCompletion](
@@ -61,5 +61,5 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
             await completions.stop()
         await publisher.stop()
         await gateway.close()
-        await meta.close()
+        await stores.close()
         log.info("gateway stopped")

@@ -28,7 +28,7 @@ from typing import Any
 import msgspec
 
 from plexrl.messages import PhaseRequest, decode, encode
-from plexrl.meta import FutureRecord, MetaStore
+from plexrl.stores import FutureRecord, RedisKeys
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +115,14 @@ Send = Callable[[PhaseRequest], Any]
 
 
 class Outbox:
-    def __init__(self, meta: MetaStore, clock: Callable[[], float] = time.time) -> None:
-        self._meta = meta
-        self._redis = meta.redis
-        self._accept = meta.redis.register_script(_ACCEPT)
-        self._done = meta.redis.register_script(_DONE)
-        self._jobs_key = meta.key("outbox-jobs")
+    def __init__(self, keys: RedisKeys, clock: Callable[[], float] = time.time) -> None:
+        """`keys`: the outbox writes the call store's records (future, retry key, seq
+        cursor) in its own transaction, so it names their keys itself."""
+        self._keys = keys
+        self._redis = keys.redis
+        self._accept = keys.redis.register_script(_ACCEPT)
+        self._done = keys.redis.register_script(_DONE)
+        self._jobs_key = keys.key("outbox-jobs")
         self._clock = clock
         self._locks: dict[str, asyncio.Lock] = {}
         self._users: dict[str, int] = {}
@@ -129,7 +131,7 @@ class Outbox:
         acceptance was in Redis may have published the head that acceptance read."""
 
     def _list_key(self, job_id: str) -> str:
-        return self._meta.key("outbox", job_id)
+        return self._keys.key("outbox", job_id)
 
     async def accept(self, accept: Accept) -> Accepted:
         """Write everything of one submission at once; says the request id that stood
@@ -140,14 +142,14 @@ class Outbox:
         keys = [
             self._list_key(accept.job_id),
             self._jobs_key,
-            self._meta.key("seq", accept.job_id),
-            self._meta.key("idem", accept.retry_key or ""),
-            *(self._meta.key("future", f.request_id) for f in accept.futures),
+            self._keys.key("seq", accept.job_id),
+            self._keys.key("idem", accept.retry_key or ""),
+            *(self._keys.key("future", f.request_id) for f in accept.futures),
         ]
         args: list[Any] = [
             "1" if accept.retry_key is not None else "0",
             accept.requests[-1].request_id,
-            self._meta.ttl_s,
+            self._keys.ttl_s,
             -1 if accept.seq_id is None else accept.seq_id,
             accept.job_id,
             len(accept.futures),

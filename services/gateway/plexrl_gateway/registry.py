@@ -12,15 +12,31 @@ from collections.abc import Callable
 from typing import Any
 
 from plexrl.messages import JobSpec
-from plexrl.meta import CheckpointRecord, JobKind, JobRecord, MetaStore, SessionRecord
+from plexrl.stores import (
+    CheckpointRecord,
+    CheckpointStore,
+    JobKind,
+    JobRecord,
+    JobStore,
+    SessionRecord,
+    SessionStore,
+)
 from plexrl_gateway.errors import not_found
 
 Clock = Callable[[], float]
 
 
 class Registry:
-    def __init__(self, meta: MetaStore, clock: Clock = time.time) -> None:
-        self._meta = meta
+    def __init__(
+        self,
+        sessions: SessionStore,
+        jobs: JobStore,
+        checkpoints: CheckpointStore,
+        clock: Clock = time.time,
+    ) -> None:
+        self._sessions = sessions
+        self._jobs = jobs
+        self._checkpoints = checkpoints
         self._clock = clock
 
     # Sessions ------------------------------------------------------------------
@@ -38,11 +54,11 @@ class Registry:
             tags=list(tags),
             user_metadata=metadata_strings(user_metadata),
         )
-        await self._meta.put_session(session)
+        await self._sessions.put_session(session)
         return session
 
     async def session(self, tenant: str, session_id: str) -> SessionRecord:
-        session = await self._meta.get_session(session_id)
+        session = await self._sessions.get_session(session_id)
         if session is None or session.tenant != tenant:
             raise not_found(f"unknown session {session_id!r}; create one with create_session")
         return session
@@ -50,7 +66,7 @@ class Registry:
     async def heartbeat(self, tenant: str, session_id: str) -> None:
         """Keeps the session (and its TTL) alive."""
         session = await self.session(tenant, session_id)
-        await self._meta.put_session(
+        await self._sessions.put_session(
             SessionRecord(
                 session_id=session.session_id,
                 tenant=session.tenant,
@@ -62,12 +78,12 @@ class Registry:
         )
 
     async def sessions(self, tenant: str) -> list[SessionRecord]:
-        return await self._meta.tenant_sessions(tenant)
+        return await self._sessions.tenant_sessions(tenant)
 
     # Jobs ------------------------------------------------------------------------
 
     async def find_job(self, tenant: str, job_id: str) -> JobRecord | None:
-        job = await self._meta.get_job(job_id)
+        job = await self._jobs.get_job(job_id)
         return job if job is not None and job.tenant == tenant else None
 
     async def training_model(self, tenant: str, model_id: str) -> JobRecord:
@@ -88,10 +104,10 @@ class Registry:
         return job
 
     async def put_job(self, job: JobRecord) -> None:
-        await self._meta.put_job(job)
+        await self._jobs.put_job(job)
 
     async def jobs(self, tenant: str) -> list[JobRecord]:
-        return await self._meta.tenant_jobs(tenant)
+        return await self._jobs.tenant_jobs(tenant)
 
     async def live_owner(self, tenant: str, job_id: str) -> str | None:
         """`job_id` when it is a live training model of the tenant (a sampling session over
@@ -103,17 +119,17 @@ class Registry:
     # Checkpoints -------------------------------------------------------------------
 
     async def checkpoint(self, tenant: str, path: str) -> CheckpointRecord:
-        record = await self._meta.get_checkpoint(path)
+        record = await self._checkpoints.get_checkpoint(path)
         if record is None or record.tenant != tenant:
             raise not_found(f"no checkpoint at {path!r}")
         return record
 
     async def find_checkpoint(self, tenant: str, path: str) -> CheckpointRecord | None:
-        record = await self._meta.get_checkpoint(path)
+        record = await self._checkpoints.get_checkpoint(path)
         return record if record is not None and record.tenant == tenant else None
 
     async def checkpoints(self, tenant: str) -> list[CheckpointRecord]:
-        return await self._meta.tenant_checkpoints(tenant)
+        return await self._checkpoints.tenant_checkpoints(tenant)
 
 
 def metadata_strings(metadata: dict[str, Any] | None) -> dict[str, str]:

@@ -25,7 +25,7 @@ from plexrl.messages import (
     SampleOutput,
     SaveOutput,
 )
-from plexrl.meta import FutureRecord
+from plexrl.stores import FutureRecord
 from plexrl_gateway.codec import PROTOBUF, encode_forward_backward_output, encode_sample_output
 from plexrl_gateway.codec_json import forward_backward_output_json, sample_output_json
 from plexrl_gateway.errors import Category, error_body

@@ -13,7 +13,7 @@ from plexrl.messages import MessageError, PhaseOutput
 from plexrl.payloads import resolve
 from plexrl_gateway import metrics
 from plexrl_gateway.codec import PROTOBUF
-from plexrl_gateway.deps import Futures, GatewayDep, Meta, Tenant
+from plexrl_gateway.deps import Calls, Futures, GatewayDep, Payloads, Tenant
 from plexrl_gateway.errors import Category, error_body, not_found
 from plexrl_gateway.render import render, try_again
 from plexrl_gateway.schemas import FutureBody
@@ -26,11 +26,12 @@ async def retrieve_future(
     request: Request,
     body: FutureBody,
     tenant: Tenant,
-    meta: Meta,
+    calls: Calls,
+    payloads: Payloads,
     futures: Futures,
     gateway: GatewayDep,
 ) -> Response:
-    future = await meta.get_future(body.request_id)
+    future = await calls.get_future(body.request_id)
     if future is None or future.tenant != tenant:
         raise not_found(f"unknown future {body.request_id!r}")
     # Polls are traces of their own (one per HTTP request); the link leads to the call.
@@ -41,7 +42,7 @@ async def retrieve_future(
         return try_again(future.request_id)
     metrics.RESULTS_DELIVERED.labels(future.response_kind, str(completion.status)).inc()
     try:
-        output = await resolve(meta, completion.result, PhaseOutput)
+        output = await resolve(payloads, completion.result, PhaseOutput)
     except (KeyError, MessageError) as exc:
         message = f"the result of {future.request_id} could not be read: {exc}"
         return JSONResponse(error_body(message, Category.SERVER))

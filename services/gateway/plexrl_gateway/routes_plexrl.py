@@ -12,7 +12,7 @@ from fastapi import APIRouter, Query
 from plexrl.limits import LATEST_TIMESTAMP
 from plexrl.messages import Function, IdleHint, JobSpec, NoopInput
 from plexrl_gateway.cluster import NO_ACTIVITY, activity
-from plexrl_gateway.deps import Futures, GatewayDep, Jobs, Meta, Submit, Tenant
+from plexrl_gateway.deps import Futures, GatewayDep, Jobs, Submit, Tenant, Timeline
 from plexrl_gateway.errors import ApiError, Category, not_found
 from plexrl_gateway.render import ResponseKind
 from plexrl_gateway.schemas import IdleBody
@@ -54,14 +54,14 @@ def tenant_view(workers: list[dict[str, Any]], mine: set[str]) -> list[dict[str,
 
 
 @router.get("/cluster")
-async def cluster(tenant: Tenant, gateway: GatewayDep, jobs: Jobs, meta: Meta) -> dict[str, Any]:
+async def cluster(tenant: Tenant, gateway: GatewayDep, jobs: Jobs) -> dict[str, Any]:
     mine = await own_job_ids(tenant, jobs)
     workers = tenant_view(await gateway.cluster.workers(), mine)
     scheduler = await gateway.cluster.scheduler()
     inflight = (scheduler or {}).get("inflight") or {}
     return {
         "workers": workers,
-        "jobs": len(await meta.all_jobs()),
+        "jobs": await gateway.cluster.job_count(),
         "tenant_jobs": len(await jobs.jobs(tenant)),
         "scheduler": (
             {"reachable": False}
@@ -87,7 +87,7 @@ async def workers(tenant: Tenant, gateway: GatewayDep, jobs: Jobs) -> list[dict[
 async def list_jobs(
     tenant: Tenant,
     jobs: Jobs,
-    meta: Meta,
+    timeline: Timeline,
     gateway: GatewayDep,
     details: Annotated[bool, Query()] = False,
     window_s: Annotated[float, Query(gt=0, le=86400)] = 300.0,
@@ -98,7 +98,7 @@ async def list_jobs(
     records = sorted(await jobs.jobs(tenant), key=lambda j: j.created_at)
     if not details:
         return [msgspec.to_builtins(j) for j in records]
-    recent = activity(await meta.timeline(time.time() - window_s, TIMELINE_WINDOW_MAX))
+    recent = activity(await timeline.timeline(time.time() - window_s, TIMELINE_WINDOW_MAX))
     return [
         {**await gateway.cluster.job(r), "activity": recent.get(r.job_id, NO_ACTIVITY)}
         for r in records
@@ -117,14 +117,14 @@ async def job(job_id: str, tenant: Tenant, jobs: Jobs, gateway: GatewayDep) -> d
 async def timeline(
     tenant: Tenant,
     jobs: Jobs,
-    meta: Meta,
+    stream: Timeline,
     # Unix seconds; bounded so a typo (2.2e307) is a 422 naming the field, not a bad
     # stream id deep in Redis.
     since: Annotated[float, Query(ge=0, le=LATEST_TIMESTAMP)] = 0.0,
     limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
 ) -> list[dict[str, Any]]:
     mine = {j.job_id for j in await jobs.jobs(tenant)} | {echo_job_id(tenant)}
-    entries = [e for e in await meta.timeline(since, limit) if e.job_id in mine]
+    entries = [e for e in await stream.timeline(since, limit) if e.job_id in mine]
     return [msgspec.to_builtins(e) for e in entries]
 
 

@@ -7,8 +7,8 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 
-from plexrl.meta import CheckpointRecord, JobKind, JobRecord
-from plexrl_gateway.deps import GatewayDep, Jobs, Meta, Tenant
+from plexrl.stores import CheckpointRecord, JobKind, JobRecord
+from plexrl_gateway.deps import GatewayDep, Jobs, Tenant, Usage
 from plexrl_gateway.errors import ApiError, not_found
 from plexrl_gateway.schemas import TinkerPathBody
 from plexrl_gateway.translate import TINKER_SCHEME, CheckpointKind, parse_tinker_path
@@ -57,19 +57,19 @@ async def weights_info(body: TinkerPathBody, tenant: Tenant, jobs: Jobs) -> dict
 
 @router.get("/training_runs")
 async def training_runs(
-    tenant: Tenant, jobs: Jobs, meta: Meta, limit: Limit = 20, offset: Offset = 0
+    tenant: Tenant, jobs: Jobs, usage: Usage, limit: Limit = 20, offset: Offset = 0
 ) -> dict[str, Any]:
     runs = [j for j in await jobs.jobs(tenant) if j.kind == JobKind.TRAINING]
     runs.sort(key=lambda j: j.created_at, reverse=True)
     ckpts = await jobs.checkpoints(tenant)
-    page = [await _run_view(j, ckpts, meta) for j in runs[offset : offset + limit]]
+    page = [await _run_view(j, ckpts, usage) for j in runs[offset : offset + limit]]
     cursor = {"offset": offset, "limit": limit, "total_count": len(runs)}
     return {"training_runs": page, "cursor": cursor}
 
 
 @router.get("/training_runs/{run_id}")
-async def training_run(run_id: str, tenant: Tenant, jobs: Jobs, meta: Meta) -> dict[str, Any]:
-    return await _run_view(await _run(tenant, run_id, jobs), await jobs.checkpoints(tenant), meta)
+async def training_run(run_id: str, tenant: Tenant, jobs: Jobs, usage: Usage) -> dict[str, Any]:
+    return await _run_view(await _run(tenant, run_id, jobs), await jobs.checkpoints(tenant), usage)
 
 
 @router.get("/training_runs/{run_id}/checkpoints")
@@ -147,8 +147,10 @@ async def _run(tenant: str, run_id: str, jobs: Jobs) -> JobRecord:
     return job
 
 
-async def _run_view(job: JobRecord, ckpts: list[CheckpointRecord], meta: Meta) -> dict[str, Any]:
-    usage = await meta.usage(job.job_id)
+async def _run_view(
+    job: JobRecord, ckpts: list[CheckpointRecord], counters: Usage
+) -> dict[str, Any]:
+    usage = await counters.usage(job.job_id)
     mine = sorted((c for c in ckpts if c.job_id == job.job_id), key=lambda c: c.created_at)
     training = [c for c in mine if parse_tinker_path(c.path).kind == CheckpointKind.WEIGHTS]
     sampler = [c for c in mine if parse_tinker_path(c.path).kind == CheckpointKind.SAMPLER_WEIGHTS]

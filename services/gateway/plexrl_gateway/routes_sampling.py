@@ -14,7 +14,7 @@ from fastapi import APIRouter
 
 from plexrl.limits import InputError, check_num_samples
 from plexrl.messages import Function, JobSpec
-from plexrl.meta import JobKind
+from plexrl.stores import JobKind
 from plexrl_gateway.deps import Catalog, Jobs, Submit, Tenant
 from plexrl_gateway.errors import bad_request
 from plexrl_gateway.registry import new_job

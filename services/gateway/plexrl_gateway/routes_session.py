@@ -8,8 +8,8 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 
 from plexrl.health import consumers_health
-from plexrl.meta import JobKind
-from plexrl_gateway.deps import Catalog, GatewayDep, Jobs, Meta, Submit, Tenant
+from plexrl.stores import JobKind
+from plexrl_gateway.deps import Calls, Catalog, GatewayDep, Jobs, Submit, Tenant
 from plexrl_gateway.schemas import CreateSessionBody, SdkVersionBody, SessionIdBody
 from plexrl_gateway.unload import unload_model
 
@@ -88,8 +88,8 @@ async def server_capabilities(_: Tenant, catalog: Catalog) -> dict[str, Any]:
 
 
 @router.get("/healthz")
-async def tinker_healthz(gateway: GatewayDep, meta: Meta) -> JSONResponse:
-    ok = await _healthy(gateway, meta)
+async def tinker_healthz(gateway: GatewayDep, calls: Calls) -> JSONResponse:
+    ok = await _healthy(gateway, calls)
     return JSONResponse({"status": "ok" if ok else "degraded"}, status_code=200 if ok else 503)
 
 
@@ -97,10 +97,10 @@ health_router = APIRouter()
 
 
 @health_router.get("/healthz")
-async def healthz(gateway: GatewayDep, meta: Meta) -> JSONResponse:
+async def healthz(gateway: GatewayDep, calls: Calls) -> JSONResponse:
     """Ok when Redis answers, the Kafka broker answers the producer, and the completions
     consumer is alive and not stuck."""
-    redis_ok = await _redis_ok(meta)
+    redis_ok = await _redis_ok(calls)
     kafka_ok = await gateway.publisher.ping()
     consumers = consumers_health(gateway.watched)
     ok = redis_ok and kafka_ok and consumers["ok"]
@@ -114,12 +114,12 @@ async def healthz(gateway: GatewayDep, meta: Meta) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ok else 503)
 
 
-async def _healthy(gateway: GatewayDep, meta: Meta) -> bool:
-    return await _redis_ok(meta) and await gateway.publisher.ping()
+async def _healthy(gateway: GatewayDep, calls: Calls) -> bool:
+    return await _redis_ok(calls) and await gateway.publisher.ping()
 
 
-async def _redis_ok(meta: Meta) -> bool:
+async def _redis_ok(calls: Calls) -> bool:
     try:
-        return await meta.ping()
+        return await calls.ping()
     except Exception:
         return False

@@ -23,8 +23,8 @@ from plexrl.messages import (
     SaveInput,
     SaveKind,
 )
-from plexrl.meta import CheckpointRecord, JobKind, JobRecord
 from plexrl.models import BaseModelInfo
+from plexrl.stores import CheckpointRecord, JobKind, JobRecord
 from plexrl_gateway.codec import PROTOBUF, CodecError, decode_forward_backward
 from plexrl_gateway.codec_json import forward_backward_from_json
 from plexrl_gateway.deps import Catalog, Jobs, Submit, Tenant

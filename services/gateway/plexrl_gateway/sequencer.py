@@ -26,7 +26,7 @@ from plexrl_gateway import metrics
 
 
 class CursorStore(Protocol):
-    """Where each job's next seq_id is remembered (MetaStore in production)."""
+    """Where each job's next seq_id is remembered (`plexrl.stores.CallStore` in production)."""
 
     async def get_next_seq(self, job_id: str) -> int | None: ...
 

@@ -32,8 +32,8 @@ from plexrl.messages import (
     PhaseRequest,
     WorkHint,
 )
-from plexrl.meta import FutureRecord, MetaStore
 from plexrl.payloads import inline_or_ref
+from plexrl.stores import CallStore, FutureRecord, PayloadStore
 from plexrl.topics import Topics
 from plexrl_gateway import metrics
 from plexrl_gateway.errors import ApiError, Category
@@ -100,24 +100,29 @@ def new_request_id() -> str:
 class Submitter:
     def __init__(
         self,
-        meta: MetaStore,
+        calls: CallStore,
+        payloads: PayloadStore,
+        outbox: Outbox,
         publisher: RequestPublisher,
         topics: Topics,
         sequencer: Sequencer,
         inline_max_bytes: int,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self._meta = meta
+        """`calls`: retry keys are read here (the outbox writes them with the call);
+        `payloads`: where a payload over `inline_max_bytes` goes."""
+        self._calls = calls
+        self._payloads = payloads
         self._publisher = publisher
         self._topics = topics
         self._sequencer = sequencer
         self._inline_max_bytes = inline_max_bytes
         self._clock = clock
-        self._outbox = Outbox(meta, clock)
+        self._outbox = outbox
 
     async def existing(self, retry_key: str) -> str | None:
         """The request id an earlier send of this call got, if there was one."""
-        return await self._meta.claimed_request(retry_key)
+        return await self._calls.claimed_request(retry_key)
 
     async def submit(self, sub: Submission, build: CallBuilder) -> str:
         """Build and publish the calls; returns the request id of the last (the one the
@@ -197,7 +202,7 @@ class Submitter:
     async def _request(
         self, sub: Submission, request_id: str, call: Call, now: float
     ) -> PhaseRequest:
-        payload = await inline_or_ref(self._meta, call.payload, self._inline_max_bytes)
+        payload = await inline_or_ref(self._payloads, call.payload, self._inline_max_bytes)
         return PhaseRequest(
             request_id=request_id,
             job_id=sub.job_id,

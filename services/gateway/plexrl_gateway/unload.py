@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgspec
 
 from plexrl.messages import Function, UnloadInput
-from plexrl.meta import JobRecord
+from plexrl.stores import JobRecord
 from plexrl_gateway.registry import Registry
 from plexrl_gateway.render import ResponseKind
 from plexrl_gateway.submitter import Call, Submission, Submitter, ready

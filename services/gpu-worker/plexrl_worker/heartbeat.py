@@ -9,8 +9,8 @@ import time
 
 from plexrl.kafka import Publisher
 from plexrl.messages import WorkerHeartbeat, encode
-from plexrl.meta import MetaStore
 from plexrl.settings import WorkerSettings
+from plexrl.stores import WorkerStore
 from plexrl_worker.residency import StateManager
 
 log = logging.getLogger(__name__)
@@ -23,14 +23,14 @@ class Heartbeat:
         settings: WorkerSettings,
         base_models: list[str],
         states: StateManager,
-        meta: MetaStore,
+        workers: WorkerStore,
         publisher: Publisher,
         events_topic: str,
     ) -> None:
         self._settings = settings
         self._base_models = base_models
         self._states = states
-        self._meta = meta
+        self._workers = workers
         self._publisher = publisher
         self._topic = events_topic
         self._started_at = time.time()
@@ -54,7 +54,7 @@ class Heartbeat:
         beat = self.beat()
         await self._publisher.publish_soon(self._topic, beat.worker_id, beat)
         ttl = max(2, int(self._settings.heartbeat_s * 10))
-        await self._meta.put_worker(beat.worker_id, encode(beat), ttl)
+        await self._workers.put_worker(beat.worker_id, encode(beat), ttl)
         # Residency is rebuilt from the workers that hold the states after Redis lost it.
         await self._states.reannounce()
 

@@ -261,7 +261,7 @@ def _groups(
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
     name = f"plexrl-worker-{settings.worker_id}"
     own_topic = Topics(settings.cluster_id).dispatch(settings.worker_id)
-    topics, meta, publisher = await join_cluster(settings, name, {own_topic: 1})
+    topics, stores, publisher = await join_cluster(settings, name, {own_topic: 1})
     store = StateStoreClient(settings.state_store_url, token=settings.service_token)
     registry = ModelRegistry(settings.model_registry)
     engine = TorchEngine(
@@ -273,7 +273,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         worker_id=settings.worker_id,
         engine=engine,
         thread=thread,
-        meta=meta,
+        residency=stores.residency,
         store=store,
         publisher=publisher,
         events_topic=topics.events,
@@ -294,11 +294,20 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         log.info("starting SGLang for %s (minutes on CPU)", registry.models())
         await asyncio.to_thread(sglang.start)
     runner = CallRunner(
-        engine=engine, thread=thread, states=states, meta=meta, store=store, sglang=sglang
+        engine=engine,
+        thread=thread,
+        states=states,
+        payloads=stores.payloads,
+        checkpoints=stores.checkpoints,
+        jobs=stores.jobs,
+        store=store,
+        sglang=sglang,
     )
     recorder = ResultRecorder(
         worker_id=settings.worker_id,
-        meta=meta,
+        calls=stores.calls,
+        payloads=stores.payloads,
+        timeline=stores.timeline,
         publisher=publisher,
         completions_topic=topics.completions,
         inline_max_bytes=settings.payload_inline_max_bytes,
@@ -307,11 +316,11 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         settings=settings,
         base_models=registry.names(),
         states=states,
-        meta=meta,
+        workers=stores.workers,
         publisher=publisher,
         events_topic=topics.events,
     )
-    ledger = Ledger(meta.redis, settings.cluster_id)
+    ledger = Ledger(stores.keys.redis, settings.cluster_id)
     recovery = JobRecovery(
         worker_id=settings.worker_id,
         ledger=ledger,
@@ -336,7 +345,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         handler=handler,
         dlq=(publisher, topics.dlq),
         name=f"worker-{settings.worker_id}",
-        answer=DeadLetters(meta, publisher, topics.completions, settings.cluster_id),
+        answer=DeadLetters(stores.calls, stores.keys, publisher, topics.completions),
     )
     # Completions must go out: wait out a broker that is away rather than fail the call.
     publisher.retry_until(stop)
@@ -372,7 +381,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         await health.stop()
         await publisher.stop()
         await store.close()
-        await meta.close()
+        await stores.close()
         thread.shutdown()
         log.info("worker %s stopped", settings.worker_id)
 

@@ -10,8 +10,8 @@ from typing import Any
 
 from plexrl.kafka import Publisher
 from plexrl.messages import CompletionStatus, PhaseCompletion, PhaseRequest, Timings
-from plexrl.meta import MetaStore, TimelineEntry
 from plexrl.payloads import inline_or_ref
+from plexrl.stores import CallStore, PayloadStore, TimelineEntry, TimelineStore
 from plexrl_worker import metrics
 from plexrl_worker.runner import Ran
 
@@ -23,13 +23,17 @@ class ResultRecorder:
         self,
         *,
         worker_id: str,
-        meta: MetaStore,
+        calls: CallStore,
+        payloads: PayloadStore,
+        timeline: TimelineStore,
         publisher: Publisher,
         completions_topic: str,
         inline_max_bytes: int,
     ) -> None:
         self._worker_id = worker_id
-        self._meta = meta
+        self._calls = calls
+        self._payloads = payloads
+        self._timeline = timeline
         self._publisher = publisher
         self._topic = completions_topic
         self._inline_max_bytes = inline_max_bytes
@@ -38,7 +42,7 @@ class ResultRecorder:
 
     async def recorded(self, requests: list[PhaseRequest]) -> dict[str, PhaseCompletion]:
         """Completions recorded earlier for any of these requests (those already ran)."""
-        return await self._meta.get_completions(r.request_id for r in requests)
+        return await self._calls.get_completions(r.request_id for r in requests)
 
     async def record(
         self,
@@ -53,7 +57,7 @@ class ResultRecorder:
         result = (
             None
             if ran.output is None
-            else await inline_or_ref(self._meta, ran.output, self._inline_max_bytes)
+            else await inline_or_ref(self._payloads, ran.output, self._inline_max_bytes)
         )
         completion = PhaseCompletion(
             request_id=request.request_id,
@@ -91,7 +95,7 @@ class ResultRecorder:
         # Two independent writes, one round trip's wait (a retry of the whole record
         # may append the timeline entry twice, as it could before; the record is NX).
         completion, _ = await asyncio.gather(
-            self._meta.record_completion(completion), self._meta.append_timeline(entry)
+            self._calls.record_completion(completion), self._timeline.append_timeline(entry)
         )
         await self.publish(completion)
         metrics.CALLS.labels(str(request.function), str(completion.status)).inc()
@@ -101,7 +105,7 @@ class ResultRecorder:
 
     async def answer(self, stored: PhaseCompletion) -> None:
         """Answer a replayed call with the completion it had the first time."""
-        await self.publish(await self._meta.record_completion(stored))
+        await self.publish(await self._calls.record_completion(stored))
 
     async def publish(self, completion: PhaseCompletion) -> None:
         """Hand the recorded completion to the producer; `settle` waits for the broker.

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from plexrl.kafka import Publisher
 from plexrl.messages import ResidencyChanged, ResidentState, StateComponent, Tier
-from plexrl.meta import MetaStore, Residency
 from plexrl.state_store_client import StateStoreClient
+from plexrl.stores import Residency, ResidencyStore
 from plexrl_worker import metrics
 from plexrl_worker.engine import TorchEngine
 from plexrl_worker.engine.state import JobTensors, state_from_bytes, state_to_bytes
@@ -45,7 +45,7 @@ class StateManager:
         worker_id: str,
         engine: TorchEngine,
         thread: EngineThread,
-        meta: MetaStore,
+        residency: ResidencyStore,
         store: StateStoreClient,
         publisher: Publisher,
         events_topic: str,
@@ -53,7 +53,7 @@ class StateManager:
         self._worker_id = worker_id
         self._engine = engine
         self._thread = thread
-        self._meta = meta
+        self._residency = residency
         self._store = store
         self._publisher = publisher
         self._events_topic = events_topic
@@ -74,7 +74,7 @@ class StateManager:
     async def created(self, job_id: str, nbytes: int) -> None:
         """A job's state now exists on the device tier (after CREATE)."""
         # A re-created job (after a worker restart, say) continues its record's versions.
-        current = await self._meta.get_residency(job_id)
+        current = await self._residency.get_residency(job_id)
         previous = _Held(current.tier, current.bytes, current.version) if current else None
         version = await self._record(job_id, previous, Tier.DEVICE, nbytes)
         self._held[job_id] = _Held(Tier.DEVICE, nbytes, version)
@@ -103,7 +103,7 @@ class StateManager:
             if self._held.get(job_id) is not held:
                 continue  # moved or dropped meanwhile: its own write stands
             record = Residency(self._worker_id, held.tier, held.bytes, held.version, time.time())
-            if await self._meta.cas_residency(job_id, 0, record):
+            if await self._residency.cas_residency(job_id, 0, record):
                 restored += 1
         if restored:
             log.warning("wrote back %d residency records Redis had lost", restored)
@@ -115,7 +115,7 @@ class StateManager:
             return
         if held.blob_key:
             await self._store.delete_blob(held.blob_key)
-        await self._meta.drop_residency(job_id)
+        await self._residency.drop_residency(job_id)
         await self._announce(job_id, held.tier, None, 0, held.version + 1, 0.0)
 
     async def onload(self, job_id: str) -> float:
@@ -175,8 +175,8 @@ class StateManager:
     async def _record(self, job_id: str, held: _Held | None, tier: Tier, nbytes: int) -> int:
         expected = held.version if held else 0
         record = Residency(self._worker_id, tier, nbytes, expected + 1, time.time())
-        if not await self._meta.cas_residency(job_id, expected, record):
-            current = await self._meta.get_residency(job_id)
+        if not await self._residency.cas_residency(job_id, expected, record):
+            current = await self._residency.get_residency(job_id)
             raise ResidencyConflictError(
                 f"residency of {job_id} changed under us: expected version {expected}, "
                 f"found {current}"

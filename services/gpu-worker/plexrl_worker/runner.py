@@ -37,10 +37,10 @@ from plexrl.messages import (
     UnloadInput,
     UnloadOutput,
 )
-from plexrl.meta import CheckpointRecord, MetaStore
 from plexrl.payloads import resolve
 from plexrl.retry import retrying
 from plexrl.state_store_client import StateStoreClient
+from plexrl.stores import CheckpointRecord, CheckpointStore, JobStore, PayloadStore
 from plexrl_worker.engine import BASE_PREFIX, EngineError, TorchEngine
 from plexrl_worker.engine.cobatch import SampleCall
 from plexrl_worker.engine.state import state_from_bytes, state_to_bytes
@@ -76,7 +76,9 @@ class CallRunner:
         engine: TorchEngine,
         thread: EngineThread,
         states: StateManager,
-        meta: MetaStore,
+        payloads: PayloadStore,
+        checkpoints: CheckpointStore,
+        jobs: JobStore,
         store: StateStoreClient,
         sglang: SGLangSampling | None = None,
     ) -> None:
@@ -84,13 +86,15 @@ class CallRunner:
         self._sglang = sglang
         self._thread = thread
         self._states = states
-        self._meta = meta
+        self._payloads = payloads
+        self._checkpoints = checkpoints
+        self._jobs = jobs
         self._store = store
         self._specs: dict[str, JobSpec] = {}
 
     async def resolved(self, request: PhaseRequest) -> PhaseRequest:
         """The request with its payload inline (a ref expires; a ledger log entry must not)."""
-        payload = await resolve(self._meta, request.payload, PhaseInput)
+        payload = await resolve(self._payloads, request.payload, PhaseInput)
         return msgspec.structs.replace(request, payload=payload)
 
     async def replay(self, request: PhaseRequest) -> None:
@@ -98,7 +102,7 @@ class CallRunner:
 
         Raises on failure: a call that applied once must apply again, or the restore is off.
         """
-        payload = await resolve(self._meta, request.payload, PhaseInput)
+        payload = await resolve(self._payloads, request.payload, PhaseInput)
         await self._dispatch(request, payload)
 
     async def run(self, request: PhaseRequest) -> Ran:
@@ -109,7 +113,7 @@ class CallRunner:
             # Before the call touches the engine, Redis or the state-store being away only
             # delays it: retried in place rather than answered with an error.
             payload = await retrying(
-                lambda: resolve(self._meta, request.payload, PhaseInput),
+                lambda: resolve(self._payloads, request.payload, PhaseInput),
                 what=f"reading the payload of {request.request_id}",
             )
             if request.function not in (Function.CREATE, Function.NOOP, Function.UNLOAD):
@@ -290,7 +294,7 @@ class CallRunner:
         engine's id of the weights it reads; returns (input, weights id, swap seconds).
         Redis or the state-store being away only delays it (retried in place)."""
         payload = await retrying(
-            functools.partial(resolve, self._meta, request.payload, PhaseInput),
+            functools.partial(resolve, self._payloads, request.payload, PhaseInput),
             what=f"reading the payload of {request.request_id}",
         )
         if not isinstance(payload, SampleInput):
@@ -355,7 +359,7 @@ class CallRunner:
         return LoadOutput(path=inp.path)
 
     async def _checkpoint(self, path: str, tenant: str) -> CheckpointRecord:
-        record = await self._meta.get_checkpoint(path)
+        record = await self._checkpoints.get_checkpoint(path)
         if record is None or record.tenant != tenant:
             raise _NotFound(f"no checkpoint at {path!r}")
         return record
@@ -363,7 +367,7 @@ class CallRunner:
     async def _spec(self, request: PhaseRequest) -> JobSpec:
         spec = request.spec or self._specs.get(request.job_id)
         if spec is None:
-            record = await self._meta.get_job(request.job_id)
+            record = await self._jobs.get_job(request.job_id)
             if record is None:
                 raise _NotFound(f"unknown job {request.job_id!r}")
             spec = record.spec

@@ -24,9 +24,9 @@ from plexrl.messages import (
     Tier,
     Timings,
 )
-from plexrl.meta import MetaStore
 from plexrl.policy import Admit, Plan, Prefetch, Reject, RejectReason, Run
 from plexrl.retry import retrying
+from plexrl.stores import CallStore, JobStore
 from plexrl.topics import Topics
 from plexrl_scheduler import metrics
 from plexrl_scheduler.state import ClusterState, Pending
@@ -42,14 +42,16 @@ class Actuator:
         self,
         state: ClusterState,
         publisher: Publisher,
-        meta: MetaStore,
+        jobs: JobStore,
+        calls: CallStore,
         topics: Topics,
         finished: Committer,
         ledger: Ledger,
     ) -> None:
         self._state = state
         self._publisher = publisher
-        self._meta = meta
+        self._jobs = jobs
+        self._calls = calls
         self._topics = topics
         self._finished = finished
         self._ledger = ledger
@@ -72,7 +74,7 @@ class Actuator:
         epoch = await self._ledger.bump_epoch(action.job_id, action.worker_id)
         self._state.apply_admit(action.job_id, action.worker_id, epoch)
         job = self._state.jobs[action.job_id]
-        await self._meta.set_home(action.job_id, action.worker_id)
+        await self._jobs.set_home(action.job_id, action.worker_id)
         event = JobAdmitted(
             job_id=job.job_id,
             tenant=job.tenant,
@@ -112,7 +114,7 @@ class Actuator:
         )
         # The call has left the queue: its answer must be written, however long Redis is away.
         completion = await retrying(
-            lambda: self._meta.record_completion(completion), what="recording a refusal"
+            lambda: self._calls.record_completion(completion), what="recording a refusal"
         )
         await self._publisher.publish(self._topics.completions, request.job_id, completion)
         metrics.CALLS_FAILED.labels(str(error.code)).inc()

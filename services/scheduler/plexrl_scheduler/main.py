@@ -12,10 +12,10 @@ from plexrl.health import HttpServer, health_app
 from plexrl.kafka import MessageConsumer, ensure_topics
 from plexrl.ledger import Ledger
 from plexrl.messages import Event, PhaseCompletion, PhaseRequest
-from plexrl.meta import MetaStore
 from plexrl.policy import PolicyConfig, decide
 from plexrl.service import join_cluster
 from plexrl.settings import SchedulerSettings
+from plexrl.stores import JobStore
 from plexrl.topics import Topics
 from plexrl_scheduler import metrics
 from plexrl_scheduler.actuator import Actuator
@@ -28,23 +28,31 @@ log = logging.getLogger("plexrl.scheduler")
 
 
 async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
-    topics, meta, publisher = await join_cluster(settings, "plexrl-scheduler")
+    topics, stores, publisher = await join_cluster(settings, "plexrl-scheduler")
     state = ClusterState(worker_timeout_s=settings.worker_timeout_s)
-    await restore(state, meta)
+    await restore(state, stores.jobs)
     policy = PolicyConfig(
         name=settings.policy,
         max_calls_per_run=settings.max_calls_per_run,
         pack=settings.pack_groups,
     )
-    receiver = Receiver(state, meta)
-    ledger = Ledger(meta.redis, settings.cluster_id)
-    actuator = Actuator(state, publisher, meta, topics, finished=receiver.finished, ledger=ledger)
+    receiver = Receiver(state, stores.jobs, stores.usage)
+    ledger = Ledger(stores.keys.redis, settings.cluster_id)
+    actuator = Actuator(
+        state,
+        publisher,
+        stores.jobs,
+        stores.calls,
+        topics,
+        finished=receiver.finished,
+        ledger=ledger,
+    )
     liveness = Liveness(state, ledger, LivenessConfig(lease_grace_s=settings.lease_grace_s))
     receiver.use(actuator)
     # Dispatches and answers must go out: wait out a broker that is away.
     publisher.retry_until(stop)
 
-    dead_letters = DeadLetters(meta, publisher, topics.completions, settings.cluster_id)
+    dead_letters = DeadLetters(stores.calls, stores.keys, publisher, topics.completions)
 
     def consumer(topic: str, group: str | None, type_: Any, handler: Any, **kw: Any) -> Any:
         return MessageConsumer(
@@ -110,14 +118,14 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
                 await c.stop()
         await health.stop()
         await publisher.stop()
-        await meta.close()
+        await stores.close()
         log.info("scheduler stopped")
 
 
-async def restore(state: ClusterState, meta: MetaStore) -> None:
+async def restore(state: ClusterState, jobs: JobStore) -> None:
     """After a restart: the jobs and homes recorded in Redis (tiers come with heartbeats)."""
-    homes = await meta.homes()
-    for job in await meta.all_jobs():
+    homes = await jobs.homes()
+    for job in await jobs.all_jobs():
         if not job.unloaded and job.owner_job is None:
             state.add_job(job.job_id, job.tenant, job.spec, homes.get(job.job_id))
 

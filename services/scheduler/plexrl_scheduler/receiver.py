@@ -17,8 +17,8 @@ from plexrl.messages import (
     TailReleased,
     WorkerHeartbeat,
 )
-from plexrl.meta import MetaStore
 from plexrl.retry import retrying
+from plexrl.stores import JobStore, UsageStore
 from plexrl_scheduler import metrics
 from plexrl_scheduler.actuator import Actuator
 from plexrl_scheduler.offsets import OffsetTracker
@@ -28,9 +28,10 @@ log = logging.getLogger(__name__)
 
 
 class Receiver:
-    def __init__(self, state: ClusterState, meta: MetaStore) -> None:
+    def __init__(self, state: ClusterState, jobs: JobStore, usage: UsageStore) -> None:
         self._state = state
-        self._meta = meta
+        self._jobs = jobs
+        self._usage = usage
         self._actuator: Actuator | None = None
         self._offsets = OffsetTracker()
         self._requests: MessageConsumer[PhaseRequest] | None = None
@@ -57,7 +58,7 @@ class Receiver:
             return
         self._offsets.seen(delivery.tp, delivery.offset)
         if request.job_id not in self._state.jobs:
-            record = await self._meta.get_job(request.job_id)
+            record = await self._jobs.get_job(request.job_id)
             spec = request.spec or (record.spec if record else None)
             if spec is None:
                 assert self._actuator is not None, "Receiver.use(actuator) was not called"
@@ -66,7 +67,7 @@ class Receiver:
                     ErrorInfo(ErrorCode.NOT_FOUND, f"unknown job {request.job_id}"),
                 )
                 return
-            home = (await self._meta.homes()).get(request.job_id) if record else None
+            home = (await self._jobs.homes()).get(request.job_id) if record else None
             self._state.add_job(request.job_id, request.tenant, spec, home)
         self._state.on_request(request, delivery)
 
@@ -89,7 +90,7 @@ class Receiver:
         # delivery of it would not count again. One round trip: the completions of a
         # dispatch are handled one after another, and the last one frees the worker.
         await retrying(
-            lambda: self._meta.add_usage(completion.job_id, usage, completion.finished_at),
+            lambda: self._usage.add_usage(completion.job_id, usage, completion.finished_at),
             what="recording usage",
         )
 

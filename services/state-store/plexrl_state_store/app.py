@@ -18,8 +18,8 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from plexrl import tracing
-from plexrl.meta import CheckpointRecord, MetaStore
 from plexrl.service_auth import bearer_matches
+from plexrl.stores import CheckpointRecord, CheckpointStore, ResidencyStore
 from plexrl_state_store import metrics
 from plexrl_state_store.blobs import BadKeyError, BlobDir
 from plexrl_state_store.records import CheckpointRecords
@@ -33,8 +33,12 @@ def get_blobs(request: Request) -> BlobDir:
     return request.app.state.blobs
 
 
-def get_meta(request: Request) -> MetaStore:
-    return request.app.state.meta
+def get_checkpoints(request: Request) -> CheckpointStore:
+    return request.app.state.checkpoints
+
+
+def get_residency(request: Request) -> ResidencyStore:
+    return request.app.state.residency
 
 
 def authenticate(request: Request, authorization: Annotated[str | None, Header()] = None) -> None:
@@ -50,7 +54,8 @@ def authenticate(request: Request, authorization: Annotated[str | None, Header()
 
 
 Blobs = Annotated[BlobDir, Depends(get_blobs)]
-Meta = Annotated[MetaStore, Depends(get_meta)]
+Checkpoints = Annotated[CheckpointStore, Depends(get_checkpoints)]
+Residencies = Annotated[ResidencyStore, Depends(get_residency)]
 ActingFor = Annotated[str | None, Header(alias="x-plexrl-tenant")]
 """The tenant a service call acts for."""
 
@@ -69,12 +74,18 @@ def _visible(key: str, acting_for: str | None) -> bool:
     return owner is None or (bool(owner) and owner == acting_for)
 
 
-def build_app(blobs: BlobDir, meta: MetaStore, token: str | None = None) -> FastAPI:
+def build_app(
+    blobs: BlobDir,
+    checkpoints: CheckpointStore,
+    residency: ResidencyStore,
+    token: str | None = None,
+) -> FastAPI:
     app = FastAPI(title="plexrl state-store", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.blobs = blobs
-    app.state.meta = meta
+    app.state.checkpoints = checkpoints
+    app.state.residency = residency
     app.state.token = token
-    app.state.records = CheckpointRecords(blobs, meta)
+    app.state.records = CheckpointRecords(blobs, checkpoints)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
 
     @app.exception_handler(BadKeyError)
@@ -82,8 +93,8 @@ def build_app(blobs: BlobDir, meta: MetaStore, token: str | None = None) -> Fast
         return JSONResponse({"error": str(exc)}, status_code=400)
 
     @app.get("/healthz")
-    async def healthz(m: Meta) -> dict[str, Any]:
-        return {"service": "state-store", "ok": await m.ping()}
+    async def healthz(c: Checkpoints) -> dict[str, Any]:
+        return {"service": "state-store", "ok": await c.ping()}
 
     @app.get("/metrics")
     def prometheus_metrics() -> Response:
@@ -131,7 +142,7 @@ def build_app(blobs: BlobDir, meta: MetaStore, token: str | None = None) -> Fast
 
     @v1.post("/checkpoints")
     async def put_checkpoint(
-        request: Request, b: Blobs, m: Meta, acting_for: ActingFor = None
+        request: Request, b: Blobs, c: Checkpoints, acting_for: ActingFor = None
     ) -> dict[str, Any]:
         try:
             record = msgspec.json.decode(await request.body(), type=CheckpointRecord)
@@ -155,37 +166,37 @@ def build_app(blobs: BlobDir, meta: MetaStore, token: str | None = None) -> Fast
             )
         if b.size(record.blob_key) is None:
             raise HTTPException(400, f"blob {record.blob_key!r} must be stored first")
-        standing = await m.get_checkpoint(record.path)
+        standing = await c.get_checkpoint(record.path)
         if standing is not None and standing.tenant != record.tenant:
             raise HTTPException(403, f"checkpoint {record.path!r} belongs to another tenant")
-        await m.put_checkpoint(record)
+        await c.put_checkpoint(record)
         request.app.state.records.keep(record)  # beside its blob: Redis may lose it
         metrics.CHECKPOINTS_RECORDED.inc()
         return {"path": record.path}
 
     @v1.get("/checkpoints")
     async def list_checkpoints(
-        m: Meta, x_plexrl_tenant: Annotated[str, Header()]
+        c: Checkpoints, x_plexrl_tenant: Annotated[str, Header()]
     ) -> list[dict[str, Any]]:
-        records = await m.tenant_checkpoints(x_plexrl_tenant)
+        records = await c.tenant_checkpoints(x_plexrl_tenant)
         return [msgspec.to_builtins(r) for r in records]
 
     @v1.delete("/checkpoints")
     async def delete_checkpoint(
-        path: str, b: Blobs, m: Meta, x_plexrl_tenant: Annotated[str, Header()]
+        path: str, b: Blobs, c: Checkpoints, x_plexrl_tenant: Annotated[str, Header()]
     ) -> dict[str, Any]:
-        record = await m.get_checkpoint(path)
+        record = await c.get_checkpoint(path)
         if record is None or record.tenant != x_plexrl_tenant:
             raise HTTPException(404, f"no checkpoint {path!r}")
-        await m.delete_checkpoint(record)
-        CheckpointRecords(b, m).forget(record)
+        await c.delete_checkpoint(record)
+        CheckpointRecords(b, c).forget(record)
         if blob_tenant(record.blob_key) == record.tenant:
             b.delete(record.blob_key)
         return {"path": path, "deleted": True}
 
     @v1.get("/residency/{job_id}")
-    async def residency(job_id: str, m: Meta) -> dict[str, Any]:
-        record = await m.get_residency(job_id)
+    async def residency_of(job_id: str, r: Residencies) -> dict[str, Any]:
+        record = await r.get_residency(job_id)
         if record is None:
             raise HTTPException(404, f"no residency record for job {job_id!r}")
         return dict(msgspec.to_builtins(record))

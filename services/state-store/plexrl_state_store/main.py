@@ -7,9 +7,9 @@ import logging
 
 from plexrl import tracing
 from plexrl.health import HttpServer
-from plexrl.meta import MetaStore
 from plexrl.service_auth import is_loopback
 from plexrl.settings import StateStoreSettings
+from plexrl.stores import Stores
 from plexrl_state_store.app import build_app
 from plexrl_state_store.blobs import BlobDir
 from plexrl_state_store.records import CheckpointRecords
@@ -41,9 +41,9 @@ def check_exposure(settings: StateStoreSettings) -> None:
 async def serve(settings: StateStoreSettings, stop: asyncio.Event) -> None:
     check_exposure(settings)
     tracing.setup_tracing("plexrl-state-store")
-    meta = MetaStore.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
+    stores = Stores.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
     blobs = BlobDir(settings.state_store_dir)
-    app = build_app(blobs, meta, settings.service_token)
+    app = build_app(blobs, stores.checkpoints, stores.residency, settings.service_token)
     server = HttpServer(app, settings.state_store_host, settings.state_store_port)
     await server.start()
     # Checkpoint records Redis lost (a restart without its append-only file) come back.
@@ -55,5 +55,5 @@ async def serve(settings: StateStoreSettings, stop: asyncio.Event) -> None:
     finally:
         await rebuilding
         await server.stop()
-        await meta.close()
+        await stores.close()
         log.info("state-store stopped")

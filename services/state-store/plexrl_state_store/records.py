@@ -18,7 +18,7 @@ from pathlib import Path
 
 import msgspec
 
-from plexrl.meta import CheckpointRecord, MetaStore
+from plexrl.stores import CheckpointRecord, CheckpointStore
 from plexrl_state_store.blobs import BlobDir
 
 log = logging.getLogger(__name__)
@@ -27,9 +27,9 @@ RECORDS_DIR = "#records"
 
 
 class CheckpointRecords:
-    def __init__(self, blobs: BlobDir, meta: MetaStore) -> None:
+    def __init__(self, blobs: BlobDir, store: CheckpointStore) -> None:
         self._blobs = blobs
-        self._meta = meta
+        self._store = store
         self._root = blobs.root / RECORDS_DIR
 
     def _file(self, record: CheckpointRecord) -> Path:
@@ -71,8 +71,8 @@ class CheckpointRecords:
         """Put back the records Redis lacks; returns how many."""
         restored = 0
         for record in self.kept():
-            if await self._meta.get_checkpoint(record.path) is None:
-                await self._meta.put_checkpoint(record)
+            if await self._store.get_checkpoint(record.path) is None:
+                await self._store.put_checkpoint(record)
                 restored += 1
         if restored:
             log.warning("restored %d checkpoint records Redis had lost", restored)
