@@ -3,9 +3,9 @@
 One local cluster (two workers, the shared Kafka and Redis), `--jobs` LoRA jobs through
 the unmodified tinker SDK, each looping: forward_backward + optim_step, and every
 `--sample-every` steps a sampler save and a sample call (4 × 16 tokens), and every
-`--save-every` steps a `save_state`, then `--pause-s` idle (a reward stall: RL jobs
-wait on rollouts and rewards, and a soak that kept both cores busy would starve the
-services' own loops rather than show their memory). Every `--every-s` seconds it records the resident
+`--save-every` steps a `save_state`, then `--pause-s` idle (a reward stall: RL jobs wait
+on rollouts and rewards; a soak that kept both cores busy would starve the services' own
+loops rather than show their memory). Every `--every-s` seconds it records the resident
 memory of each service (and of Redis: `used_memory`). Growth is the mean of the last
 quarter of the samples against the mean of the second quarter (the first is warm-up:
 imports, first allocations, caches filling). Errors seen by the clients are counted.

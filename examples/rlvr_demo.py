@@ -201,8 +201,6 @@ def run_jobs(
             http.post(f"/plexrl/v1/jobs/{model_id}/idle", json={"seconds": seconds})
 
     def one(i: int) -> JobResult:
-        service = tinker.ServiceClient(base_url=url, api_key=API_KEY)
-
         def step(phase: str, stats: dict[str, float]) -> None:
             bars[i].update(1)
             bars[i].set_postfix({"phase": phase, **{k: f"{v:.3f}" for k, v in stats.items()}})
@@ -210,7 +208,10 @@ def run_jobs(
         config = RlvrConfig(
             sft_steps=args.sft_steps, rl_steps=args.rl_steps, reward_stall_s=args.stall, seed=i
         )
-        return RlvrJob(service, config, on_step=step, on_idle=idle).run()
+        # Closing the client finishes its session: the job's model is unloaded (its
+        # accounting stays), as a user's finished run would leave it.
+        with tinker.ServiceClient(base_url=url, api_key=API_KEY) as service:
+            return RlvrJob(service, config, on_step=step, on_idle=idle).run()
 
     start = time.monotonic()
     with ThreadPoolExecutor(max_workers=len(which)) as pool:
