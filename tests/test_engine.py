@@ -431,6 +431,39 @@ def test_installed_sampler_weights(engine: TorchEngine) -> None:
         engine.sample("tinker://run/sampler_weights/0001", inp)
 
 
+def test_sampler_sets_beyond_the_bound_are_dropped_least_recently_sampled_first(
+    registry: ModelRegistry,
+) -> None:
+    engine = TorchEngine(registry, EngineConfig(max_samplers=2))
+    engine.create("job", LORA)
+    saved = state_from_bytes(
+        state_to_bytes(engine.export_state("job", optimizer=False, gradients=False))
+    )
+    inp = sample_input(seed=9, max_tokens=2)
+    for name in ("s1", "s2", "s3"):  # an RL loop: new sampler weights every step
+        engine.install_sampler(name, saved)
+        engine.sample(name, inp)
+    assert engine.installed_samplers() == ["s2", "s3"]
+    engine.sample("s2", inp)  # s2 is now the most recent; s3 goes next
+    engine.install_sampler("s4", saved)
+    engine.sample("s4", inp)
+    assert engine.installed_samplers() == ["s2", "s4"]
+    with pytest.raises(UnknownJobError):  # the worker installs it again from its blob
+        engine.sample("s1", inp)
+    # A set that a call in the running batch reads is never dropped under it, least
+    # recent though it is.
+    running = engine.begin_sample("s2", sample_input(seed=1, max_tokens=12))
+    engine.sample("s4", inp)
+    for name in ("s5", "s6"):
+        engine.install_sampler(name, saved)
+    engine.sample("s6", sample_input(seed=2, max_tokens=1))
+    assert not running.done
+    assert engine.installed_samplers() == ["s2", "s6"]
+    while not running.done:
+        engine.sample_step()
+    assert engine.installed_samplers() == ["s2", "s6"]
+
+
 # ---- state: swaps, checkpoints -------------------------------------------------------
 
 

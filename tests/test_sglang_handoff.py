@@ -87,3 +87,71 @@ def test_off_it_never_releases() -> None:
     assert not s.release_for_training()
     s.sample(BASE_PREFIX + "tiny", INPUT)
     assert server.log == ["sample"]
+
+
+class AdapterServer(Server):
+    """Also keeps the adapters loaded, as SGLangSampler does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.adapters: dict[str, str] = {}
+        self.hold: str | None = None
+        """Calls through this adapter wait for `go`; others return at once."""
+
+    def sample(self, inp: SampleInput, adapter: str | None = None) -> SampleOutput:
+        assert adapter in self.adapters, f"sampled through unloaded adapter {adapter}"
+        if adapter == self.hold:
+            self.inside.set()
+            self.go.wait(10)
+        assert adapter in self.adapters, f"{adapter} was unloaded under its call"
+        return SampleOutput(sequences=[])
+
+    def load_adapter(self, name: str, path: str | Path) -> None:
+        self.adapters[name] = str(path)
+
+    def unload_adapter(self, name: str) -> None:
+        del self.adapters[name]
+
+
+class LoraEngine:
+    """Every sampler weights id is a rank-2 LoRA set of the tiny base."""
+
+    def sampler_weights(self, weights_id: str) -> tuple[Any, Path, dict[str, Any]]:
+        from plexrl.messages import JobSpec, LoraSpec
+
+        return JobSpec(base_model="tiny", lora=LoraSpec(rank=2)), Path("/models/tiny"), {}
+
+
+def test_adapters_beyond_the_bound_are_unloaded_least_recent_first_never_under_a_call(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    import plexrl_worker.samplers as samplers
+
+    monkeypatch.setattr(samplers, "write_lora_adapter", lambda path, *a, **k: path)
+    s = SGLangSampling(
+        engine=LoraEngine(),  # type: ignore[arg-type]
+        registry=Registry(),  # type: ignore[arg-type]
+        workdir=tmp_path,
+        max_adapters=2,
+    )
+    server = AdapterServer()
+    s._servers[Path("/models/tiny")] = server  # type: ignore[assignment]
+    inp = SampleInput(prompt=[1, 2], num_samples=1, params=SamplingParams(max_tokens=2))
+    for step in range(4):  # an RL loop: new sampler weights every step
+        s.sample(f"tinker://run/sampler_weights/{step}", inp)
+    assert len(server.adapters) == 2 == len(s.loaded_adapters)
+    oldest, newest = s.loaded_adapters
+    # A call in flight through the least recent adapter keeps it loaded while newer
+    # ones come and go.
+    server.hold, held = oldest, f"tinker://run/sampler_weights/{2}"
+    server.go.clear()
+    slow = threading.Thread(target=s.sample, args=(held, inp))
+    slow.start()
+    assert server.inside.wait(10)
+    for step in range(4, 7):
+        s.sample(f"tinker://run/sampler_weights/{step}", inp)
+        assert oldest in server.adapters
+    server.go.set()
+    slow.join(10)
+    assert len(server.adapters) == 2 and oldest in server.adapters
+    assert newest not in server.adapters

@@ -336,7 +336,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         lambda event: publisher.publish(topics.events, settings.worker_id, event),
     )
     handler = DispatchHandler(states, runner, recorder, heartbeat, numbered, tail)
-    metrics.watch(states)
+    metrics.watch(states, lambda: len(engine.installed_samplers()))
     dispatches: MessageConsumer[Dispatch] = MessageConsumer(
         bootstrap=settings.kafka_bootstrap,
         topics=[topics.dispatch(settings.worker_id)],

@@ -49,6 +49,16 @@ SGLANG_RELEASES = Counter(
     "plexrl_worker_sglang_releases_total",
     "Times the SGLang sampler released its device memory (weights, KV cache) to training",
 )
+SAMPLER_SETS = Gauge(
+    "plexrl_worker_sampler_sets",
+    "Sampler weight sets the torch engine holds now (at most its max_samplers; the least "
+    "recently sampled beyond it are dropped and reinstalled from the state-store if sampled "
+    "again)",
+)
+SGLANG_ADAPTERS_UNLOADED = Counter(
+    "plexrl_worker_sglang_adapters_unloaded_total",
+    "LoRA adapters the SGLang sampler unloaded as least recently used beyond its bound",
+)
 SWAP_BYTES = Counter(
     "plexrl_worker_swap_bytes_total",
     "Bytes of job state moved between tiers; each move counts once out of its source "
@@ -67,8 +77,10 @@ RESIDENT_BYTES = Gauge(
 RESIDENT_JOBS = Gauge("plexrl_worker_resident_jobs", "Jobs whose state is in each tier", ["tier"])
 
 
-def watch(states: StateManager) -> None:
-    """Read the residency gauges off `states` at every scrape."""
+def watch(states: StateManager, sampler_sets: Callable[[], float]) -> None:
+    """Read the residency gauges off `states` (and the count of sampler sets) at every
+    scrape."""
+    SAMPLER_SETS.set_function(sampler_sets)
 
     def bytes_in(tier: Tier) -> Callable[[], float]:
         return lambda: states.bytes_in(tier)

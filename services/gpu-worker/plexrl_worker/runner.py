@@ -316,7 +316,7 @@ class CallRunner:
         if inp.weights_path is None:
             return BASE_PREFIX + (await self._spec(request)).base_model
         weights_id = inp.weights_path
-        if weights_id not in self._engine.installed_samplers():
+        if not await self._thread.call(self._engine.touch_sampler, weights_id):
             record = await self._checkpoint(inp.weights_path, request.tenant)
             state = state_from_bytes(await self._store.get_blob(record.blob_key, record.tenant))
             await self._thread.call(self._engine.install_sampler, weights_id, state)

@@ -8,7 +8,10 @@
   once per sampler path: a path's weights never change), full weights pushed in place
   (`update_weights_from_disk`, never a restart), the base model by pushing its own
   weights back when another full set was pushed last. Calls run at once and SGLang
-  batches them (across adapters too).
+  batches them (across adapters too). An RL loop saves new sampler weights every step,
+  so at most `max_adapters` adapters stay loaded: beyond that the least recently
+  sampled ones that no call is reading are unloaded (and their files removed); a later
+  call on one loads it again.
 
   With `yield_device` (PLEXRL_SGLANG_YIELD), SGLang hands the device to training: before
   a training call that finds no sample running, every server releases its weights and
@@ -22,6 +25,7 @@ reports which one it runs in its heartbeat.
 from __future__ import annotations
 
 import hashlib
+import shutil
 import threading
 from pathlib import Path
 
@@ -50,8 +54,18 @@ class SGLangSampling:
         device: str = "cpu",
         max_lora_rank: int = 64,
         yield_device: bool = False,
+        max_adapters: int = 64,
     ) -> None:
         self.yield_device = yield_device
+        self._max_adapters = max_adapters
+        self._adapters_lock = threading.Lock()
+        """Guards `_recent` and `_reading`, and is held while an adapter is loaded or
+        unloaded, so no call starts reading one that is being unloaded."""
+        self._recent: dict[str, SGLangSampler] = {}
+        """Loaded adapters by name (and the server holding each), least recently used
+        first."""
+        self._reading: dict[str, int] = {}
+        """Calls sampling through each adapter now: never unloaded under them."""
         self._engine = engine
         self._registry = registry
         self._workdir = workdir
@@ -125,14 +139,25 @@ class SGLangSampling:
         server = self._server(base)
         name = "w" + hashlib.sha256(weights_id.encode()).hexdigest()[:16]
         if spec.lora is not None:
-            if name not in server.adapters:
-                rank = spec.lora.rank
-                alpha = float(spec.lora.alpha if spec.lora.alpha is not None else rank)
-                path = write_lora_adapter(
-                    self._workdir / name, tensors, rank=rank, alpha=alpha, base_model=str(base)
-                )
-                server.load_adapter(name, path)
-            return server.sample(inp, adapter=name)
+            with self._adapters_lock:
+                if name not in server.adapters:
+                    rank = spec.lora.rank
+                    alpha = float(spec.lora.alpha if spec.lora.alpha is not None else rank)
+                    path = write_lora_adapter(
+                        self._workdir / name, tensors, rank=rank, alpha=alpha, base_model=str(base)
+                    )
+                    server.load_adapter(name, path)
+                self._recent.pop(name, None)
+                self._recent[name] = server
+                self._reading[name] = self._reading.get(name, 0) + 1
+            try:
+                return server.sample(inp, adapter=name)
+            finally:
+                with self._adapters_lock:
+                    self._reading[name] -= 1
+                    if not self._reading[name]:
+                        del self._reading[name]
+                    self._trim_adapters()
         with self._full_lock:
             path = self._workdir / name
             if self._pushed.get(base, base) != path:
@@ -140,6 +165,23 @@ class SGLangSampling:
                 server.push_weights(path)
                 self._pushed[base] = path
             return server.sample(inp)
+
+    def _trim_adapters(self) -> None:
+        """Unload the least recently used adapters beyond `max_adapters` that no call is
+        reading (with `_adapters_lock` held)."""
+        excess = len(self._recent) - self._max_adapters
+        idle = [n for n in self._recent if n not in self._reading][: max(excess, 0)]
+        for name in idle:
+            server = self._recent.pop(name)
+            server.unload_adapter(name)
+            shutil.rmtree(self._workdir / name, ignore_errors=True)
+            metrics.SGLANG_ADAPTERS_UNLOADED.inc()
+
+    @property
+    def loaded_adapters(self) -> list[str]:
+        """Adapter names loaded now, least recently used first."""
+        with self._adapters_lock:
+            return list(self._recent)
 
     def _server(self, base: Path) -> SGLangSampler:
         with self._lock:

@@ -22,6 +22,13 @@ class EngineConfig:
     max_batch_tokens: int = 16384
     """Padded tokens in one forward pass; larger calls run as micro-batches (gradients add up
     across them, so results depend on this value, never on what else runs)."""
+    max_samplers: int = 64
+    """Sampler weight sets (`install_sampler`) kept installed. An RL loop saves new
+    sampler weights every step, so without a bound they would pile up for the worker's
+    lifetime; beyond it the least recently sampled sets that no running call reads are
+    dropped, and a later call on one is installed again from the state-store. Keep it at
+    least the scheduler's `max_cosampled_calls` (32), so one co-batched run never drops
+    a set it is about to read."""
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     """Attention kernel of the Hugging Face models."""
     num_threads: int | None = None
@@ -44,6 +51,8 @@ class EngineConfig:
             raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(_DTYPES)}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads is {self.num_threads}; use 1 or more, or None")
+        if self.max_samplers < 1:
+            raise ValueError(f"max_samplers is {self.max_samplers}; it must be at least 1")
         if self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens is {self.max_batch_tokens}; it must be at least 1")
 

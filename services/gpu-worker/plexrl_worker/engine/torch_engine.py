@@ -215,6 +215,7 @@ class TorchEngine:
         the running batch (`begin_sample`) advance with it."""
         call = self._join(weights_id, inp)
         self._batcher.run([call])
+        self._trim_samplers()
         return _answer(call)
 
     @_locked
@@ -223,6 +224,7 @@ class TorchEngine:
         the same call's through `sample` alone."""
         joined = [self._join(weights_id, inp) for weights_id, inp in calls]
         self._batcher.run(joined)
+        self._trim_samplers()
         return [_answer(c) for c in joined]
 
     @_locked
@@ -233,7 +235,10 @@ class TorchEngine:
     @_locked
     def sample_step(self) -> list[SampleCall]:
         """One decode step of the running batch; the calls it finished."""
-        return self._batcher.step()
+        finished = self._batcher.step()
+        if finished:
+            self._trim_samplers()
+        return finished
 
     def sampling_rows(self) -> tuple[int, int]:
         """(calls, unfinished sequences) in the running batch; no lock (introspection)."""
@@ -245,7 +250,10 @@ class TorchEngine:
             info = self._info(weights_id.removeprefix(BASE_PREFIX))
             model, adapter = self._base(info).model, cobatch.BASE_ADAPTER
         else:
-            weight_set = self._jobs.get(weights_id) or self._samplers.get(weights_id)
+            weight_set = self._jobs.get(weights_id)
+            if weight_set is None and weights_id in self._samplers:
+                # Most recently sampled last: `_trim_samplers` drops from the front.
+                weight_set = self._samplers[weights_id] = self._samplers.pop(weights_id)
             if weight_set is None:
                 raise UnknownJobError(weights_id, sorted([*self._jobs, *self._samplers]))
             info, weights = weight_set.info, weight_set.weights
@@ -345,6 +353,17 @@ class TorchEngine:
             self._batcher.abandon(weights_id, f"{weights_id!r} was replaced while sampling")
             old.weights.release()
         self._samplers[weights_id] = new
+        self._trim_samplers()
+
+    def _trim_samplers(self) -> None:
+        """Drop the least recently sampled sampler sets beyond `max_samplers` that no
+        call in the running batch reads (called with the lock held, after a run)."""
+        excess = len(self._samplers) - self._config.max_samplers
+        if excess <= 0:
+            return
+        reading = {call.weights_id for call in self._batcher.calls}
+        for weights_id in [w for w in self._samplers if w not in reading][:excess]:
+            self._samplers.pop(weights_id).weights.release()
 
     @_locked
     def drop(self, job_id: str) -> bool:
@@ -367,6 +386,16 @@ class TorchEngine:
 
     def installed_samplers(self) -> list[str]:
         return sorted(list(self._samplers))
+
+    @_locked
+    def touch_sampler(self, weights_id: str) -> bool:
+        """Whether the sampler set is installed; if so it becomes the most recently used
+        (the last `_trim_samplers` drops), so a call about to read it finds it."""
+        weight_set = self._samplers.pop(weights_id, None)
+        if weight_set is None:
+            return False
+        self._samplers[weights_id] = weight_set
+        return True
 
     @_locked
     def sampler_weights(self, weights_id: str) -> tuple[JobSpec, Path, dict[str, torch.Tensor]]:
