@@ -338,3 +338,36 @@ def test_a_run_goes_on_while_every_neighbour_said_it_stays_idle():
     awake = snap([worker("g0")], [job("a", "g0"), job("b", "g0", idle_until=50.0)], train)
     (run,) = [a for a in plan(awake, CFG) if isinstance(a, Run)]
     assert run.request_ids == ("a/fb0",)
+
+
+class _Unremembered(InterferenceFit):
+    """The placement without its memory of refused jobs: every job tried afresh."""
+
+    def __call__(self, snapshot: ClusterSnapshot, job: JobView) -> str | None:
+        self._refused.clear()
+        return super().__call__(snapshot, job)
+
+
+def test_a_refused_job_is_remembered_until_a_group_changes():
+    # Neither group has room for the alike jobs w0..w6 (60 + 75 GB against 80 + 50 GB);
+    # both have room for "small", and it fits their budget. The answers must be those of
+    # trying every job afresh, while the alike jobs cost one try before "small" is placed
+    # and one after.
+    groups = [WorkerView(g, device_bytes=80 * GB, host_bytes=50 * GB) for g in ("g0", "g1")]
+    jobs = [job("x", "g0", duty=0.01, state=60 * GB), job("y", "g1", duty=0.01, state=60 * GB)]
+    jobs += [job(f"w{i}", duty=0.01, state=75 * GB) for i in range(6)]
+    jobs += [job("small", duty=0.01), job("w6", duty=0.01, state=75 * GB)]
+    s = snap(groups, jobs, [])
+    tried: list[str] = []
+
+    class Counting(InterferenceFit):
+        def _fullest_within(self, snapshot, job, fig):
+            tried.append(job.job_id)
+            return super()._fullest_within(snapshot, job, fig)
+
+    fit = Counting(CFG.slowdown_budget)
+    answers = {j.job_id: fit(s, j) for j in jobs if j.home is None}
+    fresh = _Unremembered(CFG.slowdown_budget)
+    assert answers == {j.job_id: fresh(s, j) for j in jobs if j.home is None}
+    assert answers["small"] is not None and answers["w0"] is None
+    assert tried == ["w0", "small", "w6"]

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass
 
 from plexrl.messages import Tier
+from plexrl.policy.frozen import quick_init
 
 
 class RejectReason(enum.StrEnum):
@@ -19,6 +20,7 @@ class RejectReason(enum.StrEnum):
     """No worker group serves the job's base model."""
 
 
+@quick_init
 @dataclass(frozen=True)
 class Admit:
     """Give a new job its home worker group."""
@@ -27,6 +29,7 @@ class Admit:
     worker_id: str
 
 
+@quick_init
 @dataclass(frozen=True)
 class Reject:
     """Refuse a job; every pending call of it fails with the reason."""
@@ -36,6 +39,7 @@ class Reject:
     detail: str
 
 
+@quick_init
 @dataclass(frozen=True)
 class Move:
     """Move one job's state on a worker group to a tier."""
@@ -44,6 +48,7 @@ class Move:
     to_tier: Tier
 
 
+@quick_init
 @dataclass(frozen=True)
 class Run:
     """Run calls of one job on its home group, after making room and onloading it."""
@@ -57,6 +62,7 @@ class Run:
     expected_compute_s: float = 0.0
 
 
+@quick_init
 @dataclass(frozen=True)
 class Prefetch:
     """Bring a job's state up while the group computes for another."""

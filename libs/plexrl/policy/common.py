@@ -11,6 +11,9 @@ from plexrl.policy.actions import Action, Admit, Move, Reject, RejectReason, Run
 from plexrl.policy.config import PolicyConfig
 from plexrl.policy.snapshot import ClusterSnapshot, JobView, WorkerView
 
+_DEVICE = Tier.DEVICE  # (read per decision: a module constant, not an enum class lookup)
+_INF = float("inf")
+
 
 def can_ever_hold(worker: WorkerView, job: JobView) -> bool:
     """Whether the group could run the job if it held nothing else."""
@@ -76,7 +79,7 @@ def make_room(
     running or pinned job cannot be evicted).
     """
     worker = snapshot.workers[worker_id]
-    if job.tier == Tier.DEVICE:
+    if job.tier == _DEVICE:
         return ()
     need = snapshot.device_used(worker_id) + job.state_bytes - worker.device_bytes
     if need <= 0:
@@ -110,7 +113,7 @@ def make_room(
 def switch_s(snapshot: ClusterSnapshot, job: JobView, evict: tuple[Move, ...]) -> float:
     """Expected seconds to evict `evict` and bring `job` onto the device tier."""
     if not evict:
-        return snapshot.swap.move_s(job.state_bytes, job.tier, Tier.DEVICE)
+        return snapshot.swap.move_s(job.state_bytes, job.tier, _DEVICE)
     seconds = sum(
         snapshot.swap.move_s(
             snapshot.jobs[m.job_id].state_bytes, snapshot.jobs[m.job_id].tier, m.to_tier
@@ -176,13 +179,10 @@ def load(snapshot: ClusterSnapshot, worker_id: str) -> float:
 
 def waiting_jobs(snapshot: ClusterSnapshot) -> list[JobView]:
     """Jobs with pending calls and no home yet, oldest first call first."""
-    seen: set[str] = set()
     waiting: list[JobView] = []
-    for call in snapshot.pending:
-        if call.job_id in seen:
-            continue
-        seen.add(call.job_id)
-        job = snapshot.jobs.get(call.job_id)
+    jobs = snapshot.jobs
+    for job_id in snapshot.callers():
+        job = jobs.get(job_id)
         if job is not None and job.home is None:
             waiting.append(job)
     return waiting
@@ -198,9 +198,14 @@ def admit_waiting(
     """
     actions: list[Action] = []
     healthy = [w for w in snapshot.workers.values() if w.healthy]
+    holdable: dict[tuple[int, str, int], bool] = {}  # by what `can_ever_hold` reads
     blocked = False
     for job in waiting_jobs(snapshot):
-        if not any(can_ever_hold(w, job) for w in healthy):
+        size = (job.devices, job.base_model, job.state_bytes)
+        held = holdable.get(size)
+        if held is None:
+            held = holdable[size] = any(can_ever_hold(w, job) for w in healthy)
+        if not held:
             actions.append(refuse(snapshot, job))
             continue
         if blocked:
@@ -223,15 +228,12 @@ DispatchOrder = Callable[[ClusterSnapshot, WorkerView, list[JobView]], Sequence[
 def ready_by_worker(snapshot: ClusterSnapshot) -> dict[str, list[JobView]]:
     """Free healthy groups and their homed jobs that have pending calls."""
     ready: dict[str, list[JobView]] = {}
-    seen: set[str] = set()
-    for call in snapshot.pending:
-        if call.job_id in seen:
-            continue
-        seen.add(call.job_id)
-        job = snapshot.jobs.get(call.job_id)
+    jobs, workers = snapshot.jobs, snapshot.workers
+    for job_id in snapshot.callers():
+        job = jobs.get(job_id)
         if job is None or job.home is None:
             continue
-        worker = snapshot.workers.get(job.home)
+        worker = workers.get(job.home)
         if worker is None or not worker.healthy or worker.running is not None:
             continue
         ready.setdefault(worker.worker_id, []).append(job)
@@ -269,7 +271,7 @@ def run_of(
     return Run(
         worker_id,
         job.job_id,
-        tuple(c.request_id for c in calls),
+        tuple([c.request_id for c in calls]),
         evict,
         switch_s(snapshot, job, evict),
         sum(expected),
@@ -279,14 +281,14 @@ def run_of(
 def quiet_s(snapshot: ClusterSnapshot, worker_id: str, job: JobView) -> float:
     """Seconds before any other job homed on the group may want it: the nearest end of
     their idle hints; 0 when one has calls pending or gave no hint (it may call now)."""
-    quiet = float("inf")
+    quiet, now = _INF, snapshot.now
     for other in snapshot.homed_view(worker_id):
         if other.job_id == job.job_id:
             continue
-        if other.idle_until <= snapshot.now or snapshot.calls_view(other.job_id):
+        if other.idle_until <= now or snapshot.calls_view(other.job_id):
             return 0.0
-        quiet = min(quiet, other.idle_until - snapshot.now)
-    return quiet if quiet != float("inf") else 0.0
+        quiet = min(quiet, other.idle_until - now)
+    return quiet if quiet != _INF else 0.0
 
 
 def dispatch(

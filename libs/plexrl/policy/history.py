@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from plexrl.messages import Function
+from plexrl.policy.frozen import quick_init
 
 EWMA = 0.3
 """Weight of the newest observation in a job's running mean of call durations."""
@@ -91,6 +92,7 @@ class CallHistory:
         return min(1.0, max(0.01, self.busy_s / span)) if span > 0 else 1.0
 
 
+@quick_init
 @dataclass(frozen=True)
 class Prior:
     """What a job without a history is taken to look like: the mean of its kind's."""
@@ -127,6 +129,7 @@ def priors(
     }
 
 
+@quick_init
 @dataclass(frozen=True)
 class Described:
     """A job's figures as the policy is to see them (`JobView`'s learned fields)."""

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 
 from plexrl.messages import Function, Tier
@@ -61,10 +61,12 @@ from plexrl.policy.common import (
 )
 from plexrl.policy.config import PolicyConfig
 from plexrl.policy.fifo import last_served
+from plexrl.policy.frozen import quick_init
 from plexrl.policy.snapshot import ClusterSnapshot, JobView, WorkerView
 
 _TRAIN = (Function.FORWARD_BACKWARD, Function.OPTIM_STEP, Function.SAVE)
 _UNBOUNDED = float("inf")
+_DEVICE = Tier.DEVICE
 
 
 def step_phases(job: JobView) -> tuple[float, ...]:
@@ -110,6 +112,7 @@ def _meeting_s(mine: tuple[float, ...], theirs: tuple[float, ...], residual: flo
     return total
 
 
+@quick_init
 @dataclass(frozen=True)
 class Figures:
     """What the interference model needs of one job."""
@@ -198,6 +201,14 @@ class InterferenceFit:
         self._meetings: dict[tuple[int, int], float] = {}
         self._groups: dict[str, _Group] = {}
         self._classes: dict[tuple[int, str], list[WorkerView]] = {}
+        self._placed = 0
+        """Jobs placed so far in this pass: the groups' totals change only when one is."""
+        self._refused: dict[tuple[Figures, int, str, int], int] = {}
+        """Figures and size (devices, base model, state bytes) of a job no group took,
+        with `_placed` then. The answer rests on nothing else, so a later job alike gets
+        the same None until a job is placed: jobs waiting for admission are mostly of a
+        few kinds described alike (their kind's `priors`), and each would otherwise be
+        tried against every group of its size."""
 
     def figures(self, job: JobView) -> Figures:
         cached = self._figures.get(job.job_id)
@@ -207,7 +218,8 @@ class InterferenceFit:
             shape = self._shapes.setdefault(key, len(self._shapes))
             if shape == len(self._representatives):
                 self._representatives.append(fig)
-            cached = self._figures[job.job_id] = replace(fig, shape=shape)
+            cached = Figures(fig.phases, fig.period, fig.residual, fig.duty, shape)
+            self._figures[job.job_id] = cached
         return cached
 
     def pair(self, me: Figures, neighbour: Figures) -> float:
@@ -283,8 +295,20 @@ class InterferenceFit:
 
     def __call__(self, snapshot: ClusterSnapshot, job: JobView) -> str | None:
         fig = self.figures(job)
-        if not self.pack:
-            return self._least_slowed(snapshot, job, fig)
+        alike = (fig, job.devices, job.base_model, job.state_bytes)
+        if self._refused.get(alike) == self._placed:
+            return None
+        if self.pack:
+            chosen = self._fullest_within(snapshot, job, fig)
+        else:
+            chosen = self._least_slowed(snapshot, job, fig)
+        if chosen is None:
+            self._refused[alike] = self._placed
+        else:
+            self._placed += 1
+        return chosen
+
+    def _fullest_within(self, snapshot: ClusterSnapshot, job: JobView, fig: Figures) -> str | None:
         empty: WorkerView | None = None
         shared: list[tuple[float, int, WorkerView, _Group]] = []
         for i, worker in enumerate(self._size_class(snapshot, job)):
@@ -331,9 +355,10 @@ def shortest_remaining_first(
 
     def key(job: JobView) -> tuple[float, int, float, str]:
         calls = snapshot.calls_view(job.job_id)
-        service = sum(job.estimates.expected_s(c.function) for c in calls)
-        switch = switch_s(snapshot, job, ()) if job.tier != Tier.DEVICE else 0.0
-        resident = 0 if job.tier == Tier.DEVICE else 1
+        seconds_of, default_s = job.estimates.seconds, job.estimates.default_s
+        service = sum([seconds_of.get(c.function, default_s) for c in calls])  # expected_s
+        switch = switch_s(snapshot, job, ()) if job.tier != _DEVICE else 0.0
+        resident = 0 if job.tier == _DEVICE else 1
         return (service + switch_weight * switch, resident, calls[0].arrival_time, job.job_id)
 
     first = jobs[0].tenant
@@ -379,9 +404,10 @@ def _has_calls(snapshot: ClusterSnapshot, move: Move) -> bool:
 
 def _off_device(snapshot: ClusterSnapshot) -> bool:
     """Whether any homed job's state is away from its group's device tier."""
-    return any(
-        j.home is not None and j.tier not in (Tier.DEVICE, None) for j in snapshot.jobs.values()
-    )
+    for j in snapshot.jobs.values():  # (a loop, not any(): asked on every decision)
+        if j.home is not None and j.tier is not None and j.tier != _DEVICE:
+            return True
+    return False
 
 
 def plan_plexrl(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:

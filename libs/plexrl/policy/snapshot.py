@@ -7,11 +7,12 @@ so both run exactly the same decisions.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar, overload
 
 from plexrl.messages import Function, Tier
+from plexrl.policy.frozen import quick_init
 
 _T = TypeVar("_T")
 _TIER_ORDER = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
@@ -66,6 +67,7 @@ class SwapCosts:
         return seconds
 
 
+@quick_init
 @dataclass(frozen=True)
 class WorkerView:
     """One worker group as the scheduler believes it is now."""
@@ -86,6 +88,7 @@ class WorkerView:
     healthy: bool = True
 
 
+@quick_init
 @dataclass(frozen=True)
 class CallEstimates:
     """Expected seconds of each function for one job (running means, or a profile)."""
@@ -98,6 +101,7 @@ class CallEstimates:
         return self.seconds.get(function, self.default_s)
 
 
+@quick_init
 @dataclass(frozen=True)
 class JobView:
     """One job: where it lives and what it costs to bring in."""
@@ -128,6 +132,7 @@ class JobView:
     """Who owns the job: FIFO takes tenants in turns on a group (`policy.fifo`)."""
 
 
+@quick_init
 @dataclass(frozen=True)
 class PendingCall:
     """A call waiting in the scheduler's queue."""
@@ -138,6 +143,7 @@ class PendingCall:
     arrival_time: float
 
 
+@quick_init
 @dataclass(frozen=True)
 class ClusterSnapshot:
     now: float
@@ -153,16 +159,29 @@ class ClusterSnapshot:
         # not O(all jobs): admission asks them for every group.
         index: dict[str, list[JobView]] = {}
         for job in self.jobs.values():
-            if job.home is not None:
-                index.setdefault(job.home, []).append(job)
+            home = job.home
+            if home is not None:
+                homed = index.get(home)
+                if homed is None:
+                    index[home] = [job]  # (not setdefault: no empty list per job)
+                else:
+                    homed.append(job)
         return index
 
     @_lazy
     def _pending_by_job(self) -> dict[str, list[PendingCall]]:
         index: dict[str, list[PendingCall]] = {}
         for call in self.pending:
-            index.setdefault(call.job_id, []).append(call)
+            calls = index.get(call.job_id)
+            if calls is None:
+                index[call.job_id] = [call]
+            else:
+                calls.append(call)
         return index
+
+    def callers(self) -> Iterable[str]:
+        """The jobs with pending calls, each once, in the order of their oldest call."""
+        return self._pending_by_job.keys()
 
     def calls_of(self, job_id: str) -> list[PendingCall]:
         """The job's pending calls, in arrival order."""
