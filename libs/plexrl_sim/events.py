@@ -3,9 +3,10 @@ about once an event has been handled."""
 
 from __future__ import annotations
 
-import heapq
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from enum import IntEnum
+from heapq import heappop, heappush
 
 
 class Event(IntEnum):
@@ -34,8 +35,8 @@ class EventQueue:
         self._heap: list[tuple[float, Event, int, object]] = []
 
     def push(self, at: float, kind: Event, obj: object) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (at, kind, self._seq, obj))
+        self._seq = seq = self._seq + 1
+        heappush(self._heap, (at, kind, seq, obj))
 
     def __bool__(self) -> bool:
         return bool(self._heap)
@@ -45,19 +46,18 @@ class EventQueue:
 
     def pop(self) -> tuple[Event, object]:
         """The next event; the clock moves to its time."""
-        at, kind, _, obj = heapq.heappop(self._heap)
+        at, kind, _, obj = heappop(self._heap)
         self.now = at
         return kind, obj
 
-    def pop_until(self, until: float) -> tuple[Event, object] | None:
-        """The next event if there is one at or before `until` (the clock moves to its
-        time), else None."""
+    def until(self, until: float) -> Iterator[tuple[Event, object]]:
+        """Every event at or before `until`, in order, including those pushed meanwhile
+        (the clock moves to each one's time as it is taken)."""
         heap = self._heap
-        if not heap or heap[0][0] > until:
-            return None
-        at, kind, _, obj = heapq.heappop(heap)
-        self.now = at
-        return kind, obj
+        while heap and heap[0][0] <= until:
+            at, kind, _, obj = heappop(heap)
+            self.now = at
+            yield kind, obj
 
 
 @dataclass

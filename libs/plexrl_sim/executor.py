@@ -21,6 +21,9 @@ from plexrl_sim.events import Attention, Event, EventQueue
 from plexrl_sim.replay import SimJob
 from plexrl_sim.workload import CoLocation, GroupSpec
 
+_DEVICE, _RUN_DONE = Tier.DEVICE, Event.RUN_DONE
+"""(Module constants: an enum member read off its class costs an attribute lookup.)"""
+
 
 class SimulationError(RuntimeError):
     """The policy asked for something impossible, or an invariant broke."""
@@ -60,7 +63,7 @@ class SimGroup:
         return sum(j.state_bytes for j in self.homed.values() if j.tier == tier)
 
 
-@dataclass
+@dataclass(slots=True)
 class RunInFlight:
     job: SimJob
     calls: list[PendingCall]
@@ -154,23 +157,29 @@ class GroupExecutor:
         n = len(ids)
         if n == 0 or n > len(pending):
             raise SimulationError(f"run of {run.job_id} skips or reorders its calls")
-        for call, request_id in zip(pending, ids, strict=False):
-            if call.request_id != request_id:
-                raise SimulationError(f"run of {run.job_id} skips or reorders its calls")
+        calls = pending[:n]
+        if [c.request_id for c in calls] != list(ids):
+            raise SimulationError(f"run of {run.job_id} skips or reorders its calls")
+        job.pending = pending[n:]
         now = self.events.now
-        calls, job.pending = pending[:n], pending[n:]
         swap = self._evict(group, job.job_id, run.evict) if run.evict else 0.0
-        moved = bool(run.evict) or job.tier != Tier.DEVICE
-        if job.tier != Tier.DEVICE:
-            swap += self._move_s(group, job, job.tier, Tier.DEVICE)
-            job.tier = Tier.DEVICE
+        moved = bool(run.evict)
+        if job.tier != _DEVICE:
+            moved = True
+            swap += self._move_s(group, job, job.tier, _DEVICE)
+            job.tier = _DEVICE
         swap += max(0.0, job.ready_at - now)
-        if group.last_job not in (None, job.job_id):
+        last = group.last_job
+        if last is not None and last != job.job_id:
             swap += self.costs.switch_s
         group.last_job = job.job_id
         if moved:
             self._check_memory(group)
-        planned = [job.call_s(c.function) for c in calls]
+        seconds_of, useful_of = job.figures()
+        try:
+            planned = [seconds_of[c.function] for c in calls]
+        except KeyError as err:
+            raise ValueError(f"unexpected call {err.args[0]}") from None
         work = sum(planned)
         start = now + swap
         end = self._stretched_end(group, start, work) if group.tails else start + work
@@ -189,9 +198,9 @@ class GroupExecutor:
         r.compute_s += end - start
         devices = group.spec.devices
         self.accounting.charge(r, group.spec.group_id, devices * (swap + work))
-        useful = sum([job.call_useful(c.function) for c in calls]) * devices
+        useful = sum([useful_of.get(c.function, 0.0) for c in calls]) * devices
         self.accounting.busy(start, end, useful)
-        self.events.push(end, Event.RUN_DONE, RunInFlight(job, calls, swap, start, planned, queued))
+        self.events.push(end, _RUN_DONE, RunInFlight(job, calls, swap, start, planned, queued))
 
     def run_done(self, done: RunInFlight) -> None:
         """The Run's calls ended: the group is free; the scheduler sees each call's compute
@@ -204,14 +213,14 @@ class GroupExecutor:
         job.last_active = now
         job.view = None
         self.attention.groups.add(group.spec.group_id)
-        planned = done.planned_s
+        planned, calls = done.planned_s, done.calls
         work = sum(planned)
         stretch = (now - done.started) / work if work > 0 else 1.0
         observe = job.history.observe
         # The first call carries the Run's swaps and queueing; the rest only compute.
-        observe(done.calls[0].function, planned[0] * stretch, done.swap_s, done.queue_s)
-        for call, seconds in zip(done.calls[1:], planned[1:], strict=True):
-            observe(call.function, seconds * stretch, 0.0, 0.0)
+        observe(calls[0].function, planned[0] * stretch, done.swap_s, done.queue_s)
+        for i in range(1, len(calls)):
+            observe(calls[i].function, planned[i] * stretch, 0.0, 0.0)
 
     def prefetch(self, action: Prefetch) -> None:
         group = self.groups[action.worker_id]
@@ -251,13 +260,13 @@ class GroupExecutor:
     def _stretched_end(self, group: SimGroup, start: float, work: float) -> float:
         """When `work` seconds of full-group compute end, given the stragglers decoding in
         the background take their share of the group until each tail ends."""
-        if not group.tails:
-            return start + work
-        tails = sorted(t for t in group.tails if t[0] > start)
+        tails = [t for t in group.tails if t[0] > start]
         group.tails = tails
         if not tails:
             return start + work
-        share = min(sum(u for _, u in tails), 0.9)
+        if len(tails) > 1:
+            tails.sort()
+        share = min(sum([u for _, u in tails]), 0.9)
         t, left = start, work
         for end, util in tails:
             speed = 1.0 - share

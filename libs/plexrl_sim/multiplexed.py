@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from typing import Any
 
 from plexrl.messages import Function, Tier
 from plexrl.policy import (
@@ -105,14 +106,26 @@ class MultiplexedSim:
         self, progress: Callable[[float], None] | None = None, until_s: float = math.inf
     ) -> DeploymentResult:
         started = time.perf_counter()
-        clock, handle, decide = self.clock, self._handle, self._decide
-        while (event := clock.pop_until(until_s)) is not None:
-            kind, obj = event
-            self.events += 1
-            handle(kind, obj)
+        decide = self._decide
+        by_kind: dict[Event, Callable[[Any], None]] = {
+            Event.RUN_DONE: self._run_done,
+            Event.TAIL_DONE: self.replay.tail_done,
+            Event.TRAIN_CALLS: self.replay.issue_train,
+            Event.NEXT_STEP: self.replay.begin_step,
+            Event.FINISH: self.replay.finish,
+            Event.ARRIVE: self._arrive,
+        }
+        # Indexed by the kind's number: an IntEnum hashes in Python, a tuple index does not.
+        handlers = tuple(by_kind[kind] for kind in sorted(Event))
+        events = self.events
+        for kind, obj in self.clock.until(until_s):
+            events += 1
+            handlers[kind](obj)
             decide()
-            if progress is not None and self.events % 4096 == 0:
+            if progress is not None and events % 4096 == 0:
+                self.events = events
                 progress(self.now)
+        self.events = events
         if progress is not None:
             progress(self.now)
         return self.accounting.close(
@@ -126,38 +139,29 @@ class MultiplexedSim:
             self.plan_s,
         )
 
-    def _handle(self, kind: Event, obj: object) -> None:
-        if kind == Event.RUN_DONE:
-            assert isinstance(obj, RunInFlight)
-            self.executor.run_done(obj)
-            self.replay.calls_done(obj.job, obj.calls)
-            return
-        assert isinstance(obj, SimJob)
-        if kind == Event.TAIL_DONE:
-            self.replay.tail_done(obj)
-        elif kind == Event.TRAIN_CALLS:
-            self.replay.issue_train(obj)
-        elif kind == Event.NEXT_STEP:
-            self.replay.begin_step(obj)
-        elif kind == Event.FINISH:
-            self.replay.finish(obj)
-        elif kind == Event.ARRIVE:
-            self.waiting[obj.job_id] = obj
-            self.replay.arrive(obj)
+    def _run_done(self, done: RunInFlight) -> None:
+        self.executor.run_done(done)
+        self.replay.calls_done(done.job, done.calls)
+
+    def _arrive(self, job: SimJob) -> None:
+        self.waiting[job.job_id] = job
+        self.replay.arrive(job)
 
     # Asking the policy -------------------------------------------------------------------
 
     def _decide(self) -> None:
         attention = self.attention
-        if attention.admission_due and self.waiting:
+        if attention.admission_due:
             attention.admission_due = False
-            self._carry_out(self.full_snapshot())
-        attention.admission_due = False
-        dirty, groups = attention.groups, self.groups
-        while dirty:
-            group = groups[dirty.pop()]
-            if self._wants_plan(group):
-                self._carry_out(self.group_snapshot(group.group_id))
+            if self.waiting:
+                self._carry_out(self.full_snapshot())
+        dirty = attention.groups
+        if dirty:
+            groups, wants_plan, snapshot = self.groups, self._wants_plan, self.group_snapshot
+            while dirty:
+                group = groups[dirty.pop()]
+                if wants_plan(group):
+                    self._carry_out(snapshot(group))
 
     @staticmethod
     def _wants_plan(group: SimGroup) -> bool:
@@ -166,27 +170,24 @@ class MultiplexedSim:
         # Busy: only a prefetch could be decided, and only for a job off the device.
         return any(j.tier in _OFF_DEVICE for j in group.homed.values())
 
-    def group_snapshot(self, group_id: str) -> ClusterSnapshot:
+    def group_snapshot(self, group: SimGroup) -> ClusterSnapshot:
         """What the policy sees when something happens on one group."""
-        group = self.groups[group_id]
-        now, learned, min_history_s = self.now, self._priors, self.min_history_s
+        now = self.clock.now
         jobs: dict[str, JobView] = {}
         calls: list[PendingCall] = []
         calling = 0
         for jid, j in group.homed.items():
             view = j.view
-            jobs[jid] = view if view is not None else j.as_view(now, learned, min_history_s)
+            jobs[jid] = (
+                view if view is not None else j.as_view(now, self._priors, self.min_history_s)
+            )
             if j.pending:
                 calls += j.pending
                 calling += 1
         if calling > 1:  # one job's calls are already in arrival order
             calls.sort(key=_arrival)
         return ClusterSnapshot(
-            now=self.now,
-            workers={group_id: group.as_view()},
-            jobs=jobs,
-            pending=tuple(calls),
-            swap=group.spec.swap,
+            now, {group.spec.group_id: group.as_view()}, jobs, tuple(calls), group.spec.swap
         )
 
     def full_snapshot(self) -> ClusterSnapshot:
@@ -217,7 +218,9 @@ class MultiplexedSim:
         self.plan_s += time.perf_counter() - t0
         self.plans += 1
         for action in actions:
-            if isinstance(action, Admit):
+            if isinstance(action, Run):  # most plans are one Run
+                self.executor.start_run(action)
+            elif isinstance(action, Admit):
                 job = self.waiting.pop(action.job_id, None)
                 if job is None:
                     raise SimulationError(f"admit of {action.job_id}, which is not waiting")
@@ -227,8 +230,6 @@ class MultiplexedSim:
                 if rejected is not None:
                     rejected.result.rejected = f"{action.reason}: {action.detail}"
                     rejected.pending.clear()
-            elif isinstance(action, Run):
-                self.executor.start_run(action)
             elif isinstance(action, Prefetch):
                 self.executor.prefetch(action)
 

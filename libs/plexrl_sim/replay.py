@@ -23,6 +23,9 @@ from plexrl_sim.workload import JobSpec, Steps
 
 _NAMES = {f: f.value for f in Function}
 """Each function's wire name, for request ids (an enum's `.value` is a slow property)."""
+_CREATE, _SAMPLE, _SAVE = Function.CREATE, Function.SAMPLE, Function.SAVE
+"""(Module constants: an enum member read off its class costs an attribute lookup, and
+these are compared once per call.)"""
 
 
 @dataclass
@@ -60,11 +63,11 @@ class SimJob:
     _figures_of_step: int = -1
     """The step `_call_s` and `_useful` are for."""
     _call_s: dict[Function, float] = field(default_factory=dict)
-    """Seconds of one call of each function in that step (`call_s`), as Python floats:
+    """Seconds of one call of each function in that step (`figures`), as Python floats:
     read once per call, millions of times a run, where indexing numpy arrays each time
     cost more than the rest of the lookup."""
     _useful: dict[Function, float] = field(default_factory=dict)
-    """The same for `call_useful`."""
+    """Group-seconds of useful work of one call of each function in that step."""
     job_id: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -135,20 +138,12 @@ class SimJob:
         }
         self._figures_of_step = k
 
-    def call_s(self, function: Function) -> float:
-        """Seconds of one call of this step on the whole group."""
+    def figures(self) -> tuple[dict[Function, float], dict[Function, float]]:
+        """This step's seconds of one call of each function on the whole group, and its
+        group-seconds of useful work (absent: none)."""
         if self._figures_of_step != self.step:
             self._figures()
-        seconds = self._call_s.get(function)
-        if seconds is None:
-            raise ValueError(f"unexpected call {function}")
-        return seconds
-
-    def call_useful(self, function: Function) -> float:
-        """Group-seconds of useful work of one call of this step."""
-        if self._figures_of_step != self.step:
-            self._figures()
-        return self._useful.get(function, 0.0)
+        return self._call_s, self._useful
 
 
 class Tails(Protocol):
@@ -189,13 +184,14 @@ class JobReplay:
     def calls_done(self, job: SimJob, calls: list[PendingCall]) -> None:
         """A Run of the job's `calls` ended: the loop moves on."""
         for call in calls:
+            function = call.function
             if job.trail is not None:
-                job.trail.append((job.step, call.function))
-            if call.function == Function.CREATE:
+                job.trail.append((job.step, function))
+            if function == _CREATE:
                 self.begin_step(job)
-            elif call.function == Function.SAMPLE:
+            elif function == _SAMPLE:
                 self._start_tail(job)
-            elif call.function == Function.SAVE:
+            elif function == _SAVE:
                 self._step_done(job)
 
     def begin_step(self, job: SimJob) -> None:

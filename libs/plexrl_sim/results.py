@@ -86,7 +86,8 @@ class Timeline:
         bin_s = self.bin_s
         b0 = int(start // bin_s)
         b1 = int(end // bin_s) if end > start else b0
-        self._grow(b1 + 1)
+        if b1 >= len(self.allocated):
+            self._grow(b1 + 1)
         arr = self.allocated if which == "allocated" else self.busy
         if b0 == b1:
             arr[b0] += device_s
