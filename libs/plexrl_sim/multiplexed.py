@@ -115,7 +115,8 @@ class MultiplexedSim:
             Event.FINISH: self.replay.finish,
             Event.ARRIVE: self._arrive,
         }
-        # Indexed by the kind's number: an IntEnum hashes in Python, a tuple index does not.
+        # Indexed by the kind's number: one index per event instead of comparing the kind
+        # with each `Event.X`, every one of which is an attribute lookup on the enum class.
         handlers = tuple(by_kind[kind] for kind in sorted(Event))
         events = self.events
         for kind, obj in self.clock.until(until_s):
