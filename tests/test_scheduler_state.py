@@ -364,3 +364,23 @@ def test_a_job_silent_for_a_minute_weighs_nothing_and_lends_no_figures() -> None
     state.on_request(req("r9", "old"), delivery(9))  # its next call wakes it
     assert state.dormant(clock.t) == set()
     assert state.snapshot().jobs["old"].duty_cycle > 0.0
+
+
+def test_a_jobs_last_gap_is_from_the_end_of_its_calls_to_its_next_with_none_queued() -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock, worker_timeout_s=1e9)
+    state.on_heartbeat(beat("w0"))
+    state.add_job("j", "t", JobSpec(base_model="m"), home=None)
+    state.apply_admit("j", "w0")
+    state.on_request(req("r0", "j"), delivery(0))
+    assert state.snapshot().jobs["j"].last_gap_s == 0.0  # nothing ended before it
+    state.apply_run("d0", "w0", "j", state.take_pending(("r0",)), ())
+    clock.t += 1.0
+    state.on_completion(done("r0", "j", compute_s=1.0))
+    clock.t += 0.03  # the client's round trip
+    state.on_request(req("r1", "j"), delivery(1))
+    clock.t += 5.0  # a second call queued behind the first: no gap of its own
+    state.on_request(req("r2", "j"), delivery(2))
+    view = state.snapshot().jobs["j"]
+    assert view.last_gap_s == pytest.approx(0.03)
+    assert view.burst_s == pytest.approx(5.0)  # its burst began with r1

@@ -70,6 +70,10 @@ class SchedulerSettings(CommonSettings):
     # the others least); true packs jobs onto the fullest worker within the slowdown
     # budget, so whole workers stay free (worth it only if idle workers are released).
     pack_groups: bool = False
+    # The plexrl policy's anticipation (`PolicyConfig.hold_s`): a worker whose last job
+    # is in a burst of calls (its last gap between calls at most this) waits up to twice
+    # that gap, at most this, for that job's next call before serving another job. 0: off.
+    hold_s: float = 0.1
     # A worker whose last heartbeat is older than this is treated as down (its jobs
     # are re-homed and restored elsewhere). Heartbeats come every second; a false alarm
     # costs a restore, never a wrong result (the old home is fenced off).

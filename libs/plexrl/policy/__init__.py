@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from plexrl.policy.actions import Action, Admit, Move, Plan, Prefetch, Reject, RejectReason, Run
+from plexrl.policy.anticipate import held_groups, without
 from plexrl.policy.backfill import plan_spread_backfill
 from plexrl.policy.config import PolicyConfig
 from plexrl.policy.cosample import co_sample
@@ -50,8 +51,23 @@ def plan(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
 
 
 def decide(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
-    """What the live scheduler does now: the policy's plan, with co-sampling."""
-    return co_sample(snapshot, plan(snapshot, config), config.max_cosampled_calls)
+    """What the live scheduler does now: the policy's plan, with co-sampling, on the
+    groups that are not held for a bursting job (`anticipate`; plexrl policy only)."""
+    view = without(snapshot, _held(snapshot, config))
+    return co_sample(view, plan(view, config), config.max_cosampled_calls)
+
+
+def hold_ends(snapshot: ClusterSnapshot, config: PolicyConfig) -> float | None:
+    """When the earliest hold of `decide` ends (snapshot clock), if any group is held:
+    the live scheduler decides again then, whatever arrives."""
+    ends = [until for _, until in _held(snapshot, config).values()]
+    return min(ends) if ends else None
+
+
+def _held(snapshot: ClusterSnapshot, config: PolicyConfig) -> dict[str, tuple[str, float]]:
+    if config.name != "plexrl":
+        return {}
+    return held_groups(snapshot, config.hold_s, config.quantum_s)
 
 
 __all__ = [
@@ -73,5 +89,6 @@ __all__ = [
     "WorkerView",
     "co_sample",
     "decide",
+    "hold_ends",
     "plan",
 ]

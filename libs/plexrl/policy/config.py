@@ -39,6 +39,13 @@ class PolicyConfig:
     the group is decided again at the next call boundary after it: a job with less
     remaining work cuts in after at most about one quantum (or one call) of another."""
 
+    hold_s: float = 0.0
+    """The live scheduler's anticipation (`plexrl.policy.anticipate`, plexrl policy only):
+    a free group whose last job is in a burst of calls (its last gap between calls was
+    at most this) is held for that job's next call for up to twice its last gap (and at
+    most this), instead of going to another job for one call. 0 turns it off; the
+    simulator does not model it."""
+
     max_cosampled_calls: int = 32
     """The live scheduler's co-sampling (`plexrl.policy.cosample`): a Run of sample calls
     takes other jobs' pending sample calls on its group along, up to this many calls in
@@ -61,6 +68,8 @@ class PolicyConfig:
             raise ValueError(
                 f"slowdown_budget is {self.slowdown_budget}; it must be 0 or more (0.05 = 5%)"
             )
+        if self.hold_s < 0:
+            raise ValueError(f"hold_s is {self.hold_s}; it must be 0 (off) or more (seconds)")
         if self.quantum_s <= 0:
             raise ValueError(f"quantum_s is {self.quantum_s}; it must be positive (seconds)")
         if self.switch_weight < 0:

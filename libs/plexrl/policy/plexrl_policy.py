@@ -51,6 +51,7 @@ from functools import partial
 
 from plexrl.messages import Function, Tier
 from plexrl.policy.actions import Action, Move, Plan, Prefetch, Run
+from plexrl.policy.anticipate import bursting_job
 from plexrl.policy.common import (
     admit_waiting,
     dispatch,
@@ -341,17 +342,34 @@ def _idle_key(now: float, job: JobView) -> tuple[float, ...]:
 
 
 def shortest_remaining_first(
-    snapshot: ClusterSnapshot, worker: WorkerView, jobs: list[JobView], switch_weight: float
+    snapshot: ClusterSnapshot,
+    worker: WorkerView,
+    jobs: list[JobView],
+    switch_weight: float,
+    burst: tuple[float, float] = (0.0, 0.0),
 ) -> Sequence[JobView]:
     """Least remaining work first: the expected seconds of the job's pending calls plus
     `switch_weight` times the seconds to bring its state onto the device; ties to the
     resident job, then the oldest call.
+
+    With `burst` = (hold_s, quantum_s) (the live scheduler's anticipation,
+    `plexrl.policy.anticipate`), the group's bursting job goes first: the one that ran
+    there last, whose last gap between calls was at most hold_s and whose burst has
+    lasted less than quantum_s. So a burst runs out before the group moves on, for at
+    most about a quantum.
 
     When jobs of several tenants are ready, tenants take turns first (the one served
     longest ago, as `fifo` does) and least remaining work orders each tenant's own jobs:
     short calls of one tenant never hold back another's beyond one dispatch each."""
     if len(jobs) < 2:
         return jobs
+    bursting = bursting_job(snapshot, worker.worker_id, *burst) if burst[0] > 0 else None
+    if bursting is not None and any(j.job_id == bursting for j in jobs):
+        rest = [j for j in jobs if j.job_id != bursting]
+        mine = [j for j in jobs if j.job_id == bursting]
+        first = mine[0].tenant
+        if all(j.tenant == first for j in rest):
+            return [*mine, *shortest_remaining_first(snapshot, worker, rest, switch_weight)]
 
     def key(job: JobView) -> tuple[float, int, float, str]:
         calls = snapshot.calls_view(job.job_id)
@@ -417,7 +435,11 @@ def plan_plexrl(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
             snapshot, InterferenceFit(config.slowdown_budget, config.pack), backfill=True
         )
         actions.extend(admitted)
-    order = partial(shortest_remaining_first, switch_weight=config.switch_weight)
+    order = partial(
+        shortest_remaining_first,
+        switch_weight=config.switch_weight,
+        burst=(config.hold_s, config.quantum_s),
+    )
     prefetch = config.prefetch and _off_device(snapshot)
     runs, snapshot = dispatch(
         snapshot,

@@ -130,6 +130,13 @@ class JobView:
     profile or its observed loop); empty: unknown."""
     tenant: str = ""
     """Who owns the job: FIFO takes tenants in turns on a group (`policy.fifo`)."""
+    last_gap_s: float = 0.0
+    """Seconds between the end of its calls and its next call, the last time it had
+    nothing queued (its client's round trip, or a stall); 0: not seen. The live
+    scheduler holds a group for a job in a burst of calls (`policy.anticipate`)."""
+    burst_s: float = 0.0
+    """Seconds since the first call of its current burst (its calls since its last gap
+    longer than the scheduler's hold); 0: not in one."""
 
 
 @quick_init

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import Any
 
 from plexrl.dead_letters import DeadLetters
@@ -12,7 +13,7 @@ from plexrl.health import HttpServer, health_app
 from plexrl.kafka import MessageConsumer, ensure_topics
 from plexrl.ledger import Ledger
 from plexrl.messages import Event, PhaseCompletion, PhaseRequest
-from plexrl.policy import PolicyConfig, decide
+from plexrl.policy import PolicyConfig, decide, hold_ends
 from plexrl.service import join_cluster
 from plexrl.settings import SchedulerSettings
 from plexrl.stores import JobStore
@@ -29,12 +30,13 @@ log = logging.getLogger("plexrl.scheduler")
 
 async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
     topics, stores, publisher = await join_cluster(settings, "plexrl-scheduler")
-    state = ClusterState(worker_timeout_s=settings.worker_timeout_s)
+    state = ClusterState(worker_timeout_s=settings.worker_timeout_s, burst_gap_s=settings.hold_s)
     await restore(state, stores.jobs)
     policy = PolicyConfig(
         name=settings.policy,
         max_calls_per_run=settings.max_calls_per_run,
         pack=settings.pack_groups,
+        hold_s=settings.hold_s,
     )
     receiver = Receiver(state, stores.jobs, stores.usage)
     ledger = Ledger(stores.keys.redis, settings.cluster_id)
@@ -86,6 +88,8 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
     ]
     receiver.attach(requests)
 
+    pace = Pace()
+
     async def record() -> None:
         metrics.observe(state)
 
@@ -93,7 +97,7 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
         [
             Step("topics", lambda: ensure_worker_topics(settings, topics, receiver)),
             Step("reap", liveness.reap),  # dead workers and lost dispatches give calls back
-            Step("decide and act", lambda: actuator.carry_out(decide(state.snapshot(), policy))),
+            Step("decide and act", lambda: decide_and_act(state, policy, actuator, pace)),
             Step("record", record),
         ]
     )
@@ -109,7 +113,7 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
     tasks = [asyncio.create_task(c.run(stop)) for c in consumers]
     log.info("scheduler up: policy=%s cluster=%s", policy.name, settings.cluster_id)
     try:
-        await loop.run(stop, lambda: state.wait_changed(timeout_s=0.5))  # ingest: consumers
+        await loop.run(stop, lambda: state.wait_changed(pace.wait_s()))  # ingest: consumers
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -120,6 +124,30 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
         await publisher.stop()
         await stores.close()
         log.info("scheduler stopped")
+
+
+class Pace:
+    """How long the loop waits for news before deciding again: half a second, or until
+    the earliest hold on a group ends (`plexrl.policy.hold_ends`)."""
+
+    def __init__(self, idle_s: float = 0.5) -> None:
+        self.idle_s = idle_s
+        self.wake_at: float | None = None
+
+    def wait_s(self) -> float:
+        if self.wake_at is None:
+            return self.idle_s
+        return min(self.idle_s, max(self.wake_at - time.time(), 0.0))
+
+
+async def decide_and_act(
+    state: ClusterState, policy: PolicyConfig, actuator: Actuator, pace: Pace
+) -> None:
+    snapshot = state.snapshot()
+    await actuator.carry_out(decide(snapshot, policy))
+    pace.wake_at = hold_ends(snapshot, policy)
+    if pace.wake_at is not None:
+        metrics.HOLDING_PASSES.inc()
 
 
 async def restore(state: ClusterState, jobs: JobStore) -> None:

@@ -32,6 +32,11 @@ TAIL_RELEASES = Counter(
     "Dispatches a worker released at their sample tail (the worker freed for the next)",
     ["worker"],
 )
+HOLDING_PASSES = Counter(
+    "plexrl_scheduler_holding_passes_total",
+    "Decision passes that held a free worker for a bursting job's next call "
+    "(PLEXRL_HOLD_S; plexrl policy)",
+)
 EVICTIONS = Counter(
     "plexrl_scheduler_evictions_total",
     "State moves off the device tier the scheduler ordered, by target tier",

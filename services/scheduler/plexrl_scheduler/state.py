@@ -56,6 +56,12 @@ class JobState:
     tier: Tier | None = None
     last_active: float = 0.0
     idle_until: float = 0.0
+    last_gap_s: float = 0.0
+    """Seconds from the end of its calls to its next call, the last time it had none
+    queued or running (`JobView.last_gap_s`)."""
+    burst_since: float = 0.0
+    """When its current burst began: its first call after a gap longer than the
+    scheduler's `burst_gap_s` (0: none seen)."""
     history: CallHistory = field(default_factory=CallHistory)
     """What its calls have shown so far: the simulator's estimator, so the live policy
     sees a job as the simulated one does."""
@@ -102,8 +108,12 @@ class ClusterState:
         clock: Clock = time.time,
         worker_timeout_s: float = 10.0,
         swap: SwapCosts | None = None,
+        burst_gap_s: float = 0.1,
     ) -> None:
         self._clock = clock
+        self._burst_gap_s = burst_gap_s
+        """A gap between a job's calls longer than this ends its burst (the policy's
+        `hold_s`)."""
         self._worker_timeout_s = worker_timeout_s
         self._swap = swap or SwapCosts()
         self.workers: dict[str, WorkerState] = {}
@@ -138,8 +148,24 @@ class ClusterState:
         job = self.jobs.get(request.job_id)
         if job is not None:
             job.history.arrived(request.function)
+            if job.last_active > 0 and not self._outstanding(job.job_id):
+                now = self._clock()
+                job.last_gap_s = max(now - job.last_active, 1e-6)
+                if job.last_gap_s > self._burst_gap_s or not job.burst_since:
+                    job.burst_since = now
         self.pending[request.request_id] = Pending(request, delivery)
         self._changed.set()
+
+    def _outstanding(self, job_id: str) -> bool:
+        """Whether a call of the job is queued or running."""
+        if any(p.request.job_id == job_id for p in self.pending.values()):
+            return True
+        runs = [*self.inflight.values(), *self.tails.values()]
+        return any(
+            p.request.job_id == job_id and p.request.request_id in run.remaining
+            for run in runs
+            for p in run.calls
+        )
 
     def on_completion(self, completion: PhaseCompletion) -> Delivery | None:
         """Free the worker when its dispatch is done; returns the request's delivery."""
@@ -345,6 +371,8 @@ class ClusterState:
             step_calls=seen.step_calls,
             pinned=pinned,
             tenant=job.tenant,
+            last_gap_s=job.last_gap_s,
+            burst_s=now - job.burst_since if job.burst_since else 0.0,
         )
 
     def healthy(self, worker_id: str) -> bool:

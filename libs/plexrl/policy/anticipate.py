@@ -1,0 +1,91 @@
+"""Anticipation: hold a free group for the job that is in a burst of calls.
+
+A job in a dense phase (supervised steps, a loop of short training calls) sends its next
+call a client round trip after the last one ended. Work-conserving dispatch gives the
+group to another job's pending call in that gap, so two such jobs on one group alternate
+call by call: both finish their bursts late (processor sharing), and on a group that
+cannot hold both states every switch is a swap. Holding the group for the bursting job
+for about one round trip lets it run its burst out first (run to completion), which for
+jobs of equal bursts halves the mean delay, and saves the swaps.
+
+The rule, per free healthy group with another job's calls ready on it: its last job (the
+homed job whose call ended last) is held for when that job is on the device, has no call
+queued, gave no idle hint, its last gap between calls was at most `hold_s`, and its
+burst (its calls since its last longer gap) has lasted less than `quantum_s`; the hold
+lasts twice that gap (at most `hold_s`) from the end of its last call. When its call
+arrives it goes first (`plexrl_policy.shortest_remaining_first`). After a quantum of
+burst the group moves on as usual, so no job waits on another's burst for more than
+about a quantum. A job whose last gap was a stall (longer than `hold_s`) is not held
+for, so a group never waits on a job that is computing rewards or calling tools. Results
+do not change: only the order of calls of different jobs does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from plexrl.messages import Tier
+from plexrl.policy.snapshot import ClusterSnapshot, JobView
+
+
+def bursting_job(
+    snapshot: ClusterSnapshot, worker_id: str, hold_s: float, quantum_s: float
+) -> str | None:
+    """The group's job in a burst, if any: the homed job whose call ended last, on the
+    device, whose last gap between calls was at most `hold_s` and whose burst has lasted
+    less than `quantum_s` (so another job waits at most about a quantum for it)."""
+    homed = snapshot.homed_view(worker_id)
+    if not homed:
+        return None
+    last = max(homed, key=lambda j: (j.last_active, j.job_id))
+    if (
+        last.tier != Tier.DEVICE
+        or last.last_active <= 0
+        or not 0 < last.last_gap_s <= hold_s
+        or last.burst_s >= quantum_s
+    ):
+        return None
+    return last.job_id
+
+
+def held_groups(
+    snapshot: ClusterSnapshot, hold_s: float, quantum_s: float
+) -> dict[str, tuple[str, float]]:
+    """Groups to hold now: worker id → (the job held for, when the hold ends)."""
+    if hold_s <= 0:
+        return {}
+    waiting: set[str] = set()
+    for job_id in dict.fromkeys(c.job_id for c in snapshot.pending):
+        job = snapshot.jobs.get(job_id)
+        if job is not None and job.home is not None:
+            waiting.add(job.home)
+    held: dict[str, tuple[str, float]] = {}
+    for worker_id in waiting:
+        worker = snapshot.workers.get(worker_id)
+        if worker is None or not worker.healthy or worker.running is not None:
+            continue
+        bursting = bursting_job(snapshot, worker_id, hold_s, quantum_s)
+        if bursting is None:
+            continue
+        until = _hold_until(snapshot, snapshot.jobs[bursting], hold_s)
+        if until is not None:
+            held[worker_id] = (bursting, until)
+    return held
+
+
+def _hold_until(snapshot: ClusterSnapshot, job: JobView, hold_s: float) -> float | None:
+    if job.idle_until > snapshot.now or snapshot.calls_view(job.job_id):
+        return None
+    until = job.last_active + min(2 * job.last_gap_s, hold_s)
+    return until if snapshot.now < until else None
+
+
+def without(snapshot: ClusterSnapshot, held: dict[str, tuple[str, float]]) -> ClusterSnapshot:
+    """The snapshot with the held groups shown busy with the job they wait for, so no
+    policy dispatches there (nor evicts that job)."""
+    if not held:
+        return snapshot
+    workers = dict(snapshot.workers)
+    for worker_id, (job_id, _) in held.items():
+        workers[worker_id] = replace(workers[worker_id], running=job_id)
+    return replace(snapshot, workers=workers)
