@@ -55,7 +55,7 @@ def ensure_model(registry: Path) -> Path:
 
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--jobs", type=int, default=3, help="RLVR jobs to run at once")
+    p.add_argument("--jobs", type=int, default=4, help="RLVR jobs to run at once")
     p.add_argument("--workers", type=int, default=2, help="worker groups in the pool")
     p.add_argument("--sft-steps", type=int, default=30)
     p.add_argument("--rl-steps", type=int, default=25)
@@ -68,7 +68,7 @@ def parse() -> argparse.Namespace:
     )
     p.add_argument(
         "--policy",
-        default="fifo",
+        default="plexrl",
         help="the scheduler's policy (fifo, pack, spread, spread-backfill, plexrl), or a\n"
         "comma list (fifo,plexrl): the shared run once per policy, each on a fresh\n"
         "cluster, against the one dedicated baseline, side by side",

@@ -47,7 +47,7 @@ class ClusterConfig:
     worker_host_bytes: int | None = None
     worker_threads: int | None = None
     """Torch threads per worker; None lets torch use every core."""
-    policy: str = "fifo"
+    policy: str = "plexrl"
     service_token: str | None = None
     """PLEXRL_SERVICE_TOKEN the services share; None makes a fresh one per cluster."""
     env: dict[str, str] = field(default_factory=dict)

@@ -61,8 +61,9 @@ class SchedulerSettings(CommonSettings):
     # Health and status port.
     scheduler_host: str = "127.0.0.1"
     scheduler_port: int = 8100
-    # Scheduling policy name (see `plexrl.policy.POLICIES`).
-    policy: str = "fifo"
+    # Scheduling policy name (see `plexrl.policy.POLICIES`): the project's own by default
+    # (README, "Scheduling policies"); `fifo` is the plain baseline.
+    policy: str = "plexrl"
     # Most consecutive calls of one job sent to a worker in one dispatch.
     max_calls_per_run: int = 8
     # The plexrl policy's placement (`PolicyConfig.pack`): false for a fixed pool, whose

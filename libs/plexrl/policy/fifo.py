@@ -1,7 +1,7 @@
 """FIFO: the oldest pending call whose home group is free runs next, tenants in turns.
 
-The baseline the smarter policies are measured against, and the live default
-until they land. Consecutive pending calls of the chosen job go in one Run, so
+The baseline the smarter policies are measured against (the live default is the
+project's own, `plexrl`). Consecutive pending calls of the chosen job go in one Run, so
 a client's `forward_backward` + `optim_step` pair costs one dispatch.
 
 Across tenants a group takes turns: of the tenants with a call ready on it, the one
