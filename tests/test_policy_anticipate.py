@@ -11,7 +11,7 @@ from plexrl.policy import (
     Run,
     WorkerView,
     decide,
-    hold_ends,
+    decide_until,
 )
 
 GB = 10**9
@@ -52,10 +52,10 @@ def test_the_group_waits_for_a_bursting_jobs_next_call_then_serves_the_other() -
     a, b = job("a", last_active=100.0, gap=0.02), job("b", last_active=50.0)
     s = snap([a, b], [b_call()], now=100.01)
     assert runs(decide(s, CFG)) == []
-    assert hold_ends(s, CFG) == 100.04
+    assert decide_until(s, CFG)[1] == 100.04
     # a's call arrived: it runs (and b still waits behind it, as the policy orders).
     s = snap([a, b], [b_call(), PendingCall("a/2", "a", Function.FORWARD_BACKWARD, 100.02)], 100.02)
-    assert hold_ends(s, CFG) is None
+    assert decide_until(s, CFG)[1] is None
     assert runs(decide(s, CFG))
     # a did not come back in time: b runs.
     assert runs(decide(snap([a, b], [b_call()], now=100.05), CFG)) == ["b"]

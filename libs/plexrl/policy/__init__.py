@@ -53,21 +53,16 @@ def plan(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
 def decide(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
     """What the live scheduler does now: the policy's plan, with co-sampling, on the
     groups that are not held for a bursting job (`anticipate`; plexrl policy only)."""
-    view = without(snapshot, _held(snapshot, config))
-    return co_sample(view, plan(view, config), config.max_cosampled_calls)
+    return decide_until(snapshot, config)[0]
 
 
-def hold_ends(snapshot: ClusterSnapshot, config: PolicyConfig) -> float | None:
-    """When the earliest hold of `decide` ends (snapshot clock), if any group is held:
-    the live scheduler decides again then, whatever arrives."""
-    ends = [until for _, until in _held(snapshot, config).values()]
-    return min(ends) if ends else None
-
-
-def _held(snapshot: ClusterSnapshot, config: PolicyConfig) -> dict[str, tuple[str, float]]:
-    if config.name != "plexrl":
-        return {}
-    return held_groups(snapshot, config.hold_s, config.quantum_s)
+def decide_until(snapshot: ClusterSnapshot, config: PolicyConfig) -> tuple[Plan, float | None]:
+    """`decide`, and when the earliest hold it made ends (snapshot clock; None: no group
+    held): the live scheduler decides again then, whatever arrives."""
+    held = held_groups(snapshot, config.hold_s, config.quantum_s) if config.name == "plexrl" else {}
+    view = without(snapshot, held)
+    ends = [until for _, until in held.values()]
+    return co_sample(view, plan(view, config), config.max_cosampled_calls), min(ends, default=None)
 
 
 __all__ = [
@@ -89,6 +84,6 @@ __all__ = [
     "WorkerView",
     "co_sample",
     "decide",
-    "hold_ends",
+    "decide_until",
     "plan",
 ]

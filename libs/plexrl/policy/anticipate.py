@@ -55,7 +55,7 @@ def held_groups(
     if hold_s <= 0:
         return {}
     waiting: set[str] = set()
-    for job_id in dict.fromkeys(c.job_id for c in snapshot.pending):
+    for job_id in snapshot.callers():
         job = snapshot.jobs.get(job_id)
         if job is not None and job.home is not None:
             waiting.add(job.home)

@@ -13,7 +13,7 @@ from plexrl.health import HttpServer, health_app
 from plexrl.kafka import MessageConsumer, ensure_topics
 from plexrl.ledger import Ledger
 from plexrl.messages import Event, PhaseCompletion, PhaseRequest
-from plexrl.policy import PolicyConfig, decide, hold_ends
+from plexrl.policy import PolicyConfig, decide_until
 from plexrl.service import join_cluster
 from plexrl.settings import SchedulerSettings
 from plexrl.stores import JobStore
@@ -128,7 +128,7 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
 
 class Pace:
     """How long the loop waits for news before deciding again: half a second, or until
-    the earliest hold on a group ends (`plexrl.policy.hold_ends`)."""
+    the earliest hold on a group ends (`plexrl.policy.decide_until`)."""
 
     def __init__(self, idle_s: float = 0.5) -> None:
         self.idle_s = idle_s
@@ -143,9 +143,8 @@ class Pace:
 async def decide_and_act(
     state: ClusterState, policy: PolicyConfig, actuator: Actuator, pace: Pace
 ) -> None:
-    snapshot = state.snapshot()
-    await actuator.carry_out(decide(snapshot, policy))
-    pace.wake_at = hold_ends(snapshot, policy)
+    plan, pace.wake_at = decide_until(state.snapshot(), policy)
+    await actuator.carry_out(plan)
     if pace.wake_at is not None:
         metrics.HOLDING_PASSES.inc()
 

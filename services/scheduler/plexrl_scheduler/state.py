@@ -148,7 +148,7 @@ class ClusterState:
         job = self.jobs.get(request.job_id)
         if job is not None:
             job.history.arrived(request.function)
-            if job.last_active > 0 and not self._outstanding(job.job_id):
+            if job.last_active > 0 and job.job_id not in self._busy_jobs():
                 now = self._clock()
                 job.last_gap_s = max(now - job.last_active, 1e-6)
                 if job.last_gap_s > self._burst_gap_s or not job.burst_since:
@@ -156,16 +156,12 @@ class ClusterState:
         self.pending[request.request_id] = Pending(request, delivery)
         self._changed.set()
 
-    def _outstanding(self, job_id: str) -> bool:
-        """Whether a call of the job is queued or running."""
-        if any(p.request.job_id == job_id for p in self.pending.values()):
-            return True
-        runs = [*self.inflight.values(), *self.tails.values()]
-        return any(
-            p.request.job_id == job_id and p.request.request_id in run.remaining
-            for run in runs
-            for p in run.calls
-        )
+    def _busy_jobs(self) -> set[str]:
+        """Jobs with a call queued, or running (in a dispatch or a released tail)."""
+        busy = {p.request.job_id for p in self.pending.values()}
+        for run in [*self.inflight.values(), *self.tails.values()]:
+            busy |= {p.request.job_id for p in run.calls if p.request.request_id in run.remaining}
+        return busy
 
     def on_completion(self, completion: PhaseCompletion) -> Delivery | None:
         """Free the worker when its dispatch is done; returns the request's delivery."""
@@ -341,9 +337,7 @@ class ClusterState:
 
     def dormant(self, now: float) -> set[str]:
         """Jobs taken to have stopped (`_DORMANT_S`)."""
-        active = {p.request.job_id for p in self.pending.values()}
-        active |= {run.job_id for run in self.inflight.values()}
-        active |= {p.request.job_id for tail in self.tails.values() for p in tail.calls}
+        active = self._busy_jobs()
         return {
             jid
             for jid, job in self.jobs.items()

@@ -250,10 +250,7 @@ class TorchEngine:
             info = self._info(weights_id.removeprefix(BASE_PREFIX))
             model, adapter = self._base(info).model, cobatch.BASE_ADAPTER
         else:
-            weight_set = self._jobs.get(weights_id)
-            if weight_set is None and weights_id in self._samplers:
-                # Most recently sampled last: `_trim_samplers` drops from the front.
-                weight_set = self._samplers[weights_id] = self._samplers.pop(weights_id)
+            weight_set = self._jobs.get(weights_id) or self._recent_sampler(weights_id)
             if weight_set is None:
                 raise UnknownJobError(weights_id, sorted([*self._jobs, *self._samplers]))
             info, weights = weight_set.info, weight_set.weights
@@ -391,11 +388,15 @@ class TorchEngine:
     def touch_sampler(self, weights_id: str) -> bool:
         """Whether the sampler set is installed; if so it becomes the most recently used
         (the last `_trim_samplers` drops), so a call about to read it finds it."""
+        return self._recent_sampler(weights_id) is not None
+
+    def _recent_sampler(self, weights_id: str) -> _WeightSet | None:
+        """The installed sampler set, made the most recently used (sets are kept in use
+        order: `_trim_samplers` drops from the front); None if not installed."""
         weight_set = self._samplers.pop(weights_id, None)
-        if weight_set is None:
-            return False
-        self._samplers[weights_id] = weight_set
-        return True
+        if weight_set is not None:
+            self._samplers[weights_id] = weight_set
+        return weight_set
 
     @_locked
     def sampler_weights(self, weights_id: str) -> tuple[JobSpec, Path, dict[str, torch.Tensor]]:
