@@ -22,6 +22,7 @@ pytestmark = pytest.mark.integration
 
 BASE = "plexrl/tiny-qwen3"
 KEY = "tml-e2e-alpha"
+EPHEMERAL_KEEP = 3
 OTHER_KEY = "tml-e2e-beta"
 
 
@@ -72,7 +73,11 @@ def cluster(
         "e2e",
         workers=1,
         api_keys=f"{KEY}=alpha,{OTHER_KEY}=beta",
-        env={"OTEL_EXPORTER_OTLP_ENDPOINT": otlp_collector, "OTEL_BSP_SCHEDULE_DELAY": "200"},
+        env={
+            "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_collector,
+            "OTEL_BSP_SCHEDULE_DELAY": "200",
+            "PLEXRL_EPHEMERAL_KEEP": str(EPHEMERAL_KEEP),
+        },
     )
     with LocalCluster(config) as running:
         yield running
@@ -149,6 +154,42 @@ def test_lora_training_loss_decreases_and_sampler_sees_new_weights(
     assert named.path.endswith("/sampler_weights/named")
     by_path = service.create_sampling_client(model_path=named.path)
     assert sample_tokens(by_path) == sample_tokens(after)
+
+
+def test_ephemeral_sampler_snapshots_are_retired(
+    cluster: LocalCluster, service: tinker.ServiceClient
+) -> None:
+    """Each RL step's `save_weights_and_get_sampling_client` leaves a snapshot; a job
+    keeps its newest few (PLEXRL_EPHEMERAL_KEEP), and none once it is unloaded."""
+    client = service.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    named = client.save_weights_for_sampler("kept").result().path
+    samplers = []
+    for _ in range(EPHEMERAL_KEEP + 2):
+        train_steps(client, 1)
+        samplers.append(client.save_weights_and_get_sampling_client())
+    rest = service.create_rest_client()
+
+    def ephemeral() -> list[str]:
+        listed = rest.list_checkpoints(client.model_id).result().checkpoints
+        return sorted(c.checkpoint_id for c in listed if "ephemeral-" in c.checkpoint_id)
+
+    assert len(ephemeral()) == EPHEMERAL_KEEP
+    for sampler in samplers[-EPHEMERAL_KEEP:]:
+        assert sample_tokens(sampler)
+    with pytest.raises(Exception, match="PLEXRL_EPHEMERAL_KEEP"):
+        sample_tokens(samplers[0])  # retired: a 404 that says why and what to do
+
+    with httpx.Client(base_url=cluster.config.gateway_url, headers={"X-API-Key": KEY}) as http:
+        unloaded = http.post("/api/v1/unload_model", json={"model_id": client.model_id})
+        assert unloaded.status_code == 200, unloaded.text
+        request_id = unloaded.json()["request_id"]
+        deadline = time.monotonic() + 60
+        while ephemeral() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        http.post("/api/v1/retrieve_future", json={"request_id": request_id})
+    assert ephemeral() == []
+    # A named sampler save is the user's to delete: it outlives the model.
+    assert sample_tokens(service.create_sampling_client(model_path=named))
 
 
 def test_save_and_load_state_round_trip_is_exact(service: tinker.ServiceClient) -> None:

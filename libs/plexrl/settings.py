@@ -106,6 +106,11 @@ class WorkerSettings(CommonSettings):
     # Snapshot a job to the disk tier after this many state-changing calls (a restore
     # replays at most this many); see plexrl_worker.recovery.SnapshotConfig.
     snapshot_every_calls: int = 4
+    # Ephemeral sampler snapshots (`save_weights_and_get_sampling_client`) kept per job:
+    # each save retires the job's older ones beyond this many (record and blob), and
+    # unloading the job retires them all. A sampling client over a retired one gets a
+    # 404 saying so; a named `save_weights_for_sampler` is kept until deleted.
+    ephemeral_keep: int = Field(default=8, ge=1)
     # Release the worker to its next dispatch once fewer than this fraction of a sample
     # batch's sequences still decode (the rollout-tail release; 0 turns it off). The
     # simulator's `tail_threshold` means the same; 0.25 is its `PHYSICAL_TAIL`.

@@ -53,6 +53,16 @@ class StateStoreClient:
         )
         _check(response, f"recording checkpoint {record.path}")
 
+    async def delete_checkpoint(self, path: str, tenant: str) -> bool:
+        """Delete a checkpoint's record and blob; False if there was none."""
+        response = await self._http.delete(
+            "/v1/checkpoints", params={"path": path}, headers=auth_headers(None, tenant)
+        )
+        if response.status_code == 404:
+            return False
+        _check(response, f"deleting checkpoint {path}")
+        return True
+
     async def healthy(self) -> bool:
         try:
             response = await self._http.get("/healthz")

@@ -127,6 +127,9 @@ class SaveInput(msgspec.Struct, frozen=True, tag="save"):
     kind: SaveKind
     path: str
     """The `tinker://` path the checkpoint will answer to."""
+    ephemeral: bool = False
+    """A sampler snapshot the server named (`save_weights_and_get_sampling_client`): the
+    worker keeps the job's newest few (`PLEXRL_EPHEMERAL_KEEP`) and retires the rest."""
 
 
 class LoadInput(msgspec.Struct, frozen=True, tag="load"):

@@ -1,4 +1,5 @@
-"""Checkpoint records: which blob a `tinker://` path names, and whose it is."""
+"""Checkpoint records: which blob a `tinker://` path names, and whose it is; and the
+order of each job's ephemeral sampler snapshots, so the oldest can be retired."""
 
 from __future__ import annotations
 
@@ -22,8 +23,19 @@ class CheckpointRecord(msgspec.Struct, frozen=True):
     lora_rank: int | None = None
 
 
+EPHEMERAL_PREFIX = "ephemeral-"
+"""The name the server gives a snapshot that `save_weights_and_get_sampling_client` asks
+for with no name: `tinker://<job>/sampler_weights/ephemeral-<sampling session seq>`."""
+
+
+def is_ephemeral(path: str) -> bool:
+    """Whether a `tinker://` path names an ephemeral sampler snapshot."""
+    return path.rpartition("/")[2].startswith(EPHEMERAL_PREFIX)
+
+
 class CheckpointStore(RedisStore):
-    """`ckpt:<path>` (kept until deleted) and `tenant:<t>:ckpts`."""
+    """`ckpt:<path>` (kept until deleted), `tenant:<t>:ckpts`, and `ephemeral:<job>` (the
+    job's ephemeral sampler snapshots by age: a sorted set scored by creation time)."""
 
     async def put_checkpoint(self, ckpt: CheckpointRecord) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -46,3 +58,18 @@ class CheckpointStore(RedisStore):
             pipe.delete(self._k("ckpt", ckpt.path))
             pipe.srem(self._k("tenant", ckpt.tenant, "ckpts"), ckpt.path)
             await pipe.execute()
+
+    async def add_ephemeral(self, ckpt: CheckpointRecord) -> None:
+        """Rank an ephemeral snapshot (its record is written by the state-store)."""
+        await self._redis.zadd(self._k("ephemeral", ckpt.job_id), {ckpt.path: ckpt.created_at})
+
+    async def ephemeral_beyond(self, job_id: str, keep: int) -> list[str]:
+        """The job's ephemeral snapshots other than its newest `keep` (0: all), oldest first."""
+        stop = -keep - 1 if keep else -1
+        members = await self._redis.zrange(self._k("ephemeral", job_id), 0, stop)
+        return [text(p) for p in members if isinstance(p, bytes | str)]
+
+    async def unrank_ephemeral(self, job_id: str, paths: list[str]) -> None:
+        """Drop retired snapshots from the job's ranking (after their records are gone)."""
+        if paths:
+            await self._redis.zrem(self._k("ephemeral", job_id), *paths)

@@ -25,6 +25,7 @@ from plexrl.messages import (
 )
 from plexrl.models import BaseModelInfo
 from plexrl.stores import CheckpointRecord, JobKind, JobRecord
+from plexrl.stores.checkpoints import EPHEMERAL_PREFIX
 from plexrl_gateway.codec import PROTOBUF, CodecError, decode_forward_backward
 from plexrl_gateway.codec_json import forward_backward_from_json
 from plexrl_gateway.deps import Catalog, Jobs, Submit, Tenant
@@ -217,22 +218,25 @@ async def save_weights_for_sampler(
         if body.path is not None:
             name = checkpoint_name(body.path, f"step-{seq}")
         elif body.sampling_session_seq_id is not None:
-            name = f"ephemeral-{check_seq('sampling_session_seq_id', body.sampling_session_seq_id)}"
+            name = EPHEMERAL_PREFIX + str(
+                check_seq("sampling_session_seq_id", body.sampling_session_seq_id)
+            )
         else:
             raise bad_request(
                 "save_weights_for_sampler needs a path (name) or sampling_session_seq_id"
             )
         path = TinkerPath(job.job_id, CheckpointKind.SAMPLER_WEIGHTS, name)
         context: dict[str, str] = {}
-        if body.path is None and body.sampling_session_seq_id is not None:
+        session_seq = body.sampling_session_seq_id if body.path is None else None
+        if session_seq is not None:
             # The ephemeral form: the server names the snapshot and opens the sampling
             # session over it, which the SDK then uses without asking anything else.
-            session_id = sampling_session_id(session_of(job.job_id), body.sampling_session_seq_id)
+            session_id = sampling_session_id(session_of(job.job_id), session_seq)
             await jobs.put_job(sampling_job(job, session_id, str(path)))
             context[CTX_SAMPLING_SESSION] = session_id
             if not ephemeral_save_carries_path(sdk_version(request.headers)):
                 context[CTX_NO_PATH] = "1"
-        inp = SaveInput(SaveKind.SAMPLER, str(path))
+        inp = SaveInput(SaveKind.SAMPLER, str(path), ephemeral=session_seq is not None)
         return [Call(Function.SAVE, inp, ResponseKind.SAVE_WEIGHTS_FOR_SAMPLER, context)]
 
     return await _submit_training(job, seq, build, submit)

@@ -302,6 +302,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         jobs=stores.jobs,
         store=store,
         sglang=sglang,
+        ephemeral_keep=settings.ephemeral_keep,
     )
     recorder = ResultRecorder(
         worker_id=settings.worker_id,

@@ -40,7 +40,13 @@ from plexrl.messages import (
 from plexrl.payloads import resolve
 from plexrl.retry import retrying
 from plexrl.state_store_client import StateStoreClient
-from plexrl.stores import CheckpointRecord, CheckpointStore, JobStore, PayloadStore
+from plexrl.stores import (
+    CheckpointRecord,
+    CheckpointStore,
+    JobStore,
+    PayloadStore,
+    is_ephemeral,
+)
 from plexrl_worker.engine import BASE_PREFIX, EngineError, TorchEngine
 from plexrl_worker.engine.cobatch import SampleCall
 from plexrl_worker.engine.state import state_from_bytes, state_to_bytes
@@ -81,8 +87,10 @@ class CallRunner:
         jobs: JobStore,
         store: StateStoreClient,
         sglang: SGLangSampling | None = None,
+        ephemeral_keep: int = 8,
     ) -> None:
         self._engine = engine
+        self._ephemeral_keep = ephemeral_keep
         self._sglang = sglang
         self._thread = thread
         self._states = states
@@ -149,6 +157,7 @@ class CallRunner:
             case LoadInput():
                 return await self._load(request, payload)
             case UnloadInput():
+                await self._retire_ephemeral(job_id, request.tenant, keep=0)
                 await self._thread.call(self._engine.drop, job_id)
                 await self._states.dropped(job_id)
                 self._specs.pop(job_id, None)
@@ -332,19 +341,21 @@ class CallRunner:
         blob_key = f"ckpt/{request.tenant}/{_safe(request.job_id)}/{kind}/{_safe(inp.path)}"
         await self._store.put_blob(blob_key, data, request.tenant)
         spec = state.spec
-        await self._store.put_checkpoint(
-            CheckpointRecord(
-                path=inp.path,
-                tenant=request.tenant,
-                job_id=request.job_id,
-                kind=kind,
-                blob_key=blob_key,
-                size_bytes=len(data),
-                created_at=time.time(),
-                base_model=spec.base_model,
-                lora_rank=spec.lora.rank if spec.lora else None,
-            )
+        record = CheckpointRecord(
+            path=inp.path,
+            tenant=request.tenant,
+            job_id=request.job_id,
+            kind=kind,
+            blob_key=blob_key,
+            size_bytes=len(data),
+            created_at=time.time(),
+            base_model=spec.base_model,
+            lora_rank=spec.lora.rank if spec.lora else None,
         )
+        await self._store.put_checkpoint(record)
+        if inp.ephemeral and not full:
+            await self._checkpoints.add_ephemeral(record)
+            await self._retire_ephemeral(request.job_id, request.tenant, self._ephemeral_keep)
         if not full:
             # Sampling clients of this path will most likely run here next: keep it warm.
             await self._thread.call(self._engine.install_sampler, inp.path, state)
@@ -358,9 +369,26 @@ class CallRunner:
         )
         return LoadOutput(path=inp.path)
 
+    async def _retire_ephemeral(self, job_id: str, tenant: str, keep: int) -> None:
+        """Delete all but the job's newest `keep` ephemeral sampler snapshots: record and
+        blob through the state-store, then the ranking (a crash in between leaves them
+        ranked, and the next retirement deletes them again: a 404 there is fine)."""
+        paths = await self._checkpoints.ephemeral_beyond(job_id, keep)
+        for path in paths:
+            await self._store.delete_checkpoint(path, tenant)
+            await self._thread.call(self._engine.drop_sampler, path)
+        await self._checkpoints.unrank_ephemeral(job_id, paths)
+
     async def _checkpoint(self, path: str, tenant: str) -> CheckpointRecord:
         record = await self._checkpoints.get_checkpoint(path)
         if record is None or record.tenant != tenant:
+            if is_ephemeral(path):
+                raise _NotFound(
+                    f"no checkpoint at {path!r}: ephemeral sampler weights are kept for a "
+                    f"job's latest {self._ephemeral_keep} saves and while the job lives "
+                    "(PLEXRL_EPHEMERAL_KEEP); sample from a newer sampling client, or "
+                    "save_weights_for_sampler with a name to keep them"
+                )
             raise _NotFound(f"no checkpoint at {path!r}")
         return record
 

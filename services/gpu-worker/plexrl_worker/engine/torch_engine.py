@@ -376,6 +376,18 @@ class TorchEngine:
         weight_set.weights.release()
         return True
 
+    @_locked
+    def drop_sampler(self, weights_id: str) -> bool:
+        """Free a sampler set no call in the running batch reads (one being read goes
+        when `_trim_samplers` finds it idle); False if none was dropped."""
+        if weights_id in {call.weights_id for call in self._batcher.calls}:
+            return False
+        weight_set = self._samplers.pop(weights_id, None)
+        if weight_set is None:
+            return False
+        weight_set.weights.release()
+        return True
+
     # ---- introspection: lock-free snapshots, safe from any thread ----------------------
 
     def resident_jobs(self) -> list[str]:
