@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 # No hub is reachable: anything that tried one would fail here instead of hanging.
@@ -14,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from plexrl.models import ModelRegistry, UnknownModelError, init_tiny
+from plexrl.models import INFO_JSON, ModelRegistry, UnknownModelError, init_tiny
 
 TINY = "plexrl/tiny-qwen3"
 
@@ -136,3 +138,45 @@ def test_info_reads_config_only(tiny_dir: Path, tmp_path: Path) -> None:
     assert info.state_bytes(8) == 16 * lora8
     assert 0 < lora8 < info.num_params
     assert info.lora_params(16) == 2 * lora8
+
+
+def test_the_description_is_kept_beside_the_config(tiny_dir: Path, tmp_path: Path) -> None:
+    """Described once, read back after: the same info, with no module tree built."""
+    assert (tiny_dir / INFO_JSON).is_file()  # init_tiny leaves it
+    model = tmp_path / "m"
+    model.mkdir()
+    for name in ("config.json", "plexrl.json"):
+        shutil.copy(tiny_dir / name, model / name)
+    computed = ModelRegistry(tmp_path).info(TINY)
+    assert (model / INFO_JSON).is_file()
+    assert ModelRegistry(tmp_path).info(TINY) == computed  # read back, equal
+
+    # A description of another config is not taken for this one.
+    kept = json.loads((model / INFO_JSON).read_text())
+    kept["info"]["num_params"] = 1
+    (model / INFO_JSON).write_text(json.dumps(kept))
+    assert ModelRegistry(tmp_path).info(TINY).num_params == 1  # same key: trusted
+    config = json.loads((model / "config.json").read_text())
+    config["intermediate_size"] //= 2
+    (model / "config.json").write_text(json.dumps(config))
+    narrower = ModelRegistry(tmp_path).info(TINY)
+    assert 1 < narrower.num_params < computed.num_params
+
+    # A read-only directory is described each time, without failing.
+    (model / INFO_JSON).unlink()
+    model.chmod(0o555)
+    try:
+        assert ModelRegistry(tmp_path).info(TINY) == narrower
+    finally:
+        model.chmod(0o755)
+
+
+def test_the_gateway_loads_neither_torch_nor_transformers(tiny_dir: Path) -> None:
+    """It serves descriptions only: importing torch would cost it seconds and ~700 MiB."""
+    code = (
+        "import sys; from plexrl.models import ModelRegistry; import plexrl_gateway.main; "
+        f"ModelRegistry({str(tiny_dir.parent)!r}).info({TINY!r}); "
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -9,27 +9,31 @@ which look model names up in their own tables run on the local model of that fam
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
 import string
+import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from torch import nn
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    LlamaConfig,
-    PretrainedConfig,
-    PreTrainedTokenizerFast,
-    Qwen3Config,
-)
+# torch and transformers are imported where a model is built, not here: a service that
+# only reads descriptions (the gateway) starts in seconds and never loads them, as long
+# as each model directory holds its description (`INFO_JSON`, written on first use).
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
 
 Family = Literal["qwen3", "llama"]
+
+INFO_JSON = ".plexrl-info.json"
+"""A model directory's description (`BaseModelInfo` less its names), computed once from
+config.json and kept beside it, keyed by the config's bytes and the transformers version
+that built the module tree; rewritten when either changes, skipped if the directory is
+read-only (then each process describes the model itself)."""
 
 PLEXRL_JSON = "plexrl.json"
 """Per-model metadata file written by `init_tiny`: its "name" overrides the directory name,
@@ -111,6 +115,9 @@ def init_tiny(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    import torch
+    from transformers import AutoModelForCausalLM
+
     tokenizer = _tiny_tokenizer(shape)
     config = _tiny_config(family, shape, tokenizer)
     # A forked RNG keeps the caller's global torch RNG untouched.
@@ -127,12 +134,15 @@ def init_tiny(
     if aliases:
         meta["aliases"] = _checked_aliases(list(aliases), out_dir / PLEXRL_JSON)
     (out_dir / PLEXRL_JSON).write_text(json.dumps(meta, indent=2) + "\n")
+    _describe(str(meta["name"]), out_dir)  # writes INFO_JSON while torch is loaded anyway
     return out_dir
 
 
 def _tiny_config(
     family: Family, shape: TinyShape, tok: PreTrainedTokenizerFast
 ) -> PretrainedConfig:
+    from transformers import LlamaConfig, Qwen3Config
+
     common = dict(
         vocab_size=len(tok),
         hidden_size=shape.hidden_size,
@@ -155,6 +165,9 @@ def _tiny_config(
 
 
 def _tiny_tokenizer(shape: TinyShape) -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.BPE())
     # Digits are split one by one before byte-level BPE, so no merge can join them:
     # every digit is its own token, which the arithmetic rewards rely on.
@@ -387,6 +400,45 @@ def _checked_aliases(aliases: object, where: Path) -> list[str]:
 
 
 def _describe(name: str, path: Path, aliases: tuple[str, ...] = ()) -> BaseModelInfo:
+    """The model's description: from its INFO_JSON when that matches its config, else
+    computed (and INFO_JSON written, best effort)."""
+    key = _info_key(path)
+    try:
+        kept = json.loads((path / INFO_JSON).read_text())
+        if kept.get("key") == key:
+            return _info_from_json(kept["info"], name, path, aliases)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    info = _describe_module_tree(name, path, aliases)
+    fields = {k: v for k, v in asdict(info).items() if k not in ("name", "path", "aliases")}
+    tmp = path / f"{INFO_JSON}.{uuid.uuid4().hex}.tmp"
+    try:
+        tmp.write_text(json.dumps({"key": key, "info": fields}) + "\n")
+        os.replace(tmp, path / INFO_JSON)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+    return info
+
+
+def _info_key(path: Path) -> str:
+    """What a description depends on: config.json's bytes and the transformers version."""
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    digest.update(metadata.version("transformers").encode())
+    return digest.hexdigest()
+
+
+def _info_from_json(
+    fields: dict[str, Any], name: str, path: Path, aliases: tuple[str, ...]
+) -> BaseModelInfo:
+    linears = tuple(LinearShape(**lin) for lin in fields.pop("linears"))
+    return BaseModelInfo(name=name, path=path, linears=linears, aliases=aliases, **fields)
+
+
+def _describe_module_tree(name: str, path: Path, aliases: tuple[str, ...]) -> BaseModelInfo:
+    import torch
+    from torch import nn
+    from transformers import AutoConfig, AutoModelForCausalLM
+
     config = AutoConfig.from_pretrained(path)
     # On the meta device no memory is allocated and no weights are read, yet the
     # module tree (and so parameter counts and linear shapes) is exact.
