@@ -358,9 +358,13 @@ class TorchEngine:
         excess = len(self._samplers) - self._config.max_samplers
         if excess <= 0:
             return
-        reading = {call.weights_id for call in self._batcher.calls}
+        reading = self._read_by_batch()
         for weights_id in [w for w in self._samplers if w not in reading][:excess]:
             self._samplers.pop(weights_id).weights.release()
+
+    def _read_by_batch(self) -> set[str]:
+        """The weight sets calls in the running batch read (never freed under them)."""
+        return {call.weights_id for call in self._batcher.calls}
 
     @_locked
     def drop(self, job_id: str) -> bool:
@@ -380,7 +384,7 @@ class TorchEngine:
     def drop_sampler(self, weights_id: str) -> bool:
         """Free a sampler set no call in the running batch reads (one being read goes
         when `_trim_samplers` finds it idle); False if none was dropped."""
-        if weights_id in {call.weights_id for call in self._batcher.calls}:
+        if weights_id in self._read_by_batch():
             return False
         weight_set = self._samplers.pop(weights_id, None)
         if weight_set is None:
