@@ -180,6 +180,13 @@ def test_ephemeral_sampler_snapshots_are_retired(
         sample_tokens(samplers[0])  # retired: a 404 that says why and what to do
 
     with httpx.Client(base_url=cluster.config.gateway_url, headers={"X-API-Key": KEY}) as http:
+
+        def sessions() -> list[str]:
+            listed = http.get("/plexrl/v1/jobs").json()
+            return [j["job_id"] for j in listed if j.get("owner_job") == client.model_id]
+
+        # the sampling sessions opened over retired snapshots are retired with them
+        assert len(sessions()) == EPHEMERAL_KEEP
         unloaded = http.post("/api/v1/unload_model", json={"model_id": client.model_id})
         assert unloaded.status_code == 200, unloaded.text
         request_id = unloaded.json()["request_id"]
@@ -187,7 +194,8 @@ def test_ephemeral_sampler_snapshots_are_retired(
         while ephemeral() and time.monotonic() < deadline:
             time.sleep(0.2)
         http.post("/api/v1/retrieve_future", json={"request_id": request_id})
-    assert ephemeral() == []
+        assert ephemeral() == []
+        assert sessions() == []
     # A named sampler save is the user's to delete: it outlives the model.
     assert sample_tokens(service.create_sampling_client(model_path=named))
 

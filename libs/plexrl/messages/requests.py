@@ -130,6 +130,9 @@ class SaveInput(msgspec.Struct, frozen=True, tag="save"):
     ephemeral: bool = False
     """A sampler snapshot the server named (`save_weights_and_get_sampling_client`): the
     worker keeps the job's newest few (`PLEXRL_EPHEMERAL_KEEP`) and retires the rest."""
+    sampling_session: str = ""
+    """For an ephemeral snapshot: the sampling session the gateway opened over it (a job
+    record), retired with the snapshot."""
 
 
 class LoadInput(msgspec.Struct, frozen=True, tag="load"):

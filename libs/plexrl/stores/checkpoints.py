@@ -34,8 +34,9 @@ def is_ephemeral(path: str) -> bool:
 
 
 class CheckpointStore(RedisStore):
-    """`ckpt:<path>` (kept until deleted), `tenant:<t>:ckpts`, and `ephemeral:<job>` (the
-    job's ephemeral sampler snapshots by age: a sorted set scored by creation time)."""
+    """`ckpt:<path>` (kept until deleted), `tenant:<t>:ckpts`, `ephemeral:<job>` (the
+    job's ephemeral sampler snapshots by age: a sorted set scored by creation time) and
+    `ephemeral:<job>:sessions` (snapshot path → the sampling session opened over it)."""
 
     async def put_checkpoint(self, ckpt: CheckpointRecord) -> None:
         async with self._redis.pipeline(transaction=True) as pipe:
@@ -59,9 +60,21 @@ class CheckpointStore(RedisStore):
             pipe.srem(self._k("tenant", ckpt.tenant, "ckpts"), ckpt.path)
             await pipe.execute()
 
-    async def add_ephemeral(self, ckpt: CheckpointRecord) -> None:
-        """Rank an ephemeral snapshot (its record is written by the state-store)."""
-        await self._redis.zadd(self._k("ephemeral", ckpt.job_id), {ckpt.path: ckpt.created_at})
+    async def add_ephemeral(self, ckpt: CheckpointRecord, session: str = "") -> None:
+        """Rank an ephemeral snapshot (its record is written by the state-store), with the
+        sampling session opened over it, if any (`ephemeral:<job>:sessions`, path → id)."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.zadd(self._k("ephemeral", ckpt.job_id), {ckpt.path: ckpt.created_at})
+            if session:
+                pipe.hset(self._k("ephemeral", ckpt.job_id, "sessions"), ckpt.path, session)
+            await pipe.execute()
+
+    async def ephemeral_sessions(self, job_id: str, paths: list[str]) -> list[str]:
+        """The sampling sessions opened over these snapshots of the job."""
+        if not paths:
+            return []
+        ids = await self._redis.hmget(self._k("ephemeral", job_id, "sessions"), paths)
+        return [text(i) for i in ids if i is not None]
 
     async def ephemeral_beyond(self, job_id: str, keep: int) -> list[str]:
         """The job's ephemeral snapshots other than its newest `keep` (0: all), oldest first."""
@@ -72,4 +85,7 @@ class CheckpointStore(RedisStore):
     async def unrank_ephemeral(self, job_id: str, paths: list[str]) -> None:
         """Drop retired snapshots from the job's ranking (after their records are gone)."""
         if paths:
-            await self._redis.zrem(self._k("ephemeral", job_id), *paths)
+            async with self._redis.pipeline(transaction=True) as pipe:
+                pipe.zrem(self._k("ephemeral", job_id), *paths)
+                pipe.hdel(self._k("ephemeral", job_id, "sessions"), *paths)
+                await pipe.execute()

@@ -44,6 +44,16 @@ class JobStore(RedisStore):
             pipe.sadd(self._k("tenant", job.tenant, "jobs"), job.job_id)
             await pipe.execute()
 
+    async def delete_job(self, job_id: str) -> None:
+        """Forget a job (its record, its place in its tenant's set and its home)."""
+        job = await self.get_job(job_id)
+        if job is None:
+            return
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._k("job", job_id), self._k("home", job_id))
+            pipe.srem(self._k("tenant", job.tenant, "jobs"), job_id)
+            await pipe.execute()
+
     async def get_job(self, job_id: str) -> JobRecord | None:
         return await self._get(self._k("job", job_id), JobRecord)
 

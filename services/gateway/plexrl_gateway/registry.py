@@ -99,7 +99,10 @@ class Registry:
         job = await self.find_job(tenant, session_id)
         if job is None or job.kind != JobKind.SAMPLING:
             raise not_found(
-                f"unknown sampling session {session_id!r}; create one with create_sampling_session"
+                f"unknown sampling session {session_id!r}; create one with "
+                "create_sampling_session. A sampling client from "
+                "save_weights_and_get_sampling_client lasts as long as its snapshot: each "
+                "model keeps its newest PLEXRL_EPHEMERAL_KEEP (8 by default) while loaded"
             )
         return job
 

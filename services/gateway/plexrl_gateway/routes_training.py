@@ -236,7 +236,12 @@ async def save_weights_for_sampler(
             context[CTX_SAMPLING_SESSION] = session_id
             if not ephemeral_save_carries_path(sdk_version(request.headers)):
                 context[CTX_NO_PATH] = "1"
-        inp = SaveInput(SaveKind.SAMPLER, str(path), ephemeral=session_seq is not None)
+        inp = SaveInput(
+            SaveKind.SAMPLER,
+            str(path),
+            ephemeral=session_seq is not None,
+            sampling_session=context.get(CTX_SAMPLING_SESSION, ""),
+        )
         return [Call(Function.SAVE, inp, ResponseKind.SAVE_WEIGHTS_FOR_SAMPLER, context)]
 
     return await _submit_training(job, seq, build, submit)

@@ -354,7 +354,7 @@ class CallRunner:
         )
         await self._store.put_checkpoint(record)
         if inp.ephemeral and not full:
-            await self._checkpoints.add_ephemeral(record)
+            await self._checkpoints.add_ephemeral(record, inp.sampling_session)
             await self._retire_ephemeral(request.job_id, request.tenant, self._ephemeral_keep)
         if not full:
             # Sampling clients of this path will most likely run here next: keep it warm.
@@ -371,12 +371,15 @@ class CallRunner:
 
     async def _retire_ephemeral(self, job_id: str, tenant: str, keep: int) -> None:
         """Delete all but the job's newest `keep` ephemeral sampler snapshots: record and
-        blob through the state-store, then the ranking (a crash in between leaves them
-        ranked, and the next retirement deletes them again: a 404 there is fine)."""
+        blob through the state-store, the sampling sessions opened over them, then the
+        ranking (a crash in between leaves them ranked, and the next retirement deletes
+        them again: a 404 there is fine)."""
         paths = await self._checkpoints.ephemeral_beyond(job_id, keep)
         for path in paths:
             await self._store.delete_checkpoint(path, tenant)
             await self._thread.call(self._engine.drop_sampler, path)
+        for session in await self._checkpoints.ephemeral_sessions(job_id, paths):
+            await self._jobs.delete_job(session)
         await self._checkpoints.unrank_ephemeral(job_id, paths)
 
     async def _checkpoint(self, path: str, tenant: str) -> CheckpointRecord:
