@@ -13,11 +13,12 @@ def _mount_subcommands() -> None:
     from plexrl.cli_model import app as model_app
     from plexrl.cli_serve import serve
     from plexrl.cli_status import register as register_status
-    from plexrl_sim.cli import sim
+    from plexrl_sim.cli import sim, sim_build
 
     app.add_typer(model_app, name="model")
     app.command("serve")(serve)
     app.command("sim")(sim)
+    app.command("sim-build")(sim_build)
     register_status(app)  # status, jobs, workers, timeline, top, dlq
 
 

@@ -25,7 +25,7 @@ _DEVICE, _RUN_DONE = Tier.DEVICE, Event.RUN_DONE
 """(Module constants: an enum member read off its class costs an attribute lookup.)"""
 
 
-class SimulationError(RuntimeError):
+class SimulationError(Exception):
     """The policy asked for something impossible, or an invariant broke."""
 
 
