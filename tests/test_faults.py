@@ -36,6 +36,7 @@ from plexrl.faults import (
     run_workload,
 )
 from plexrl.kafka import Publisher
+from plexrl.messages import CompletionStatus, PhaseCompletion, decode
 from plexrl.private_infra import PrivateInfra
 from plexrl.topics import Topics
 
@@ -180,8 +181,15 @@ def test_old_requests_replayed_after_their_dedupe_records_expired_apply_nothing(
     while missing and time.monotonic() < deadline:
         missing = [r for r in replayed if not store.exists(f"{cid}:done:{r}")]
         time.sleep(0.5)
-    store.close()
     assert not missing, f"{len(missing)} replayed calls were never answered"
+    # ... with their results, most of them from the archives beside the job's snapshots
+    # (Redis keeps only the calls since the last one).
+    raws: list[Any] = [store.get(f"{cid}:done:{r}") for r in replayed]
+    answers: list[PhaseCompletion] = [decode(raw, PhaseCompletion) for raw in raws]
+    assert [a.request_id for a in answers if a.status != CompletionStatus.OK] == []
+    in_redis = store.hlen(f"{cid}:ledger:{done.model_id}:results")
+    store.close()
+    assert in_redis < len(replayed) // 2, f"{in_redis} results still in Redis"
 
     # The job itself has not moved: saved again, its bytes are the undisturbed run's.
     done.client.save_state("after-replay").result()
@@ -191,7 +199,7 @@ def test_old_requests_replayed_after_their_dedupe_records_expired_apply_nothing(
 
 async def _replay_requests(bootstrap: str, cluster_id: str, job_id: str) -> list[str]:
     """Publish again, as they were, every request of the job the requests topic holds."""
-    from plexrl.messages import PhaseRequest, decode
+    from plexrl.messages import PhaseRequest
 
     topic = Topics(cluster_id).requests
     consumer = AIOKafkaConsumer(

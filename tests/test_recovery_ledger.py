@@ -110,3 +110,24 @@ async def test_a_snapshot_trims_the_log_it_covers(ledger: Ledger) -> None:
     assert await ledger.close("j") == "blob-3"
     point = await ledger.recovery_point("j")
     assert point.log == [] and point.state.applied == 3  # results outlive the job's state
+
+
+@pytest.mark.integration
+async def test_archived_results_leave_redis_and_are_found_by_seq(ledger: Ledger) -> None:
+    epoch = await ledger.bump_epoch("j", "w0")
+    for seq in range(1, 6):
+        assert await ledger.commit("j", epoch, seq, completion(f"r{seq}"), None) == Committed.OK
+    lo, results = await ledger.archive_range("j", 3)
+    assert lo == 1 and sorted(results) == [1, 2, 3]
+    assert not await ledger.record_archive("j", epoch - 1, 1, 3, "stale")  # fenced
+    assert await ledger.record_archive("j", epoch, 1, 3, "arch-1-3")
+    assert not await ledger.record_archive("j", epoch, 1, 3, "again")  # got there first
+    assert [await ledger.result("j", s) for s in (1, 2, 3)] == [None, None, None]
+    kept = await ledger.result("j", 4)
+    assert kept is not None and kept.request_id == "r4"
+    assert [await ledger.archive_of("j", s) for s in (1, 3, 4)] == ["arch-1-3", "arch-1-3", None]
+    lo, results = await ledger.archive_range("j", 5)
+    assert lo == 4 and sorted(results) == [4, 5]
+    assert await ledger.record_archive("j", epoch, 4, 5, "arch-4-5")
+    assert await ledger.archive_of("j", 4) == "arch-4-5"
+    assert await ledger.archive_range("j", 5) == (6, {})

@@ -17,9 +17,17 @@ state-store and the seq it covers) and the log of mutating calls applied since, 
 their payloads resolved (payload refs expire). Snapshot + log, replayed in seq order,
 rebuild the job's state bit for bit on any worker.
 
+Results are kept for the job's lifetime, but not all in Redis: after each snapshot the
+worker moves the results it covers into a blob in the state-store (an archive: seq →
+encoded PhaseCompletion, payload refs resolved) and drops them from Redis, so a job's
+Redis footprint stays a few calls' results however long it runs (`archive_range`,
+`record_archive`, `archive_of`).
+
 Redis keys (no TTL: they live as long as the job; `close` trims them at UNLOAD):
-`<cluster>:ledger:<job>` a hash (next, epoch, owner, applied, snap_seq, snap_blob);
-`...:ids` request id → seq; `...:log` seq → PhaseRequest; `...:results` seq → PhaseCompletion.
+`<cluster>:ledger:<job>` a hash (next, epoch, owner, applied, snap_seq, snap_blob,
+archived); `...:ids` request id → seq; `...:log` seq → PhaseRequest; `...:results` seq →
+PhaseCompletion (the calls after `archived`); `...:archives` a sorted set of archive
+blob keys scored by the last seq each holds.
 """
 
 from __future__ import annotations
@@ -149,6 +157,18 @@ return old
 """
 
 
+_ARCHIVE = """
+local epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0')
+local archived = tonumber(redis.call('HGET', KEYS[1], 'archived') or '0')
+local lo, hi = tonumber(ARGV[2]), tonumber(ARGV[3])
+if epoch ~= tonumber(ARGV[1]) or archived ~= lo - 1 then return 0 end
+redis.call('ZADD', KEYS[3], hi, ARGV[4])
+redis.call('HSET', KEYS[1], 'archived', hi)
+for s = lo, hi do redis.call('HDEL', KEYS[2], tostring(s)) end
+return 1
+"""
+
+
 class Ledger:
     """The Redis store of job ledgers (narrow: the scheduler and workers hold only this)."""
 
@@ -158,6 +178,7 @@ class Ledger:
         self._assign = redis.register_script(_ASSIGN)
         self._commit = redis.register_script(_COMMIT)
         self._snapshot = redis.register_script(_SNAPSHOT)
+        self._archive = redis.register_script(_ARCHIVE)
 
     def _k(self, job_id: str, part: str = "") -> str:
         key = f"{self._p}:ledger:{job_id}"
@@ -206,6 +227,35 @@ class Ledger:
     async def result(self, job_id: str, seq: int) -> PhaseCompletion | None:
         raw = await self._redis.hget(self._k(job_id, "results"), str(seq))
         return None if raw is None else decode(_bytes(raw), PhaseCompletion)
+
+    async def archive_range(self, job_id: str, upto: int) -> tuple[int, dict[int, bytes]]:
+        """The results not archived yet up to call `upto`: (the first seq, seq → encoded
+        PhaseCompletion). Seqs with no result (none is missing normally) are left out."""
+        raw: Any = await self._redis.hget(self._k(job_id), "archived")
+        lo = int(_text(raw)) + 1 if raw is not None else 1
+        if upto < lo:
+            return lo, {}
+        seqs = list(range(lo, upto + 1))
+        values = await self._redis.hmget(self._k(job_id, "results"), [str(s) for s in seqs])
+        return lo, {s: _bytes(v) for s, v in zip(seqs, values, strict=True) if v is not None}
+
+    async def record_archive(
+        self, job_id: str, epoch: int, lo: int, hi: int, blob_key: str
+    ) -> bool:
+        """Calls `lo`..`hi`'s results now live in `blob_key`: drop them from Redis. False
+        (nothing changed) when the epoch moved on or another archive got there first."""
+        done: Any = await self._archive(
+            keys=[self._k(job_id), self._k(job_id, "results"), self._k(job_id, "archives")],
+            args=[epoch, lo, hi, blob_key],
+        )
+        return bool(int(done))
+
+    async def archive_of(self, job_id: str, seq: int) -> str | None:
+        """The blob holding call `seq`'s result, if it was archived."""
+        found: Any = await self._redis.zrangebyscore(
+            self._k(job_id, "archives"), seq, "+inf", start=0, num=1
+        )
+        return _text(found[0]) if found else None
 
     async def recovery_point(self, job_id: str) -> RecoveryPoint:
         async with self._redis.pipeline(transaction=True) as pipe:

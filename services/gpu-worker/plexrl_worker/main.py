@@ -330,6 +330,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         states=states,
         store=store,
         config=SnapshotConfig(every_calls=settings.snapshot_every_calls),
+        payloads=stores.payloads,
     )
     numbered = NumberedCalls(ledger=ledger, recovery=recovery, runner=runner, recorder=recorder)
     tail = TailRelease(

@@ -8,7 +8,9 @@ one, it rebuilds the job from its snapshot plus the logged calls since, replayed
 order on the engine, which is deterministic, so the result is bit for bit the state
 the dead worker had. After a mutating call commits, the job is snapshotted to the
 disk tier every `SnapshotConfig.every_calls` logged calls (and after CREATE and
-LOAD): the copy is taken before the next call runs, the upload goes on behind.
+LOAD): the copy is taken before the next call runs, the upload goes on behind. Once a
+snapshot is recorded (and when the job ends), the results of the calls it covers move
+from Redis to an archive blob beside it, from which a call replayed later is answered.
 """
 
 from __future__ import annotations
@@ -20,15 +22,23 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from plexrl.ledger import MUTATING, Committed, Ledger, LedgerState, Verdict, verdict
 from plexrl.messages import (
     ErrorCode,
     ErrorInfo,
     Function,
+    PayloadRef,
     PhaseCompletion,
+    PhaseOutput,
     PhaseRequest,
+    decode,
+    encode,
 )
+from plexrl.payloads import resolve
 from plexrl.state_store_client import StateStoreClient
+from plexrl.stores.calls import PayloadStore
 from plexrl_worker.engine import TorchEngine
 from plexrl_worker.engine.state import JobTensors, state_from_bytes, state_to_bytes
 from plexrl_worker.engine_thread import EngineThread
@@ -81,8 +91,10 @@ class JobRecovery:
         states: StateManager,
         store: StateStoreClient,
         config: SnapshotConfig,
+        payloads: PayloadStore | None = None,
     ) -> None:
         self._worker_id = worker_id
+        self._payloads = payloads
         self._ledger = ledger
         self._engine = engine
         self._thread = thread
@@ -151,6 +163,7 @@ class JobRecovery:
             blob = await self._ledger.close(job_id)
             if blob:
                 await self._store.delete_blob(blob)
+            await self._archive_results(job_id, epoch, seq)
             return
         if not ok or request.function not in MUTATING:
             return
@@ -177,6 +190,40 @@ class JobRecovery:
                 await self._store.delete_blob(unused)
         except Exception:  # the log still holds every call: a later snapshot catches up
             log.exception("snapshot of %s at call %d failed", job_id, seq)
+            return
+        await self._archive_results(job_id, epoch, seq)
+
+    async def _archive_results(self, job_id: str, epoch: int, upto: int) -> None:
+        """Move the job's results up to call `upto` from Redis to an archive blob (payload
+        refs resolved: they expire). Best effort: what is not moved now stays in Redis
+        and goes with the next archive."""
+        try:
+            lo, results = await self._ledger.archive_range(job_id, upto)
+            if not results:
+                return
+            kept = {s: await self._inlined(raw) for s, raw in results.items()}
+            key = f"results/{job_id}/e{epoch}-s{lo}-{upto}.msgpack"
+            await self._store.put_blob(key, msgspec.msgpack.encode(kept))
+            if not await self._ledger.record_archive(job_id, epoch, lo, upto, key):
+                await self._store.delete_blob(key)  # fenced, or archived meanwhile
+        except Exception:
+            log.exception("archiving the results of %s up to call %d failed", job_id, upto)
+
+    async def _inlined(self, raw: bytes) -> bytes:
+        completion: PhaseCompletion = decode(raw, PhaseCompletion)
+        if not isinstance(completion.result, PayloadRef) or self._payloads is None:
+            return raw
+        result = await resolve(self._payloads, completion.result, PhaseOutput)
+        return encode(msgspec.structs.replace(completion, result=result))
+
+    async def archived_result(self, job_id: str, seq: int) -> PhaseCompletion | None:
+        """Call `seq`'s result from the job's archives (None: not archived)."""
+        key = await self._ledger.archive_of(job_id, seq)
+        if key is None:
+            return None
+        archive = msgspec.msgpack.decode(await self._store.get_blob(key), type=dict[int, bytes])
+        raw = archive.get(seq)
+        return None if raw is None else decode(raw, PhaseCompletion)
 
     async def drain(self) -> None:
         """Wait for snapshot uploads in flight (at shutdown, and in tests)."""
@@ -260,6 +307,8 @@ class NumberedCalls:
         match verdict(seq, head.applied):
             case Verdict.ANSWERED:
                 stored = await self._ledger.result(job_id, seq)
+                if stored is None:
+                    stored = await self._recovery.archived_result(job_id, seq)
                 if stored is not None:
                     self.answered += 1
                     await self._recorder.answer(stored)
