@@ -70,7 +70,11 @@ def cluster(
         api_keys=f"{KEY}={TENANT}",
         worker_threads=1,
         # A dead worker is noticed after 3 s of silence (heartbeats every second).
-        env={"PLEXRL_WORKER_TIMEOUT_S": "3", **private_infra.env()},
+        env={
+            "PLEXRL_WORKER_TIMEOUT_S": "3",
+            "PLEXRL_RESULTS_ARCHIVE_CALLS": "4",  # archives well inside a short job
+            **private_infra.env(),
+        },
     )
     with LocalCluster(config) as running:  # stopped on the way out
         yield running

@@ -126,7 +126,8 @@ async def test_archived_results_leave_redis_and_are_found_by_seq(ledger: Ledger)
     kept = await ledger.result("j", 4)
     assert kept is not None and kept.request_id == "r4"
     assert [await ledger.archive_of("j", s) for s in (1, 3, 4)] == ["arch-1-3", "arch-1-3", None]
-    lo, results = await ledger.archive_range("j", 5)
+    assert await ledger.archive_range("j", 5, at_least=3) == (4, {})  # two: not yet
+    lo, results = await ledger.archive_range("j", 5, at_least=2)
     assert lo == 4 and sorted(results) == [4, 5]
     assert await ledger.record_archive("j", epoch, 4, 5, "arch-4-5")
     assert await ledger.archive_of("j", 4) == "arch-4-5"

@@ -228,12 +228,15 @@ class Ledger:
         raw = await self._redis.hget(self._k(job_id, "results"), str(seq))
         return None if raw is None else decode(_bytes(raw), PhaseCompletion)
 
-    async def archive_range(self, job_id: str, upto: int) -> tuple[int, dict[int, bytes]]:
+    async def archive_range(
+        self, job_id: str, upto: int, at_least: int = 1
+    ) -> tuple[int, dict[int, bytes]]:
         """The results not archived yet up to call `upto`: (the first seq, seq → encoded
-        PhaseCompletion). Seqs with no result (none is missing normally) are left out."""
+        PhaseCompletion), or none if fewer than `at_least` calls are not. Seqs with no
+        result (none is missing normally) are left out."""
         raw: Any = await self._redis.hget(self._k(job_id), "archived")
         lo = int(_text(raw)) + 1 if raw is not None else 1
-        if upto < lo:
+        if upto - lo + 1 < max(at_least, 1):
             return lo, {}
         seqs = list(range(lo, upto + 1))
         values = await self._redis.hmget(self._k(job_id, "results"), [str(s) for s in seqs])

@@ -106,6 +106,9 @@ class WorkerSettings(CommonSettings):
     # Snapshot a job to the disk tier after this many state-changing calls (a restore
     # replays at most this many); see plexrl_worker.recovery.SnapshotConfig.
     snapshot_every_calls: int = 4
+    # Move a job's call results from Redis to an archive blob beside its snapshot once
+    # this many have gathered (and when the job ends): fewer, larger archives.
+    results_archive_calls: int = Field(default=64, ge=1)
     # Ephemeral sampler snapshots (`save_weights_and_get_sampling_client`) kept per job:
     # each save retires the job's older ones beyond this many (record and blob), and
     # unloading the job retires them all. A sampling client over a retired one gets a

@@ -329,7 +329,10 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         thread=thread,
         states=states,
         store=store,
-        config=SnapshotConfig(every_calls=settings.snapshot_every_calls),
+        config=SnapshotConfig(
+            every_calls=settings.snapshot_every_calls,
+            archive_calls=settings.results_archive_calls,
+        ),
         payloads=stores.payloads,
     )
     numbered = NumberedCalls(ledger=ledger, recovery=recovery, runner=runner, recorder=recorder)

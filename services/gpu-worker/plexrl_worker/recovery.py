@@ -59,6 +59,9 @@ class SnapshotConfig:
     """Snapshot after this many logged (mutating) calls since the last snapshot. A
     restore replays at most this many calls; lower it for big, slow calls, raise it
     when snapshots (a full copy of the job's state) cost more than replaying."""
+    archive_calls: int = 64
+    """Move the job's results from Redis to an archive blob at a snapshot once at least
+    this many are there (and all of them when the job ends)."""
 
     def __post_init__(self) -> None:
         if self.every_calls < 1:
@@ -163,7 +166,7 @@ class JobRecovery:
             blob = await self._ledger.close(job_id)
             if blob:
                 await self._store.delete_blob(blob)
-            await self._archive_results(job_id, epoch, seq)
+            await self._archive_results(job_id, epoch, seq, at_least=1)
             return
         if not ok or request.function not in MUTATING:
             return
@@ -191,14 +194,14 @@ class JobRecovery:
         except Exception:  # the log still holds every call: a later snapshot catches up
             log.exception("snapshot of %s at call %d failed", job_id, seq)
             return
-        await self._archive_results(job_id, epoch, seq)
+        await self._archive_results(job_id, epoch, seq, self._config.archive_calls)
 
-    async def _archive_results(self, job_id: str, epoch: int, upto: int) -> None:
+    async def _archive_results(self, job_id: str, epoch: int, upto: int, at_least: int) -> None:
         """Move the job's results up to call `upto` from Redis to an archive blob (payload
-        refs resolved: they expire). Best effort: what is not moved now stays in Redis
-        and goes with the next archive."""
+        refs resolved: they expire) if there are `at_least` calls to move. Best effort:
+        what is not moved now stays in Redis and goes with the next archive."""
         try:
-            lo, results = await self._ledger.archive_range(job_id, upto)
+            lo, results = await self._ledger.archive_range(job_id, upto, at_least)
             if not results:
                 return
             kept = {s: await self._inlined(raw) for s, raw in results.items()}
