@@ -58,7 +58,7 @@ def _use_native_build() -> None:
     target = native.current_build(native.default_root(), native.libs_dir())
     if target is None:
         typer.echo(
-            "plexrl sim: interpreted; `plexrl sim-build` compiles it once (about 40 s of "
+            "plexrl sim: interpreted; `plexrl sim-build` compiles it once (about 45 s of "
             "CPU) and makes long runs about a third cheaper",
             err=True,
         )
@@ -78,7 +78,7 @@ def sim_build() -> None:
         return
     typer.echo(
         f"plexrl sim-build: compiling {len(native.COMPILED)} modules with mypyc into "
-        f"{native.build_dir(root, libs)} (about 40 s of CPU)...",
+        f"{native.build_dir(root, libs)} (about 45 s of CPU)...",
         err=True,
     )
     started = time.perf_counter()

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -205,7 +206,8 @@ class JobRecovery:
             if not results:
                 return
             kept = {s: await self._inlined(raw) for s, raw in results.items()}
-            key = f"results/{job_id}/e{epoch}-s{lo}-{upto}.msgpack"
+            # Unique per attempt: a refused one deletes its own blob, never one recorded.
+            key = f"results/{job_id}/e{epoch}-s{lo}-{upto}-{uuid.uuid4().hex[:8]}.msgpack"
             await self._store.put_blob(key, msgspec.msgpack.encode(kept))
             if not await self._ledger.record_archive(job_id, epoch, lo, upto, key):
                 await self._store.delete_blob(key)  # fenced, or archived meanwhile
