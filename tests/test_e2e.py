@@ -432,6 +432,6 @@ def test_concurrent_samples_run_co_batched_and_match_one_at_a_time(
         return [[(list(s.tokens), list(s.logprobs or [])) for s in r.sequences] for r in results]
 
     assert seen(together) == seen(alone)
-    port = cluster.config.worker_port_base
+    port = cluster.config.worker_port(0)
     scraped = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
     assert "plexrl_worker_sample_batch_calls_count" in scraped

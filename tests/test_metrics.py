@@ -114,7 +114,7 @@ def test_every_service_exports_its_metrics_and_they_move(
     assert "plexrl_scheduler_jobs_finished_total" in {n for n, _ in scheduler}
     assert total(scheduler, "plexrl_scheduler_workers_healthy") == 1
 
-    worker = scrape(c.worker_port_base)
+    worker = scrape(c.worker_port(0))
     for job in jobs:
         assert total(worker, "plexrl_worker_busy_seconds_total", job=job) > 0, job
     assert total(worker, "plexrl_worker_calls_total", function="forward_backward", status="ok") >= 4

@@ -97,7 +97,7 @@ def test_a_seeded_call_is_a_clear_4xx(cluster: LocalCluster) -> None:
 
 def _worker_counter(cluster: LocalCluster, name: str) -> float:
     """A counter's value on worker-0's /metrics."""
-    url = f"http://127.0.0.1:{cluster.config.worker_port_base}/metrics"
+    url = f"http://127.0.0.1:{cluster.config.worker_port(0)}/metrics"
     for line in httpx.get(url, timeout=30).text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])

@@ -38,7 +38,9 @@ class ClusterConfig:
     gateway_port: int = 8000
     scheduler_port: int = 8100
     worker_port_base: int = 8200
-    """Worker i listens on worker_port_base + i."""
+    """Worker i listens on worker_port_base + i, unless worker_ports names its port."""
+    worker_ports: tuple[int, ...] = ()
+    """Port of each worker, where the ports need not be consecutive."""
     state_store_port: int = 8300
     api_keys: str = "tml-dev=dev"
     """PLEXRL_API_KEYS for the gateway."""
@@ -57,29 +59,46 @@ class ClusterConfig:
     def gateway_url(self) -> str:
         return f"http://127.0.0.1:{self.gateway_port}"
 
+    def worker_port(self, i: int) -> int:
+        return self.worker_ports[i] if i < len(self.worker_ports) else self.worker_port_base + i
+
     @classmethod
     def on_free_ports(
         cls, model_registry: Path, state_dir: Path, id_prefix: str, **fields: Any
     ) -> ClusterConfig:
         """A cluster with a fresh id (its own topics, groups and keys) on ports free now:
         for tests and benchmarks that run beside other clusters on one machine."""
+        workers = int(fields.get("workers", cls.workers))
+        gateway, scheduler, state_store, *worker_ports = free_ports(3 + workers)
         return cls(
             model_registry=model_registry,
             state_dir=state_dir,
             cluster_id=id_prefix + uuid.uuid4().hex[:8],
-            gateway_port=free_port(),
-            scheduler_port=free_port(),
-            worker_port_base=free_port(),
-            state_store_port=free_port(),
+            gateway_port=gateway,
+            scheduler_port=scheduler,
+            worker_port_base=worker_ports[0],
+            worker_ports=tuple(worker_ports),
+            state_store_port=state_store,
             **fields,
         )
 
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct TCP ports on 127.0.0.1 that nothing listens on right now (each one
+    the kernel's own pick: a port next to a free one may be some client's source port)."""
+    sockets = [socket.socket() for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 @dataclass
@@ -170,7 +189,7 @@ class LocalCluster:
         for i in range(c.workers):
             extra = {
                 "PLEXRL_WORKER_ID": f"worker-{i}",
-                "PLEXRL_WORKER_PORT": str(c.worker_port_base + i),
+                "PLEXRL_WORKER_PORT": str(c.worker_port(i)),
             }
             if c.worker_device_bytes is not None:
                 extra["PLEXRL_WORKER_DEVICE_BYTES"] = str(c.worker_device_bytes)
@@ -178,7 +197,7 @@ class LocalCluster:
                 extra["PLEXRL_WORKER_THREADS"] = str(c.worker_threads)
             if c.worker_host_bytes is not None:
                 extra["PLEXRL_WORKER_HOST_BYTES"] = str(c.worker_host_bytes)
-            self._spawn(f"worker-{i}", "plexrl_worker", c.worker_port_base + i, extra)
+            self._spawn(f"worker-{i}", "plexrl_worker", c.worker_port(i), extra)
         self._spawn(
             "gateway",
             "plexrl_gateway",
