@@ -14,7 +14,14 @@ import pytest
 import redis.exceptions
 
 from plexrl.ledger import LedgerState
-from plexrl.messages import ForwardBackwardInput, Function, LossFn, PhaseRequest
+from plexrl.messages import (
+    AdamParams,
+    ForwardBackwardInput,
+    Function,
+    LossFn,
+    OptimStepInput,
+    PhaseRequest,
+)
 from plexrl_worker.recovery import NumberedCalls
 from plexrl_worker.runner import Ran
 
@@ -22,9 +29,10 @@ from plexrl_worker.runner import Ran
 class Ledger:
     def __init__(self) -> None:
         self.applied = 4
+        self.epoch = 1
 
     async def head(self, job_id: str) -> LedgerState:
-        return LedgerState(epoch=1, owner="worker-0", applied=self.applied)
+        return LedgerState(epoch=self.epoch, owner="worker-0", applied=self.applied)
 
 
 class Recovery:
@@ -78,22 +86,30 @@ class Recorder:
         return True
 
 
-def test_a_call_whose_record_failed_is_restored_not_run_again_on_its_own_effect() -> None:
-    ledger, recovery = Ledger(), Recovery()
-    calls = NumberedCalls(
+def _calls(ledger: Ledger, recovery: Recovery, recorder: Any) -> NumberedCalls:
+    return NumberedCalls(
         ledger=ledger,  # type: ignore[arg-type]
         recovery=recovery,  # type: ignore[arg-type]
         runner=Runner(recovery),  # type: ignore[arg-type]
-        recorder=Recorder(ledger),  # type: ignore[arg-type]
+        recorder=recorder,
     )
-    request = PhaseRequest(
-        request_id="r5",
+
+
+def _forward_backward(request_id: str = "r5") -> PhaseRequest:
+    return PhaseRequest(
+        request_id=request_id,
         job_id="job",
         tenant="t",
         function=Function.FORWARD_BACKWARD,
         payload=ForwardBackwardInput(data=[], loss_fn=LossFn.CROSS_ENTROPY),
         arrival_time=time.time(),
     )
+
+
+def test_a_call_whose_record_failed_is_restored_not_run_again_on_its_own_effect() -> None:
+    ledger, recovery = Ledger(), Recovery()
+    calls = _calls(ledger, recovery, Recorder(ledger))
+    request = _forward_backward()
     with pytest.raises(redis.exceptions.ConnectionError):
         asyncio.run(calls.run(request, 5, 1, "d1", True))
     assert recovery.events == ["run", "forget"]
@@ -101,3 +117,43 @@ def test_a_call_whose_record_failed_is_restored_not_run_again_on_its_own_effect(
     asyncio.run(calls.run(request, 5, 1, "d1", True))
     assert recovery.events == ["run", "forget", "restore", "run"]
     assert ledger.applied == 5 and calls.applied == 1
+
+
+class Answers:
+    """Records every answer the worker gives (Redis and Kafka up)."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self.answered: list[str] = []
+
+    async def record(self, request: PhaseRequest, ran: Ran, *args: Any, **kwargs: Any) -> bool:
+        self.answered.append(request.request_id)
+        if ran.error is None:
+            self.ledger.applied += 1
+        return True
+
+
+def test_calls_of_a_dispatch_re_homed_under_it_are_left_to_the_new_home() -> None:
+    # The fault suite (broker killed: both workers missed heartbeats and were re-homed)
+    # saw call 6 answered with "arrived before call 5" by the old home, whose call 5 had
+    # just been fenced: the later calls of a stale dispatch must not be answered at all.
+    ledger, recovery = Ledger(), Recovery()
+    answers = Answers(ledger)
+    calls = _calls(ledger, recovery, answers)
+    ledger.epoch = 2  # re-homed after the dispatch (epoch 1) was issued
+    optim = PhaseRequest(
+        request_id="r6",
+        job_id="job",
+        tenant="t",
+        function=Function.OPTIM_STEP,
+        payload=OptimStepInput(adam=AdamParams()),
+        arrival_time=time.time(),
+    )
+    asyncio.run(calls.run(_forward_backward(), 5, 1, "d1", False))
+    asyncio.run(calls.run(optim, 6, 1, "d1", True))
+    assert answers.answered == [] and "run" not in recovery.events
+    assert calls.fenced == 2 and ledger.applied == 4
+    # Under the current epoch (the new home) the same calls run in order.
+    asyncio.run(calls.run(_forward_backward(), 5, 2, "d2", False))
+    asyncio.run(calls.run(optim, 6, 2, "d2", True))
+    assert answers.answered == ["r5", "r6"] and ledger.applied == 6

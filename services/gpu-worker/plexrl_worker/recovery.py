@@ -309,6 +309,20 @@ class NumberedCalls:
     ) -> None:
         job_id = request.job_id
         head = await self._ledger.head(job_id)
+        if epoch < head.epoch:
+            # Re-homed while this dispatch ran (its first calls were still current): the
+            # scheduler requeued the rest for the new home, which answers them. Answering
+            # here would race it, and a call whose predecessor was fenced would be AHEAD.
+            self.fenced += 1
+            log.warning(
+                "call %d of %s under epoch %d is stale (epoch %d): left to the new home",
+                seq,
+                job_id,
+                epoch,
+                head.epoch,
+            )
+            await self._recovery.forget(job_id)
+            return
         match verdict(seq, head.applied):
             case Verdict.ANSWERED:
                 stored = await self._ledger.result(job_id, seq)
