@@ -8,10 +8,14 @@ import subprocess
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from plexrl.cluster import free_port as free_port  # re-exported to the tests
+
+if TYPE_CHECKING:
+    from plexrl_worker.sglang import SGLangSampler
 
 # No model hub is reachable: every Hugging Face lookup must stay local (read at import).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -54,6 +58,37 @@ def tiny_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     root = tmp_path_factory.mktemp("models")
     init_tiny(root / "tiny-qwen3")
     yield root
+
+
+@pytest.fixture(scope="session")
+def sglang_sampler(
+    tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SGLangSampler]:
+    """One real SGLang server on this CPU for the session (a start costs about two minutes
+    on 2 cores): tests/test_sglang.py drives it directly and the worker in
+    tests/test_sglang_worker.py attaches to it (PLEXRL_SGLANG_URL), so it is started with
+    the worker's own LoRA settings (rank up to 64, the unembedding too)."""
+    from plexrl_worker.sglang import SGLangSampler, SGLangServerConfig
+
+    python = require_sglang()
+    log = tmp_path_factory.mktemp("sglang") / "server.log"
+    config = SGLangServerConfig(
+        model_path=str(tiny_registry / "tiny-qwen3"),
+        python=python,
+        max_lora_rank=64,
+        lora_target_modules=(*SGLangServerConfig.lora_target_modules, "lm_head"),
+        startup_timeout_s=900,
+        log_path=log,
+    )
+    sampler = SGLangSampler(config)
+    try:
+        sampler.start()
+    except Exception:
+        if log.exists():
+            print(log.read_text()[-5000:])
+        raise
+    yield sampler
+    sampler.stop()
 
 
 def require_sglang() -> Path:

@@ -2,7 +2,8 @@
 
 Needs the SGLang venv (scripts/sglang.sh). Without it the module is skipped, except under
 CI=true, where it fails: CI must install the tier. One server serves the whole module
-(starting it takes minutes on a 2-core machine). Logprobs are checked against the same
+(starting it takes minutes on a 2-core machine; conftest's session fixture, which
+tests/test_sglang_worker.py's worker attaches to). Logprobs are checked against the same
 weights run through transformers in the project's own venv.
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,7 +22,6 @@ from plexrl.messages import ErrorCode, SampleInput, SampleOutput, SamplingParams
 from plexrl_worker.engine.errors import NotFoundError
 from plexrl_worker.sglang import (
     SGLangSampler,
-    SGLangServerConfig,
     SGLangUnsupportedError,
     write_full_weights,
     write_lora_adapter,
@@ -48,28 +47,8 @@ def model_dir(tiny_registry: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def sampler(
-    sglang_venv_python: Path, model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SGLangSampler]:
-    python = sglang_venv_python
-    log = tmp_path_factory.mktemp("sglang") / "server.log"
-    config = SGLangServerConfig(
-        model_path=str(model_dir),
-        python=python,
-        max_lora_rank=LORA_RANK,
-        max_loras_per_batch=2,
-        startup_timeout_s=900,
-        log_path=log,
-    )
-    s = SGLangSampler(config)
-    try:
-        s.start()
-    except Exception:
-        if log.exists():
-            print(log.read_text()[-5000:])
-        raise
-    yield s
-    s.stop()
+def sampler(sglang_sampler: SGLangSampler) -> SGLangSampler:
+    return sglang_sampler
 
 
 def _greedy(n: int = 1, max_tokens: int = 8) -> SampleInput:

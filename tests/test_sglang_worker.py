@@ -16,7 +16,7 @@ import tinker
 from tinker import types
 
 from plexrl.cluster import ClusterConfig, LocalCluster
-from tests.conftest import require_sglang
+from plexrl_worker.sglang import SGLangSampler
 
 pytestmark = pytest.mark.integration
 
@@ -26,9 +26,11 @@ BASE = "plexrl/tiny-qwen3"
 
 @pytest.fixture(scope="module")
 def cluster(
-    infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
+    infra: dict[str, str],
+    tiny_registry: Path,
+    sglang_sampler: SGLangSampler,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[LocalCluster]:
-    require_sglang()
     state = tmp_path_factory.mktemp("sglang-cluster")
     config = ClusterConfig.on_free_ports(
         tiny_registry,
@@ -39,12 +41,14 @@ def cluster(
         env={
             "PLEXRL_SAMPLER": "sglang",
             "PLEXRL_SGLANG_DIR": str(state / "sglang"),
+            # The session's server (tests/conftest.py): a start of its own costs minutes.
+            "PLEXRL_SGLANG_URL": sglang_sampler.server.url,
             # On CPU the worker would keep SGLang's memory; here it hands it to training.
             "PLEXRL_SGLANG_YIELD": "training",
         },
     )
     cluster = LocalCluster(config)
-    cluster.start(timeout_s=900)  # the worker starts an SGLang server first: minutes on CPU
+    cluster.start(timeout_s=300)
     try:
         yield cluster
     finally:

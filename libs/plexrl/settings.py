@@ -121,6 +121,10 @@ class WorkerSettings(CommonSettings):
     # What runs `sample` calls (PLEXRL_SAMPLER): `torch`, the engine's co-batching loop,
     # or `sglang`, an SGLang server per base model (scripts/sglang.sh installs it).
     sampler: Literal["torch", "sglang"] = "torch"
+    # An SGLang server that runs already (PLEXRL_SGLANG_URL, e.g. a sidecar container):
+    # the worker attaches to it instead of starting one, and never restarts or stops it.
+    # It must serve the worker's one base model with LoRA on (checked at start).
+    sglang_url: str | None = None
     # Where the SGLang sampler writes adapters, pushed weights and its servers' logs.
     sglang_dir: Path = Path(".plexrl/sglang-work")
     # Whether SGLang hands the device to training (PLEXRL_SGLANG_YIELD): `training`

@@ -286,6 +286,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
             device=settings.worker_device.split(":")[0],  # SGLang's own: "cuda", "cpu"
             yield_device=settings.sglang_yield == "training"
             or (settings.sglang_yield == "auto" and settings.worker_device != "cpu"),
+            attach_url=settings.sglang_url,
         )
         if settings.sampler == "sglang"
         else None

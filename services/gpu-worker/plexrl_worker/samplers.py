@@ -3,9 +3,11 @@
 - `torch` (default): the torch engine's co-batching decode loop (`engine.cobatch`), bit-
   identical per job whatever shares the batch, seeded per sample.
 - `sglang`: an SGLang server per base model (`plexrl_worker.sglang`), started with the
-  worker. The torch engine still trains and still installs sampler weights from
-  checkpoints; this side hands them to SGLang: LoRA weights as a named adapter (loaded
-  once per sampler path: a path's weights never change), full weights pushed in place
+  worker, or one that runs already (`PLEXRL_SGLANG_URL`: attached, never restarted or
+  stopped by the worker; its weights are pushed back to the base before a base sample).
+  The torch engine still trains and still installs sampler weights from checkpoints;
+  this side hands them to SGLang: LoRA weights as a named adapter (loaded once per
+  sampler path: a path's weights never change), full weights pushed in place
   (`update_weights_from_disk`, never a restart), the base model by pushing its own
   weights back when another full set was pushed last. Calls run at once and SGLang
   batches them (across adapters too). An RL loop saves new sampler weights every step,
@@ -55,6 +57,7 @@ class SGLangSampling:
         max_lora_rank: int = 64,
         yield_device: bool = False,
         max_adapters: int = 64,
+        attach_url: str | None = None,
     ) -> None:
         self.yield_device = yield_device
         self._max_adapters = max_adapters
@@ -71,6 +74,7 @@ class SGLangSampling:
         self._workdir = workdir
         self._device = device
         self._max_lora_rank = max_lora_rank
+        self._attach_url = attach_url
         self._servers: dict[Path, SGLangSampler] = {}
         self._pushed: dict[Path, Path] = {}
         """Per base model, the full weights pushed into its server last (absent: its own)."""
@@ -189,6 +193,7 @@ class SGLangSampling:
             if server is None:
                 config = SGLangServerConfig(
                     model_path=str(base),
+                    url=self._attach_url,
                     device=self._device,
                     max_lora_rank=self._max_lora_rank,
                     # Without it a release on a GPU would mark the engine, not free memory.
@@ -200,5 +205,7 @@ class SGLangSampling:
                 self._workdir.mkdir(parents=True, exist_ok=True)
                 server = self._servers[base] = SGLangSampler(config)
                 server.start()
+                if server.server.attached:  # whatever it serves, it may not be the base
+                    self._pushed[base] = self._workdir / "unknown-weights"
             server.ensure_running()
             return server

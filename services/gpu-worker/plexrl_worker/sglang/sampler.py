@@ -19,6 +19,7 @@ died comes back serving the same weights.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import uuid
 from collections.abc import Mapping, Sequence
@@ -71,7 +72,19 @@ class SGLangSampler:
             self.server.start()
 
     def stop(self) -> None:
+        """Stop the server, or, attached to one this process did not start, leave it
+        running as it was found: this sampler's adapters unloaded, memory resumed,
+        generation continued."""
         with self._lock:
+            if self.server.attached and self.server.alive():
+                with contextlib.suppress(SGLangServerError):
+                    if self._paused is not None:
+                        self.continue_generation()
+                    if self._released is not None:
+                        self.resume_memory()
+                for name in list(self._adapters):
+                    with contextlib.suppress(SGLangServerError):
+                        self.unload_adapter(name)
             self.server.stop()
         self._client.close()
 

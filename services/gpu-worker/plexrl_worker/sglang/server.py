@@ -43,6 +43,10 @@ class SGLangServerConfig:
 
     model_path: str
     """A Hugging Face model directory (config, tokenizer, safetensors)."""
+    url: str | None = None
+    """An SGLang server that runs already (a sidecar, or one shared by tests): attach to
+    it instead of starting a child. Nothing here starts, restarts or stops it; `start`
+    checks that it serves `model_path` with the LoRA settings asked for here."""
     python: Path = field(default_factory=sglang_python)
     """The SGLang venv's interpreter (scripts/sglang.sh installs it)."""
     host: str = "127.0.0.1"
@@ -144,17 +148,28 @@ class SGLangServer:
         self._log: object | None = None
         self.port = 0
         self.starts = 0
-        """How many times the child was started (1 + restarts)."""
+        """How many times the child was started (1 + restarts); 1 once attached."""
+
+    @property
+    def attached(self) -> bool:
+        """Serving through a server this process did not start (`config.url`)."""
+        return self.config.url is not None
 
     @property
     def url(self) -> str:
+        if self.config.url is not None:
+            return self.config.url.rstrip("/")
         return f"http://{self.config.host}:{self.port}"
 
     def alive(self) -> bool:
+        if self.attached:
+            return self.starts > 0  # not ours to watch: its failures surface per call
         return self._proc is not None and self._proc.poll() is None
 
     def wait_exit(self, timeout_s: float) -> bool:
         """True once the child has exited (False if it still runs after `timeout_s`)."""
+        if self.attached:
+            return False
         if self._proc is None:
             return True
         try:
@@ -165,6 +180,11 @@ class SGLangServer:
 
     def start(self) -> None:
         if self.alive():
+            return
+        if self.attached:
+            self._wait_healthy()
+            check_attached(self.config, self._get("/server_info"))
+            self.starts += 1
             return
         if not self.config.python.exists():
             raise SGLangServerError(
@@ -192,11 +212,20 @@ class SGLangServer:
             self.stop()
             raise
 
+    def _get(self, route: str) -> dict[str, object]:
+        r = httpx.get(self.url + route, timeout=30.0)
+        if r.status_code != 200:
+            raise SGLangServerError(f"SGLang {route} at {self.url} answered {r.status_code}")
+        answer = r.json()
+        if not isinstance(answer, dict):
+            raise SGLangServerError(f"SGLang {route} at {self.url} answered {answer!r}")
+        return answer
+
     def _wait_healthy(self) -> None:
         deadline = self._clock() + self.config.startup_timeout_s
         with httpx.Client(timeout=30.0) as client:
             while True:
-                if not self.alive():
+                if not self.attached and not self.alive():
                     code = self._proc.returncode if self._proc is not None else None
                     raise SGLangServerError(
                         f"the SGLang server exited with status {code} while starting; "
@@ -207,6 +236,12 @@ class SGLangServer:
                         return
                 except httpx.HTTPError:
                     pass
+                if self._clock() > deadline and self.attached:
+                    raise SGLangServerError(
+                        f"no SGLang server answered /health_generate at {self.url} within "
+                        f"{self.config.startup_timeout_s:.0f}s; start it, or unset "
+                        "PLEXRL_SGLANG_URL to let the worker start its own"
+                    )
                 if self._clock() > deadline:
                     raise SGLangServerError(
                         f"the SGLang server did not answer /health_generate within "
@@ -226,7 +261,10 @@ class SGLangServer:
         return r.status_code == 200
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """Stop the child and the scheduler and detokenizer processes it forked."""
+        """Stop the child and the scheduler and detokenizer processes it forked (an
+        attached server is left running)."""
+        if self.attached:
+            self.starts = 0
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
             _signal_group(proc.pid, signal.SIGTERM)
@@ -247,6 +285,35 @@ class SGLangServer:
         if self._proc is not None:
             _signal_group(self._proc.pid, signal.SIGKILL)
             self._proc.wait(timeout=30)
+
+
+def check_attached(config: SGLangServerConfig, info: dict[str, object]) -> None:
+    """Raise SGLangServerError, saying what differs, unless the running server whose
+    /server_info is `info` serves `config.model_path` with the LoRA it asks for."""
+    where = config.url or "the attached server"
+    served = info.get("model_path")
+    if not isinstance(served, str) or Path(served).resolve() != Path(config.model_path).resolve():
+        raise SGLangServerError(
+            f"the SGLang server at {where} serves {served!r}, not {config.model_path!r}; "
+            "start it with --model-path set to this worker's base model directory"
+        )
+    if config.max_lora_rank <= 0:
+        return
+    rank = info.get("max_lora_rank")
+    if not info.get("enable_lora") or not isinstance(rank, int) or rank < config.max_lora_rank:
+        raise SGLangServerError(
+            f"the SGLang server at {where} has enable_lora={info.get('enable_lora')!r}, "
+            f"max_lora_rank={rank!r}; this worker needs --enable-lora --max-lora-rank "
+            f"{config.max_lora_rank} or more"
+        )
+    targets = info.get("lora_target_modules")
+    served_targets = set(targets) if isinstance(targets, list | tuple | set) else set()
+    missing = set(config.lora_target_modules) - served_targets
+    if "all" not in served_targets and missing:
+        raise SGLangServerError(
+            f"the SGLang server at {where} does not take LoRA on {sorted(missing)}; start "
+            f"it with --lora-target-modules {' '.join(config.lora_target_modules)}"
+        )
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
