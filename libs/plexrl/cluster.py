@@ -272,20 +272,26 @@ class LocalCluster:
         """The process id of one service (e.g. to watch its memory)."""
         return self._proc(name).process.pid
 
-    def kill(self, name: str) -> None:
-        """SIGKILL one service (`kill -9`: no clean-up, as in a crash); `restart` revives it."""
+    def kill(self, name: str, *, graceful: bool = False) -> None:
+        """SIGKILL one service (`kill -9`: no clean-up, as in a crash), or with `graceful`
+        SIGTERM it and wait for its clean shutdown; `restart` revives it."""
         proc = self._proc(name)
-        proc.process.kill()
+        if graceful:
+            proc.process.terminate()
+        else:
+            proc.process.kill()
         proc.process.wait()
 
-    def restart(self, name: str, timeout_s: float = 180.0) -> None:
-        """Start a killed service again with the same id, port and environment, and wait
-        until it answers its health check."""
+    def restart(
+        self, name: str, timeout_s: float = 180.0, env: dict[str, str] | None = None
+    ) -> None:
+        """Start a killed service again with the same id, port and environment (`env`
+        changes some of it from now on), and wait until it answers its health check."""
         proc = self._proc(name)
         if proc.process.poll() is None:
             raise RuntimeError(f"{name} is still running; kill it first")
         self._procs.remove(proc)
-        self._spawn(proc.name, proc.module, proc.port, proc.extra)
+        self._spawn(proc.name, proc.module, proc.port, {**proc.extra, **(env or {})})
         self.wait_healthy(timeout_s)
 
     def _proc(self, name: str) -> _Proc:
