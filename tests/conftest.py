@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from plexrl.cluster import ClusterConfig, LocalCluster
 from plexrl.cluster import free_port as free_port  # re-exported to the tests
 
 if TYPE_CHECKING:
@@ -89,6 +90,33 @@ def sglang_sampler(
         raise
     yield sampler
     sampler.stop()
+
+
+SHARED_KEYS = {"tml-losses": "losses", "tml-sdk-versions": "sdk-versions"}
+"""API keys (and their tenants) of the shared cluster: one per test module using it."""
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(
+    infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ClusterConfig]:
+    """A plain cluster (one worker, the tiny Qwen3) for the SDK-level test modules that
+    need nothing else of it, each under its own key in SHARED_KEYS: a cluster start
+    costs about 25 s on two cores."""
+    config = ClusterConfig.on_free_ports(
+        tiny_registry,
+        tmp_path_factory.mktemp("shared-cluster"),
+        "shr",
+        api_keys=",".join(f"{key}={tenant}" for key, tenant in SHARED_KEYS.items()),
+        worker_threads=1,
+    )
+    cluster = LocalCluster(config)
+    # Generous: on a loaded two-core machine four services importing torch take minutes.
+    cluster.start(timeout_s=600)
+    try:
+        yield config
+    finally:
+        cluster.stop()
 
 
 def require_sglang() -> Path:

@@ -7,8 +7,6 @@ from __future__ import annotations
 import math
 import os
 import typing
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,7 +17,7 @@ import torch
 from tinker import types
 from tinker.proto import request_conv
 
-from plexrl.cluster import ClusterConfig, LocalCluster
+from plexrl.cluster import ClusterConfig
 from plexrl.losses import LOSS_CONFIG_DEFAULTS, LOSS_INPUTS, loss_config
 from plexrl.messages import Datum, ForwardBackwardInput, JobSpec, LoraSpec, LossFn, TensorArray
 from plexrl.models import ModelRegistry, init_tiny
@@ -308,18 +306,8 @@ KEY = "tml-losses"
 
 
 @pytest.fixture(scope="module")
-def service(
-    infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tinker.ServiceClient]:
-    config = ClusterConfig.on_free_ports(
-        tiny_registry,
-        tmp_path_factory.mktemp("losses-cluster"),
-        "loss",
-        api_keys=f"{KEY}=losses",
-        worker_threads=1,
-    )
-    with LocalCluster(config):  # stopped on the way out
-        yield tinker.ServiceClient(base_url=config.gateway_url, api_key=KEY)
+def service(shared_cluster: ClusterConfig) -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=shared_cluster.gateway_url, api_key=KEY)
 
 
 def sdk_datum(tokens: list[int], sampler_lp: list[float], advantages: list[float]) -> types.Datum:

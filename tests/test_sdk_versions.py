@@ -11,14 +11,13 @@ real Kafka and Redis.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import tinker
 
-from plexrl.cluster import ClusterConfig, LocalCluster
+from plexrl.cluster import ClusterConfig
 from plexrl.messages import (
     CompletionStatus,
     ForwardBackwardOutput,
@@ -254,24 +253,10 @@ MODEL = "plexrl/tiny-qwen3"
 
 
 @pytest.fixture(scope="module")
-def cluster(
-    infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ClusterConfig]:
+def cluster(request: pytest.FixtureRequest) -> ClusterConfig:
     side_install(f"tinker-{OLDEST}")  # skip (or fail in CI) before starting four services
-    config = ClusterConfig.on_free_ports(
-        tiny_registry,
-        tmp_path_factory.mktemp("sdk-versions-cluster"),
-        "sdkv",
-        api_keys=f"{KEY}=sdk-versions",
-        worker_threads=1,
-    )
-    cluster = LocalCluster(config)
-    # Generous: on a loaded two-core machine four services importing torch take minutes.
-    cluster.start(timeout_s=600)
-    try:
-        yield config
-    finally:
-        cluster.stop()
+    config: ClusterConfig = request.getfixturevalue("shared_cluster")  # tests/conftest.py
+    return config
 
 
 @pytest.mark.integration
