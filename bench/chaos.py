@@ -181,6 +181,7 @@ def main() -> None:
         finally:
             cluster.stop()
             infra.down()
+            infra.remove()
     line = {
         "benchmark": "chaos",
         "seed": seed,

@@ -6,6 +6,8 @@
 #   scripts/infra.sh status   what answers where, and whether `up` started it
 #   scripts/infra.sh env      `export` lines for PLEXRL_KAFKA_BOOTSTRAP and PLEXRL_REDIS_URL
 #
+# PLEXRL_INFRA_PARTS="redis" (or "kafka") limits up, down and status to that part.
+#
 # State (jars, data, pid files, logs, generated configs) lives under the git-ignored
 # .plexrl/infra/. Reset: scripts/infra.sh down && rm -rf .plexrl/infra. See docs/infra.md.
 set -euo pipefail
@@ -21,6 +23,11 @@ KAFKA_CONTROLLER_PORT=${PLEXRL_KAFKA_CONTROLLER_PORT:-$((KAFKA_PORT + 1))}
 KAFKA_HEAP=${PLEXRL_KAFKA_HEAP:-512m}
 REDIS_PORT=${PLEXRL_REDIS_PORT:-6379}
 TIMEOUT=${PLEXRL_INFRA_TIMEOUT:-120}
+PARTS=" ${PLEXRL_INFRA_PARTS:-kafka redis} "
+for part in $PARTS; do
+  [[ $part == kafka || $part == redis ]] || { echo "[infra] PLEXRL_INFRA_PARTS: unknown part '$part'; use kafka, redis or both" >&2; exit 2; }
+done
+wanted() { [[ $PARTS == *" $1 "* ]]; }
 
 STATE=$ROOT/.plexrl/infra
 POM=$ROOT/scripts/kafka/pom.xml
@@ -373,16 +380,16 @@ take_lock() {
 
 cmd_up() {
   # Fast path: both answer, so there is nothing to start and no lock to take.
-  if kafka_probe >/dev/null && redis_probe >/dev/null; then
+  if { ! wanted kafka || kafka_probe >/dev/null; } && { ! wanted redis || redis_probe >/dev/null; }; then
     log "kafka and redis already answer (PLEXRL_KAFKA_BOOTSTRAP=$KAFKA_BOOTSTRAP PLEXRL_REDIS_URL=$REDIS_URL)"
     return 0
   fi
   local started=$SECONDS
   take_lock
   KAFKA_WAIT=0 KAFKA_WAIT_PID=
-  kafka_start
+  if wanted kafka; then kafka_start; fi
   # Redis starts while the JVM boots.
-  redis_up
+  if wanted redis; then redis_up; fi
   if ((KAFKA_WAIT)); then
     wait_ready kafka kafka_probe "$KAFKA_WAIT_PID" "$KAFKA_LOG" "$KAFKA_OUT"
     log "kafka: ready at $KAFKA_BOOTSTRAP"
@@ -418,8 +425,8 @@ stop() {
 
 cmd_down() {
   take_lock
-  stop kafka kafka_pid "$KAFKA_PID" kafka_probe
-  stop redis redis_pid "$REDIS_PID" redis_probe
+  if wanted kafka; then stop kafka kafka_pid "$KAFKA_PID" kafka_probe; fi
+  if wanted redis; then stop redis redis_pid "$REDIS_PID" redis_probe; fi
 }
 
 # status_line NAME PROBE PIDFN ADDRESS LOG — one line per service; fails if it is down.
@@ -439,8 +446,8 @@ status_line() {
 
 cmd_status() {
   local rc=0
-  status_line kafka kafka_probe kafka_pid "$KAFKA_BOOTSTRAP" "$KAFKA_LOG" || rc=1
-  status_line redis redis_probe redis_pid "$HOST:$REDIS_PORT" "$REDIS_LOG" || rc=1
+  if wanted kafka; then status_line kafka kafka_probe kafka_pid "$KAFKA_BOOTSTRAP" "$KAFKA_LOG" || rc=1; fi
+  if wanted redis; then status_line redis redis_probe redis_pid "$HOST:$REDIS_PORT" "$REDIS_LOG" || rc=1; fi
   print_env
   return "$rc"
 }

@@ -56,6 +56,7 @@ def private_infra() -> Iterator[PrivateInfra]:
         yield pair
     finally:
         pair.down()
+        pair.remove()
 
 
 @pytest.fixture(scope="module")

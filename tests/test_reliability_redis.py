@@ -10,7 +10,6 @@ shared Redis other tests use is never touched.
 from __future__ import annotations
 
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -19,85 +18,33 @@ from typing import Any
 
 import httpx
 import pytest
-import redis
 
 from plexrl.messages import JobSpec, LoraSpec, Tier
+from plexrl.private_infra import PrivateInfra
 from plexrl.stores import JobKind, JobRecord, SessionRecord, Stores
 from plexrl_state_store.app import build_app
 from plexrl_state_store.blobs import BlobDir
 from plexrl_state_store.records import CheckpointRecords
 from plexrl_worker.residency import StateManager
-from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
 
 SPEC = JobSpec(base_model="plexrl/tiny-qwen3", lora=LoraSpec(rank=4), state_bytes=1000)
 
 
-class PrivateRedis:
-    """A redis-server with an fsynced append-only file in `data`, as infra.sh runs it."""
-
-    def __init__(self, data: Path) -> None:
-        if shutil.which("redis-server") is None:
-            pytest.skip("redis-server is not installed (scripts/infra.sh up installs it)")
-        self.data = data
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        self.data.mkdir(parents=True, exist_ok=True)
-        self._process = subprocess.Popen(
-            [
-                "redis-server",
-                "--bind",
-                "127.0.0.1",
-                "--port",
-                str(self.port),
-                "--dir",
-                str(self.data),
-                "--save",
-                "",
-                "--appendonly",
-                "yes",
-                "--appendfsync",
-                "everysec",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        client = redis.Redis(port=self.port)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                if client.ping():
-                    break
-            except redis.exceptions.ConnectionError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        client.close()
-
-    def stop(self) -> None:
-        """A clean stop (SIGTERM): Redis fsyncs its append-only file on the way out."""
-        if self._process is not None:
-            self._process.terminate()
-            self._process.wait(30)
-            self._process = None
-
-    def wipe(self) -> None:
-        """Lose everything on disk (a Redis run without persistence, or a lost volume)."""
-        shutil.rmtree(self.data, ignore_errors=True)
-
-
 @pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
-    server = PrivateRedis(tmp_path / "redis")
-    server.start()
+def private_redis() -> Iterator[PrivateInfra]:
+    """A Redis of its own, run by scripts/infra.sh exactly as the shared one (an fsynced
+    append-only file): stopped cleanly, wiped and started again by the test."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (scripts/infra.sh up installs it)")
+    server = PrivateInfra(parts=("redis",))
+    server.up()
     try:
         yield server
     finally:
-        server.stop()
+        server.down()
+        server.remove()
 
 
 @dataclass
@@ -111,9 +58,9 @@ class QuietPublisher:
 
 
 async def test_metadata_survives_a_redis_restart_and_lost_records_are_rebuilt(
-    private_redis: PrivateRedis, tmp_path: Path
+    private_redis: PrivateInfra, tmp_path: Path
 ) -> None:
-    stores = Stores.from_url(private_redis.url, "c1", 3600)
+    stores = Stores.from_url(private_redis.redis_url, "c1", 3600)
     now = time.time()
     await stores.sessions.put_session(SessionRecord("sess-1", "alice", now, now))
     await stores.jobs.put_job(JobRecord("model-1", "alice", JobKind.TRAINING, SPEC, now, "sess-1"))
@@ -149,8 +96,8 @@ async def test_metadata_survives_a_redis_restart_and_lost_records_are_rebuilt(
     )
     await states.created("model-1", 1000)
 
-    private_redis.stop()
-    private_redis.start()
+    private_redis.down()
+    private_redis.up()
     # The same clients, whose pooled connections died with the old server, just work.
     assert (await stores.sessions.get_session("sess-1")) is not None
     job = await stores.jobs.get_job("model-1")
@@ -160,9 +107,9 @@ async def test_metadata_survives_a_redis_restart_and_lost_records_are_rebuilt(
     assert residency is not None and residency.worker_id == "worker-0"
 
     # Now a Redis that comes back empty: the owners of what can be rebuilt rebuild it.
-    private_redis.stop()
-    private_redis.wipe()
-    private_redis.start()
+    private_redis.down()
+    private_redis.wipe_redis()
+    private_redis.up()
     assert await stores.jobs.get_job("model-1") is None
     assert await CheckpointRecords(blobs, stores.checkpoints).rebuild() == 1
     assert await states.reannounce() == 1  # what every heartbeat does

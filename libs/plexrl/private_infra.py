@@ -9,6 +9,7 @@ the shared pair other runs use is never touched. Used by the fault suite and
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -40,9 +41,16 @@ def _port_pair() -> int:
 
 class PrivateInfra:
     """`up` starts both (minutes the first time: Kafka's jars come from Maven Central),
-    `kill` sends SIGKILL to one, `up` again restarts it on the same data."""
+    or only the `parts` asked for; `kill` sends SIGKILL to one, `down` stops them cleanly
+    (Redis fsyncs its append-only file), `up` again restarts them on the same data."""
 
-    def __init__(self, kafka_port: int | None = None, redis_port: int | None = None) -> None:
+    def __init__(
+        self,
+        kafka_port: int | None = None,
+        redis_port: int | None = None,
+        parts: tuple[Part, ...] = ("broker", "redis"),
+    ) -> None:
+        self.parts = parts
         self.kafka_port = kafka_port if kafka_port is not None else _port_pair()
         self.redis_port = redis_port if redis_port is not None else free_port()
 
@@ -74,6 +82,17 @@ class PrivateInfra:
         while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
 
+    def wipe_redis(self) -> None:
+        """Lose Redis's data on disk (a run without persistence, or a lost volume); with
+        Redis down."""
+        shutil.rmtree(STATE / f"redis-{self.redis_port}" / "data", ignore_errors=True)
+
+    def remove(self) -> None:
+        """After `down`: delete this pair's data, logs and configs under .plexrl/infra."""
+        for part in self.parts:
+            name = f"kafka-{self.kafka_port}" if part == "broker" else f"redis-{self.redis_port}"
+            shutil.rmtree(STATE / name, ignore_errors=True)
+
     def pid(self, part: Part) -> int | None:
         if part == "broker":
             file = STATE / f"kafka-{self.kafka_port}" / "kafka.pid"
@@ -91,6 +110,7 @@ class PrivateInfra:
             "PLEXRL_KAFKA_PORT": str(self.kafka_port),
             "PLEXRL_REDIS_PORT": str(self.redis_port),
             "PLEXRL_INFRA_TIMEOUT": str(int(timeout_s)),
+            "PLEXRL_INFRA_PARTS": " ".join("kafka" if p == "broker" else p for p in self.parts),
         }
         done = subprocess.run(
             [str(INFRA), command], env=env, capture_output=True, text=True, timeout=timeout_s + 60
