@@ -196,6 +196,13 @@ def test_ephemeral_sampler_snapshots_are_retired(
         http.post("/api/v1/retrieve_future", json={"request_id": request_id})
         assert ephemeral() == []
         assert sessions() == []
+        # Its recovery snapshots go too (the ledger's blob book); its results archive stays.
+        snapshots = cluster.config.state_dir / "blobs" / "snapshot" / client.model_id
+        while any(snapshots.glob("*")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(snapshots.glob("*"))
+        results = cluster.config.state_dir / "blobs" / "results" / client.model_id
+        assert any(results.glob("*.msgpack"))
     # A named sampler save is the user's to delete: it outlives the model.
     assert sample_tokens(service.create_sampling_client(model_path=named))
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 import pytest
 import redis.asyncio as aioredis
 
-from plexrl.ledger import Committed, Ledger, Verdict, verdict
+from plexrl.ledger import Committed, Ledger, Verdict, blob_unreferenced, verdict
 from plexrl.messages import (
     CompletionStatus,
     Function,
@@ -107,7 +107,8 @@ async def test_a_snapshot_trims_the_log_it_covers(ledger: Ledger) -> None:
     assert (point.state.snap_seq, point.state.snap_blob) == (2, "blob-2")
     assert [r.request_id for r in point.log] == ["r3"]
     assert await ledger.record_snapshot("j", epoch, 3, "blob-3") == "blob-2"
-    assert await ledger.close("j") == "blob-3"
+    await ledger.close("j")
+    assert sorted(await ledger.unreferenced("j")) == ["blob-1", "blob-2", "blob-3"]
     point = await ledger.recovery_point("j")
     assert point.log == [] and point.state.applied == 3  # results outlive the job's state
 
@@ -132,3 +133,33 @@ async def test_archived_results_leave_redis_and_are_found_by_seq(ledger: Ledger)
     assert await ledger.record_archive("j", epoch, 4, 5, "arch-4-5")
     assert await ledger.archive_of("j", 4) == "arch-4-5"
     assert await ledger.archive_range("j", 5) == (6, {})
+
+
+def test_a_blob_is_deleted_once_marked_or_left_by_an_earlier_epoch() -> None:
+    assert blob_unreferenced("d", 1)
+    assert blob_unreferenced("w1", 2)  # its writer was fenced or killed
+    assert not blob_unreferenced("w2", 2)  # may be being written now
+    assert not blob_unreferenced("junk", 9)
+
+
+@pytest.mark.integration
+async def test_the_blob_book_names_what_a_killed_or_fenced_writer_left(ledger: Ledger) -> None:
+    first = await ledger.bump_epoch("j", "w0")
+    await ledger.writing("j", first, "snap-killed")  # w0 dies before recording it
+    await ledger.writing("j", first, "arch-killed")
+    assert await ledger.unreferenced("j") == {}  # w0 may still be writing them
+    second = await ledger.bump_epoch("j", "w1")  # re-homed
+    await ledger.writing("j", second, "snap-new")
+    assert await ledger.record_snapshot("j", second, 1, "snap-new") == ""
+    await ledger.writing("j", second, "arch-new")
+    assert await ledger.record_archive("j", second, 1, 0, "arch-new")
+    await ledger.writing("j", second, "arch-failed")
+    await ledger.abandon("j", "arch-failed")  # its write failed
+    found = await ledger.unreferenced("j")
+    assert found == {"arch-failed": "d", "arch-killed": f"w{first}", "snap-killed": f"w{first}"}
+    # The fenced w0 finishes one of them late: refused, and marked to delete again.
+    assert await ledger.record_snapshot("j", first, 1, "snap-killed") == "snap-killed"
+    await ledger.deleted("j", found)
+    assert await ledger.unreferenced("j") == {"snap-killed": "d"}
+    await ledger.deleted("j", {"snap-killed": "d"})
+    assert await ledger.unreferenced("j") == {}

@@ -141,15 +141,25 @@ if ARGV[4] ~= '' then redis.call('HSET', KEYS[2], ARGV[2], ARGV[4]) end
 return 'ok'
 """
 
-# KEYS: head, log. ARGV: epoch, seq, blob key. Returns the blob key nobody needs now
-# (the replaced snapshot, or this one when it is stale) or ''.
+# The job's blob book (KEYS "blobs", a hash) names every blob a worker wrote for the
+# job that nothing references yet or any more: "w<epoch>" while one is written under that
+# epoch, "d" once it is to be deleted. A worker killed between writing a blob and
+# recording it leaves "w<old epoch>" behind, which the next owner deletes (`unreferenced`).
+
+# KEYS: head, log, blobs. ARGV: epoch, seq, blob key. Returns the blob key nobody needs
+# now (the replaced snapshot, or this one when it is stale) or '', marked "d".
 _SNAPSHOT = """
 local epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0')
 local current = tonumber(redis.call('HGET', KEYS[1], 'snap_seq') or '0')
 local seq = tonumber(ARGV[2])
-if epoch ~= tonumber(ARGV[1]) or seq <= current then return ARGV[3] end
+if epoch ~= tonumber(ARGV[1]) or seq <= current then
+  redis.call('HSET', KEYS[3], ARGV[3], 'd')
+  return ARGV[3]
+end
 local old = redis.call('HGET', KEYS[1], 'snap_blob') or ''
 redis.call('HSET', KEYS[1], 'snap_seq', seq, 'snap_blob', ARGV[3])
+redis.call('HDEL', KEYS[3], ARGV[3])
+if old ~= '' then redis.call('HSET', KEYS[3], old, 'd') end
 for _, s in ipairs(redis.call('HKEYS', KEYS[2])) do
   if tonumber(s) <= seq then redis.call('HDEL', KEYS[2], s) end
 end
@@ -157,14 +167,30 @@ return old
 """
 
 
+# KEYS: head, results, archives, blobs. ARGV: epoch, lo, hi, blob key.
 _ARCHIVE = """
 local epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0')
 local archived = tonumber(redis.call('HGET', KEYS[1], 'archived') or '0')
 local lo, hi = tonumber(ARGV[2]), tonumber(ARGV[3])
-if epoch ~= tonumber(ARGV[1]) or archived ~= lo - 1 then return 0 end
+if epoch ~= tonumber(ARGV[1]) or archived ~= lo - 1 then
+  redis.call('HSET', KEYS[4], ARGV[4], 'd')
+  return 0
+end
 redis.call('ZADD', KEYS[3], hi, ARGV[4])
 redis.call('HSET', KEYS[1], 'archived', hi)
+redis.call('HDEL', KEYS[4], ARGV[4])
 for s = lo, hi do redis.call('HDEL', KEYS[2], tostring(s)) end
+return 1
+"""
+
+
+# KEYS: blobs. ARGV: key, mark, key, mark, ...: drop each entry still at its mark.
+_FORGET_BLOBS = """
+for i = 1, #ARGV, 2 do
+  if redis.call('HGET', KEYS[1], ARGV[i]) == ARGV[i + 1] then
+    redis.call('HDEL', KEYS[1], ARGV[i])
+  end
+end
 return 1
 """
 
@@ -179,6 +205,7 @@ class Ledger:
         self._commit = redis.register_script(_COMMIT)
         self._snapshot = redis.register_script(_SNAPSHOT)
         self._archive = redis.register_script(_ARCHIVE)
+        self._forget_blobs = redis.register_script(_FORGET_BLOBS)
 
     def _k(self, job_id: str, part: str = "") -> str:
         key = f"{self._p}:ledger:{job_id}"
@@ -248,7 +275,12 @@ class Ledger:
         """Calls `lo`..`hi`'s results now live in `blob_key`: drop them from Redis. False
         (nothing changed) when the epoch moved on or another archive got there first."""
         done: Any = await self._archive(
-            keys=[self._k(job_id), self._k(job_id, "results"), self._k(job_id, "archives")],
+            keys=[
+                self._k(job_id),
+                self._k(job_id, "results"),
+                self._k(job_id, "archives"),
+                self._k(job_id, "blobs"),
+            ],
             args=[epoch, lo, hi, blob_key],
         )
         return bool(int(done))
@@ -278,19 +310,62 @@ class Ledger:
         """Make `blob_key` the job's snapshot as of call `seq` and trim the log it covers;
         returns the blob key that is no longer needed ('' if none)."""
         unused: Any = await self._snapshot(
-            keys=[self._k(job_id), self._k(job_id, "log")], args=[epoch, seq, blob_key]
+            keys=[self._k(job_id), self._k(job_id, "log"), self._k(job_id, "blobs")],
+            args=[epoch, seq, blob_key],
         )
         return _text(unused) if unused else ""
 
-    async def close(self, job_id: str) -> str:
-        """The job ended (UNLOAD): drop its log and snapshot, keep its results and numbers
-        (a replayed call of it is still answered). Returns the snapshot blob to delete."""
+    async def close(self, job_id: str) -> None:
+        """The job ended (UNLOAD): drop its log and mark its snapshot for deletion (see
+        `unreferenced`), keep its results and numbers (a replayed call is still answered)."""
+        blob: Any = await self._redis.hget(self._k(job_id), "snap_blob")
         async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hget(self._k(job_id), "snap_blob")
+            if blob is not None:
+                pipe.hset(self._k(job_id, "blobs"), _text(blob), "d")
             pipe.hdel(self._k(job_id), "snap_blob", "snap_seq")
             pipe.delete(self._k(job_id, "log"))
-            blob, _, _ = await pipe.execute()
-        return "" if blob is None else _text(blob)
+            await pipe.execute()
+
+    # The blob book --------------------------------------------------------------
+
+    async def writing(self, job_id: str, epoch: int, blob_key: str) -> None:
+        """About to write `blob_key` for the job under `epoch` (before the write: a worker
+        killed before recording it leaves it named here)."""
+        await self._redis.hset(self._k(job_id, "blobs"), blob_key, f"w{epoch}")
+
+    async def abandon(self, job_id: str, blob_key: str) -> None:
+        """`blob_key` will not be recorded (its write failed): delete it."""
+        await self._redis.hset(self._k(job_id, "blobs"), blob_key, "d")
+
+    async def unreferenced(self, job_id: str) -> dict[str, str]:
+        """Blobs of the job to delete, with their book entries: marked so, or written
+        under an earlier epoch and never recorded (their writer was fenced or killed).
+        Blobs being written under the current epoch are left alone."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hget(self._k(job_id), "epoch")
+            pipe.hgetall(self._k(job_id, "blobs"))
+            raw_epoch, book = await pipe.execute()
+        epoch = int(_text(raw_epoch)) if raw_epoch is not None else 0
+        marks = {_text(k): _text(v) for k, v in book.items()}
+        return {k: v for k, v in sorted(marks.items()) if blob_unreferenced(v, epoch)}
+
+    async def deleted(self, job_id: str, entries: dict[str, str]) -> None:
+        """The blobs of `entries` (from `unreferenced`) are deleted: out of the book, each
+        unless its entry changed meanwhile (a fenced writer finishing late marks it again,
+        and the next sweep deletes it again)."""
+        if entries:
+            await self._forget_blobs(
+                keys=[self._k(job_id, "blobs")],
+                args=[x for kv in entries.items() for x in kv],
+            )
+
+
+def blob_unreferenced(mark: str, epoch: int) -> bool:
+    """Whether a blob with book entry `mark` is to be deleted when the job's epoch is
+    `epoch` (pure)."""
+    if mark == "d":
+        return True
+    return mark.startswith("w") and mark[1:].isdigit() and int(mark[1:]) < epoch
 
 
 def _head(raw: dict[Any, Any]) -> LedgerState:

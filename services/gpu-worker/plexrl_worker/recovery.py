@@ -164,10 +164,9 @@ class JobRecovery:
         copy.applied, copy.epoch = seq, epoch
         if request.function == Function.UNLOAD:
             self._copies.pop(job_id, None)
-            blob = await self._ledger.close(job_id)
-            if blob:
-                await self._store.delete_blob(blob)
+            await self._ledger.close(job_id)
             await self._archive_results(job_id, epoch, seq, at_least=1)
+            await self._delete_unreferenced(job_id)
             return
         if not ok or request.function not in MUTATING:
             return
@@ -188,14 +187,30 @@ class JobRecovery:
         key = f"snapshot/{job_id}/e{epoch}-s{seq}.safetensors"
         try:
             data = await asyncio.to_thread(state_to_bytes, state)
-            await self._store.put_blob(key, data)
-            unused = await self._ledger.record_snapshot(job_id, epoch, seq, key)
-            if unused:
-                await self._store.delete_blob(unused)
+            await self._ledger.writing(job_id, epoch, key)
+            try:
+                await self._store.put_blob(key, data)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await self._ledger.abandon(job_id, key)
+                raise
+            await self._ledger.record_snapshot(job_id, epoch, seq, key)
         except Exception:  # the log still holds every call: a later snapshot catches up
             log.exception("snapshot of %s at call %d failed", job_id, seq)
             return
         await self._archive_results(job_id, epoch, seq, self._config.archive_calls)
+        await self._delete_unreferenced(job_id)
+
+    async def _delete_unreferenced(self, job_id: str) -> None:
+        """Delete the job's blobs its ledger's book says nothing needs (a replaced or
+        refused snapshot or archive, or one a killed worker wrote and never recorded)."""
+        try:
+            keys = await self._ledger.unreferenced(job_id)
+            for key in keys:
+                await self._store.delete_blob(key)
+            await self._ledger.deleted(job_id, keys)
+        except Exception:  # they stay in the book: the next sweep deletes them
+            log.warning("deleting unreferenced blobs of %s failed", job_id, exc_info=True)
 
     async def _archive_results(self, job_id: str, epoch: int, upto: int, at_least: int) -> None:
         """Move the job's results up to call `upto` from Redis to an archive blob (payload
@@ -208,9 +223,15 @@ class JobRecovery:
             kept = {s: await self._inlined(raw) for s, raw in results.items()}
             # Unique per attempt: a refused one deletes its own blob, never one recorded.
             key = f"results/{job_id}/e{epoch}-s{lo}-{upto}-{uuid.uuid4().hex[:8]}.msgpack"
-            await self._store.put_blob(key, msgspec.msgpack.encode(kept))
-            if not await self._ledger.record_archive(job_id, epoch, lo, upto, key):
-                await self._store.delete_blob(key)  # fenced, or archived meanwhile
+            await self._ledger.writing(job_id, epoch, key)
+            try:
+                await self._store.put_blob(key, msgspec.msgpack.encode(kept))
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await self._ledger.abandon(job_id, key)
+                raise
+            # Refused (fenced, or archived meanwhile): the book marks it for deletion.
+            await self._ledger.record_archive(job_id, epoch, lo, upto, key)
         except Exception:
             log.exception("archiving the results of %s up to call %d failed", job_id, upto)
 
