@@ -108,7 +108,9 @@ async def test_a_snapshot_trims_the_log_it_covers(ledger: Ledger) -> None:
     assert [r.request_id for r in point.log] == ["r3"]
     assert await ledger.record_snapshot("j", epoch, 3, "blob-3") == "blob-2"
     await ledger.close("j")
-    assert sorted(await ledger.unreferenced("j")) == ["blob-1", "blob-2", "blob-3"]
+    # An upload in flight when the job ended is refused, and marked to delete.
+    assert await ledger.record_snapshot("j", epoch, 4, "blob-4") == "blob-4"
+    assert sorted(await ledger.unreferenced("j")) == ["blob-1", "blob-2", "blob-3", "blob-4"]
     point = await ledger.recovery_point("j")
     assert point.log == [] and point.state.applied == 3  # results outlive the job's state
 

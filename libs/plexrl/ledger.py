@@ -152,7 +152,8 @@ _SNAPSHOT = """
 local epoch = tonumber(redis.call('HGET', KEYS[1], 'epoch') or '0')
 local current = tonumber(redis.call('HGET', KEYS[1], 'snap_seq') or '0')
 local seq = tonumber(ARGV[2])
-if epoch ~= tonumber(ARGV[1]) or seq <= current then
+local closed = redis.call('HGET', KEYS[1], 'closed')
+if epoch ~= tonumber(ARGV[1]) or seq <= current or closed then
   redis.call('HSET', KEYS[3], ARGV[3], 'd')
   return ARGV[3]
 end
@@ -317,12 +318,15 @@ class Ledger:
 
     async def close(self, job_id: str) -> None:
         """The job ended (UNLOAD): drop its log and mark its snapshot for deletion (see
-        `unreferenced`), keep its results and numbers (a replayed call is still answered)."""
+        `unreferenced`), refuse later snapshots, keep its results and numbers (a replayed
+        call is still answered)."""
         blob: Any = await self._redis.hget(self._k(job_id), "snap_blob")
         async with self._redis.pipeline(transaction=True) as pipe:
             if blob is not None:
                 pipe.hset(self._k(job_id, "blobs"), _text(blob), "d")
             pipe.hdel(self._k(job_id), "snap_blob", "snap_seq")
+            # A snapshot upload still in flight when the job ended is refused.
+            pipe.hset(self._k(job_id), "closed", "1")
             pipe.delete(self._k(job_id, "log"))
             await pipe.execute()
 
