@@ -185,6 +185,18 @@ return 1
 """
 
 
+# KEYS: head, log, blobs. The job ended: its snapshot is marked to delete, later ones
+# are refused (`closed`), its log goes.
+_CLOSE = """
+local blob = redis.call('HGET', KEYS[1], 'snap_blob')
+if blob then redis.call('HSET', KEYS[3], blob, 'd') end
+redis.call('HDEL', KEYS[1], 'snap_blob', 'snap_seq')
+redis.call('HSET', KEYS[1], 'closed', '1')
+redis.call('DEL', KEYS[2])
+return 1
+"""
+
+
 # KEYS: blobs. ARGV: key, mark, key, mark, ...: drop each entry still at its mark.
 _FORGET_BLOBS = """
 for i = 1, #ARGV, 2 do
@@ -207,6 +219,7 @@ class Ledger:
         self._snapshot = redis.register_script(_SNAPSHOT)
         self._archive = redis.register_script(_ARCHIVE)
         self._forget_blobs = redis.register_script(_FORGET_BLOBS)
+        self._close = redis.register_script(_CLOSE)
 
     def _k(self, job_id: str, part: str = "") -> str:
         key = f"{self._p}:ledger:{job_id}"
@@ -320,15 +333,9 @@ class Ledger:
         """The job ended (UNLOAD): drop its log and mark its snapshot for deletion (see
         `unreferenced`), refuse later snapshots, keep its results and numbers (a replayed
         call is still answered)."""
-        blob: Any = await self._redis.hget(self._k(job_id), "snap_blob")
-        async with self._redis.pipeline(transaction=True) as pipe:
-            if blob is not None:
-                pipe.hset(self._k(job_id, "blobs"), _text(blob), "d")
-            pipe.hdel(self._k(job_id), "snap_blob", "snap_seq")
-            # A snapshot upload still in flight when the job ended is refused.
-            pipe.hset(self._k(job_id), "closed", "1")
-            pipe.delete(self._k(job_id, "log"))
-            await pipe.execute()
+        # One script: a snapshot recorded between reading snap_blob and dropping it
+        # would otherwise be referenced by nothing and named nowhere.
+        await self._close(keys=[self._k(job_id), self._k(job_id, "log"), self._k(job_id, "blobs")])
 
     # The blob book --------------------------------------------------------------
 

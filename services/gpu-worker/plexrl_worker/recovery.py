@@ -187,19 +187,24 @@ class JobRecovery:
         key = f"snapshot/{job_id}/e{epoch}-s{seq}.safetensors"
         try:
             data = await asyncio.to_thread(state_to_bytes, state)
-            await self._ledger.writing(job_id, epoch, key)
-            try:
-                await self._store.put_blob(key, data)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await self._ledger.abandon(job_id, key)
-                raise
+            await self._put_named(job_id, epoch, key, data)
             await self._ledger.record_snapshot(job_id, epoch, seq, key)
         except Exception:  # the log still holds every call: a later snapshot catches up
             log.exception("snapshot of %s at call %d failed", job_id, seq)
             return
         await self._archive_results(job_id, epoch, seq, self._config.archive_calls)
         await self._delete_unreferenced(job_id)
+
+    async def _put_named(self, job_id: str, epoch: int, key: str, data: bytes) -> None:
+        """Write a blob the ledger will record, named in its blob book first (so a kill
+        before the record leaves it findable); a failed write is marked for deletion."""
+        await self._ledger.writing(job_id, epoch, key)
+        try:
+            await self._store.put_blob(key, data)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._ledger.abandon(job_id, key)
+            raise
 
     async def _delete_unreferenced(self, job_id: str) -> None:
         """Delete the job's blobs its ledger's book says nothing needs (a replaced or
@@ -223,13 +228,7 @@ class JobRecovery:
             kept = {s: await self._inlined(raw) for s, raw in results.items()}
             # Unique per attempt: a refused one deletes its own blob, never one recorded.
             key = f"results/{job_id}/e{epoch}-s{lo}-{upto}-{uuid.uuid4().hex[:8]}.msgpack"
-            await self._ledger.writing(job_id, epoch, key)
-            try:
-                await self._store.put_blob(key, msgspec.msgpack.encode(kept))
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await self._ledger.abandon(job_id, key)
-                raise
+            await self._put_named(job_id, epoch, key, msgspec.msgpack.encode(kept))
             # Refused (fenced, or archived meanwhile): the book marks it for deletion.
             await self._ledger.record_archive(job_id, epoch, lo, upto, key)
         except Exception:
@@ -311,12 +310,16 @@ class NumberedCalls:
 
     async def stale(self, job_id: str, epoch: int) -> bool:
         """True when the job was re-homed since this dispatch was issued: drop our copy."""
-        head = await self._ledger.head(job_id)
+        return await self._fenced(job_id, epoch, await self._ledger.head(job_id))
+
+    async def _fenced(self, job_id: str, epoch: int, head: LedgerState) -> bool:
+        """True when the job was re-homed since `epoch`: the scheduler requeued its calls
+        for the new home, which answers them; this worker drops its copy of the job."""
         if epoch >= head.epoch:
             return False
         self.fenced += 1
         log.warning(
-            "dispatch for %s under epoch %d is stale (epoch %d, owner %r): not running it",
+            "calls of %s under epoch %d are stale (epoch %d, owner %r): left to the new home",
             job_id,
             epoch,
             head.epoch,
@@ -330,19 +333,10 @@ class NumberedCalls:
     ) -> None:
         job_id = request.job_id
         head = await self._ledger.head(job_id)
-        if epoch < head.epoch:
-            # Re-homed while this dispatch ran (its first calls were still current): the
-            # scheduler requeued the rest for the new home, which answers them. Answering
-            # here would race it, and a call whose predecessor was fenced would be AHEAD.
-            self.fenced += 1
-            log.warning(
-                "call %d of %s under epoch %d is stale (epoch %d): left to the new home",
-                seq,
-                job_id,
-                epoch,
-                head.epoch,
-            )
-            await self._recovery.forget(job_id)
+        # Checked per call, not only per dispatch: re-homed while this dispatch ran, a
+        # later call answered here would race the new home (and be AHEAD of its fenced
+        # predecessor).
+        if await self._fenced(job_id, epoch, head):
             return
         match verdict(seq, head.applied):
             case Verdict.ANSWERED:
