@@ -73,6 +73,12 @@ def parse() -> argparse.Namespace:
         "comma list (fifo,plexrl): the shared run once per policy, each on a fresh\n"
         "cluster, against the one dedicated baseline, side by side",
     )
+    p.add_argument(
+        "--no-control",
+        action="store_true",
+        help="skip the control phase (every job at once, each on a worker of its own):\n"
+        "it measures what sharing this host costs the jobs, apart from sharing the pool",
+    )
     p.add_argument("--state-dir", type=Path, default=ROOT / ".plexrl" / "demo")
     p.add_argument("--registry", type=Path, default=ROOT / ".plexrl" / "models")
     return p.parse_args()
@@ -91,12 +97,23 @@ def main() -> int:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     ensure_model(args.registry)
 
-    total = 1 + len(policies)
+    everyone = list(range(args.jobs))
+    total = 1 + (not args.no_control) + len(policies)
     print(f"\n[1/{total}] dedicated baseline: each job alone, one worker to itself", flush=True)
     with start_cluster(args, policies[0], "dedicated") as cluster:
-        alone = [run_jobs(cluster, args, [i])[0][0] for i in range(args.jobs)]
+        alone = [run_jobs(cluster, args, [i])[0][0] for i in everyone]
+    control: Control | None = None
+    if not args.no_control:
+        print(
+            f"\n[2/{total}] control: {args.jobs} jobs at once, each on a worker of its own "
+            "(the host shared, the pool not)",
+            flush=True,
+        )
+        with start_cluster(args, "fifo", "control", workers=args.jobs) as cluster:
+            results, _ = run_jobs(cluster, args, everyone)
+            control = Control(results, workers_per_job(cluster, results))
     summaries = []
-    for n, policy in enumerate(policies, start=2):
+    for n, policy in enumerate(policies, start=total - len(policies) + 1):
         print(
             f"\n[{n}/{total}] PlexRL, policy {policy}: {args.jobs} jobs at once on "
             f"{args.workers} workers (a fresh cluster)",
@@ -104,7 +121,7 @@ def main() -> int:
         )
         with start_cluster(args, policy, policy) as cluster:
             shared, makespan = run_jobs(cluster, args, list(range(args.jobs)))
-            summaries.append(summarize(cluster, alone, shared, makespan, args, policy))
+            summaries.append(summarize(cluster, alone, control, shared, makespan, args, policy))
     if len(summaries) > 1:
         side_by_side(summaries)
     line = dict(summaries[0])
@@ -112,14 +129,63 @@ def main() -> int:
         line["runs"] = [{k: v for k, v in s.items() if k != "jobs"} for s in summaries]
     print(json.dumps(line))
     problems = [p for s in summaries for p in verdict(s)]
+    if control is not None:
+        problems += control.problems(alone)
     for problem in problems:
         print(f"FAILED: {problem}", file=sys.stderr)
     return 1 if problems else 0
 
 
-def start_cluster(args: argparse.Namespace, policy: str, phase: str) -> LocalCluster:
-    """A fresh cluster of `args.workers` workers under `policy` (one per phase, so no
-    phase's jobs, history or placement carry into the next)."""
+class Control:
+    """The control phase: every job at once, each on a worker of its own. Against the
+    jobs alone it measures what sharing this host (its cores carry every client, the
+    services, Kafka and Redis) costs; against it, a shared run's slowdown is what
+    sharing the pool costs. Both runs share the host the same way; neither shares a
+    device in the control."""
+
+    def __init__(self, results: list[JobResult], workers: dict[str, set[str]]) -> None:
+        self.results = results
+        self.workers = workers
+
+    def own_worker_each(self) -> bool:
+        """Whether every job ran on one worker, no two jobs on the same one."""
+        homes = [self.workers.get(r.model_id, set()) for r in self.results]
+        return all(len(h) == 1 for h in homes) and len(set().union(*homes)) == len(homes)
+
+    def problems(self, alone: list[JobResult]) -> list[str]:
+        found = []
+        for i, (a, r) in enumerate(zip(alone, self.results, strict=True)):
+            if r.rewards != a.rewards or r.sft_losses != a.sft_losses:
+                found.append(f"control: job {i}'s rewards or losses differ from its run alone")
+        return found
+
+    def figures(self, alone: list[JobResult]) -> dict[str, Any]:
+        ratios = [r.wall_s / a.wall_s for a, r in zip(alone, self.results, strict=True)]
+        return {
+            "jobs_wall_s": [round(r.wall_s, 2) for r in self.results],
+            "mean_slowdown": round(sum(ratios) / len(ratios), 3),
+            "own_worker_each": self.own_worker_each(),
+        }
+
+
+def workers_per_job(cluster: LocalCluster, results: list[JobResult]) -> dict[str, set[str]]:
+    """Which workers ran each job's calls, read from the cluster's timeline."""
+    ids = {r.model_id for r in results}
+    url = cluster.config.gateway_url
+    with httpx.Client(base_url=url, headers={"X-API-Key": API_KEY}, timeout=30) as http:
+        entries = http.get("/plexrl/v1/timeline", params={"limit": 10000}).json()
+    homes: dict[str, set[str]] = {i: set() for i in ids}
+    for e in entries:
+        if e["job_id"] in ids:
+            homes[e["job_id"]].add(e["worker_id"])
+    return homes
+
+
+def start_cluster(
+    args: argparse.Namespace, policy: str, phase: str, workers: int | None = None
+) -> LocalCluster:
+    """A fresh cluster of `workers` (default `args.workers`) workers under `policy` (one
+    per phase, so no phase's jobs, history or placement carry into the next)."""
     from plexrl.models import ModelRegistry
 
     job_bytes = ModelRegistry(args.registry).info("plexrl/tiny-qwen3").state_bytes(16)
@@ -127,14 +193,14 @@ def start_cluster(args: argparse.Namespace, policy: str, phase: str) -> LocalClu
         model_registry=args.registry,
         state_dir=args.state_dir / phase,
         cluster_id=f"demo-{phase}-" + uuid.uuid4().hex[:8],
-        workers=args.workers,
+        workers=workers or args.workers,
         api_keys=f"{API_KEY}=demo",
         worker_device_bytes=int(job_bytes * args.device_jobs),
         worker_threads=1,
         policy=policy,
     )
     print(
-        f"starting PlexRL: {args.workers} workers, policy {policy}, gateway {config.gateway_url}",
+        f"starting PlexRL: {config.workers} workers, policy {policy}, gateway {config.gateway_url}",
         flush=True,
     )
     cluster = LocalCluster(config)
@@ -150,15 +216,20 @@ def side_by_side(summaries: list[dict[str, Any]]) -> None:
     print()
     print(
         f"{'policy':>16} {'saved':>7} {'mean slowdown':>14} {'makespan s':>11} "
-        f"{'busy device-s':>14} {'swapped calls':>14} {'same as alone':>14}"
+        f"{'busy device-s':>14} {'swapped calls':>14} {'same as alone':>14} {'vs control':>11}"
     )
     for s in summaries:
         same = f"{sum(j['same_as_alone'] for j in s['jobs'])} of {len(s['jobs'])}"
         print(
             f"{s['policy']:>16} {s['savings_fraction']:>7.1%} {s['mean_slowdown']:>14.3f} "
             f"{s['makespan_s']:>11.1f} {s['busy_device_s']:>14.1f} {s['swapped_calls']:>14} "
-            f"{same:>14}"
+            f"{same:>14} {vs_control(s):>11}"
         )
+
+
+def vs_control(summary: dict[str, Any]) -> str:
+    host = summary["control"]
+    return "-" if host is None else f"{host['shared_mean_slowdown_vs_control']:.3f}"
 
 
 def verdict(summary: dict[str, Any]) -> list[str]:
@@ -226,6 +297,7 @@ def run_jobs(
 def summarize(
     cluster: LocalCluster,
     alone: list[JobResult],
+    control: Control | None,
     shared: list[JobResult],
     makespan: float,
     args: argparse.Namespace,
@@ -245,6 +317,10 @@ def summarize(
                     "alone_wall_s": round(a.wall_s, 2),
                     "shared_wall_s": round(r.wall_s, 2),
                     "slowdown": round(r.wall_s / a.wall_s, 3),
+                    "control_wall_s": round(control.results[i].wall_s, 2) if control else None,
+                    "slowdown_vs_control": (
+                        round(r.wall_s / control.results[i].wall_s, 3) if control else None
+                    ),
                     "device_s": round(acct["device_s"], 2),
                     "swap_s": round(acct["swap_s"], 3),
                 }
@@ -273,6 +349,17 @@ def summarize(
         f"(busy {busy:.1f} device-s, {busy / pool:.0%}; {swaps} calls swapped a state in)"
     )
     print(f"savings:   {1 - pool / dedicated:.1%} of device-time, same training steps")
+    host: dict[str, Any] | None = None
+    if control is not None:
+        host = control.figures(alone)
+        vs_control = sum(j["slowdown_vs_control"] for j in jobs) / len(jobs)
+        host["shared_mean_slowdown_vs_control"] = round(vs_control, 3)
+        print(
+            f"control:   every job at once on a worker of its own ran {host['mean_slowdown']:.3f}x "
+            f"its time alone (the host shared, no device); against that, sharing the pool "
+            f"cost {vs_control:.3f}x"
+            + ("" if host["own_worker_each"] else " (NOT one job per worker: read with care)")
+        )
     return {
         "benchmark": "rlvr_demo",
         "policy": policy,
@@ -286,6 +373,7 @@ def summarize(
         "mean_slowdown": round(sum(j["slowdown"] for j in jobs) / len(jobs), 3),
         "swapped_calls": swaps,
         "all_same_as_alone": all(j["same_as_alone"] for j in jobs),
+        "control": host,
     }
 
 

@@ -76,8 +76,9 @@ class SGLangSampling:
         self._max_lora_rank = max_lora_rank
         self._attach_url = attach_url
         self._servers: dict[Path, SGLangSampler] = {}
-        self._pushed: dict[Path, Path] = {}
-        """Per base model, the full weights pushed into its server last (absent: its own)."""
+        self._pushed: dict[Path, Path | None] = {}
+        """Per base model, the full weights pushed into its server last (absent: its own;
+        None: not known, as on a server the worker attached to)."""
         self._lock = threading.Lock()
         self._full_lock = threading.Lock()
         """Held while a call samples pushed full weights: one set at a time per server."""
@@ -206,6 +207,6 @@ class SGLangSampling:
                 server = self._servers[base] = SGLangSampler(config)
                 server.start()
                 if server.server.attached:  # whatever it serves, it may not be the base
-                    self._pushed[base] = self._workdir / "unknown-weights"
+                    self._pushed[base] = None
             server.ensure_running()
             return server

@@ -236,17 +236,14 @@ class SGLangServer:
                         return
                 except httpx.HTTPError:
                     pass
-                if self._clock() > deadline and self.attached:
-                    raise SGLangServerError(
-                        f"no SGLang server answered /health_generate at {self.url} within "
-                        f"{self.config.startup_timeout_s:.0f}s; start it, or unset "
-                        "PLEXRL_SGLANG_URL to let the worker start its own"
-                    )
                 if self._clock() > deadline:
+                    within = f"within {self.config.startup_timeout_s:.0f}s"
                     raise SGLangServerError(
-                        f"the SGLang server did not answer /health_generate within "
-                        f"{self.config.startup_timeout_s:.0f}s; raise startup_timeout_s or see "
-                        f"{self.config.log_path or 'its log'}"
+                        f"no SGLang server answered /health_generate at {self.url} {within}; "
+                        "start it, or unset PLEXRL_SGLANG_URL to let the worker start its own"
+                        if self.attached
+                        else f"the SGLang server did not answer /health_generate {within}; "
+                        f"raise startup_timeout_s or see {self.config.log_path or 'its log'}"
                     )
                 time.sleep(1.0)
 

@@ -1,0 +1,40 @@
+"""The main job's control phase: what it checks of its own run, on hand-made results."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+from rlvr import JobResult
+from rlvr_demo import Control
+
+
+def _job(i: int, wall: float, rewards: tuple[float, ...] = (0.5, 0.6)) -> JobResult:
+    return JobResult(model_id=f"m{i}", sft_losses=[1.0], rewards=list(rewards), wall_s=wall)
+
+
+def test_one_job_per_worker_is_recognised_and_a_shared_worker_is_not() -> None:
+    results = [_job(0, 10.0), _job(1, 12.0)]
+    assert Control(results, {"m0": {"w0"}, "m1": {"w1"}}).own_worker_each()
+    assert not Control(results, {"m0": {"w0"}, "m1": {"w0"}}).own_worker_each()
+    assert not Control(results, {"m0": {"w0", "w1"}, "m1": {"w1"}}).own_worker_each()
+    assert not Control(results, {"m0": {"w0"}}).own_worker_each()
+
+
+def test_figures_are_the_mean_slowdown_against_the_jobs_alone() -> None:
+    alone = [_job(0, 10.0), _job(1, 20.0)]
+    control = Control([_job(0, 11.0), _job(1, 26.0)], {"m0": {"w0"}, "m1": {"w1"}})
+    figures = control.figures(alone)
+    assert figures["mean_slowdown"] == round((1.1 + 1.3) / 2, 3)
+    assert figures["jobs_wall_s"] == [11.0, 26.0]
+    assert figures["own_worker_each"]
+
+
+def test_a_control_job_that_learned_differently_is_a_problem() -> None:
+    alone = [_job(0, 10.0), _job(1, 10.0)]
+    same = Control([_job(0, 12.0), _job(1, 12.0)], {})
+    assert same.problems(alone) == []
+    other = Control([_job(0, 12.0), _job(1, 12.0, rewards=(0.5, 0.7))], {})
+    assert other.problems(alone) == ["control: job 1's rewards or losses differ from its run alone"]
