@@ -1,4 +1,5 @@
-"""The main job's control phase: what it checks of its own run, on hand-made results."""
+"""The main job's checks of its own run: the control phase and what counts as learning, on
+hand-made results."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-from rlvr import JobResult
+from rlvr import CLEAR_GAIN, SOLVED, JobResult, learned
 from rlvr_demo import Control
 
 
@@ -38,3 +39,13 @@ def test_a_control_job_that_learned_differently_is_a_problem() -> None:
     assert same.problems(alone) == []
     other = Control([_job(0, 12.0), _job(1, 12.0, rewards=(0.5, 0.7))], {})
     assert other.problems(alone) == ["control: job 1's rewards or losses differ from its run alone"]
+
+
+def test_learning_is_a_clear_rise_or_a_solved_task_held() -> None:
+    assert learned(0.40, 0.40 + CLEAR_GAIN + 1e-9)
+    assert not learned(0.40, 0.44)  # too little to tell from noise
+    assert learned(0.96, 0.93)  # solved by the warm-up, and RL kept it there
+    assert learned(SOLVED - 0.02, SOLVED)  # ended solved without a clear rise
+    assert not learned(0.99, 0.99 - CLEAR_GAIN - 0.01)  # RL undid part of it
+    assert not learned(0.935, 0.852)  # measured at the old RL learning rate
+    assert not learned(0.86, 0.88)  # neither risen nor solved
