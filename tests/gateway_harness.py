@@ -1,8 +1,8 @@
-"""A gateway over real Redis with only Kafka faked, for the admission, isolation and fuzz tests.
+"""A gateway over real Redis with only Kafka faked, for the API, admission, isolation and
+fuzz tests.
 
-The same arrangement as tests/test_gateway_api.py: the publisher stand-in records the
-phase requests the gateway would send; routes, auth, validation, quotas and rendering
-are the real ones.
+The publisher stand-in records the phase requests the gateway would send; routes, auth,
+validation, quotas and rendering are the real ones.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from gateway_support import TINY_MODEL, FakePublisher, drop_cluster_keys, unique_cluster
@@ -65,28 +65,39 @@ class Gw:
         return str((await self.ok("create_sampling_session", body, who))["sampling_session_id"])
 
 
+_G = TypeVar("_G", bound=Gw)
+
+
 @contextlib.asynccontextmanager
 async def gateway(
-    infra: dict[str, str], models: Path, limits: CallLimits = DEFAULT_LIMITS
-) -> AsyncIterator[Gw]:
-    settings = GatewaySettings(
-        cluster_id=unique_cluster("gwadm"),
-        kafka_bootstrap=infra["kafka"],
-        redis_url=infra["redis"],
-        api_keys="tml-alice=alice,tml-bob=bob",
-        model_registry=models,
-        future_wait_s=0.2,
-        sequence_gap_timeout_s=0.2,
-        scheduler_url="http://127.0.0.1:9",
-        state_store_url="http://127.0.0.1:9",
-    )
+    infra: dict[str, str],
+    models: Path,
+    limits: CallLimits = DEFAULT_LIMITS,
+    harness: type[_G] = Gw,  # type: ignore[assignment]
+    **overrides: Any,
+) -> AsyncIterator[_G]:
+    """A gateway of its own cluster id, its keys dropped after; `overrides` are
+    GatewaySettings fields, `harness` the class handed back (a `Gw` with more helpers)."""
+    options: dict[str, Any] = {
+        "cluster_id": unique_cluster("gw"),
+        "kafka_bootstrap": infra["kafka"],
+        "redis_url": infra["redis"],
+        "api_keys": "tml-alice=alice,tml-bob=bob",
+        "model_registry": models,
+        "future_wait_s": 0.2,
+        "sequence_gap_timeout_s": 0.2,
+        "scheduler_url": "http://127.0.0.1:9",
+        "state_store_url": "http://127.0.0.1:9",
+        **overrides,
+    }
+    settings = GatewaySettings(**options)
     stores = Stores.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
     publisher = FakePublisher()
     gw = Gateway.build(settings, stores, publisher, limits)
     transport = httpx.ASGITransport(app=build_app(gw))
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
-            yield Gw(http, publisher, gw, stores)
+            yield harness(http, publisher, gw, stores)
     finally:
         await gw.close()
         await drop_cluster_keys(stores, settings.cluster_id)

@@ -19,13 +19,11 @@ import httpx
 import pytest
 import pytest_asyncio
 import tinker
+from gateway_harness import ALICE, BOB, PROTO, Gw, gateway
 from gateway_support import (
     TINY_MODEL,
-    FakePublisher,
     canned_output,
     completion_for,
-    drop_cluster_keys,
-    unique_cluster,
 )
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from tinker.proto import request_conv, response_conv
@@ -45,34 +43,13 @@ from plexrl.messages import (
     SaveInput,
     SaveKind,
 )
-from plexrl.settings import GatewaySettings
-from plexrl.stores import Stores, TimelineEntry
-from plexrl_gateway.app import build_app
-from plexrl_gateway.components import Gateway
-
-ALICE = {"X-API-Key": "tml-alice"}
-BOB = {"X-API-Key": "tml-bob"}
-PROTO = {"content-type": "application/x-protobuf"}
+from plexrl.stores import TimelineEntry
 
 
 @dataclass
-class Harness:
-    http: httpx.AsyncClient
-    publisher: FakePublisher
-    gateway: Gateway
-    stores: Stores
-
-    async def post(self, path: str, body: Any, who: dict[str, str] = ALICE) -> httpx.Response:
-        return await self.http.post(f"/api/v1/{path}", json=body, headers=who)
-
-    async def ok(self, path: str, body: Any, who: dict[str, str] = ALICE) -> Any:
-        response = await self.post(path, body, who)
-        assert response.status_code == 200, response.text
-        return response.json()
-
-    async def session(self, who: dict[str, str] = ALICE) -> str:
-        body = {"tags": [], "user_metadata": {}, "sdk_version": "0.38.0", "type": "create_session"}
-        return str((await self.ok("create_session", body, who))["session_id"])
+class Harness(Gw):
+    """`Gw` with the helpers these tests add: a full create_model, forward_backward in
+    protobuf, completing a published call as a worker would."""
 
     async def model(self, who: dict[str, str] = ALICE, rank: int = 8) -> str:
         session = await self.session(who)
@@ -120,30 +97,9 @@ SPANS = InMemorySpanExporter()
 @contextlib.asynccontextmanager
 async def harness(infra: dict[str, str], models: Path, **overrides: Any) -> AsyncIterator[Harness]:
     tracing.setup_tracing("plexrl-gateway-test", exporter=SPANS)
-    options: dict[str, Any] = {
-        "cluster_id": unique_cluster("gwapi"),
-        "kafka_bootstrap": infra["kafka"],
-        "redis_url": infra["redis"],
-        "api_keys": "tml-alice=alice,tml-bob=bob",
-        "model_registry": models,
-        "future_wait_s": 0.3,
-        "sequence_gap_timeout_s": 0.3,
-        "scheduler_url": "http://127.0.0.1:9",
-        "state_store_url": "http://127.0.0.1:9",
-        **overrides,
-    }
-    settings = GatewaySettings(**options)
-    stores = Stores.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
-    publisher = FakePublisher()
-    gateway = Gateway.build(settings, stores, publisher)
-    transport = httpx.ASGITransport(app=build_app(gateway))
-    try:
-        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as http:
-            yield Harness(http, publisher, gateway, stores)
-    finally:
-        await gateway.close()
-        await drop_cluster_keys(stores, settings.cluster_id)
-        await stores.close()
+    options = {"future_wait_s": 0.3, "sequence_gap_timeout_s": 0.3, **overrides}
+    async with gateway(infra, models, harness=Harness, **options) as h:
+        yield h
 
 
 @pytest_asyncio.fixture
