@@ -6,6 +6,7 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from plexrl import tracing
+from plexrl.http_metrics import ObserveRequests
 from plexrl_gateway import (
     dashboard,
     routes_futures,
@@ -18,7 +19,7 @@ from plexrl_gateway import (
 from plexrl_gateway.body_limit import BodySizeLimit
 from plexrl_gateway.components import Gateway
 from plexrl_gateway.errors import install_error_handlers
-from plexrl_gateway.metrics import ObserveRequests
+from plexrl_gateway.metrics import observe_request
 
 
 def build_app(gateway: Gateway) -> FastAPI:
@@ -43,7 +44,7 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     # Inside the metrics middleware, so refused bodies are counted (as 413s) too.
     app.add_middleware(BodySizeLimit, max_body_bytes=gateway.limits.max_body_bytes)
-    app.add_middleware(ObserveRequests)
+    app.add_middleware(ObserveRequests, observe=observe_request)
     # The one server span of each request (the root of an API call's trace).
     tracing.instrument_app(app)
     return app

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
 from prometheus_client import Counter, Gauge, Histogram
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 REQUESTS = Counter(
     "plexrl_gateway_requests_total", "HTTP requests answered", ["endpoint", "method", "status"]
@@ -37,39 +33,7 @@ SEQUENCER_WAITING = Gauge(
 )
 
 
-class ObserveRequests:
-    """ASGI middleware: request count and latency per route.
-
-    Metrics are labelled by route template, never by raw path, so ids do not blow up
-    the label space. The request's span is the FastAPI instrumentation's (one per
-    request), not this middleware's.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self._app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self._app(scope, receive, send)
-            return
-        status = {"code": 500}
-
-        async def send_observed(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        start = time.perf_counter()
-        method = scope["method"]
-        try:
-            await self._app(scope, receive, send_observed)
-        finally:
-            endpoint = _route(scope)
-            REQUESTS.labels(endpoint, method, str(status["code"])).inc()
-            LATENCY.labels(endpoint).observe(time.perf_counter() - start)
-
-
-def _route(scope: Scope) -> str:
-    route: Any = scope.get("route")
-    path = getattr(route, "path", None)
-    return str(path) if path else "unmatched"
+def observe_request(endpoint: str, method: str, status: int, seconds: float) -> None:
+    """One answered HTTP request (`plexrl.http_metrics.ObserveRequests`)."""
+    REQUESTS.labels(endpoint, method, str(status)).inc()
+    LATENCY.labels(endpoint).observe(seconds)

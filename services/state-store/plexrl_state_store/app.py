@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from plexrl import tracing
+from plexrl.http_metrics import ObserveRequests
 from plexrl.service_auth import bearer_matches
 from plexrl.stores import CheckpointRecord, CheckpointStore, ResidencyStore
 from plexrl_state_store import metrics
@@ -202,7 +203,7 @@ def build_app(
         return dict(msgspec.to_builtins(record))
 
     app.include_router(v1)
-    app.add_middleware(metrics.ObserveRequests)
+    app.add_middleware(ObserveRequests, observe=metrics.observe_request)
     # One server span per request, continuing the caller's trace (the worker's call).
     tracing.instrument_app(app)
     return app

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
 from prometheus_client import Counter, Histogram
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 BLOB_WRITTEN_BYTES = Counter(
     "plexrl_state_store_blob_written_bytes_total",
@@ -33,29 +29,7 @@ LATENCY = Histogram(
 )
 
 
-class ObserveRequests:
-    """ASGI middleware: count and time each request by route template (keys stay out of
-    the labels: there is one blob key per state version)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self._app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self._app(scope, receive, send)
-            return
-        status = {"code": 500}
-
-        async def send_observed(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        start = time.perf_counter()
-        try:
-            await self._app(scope, receive, send_observed)
-        finally:
-            route: Any = scope.get("route")
-            endpoint = str(getattr(route, "path", None) or "unmatched")
-            REQUESTS.labels(endpoint, scope["method"], str(status["code"])).inc()
-            LATENCY.labels(endpoint, scope["method"]).observe(time.perf_counter() - start)
+def observe_request(endpoint: str, method: str, status: int, seconds: float) -> None:
+    """One answered HTTP request (`plexrl.http_metrics.ObserveRequests`)."""
+    REQUESTS.labels(endpoint, method, str(status)).inc()
+    LATENCY.labels(endpoint, method).observe(seconds)
