@@ -19,7 +19,8 @@ make the same calls per step with .venv's tinker (0.38.0, the one the cookbook r
   with differing rewards become datums (with provenance), forward_backward
   (stable_reinforce), optim_step.
 - math_rl: the same, with one sample call per group member (num_samples=1, as the
-  cookbook's rollouts do), 5 tokens, reward = right answer + 0.1 x (stopped - 1).
+  cookbook's rollouts do), 5 tokens, reward = right answer + 0.1 x (stopped - 1), on the
+  sums the recipe's arithmetic environment draws for the same batch (`math_problems`).
 
 Ends with one JSON line: per recipe, each step's seconds and the mean for both, and how
 many steps trained (an RL step whose groups all got equal rewards skips training).
@@ -29,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import re
 import statistics
 import sys
@@ -41,6 +41,7 @@ from typing import Any, Literal
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # tests.sdk_support, tests.cookbook_data
 
+import numpy as np  # noqa: E402
 import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
@@ -97,10 +98,10 @@ def tensor(values: list[Any], dtype: Literal["int64", "float32"]) -> types.Tenso
 # The direct loops: each returns every step's seconds -------------------------------------
 
 
-def sl_direct(client: Any, text: Text) -> tuple[list[float], int]:
+def sl_direct(client: Any, text: Text, steps: int) -> tuple[list[float], int]:
     rows = cookbook_data.no_robots(16)
     times = []
-    for step in range(SL_STEPS):
+    for step in range(steps):
         start = time.time()
         batch = []
         for row in rows[step * SL_BATCH : (step + 1) * SL_BATCH]:
@@ -178,11 +179,11 @@ def train_step(client: Any, datums: list[types.Datum], lr: float) -> bool:
     return True
 
 
-def rl_direct(client: Any, text: Text) -> tuple[list[float], int]:
+def rl_direct(client: Any, text: Text, steps: int) -> tuple[list[float], int]:
     rows = cookbook_data.gsm8k(32)
     boxed = re.compile(r"\\boxed\{([^}]*)\}")
     times, trained = [], 0
-    for step in range(RL_STEPS):
+    for step in range(steps):
         start = time.time()
         sampler = client.save_weights_and_get_sampling_client(record_stability_info=True).result()
         params = types.SamplingParams(max_tokens=RL_TOKENS, stop=[text.end])
@@ -215,14 +216,24 @@ def rl_direct(client: Any, text: Text) -> tuple[list[float], int]:
     return times, trained
 
 
-def math_direct(client: Any, text: Text) -> tuple[list[float], int]:
-    rng = random.Random(0)
+def math_problems(step: int) -> list[tuple[int, int]]:
+    """The sums the recipe's arithmetic environment poses in batch `step`: its draws are
+    numpy's RandomState seeded with the batch index, two integers in [0, 100] a group."""
+    rng = np.random.RandomState(step)
+    problems = []
+    for _ in range(MATH_GROUPS):
+        x = int(rng.randint(0, 101))
+        problems.append((x, int(rng.randint(0, 101))))
+    return problems
+
+
+def math_direct(client: Any, text: Text, steps: int) -> tuple[list[float], int]:
     times, trained = [], 0
-    for _ in range(MATH_STEPS):
+    for step in range(steps):
         start = time.time()
         sampler = client.save_weights_and_get_sampling_client(record_stability_info=True).result()
         params = types.SamplingParams(max_tokens=MATH_TOKENS, stop=[text.end], temperature=1.0)
-        problems = [(rng.randint(0, 100), rng.randint(0, 100)) for _ in range(MATH_GROUPS)]
+        problems = math_problems(step)
         groups = []
         for x, y in problems:
             prompt = text.encode(
@@ -252,14 +263,14 @@ def math_direct(client: Any, text: Text) -> tuple[list[float], int]:
     return times, trained
 
 
-def direct(base_url: str, name: str, model_dir: Path) -> tuple[list[float], int]:
-    """The direct loop `name` on a fresh LoRA training client: each step's seconds, and
-    how many steps trained."""
+def direct(base_url: str, name: str, model_dir: Path, steps: int) -> tuple[list[float], int]:
+    """The direct loop `name` on a fresh LoRA training client for `steps` steps: each
+    step's seconds, and how many steps trained."""
     text = Text(model_dir)
     service = tinker.ServiceClient(base_url=base_url, api_key=KEY)
     client = service.create_lora_training_client(base_model=COOKBOOK_MODEL, rank=RANK).result()
     loop = {"sl_loop": sl_direct, "rl_loop": rl_direct, "math_rl": math_direct}[name]
-    return loop(client, text)
+    return loop(client, text, steps)
 
 
 # What the recipes log --------------------------------------------------------------------
@@ -270,12 +281,28 @@ RECIPES = {
     "rl_loop": ("rl_loop", RL_LOOP_ARGS, "time/total"),
     "math_rl": ("math_rl.train", MATH_RL_ARGS, "time/total"),
 }
+STEPS = {"sl_loop": SL_STEPS, "rl_loop": RL_STEPS, "math_rl": MATH_STEPS}
+"""Steps per recipe by default: the test's."""
+MOST_STEPS = {"sl_loop": 16 // SL_BATCH, "rl_loop": 32 // RL_BATCH, "math_rl": 1000}
+"""What the local data sets allow (tests/cookbook_data.write_all: 16 chat rows, 32
+questions; the arithmetic environment draws its own)."""
+
+
+def with_steps(recipe_args: tuple[str, ...], steps: int) -> tuple[str, ...]:
+    return tuple(f"max_steps={steps}" if a.startswith("max_steps=") else a for a in recipe_args)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the worker")
     parser.add_argument("--only", help="comma-separated recipe names (default: all three)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="steps per recipe and direct loop (default: the test's, 2-3; at most what the\n"
+        "local data allow: sl_loop 4, rl_loop 8)",
+    )
     args = parser.parse_args()
     names = args.only.split(",") if args.only else list(RECIPES)
     cookbook = installed(COOKBOOK)
@@ -300,12 +327,15 @@ def main() -> None:
             recipes = Recipes(cookbook, env, config.gateway_url, runs)
             for name in names:
                 module, recipe_args, metric = RECIPES[name]
+                steps = min(args.steps or STEPS[name], MOST_STEPS[name])
                 started = time.monotonic()
-                rows = recipes.run(module, name, *recipe_args)
+                rows = recipes.run(module, name, *with_steps(recipe_args, steps))
                 process_s = time.monotonic() - started
                 cookbook_steps = [row[metric] for row in rows if metric in row]
                 trained = sum("grad_norm:mean" in row for row in rows)
-                direct_steps, direct_trained = direct(config.gateway_url, name, registry / "tiny")
+                direct_steps, direct_trained = direct(
+                    config.gateway_url, name, registry / "tiny", steps
+                )
                 results[name] = {
                     "cookbook_step_s": [round(s, 2) for s in cookbook_steps],
                     "direct_step_s": [round(s, 2) for s in direct_steps],
