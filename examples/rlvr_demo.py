@@ -140,8 +140,9 @@ class Control:
     """The control phase: every job at once, each on a worker of its own. Against the
     jobs alone it measures what sharing this host (its cores carry every client, the
     services, Kafka and Redis) costs; against it, a shared run's slowdown is what
-    sharing the pool costs. Both runs share the host the same way; neither shares a
-    device in the control."""
+    sharing the pool costs. The control shares no device, but runs a worker process
+    per job where a shared run has `--workers`: when jobs' calls coincide it is the
+    more crowded of the two, so it errs towards blaming the host."""
 
     def __init__(self, results: list[JobResult], workers: dict[str, set[str]]) -> None:
         self.results = results
