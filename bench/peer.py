@@ -26,10 +26,12 @@ Ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -161,8 +163,8 @@ class Peer:
     """The tx server as a child process, on a port of its own."""
 
     def __init__(self, model: Path, work: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
         shim = work / "bin"
         shim.mkdir()
         # tx starts its engine with `uv run --extra tinker --extra jax -m tx.tinker.engine
@@ -181,13 +183,16 @@ class Peer:
         }
         cmd = [
             str(PEER_PYTHON), "-m", "tx.tinker.api", "--base-model", str(model),
-            "--port", str(self.port), "--host", "127.0.0.1",
+            "--port", str(port), "--host", "127.0.0.1",
             "--database-url", f"sqlite:///{work / 'tx.db'}",
             "--checkpoints-base", str(work / "checkpoints"),
             "--backend-config", json.dumps({"max_lora_rank": RANK, "max_lora_adapters": 16}),
         ]  # fmt: skip
         self.log = (work / "tx.log").open("w")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        # A session of its own, so closing it stops the engine process tx starts too.
+        self.proc = subprocess.Popen(
+            cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self._wait(work / "tx.log")
 
     def _wait(self, log: Path) -> None:
@@ -206,12 +211,13 @@ class Peer:
         raise SystemExit(f"the peer did not answer in 300 s; see {log}")
 
     def close(self) -> None:
-        self.proc.terminate()
-        try:
+        """Stop the API server and its engine (its whole process group)."""
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        subprocess.run(["pkill", "-f", f"tx.tinker.engine.*{self.port}"], check=False)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine, if it outlived the server
+        self.proc.wait()
         self.log.close()
 
 

@@ -120,7 +120,7 @@ def main() -> int:
             flush=True,
         )
         with start_cluster(args, policy, policy) as cluster:
-            shared, makespan = run_jobs(cluster, args, list(range(args.jobs)))
+            shared, makespan = run_jobs(cluster, args, everyone)
             summaries.append(summarize(cluster, alone, control, shared, makespan, args, policy))
     if len(summaries) > 1:
         side_by_side(summaries)
@@ -353,12 +353,12 @@ def summarize(
     host: dict[str, Any] | None = None
     if control is not None:
         host = control.figures(alone)
-        vs_control = sum(j["slowdown_vs_control"] for j in jobs) / len(jobs)
-        host["shared_mean_slowdown_vs_control"] = round(vs_control, 3)
+        pooled = sum(j["slowdown_vs_control"] for j in jobs) / len(jobs)
+        host["shared_mean_slowdown_vs_control"] = round(pooled, 3)
         print(
             f"control:   every job at once on a worker of its own ran {host['mean_slowdown']:.3f}x "
             f"its time alone (the host shared, no device); against that, sharing the pool "
-            f"cost {vs_control:.3f}x"
+            f"cost {pooled:.3f}x"
             + ("" if host["own_worker_each"] else " (NOT one job per worker: read with care)")
         )
     return {
