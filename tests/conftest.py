@@ -92,7 +92,11 @@ def sglang_sampler(
     sampler.stop()
 
 
-SHARED_KEYS = {"tml-losses": "losses", "tml-sdk-versions": "sdk-versions"}
+SHARED_KEYS = {
+    "tml-losses": "losses",
+    "tml-sdk-versions": "sdk-versions",
+    "tml-preempt": "preempt",
+}
 """API keys (and their tenants) of the shared cluster: one per test module using it."""
 
 

@@ -14,6 +14,7 @@ from plexrl.messages import (
     NoopInput,
     PhaseCompletion,
     PhaseRequest,
+    ReleaseReason,
     ResidentState,
     TailReleased,
     Tier,
@@ -384,3 +385,40 @@ def test_a_jobs_last_gap_is_from_the_end_of_its_calls_to_its_next_with_none_queu
     view = state.snapshot().jobs["j"]
     assert view.last_gap_s == pytest.approx(0.03)
     assert view.burst_s == pytest.approx(5.0)  # its burst began with r1
+
+
+def test_a_sample_run_is_preemptible_once_and_a_preempt_release_frees_the_worker() -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock)
+    _sampling(state)
+    clock.t += 0.5
+    worker = state.snapshot().workers["w0"]
+    assert worker.preemptible_since == 1000.0
+    # Expected end: the dispatch's start plus its three calls' expected seconds.
+    assert worker.busy_until > 1000.0
+    assert state.apply_preempt("w0") == "d1"
+    assert state.snapshot().workers["w0"].preemptible_since is None  # asked once
+    released = TailReleased(
+        worker_id="w0",
+        dispatch_id="d1",
+        request_ids=["a1", "a2", "b1"],
+        job_ids=["a", "b"],
+        remaining=6,
+        total=8,
+        at=0.0,
+        reason=ReleaseReason.PREEMPT,
+    )
+    assert state.on_tail_released(released)
+    snap = state.snapshot()
+    assert snap.workers["w0"].running is None and snap.jobs["a"].pinned
+    assert state.apply_preempt("w0") is None  # nothing runs there now
+
+
+def test_a_run_with_other_calls_is_never_preemptible() -> None:
+    state = ClusterState(clock=Clock())
+    state.on_heartbeat(beat("w0"))
+    state.add_job("a", "t", JobSpec(base_model="m", state_bytes=10), home="w0")
+    state.on_request(req("a1", "a", Function.SAMPLE), delivery(0))
+    state.on_request(req("a2", "a", Function.FORWARD_BACKWARD), delivery(1))
+    state.apply_run("d1", "w0", "a", state.take_pending(("a1", "a2")), ())
+    assert state.snapshot().workers["w0"].preemptible_since is None

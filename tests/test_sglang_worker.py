@@ -13,6 +13,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import httpx
 import pytest
 import tinker
+from preempt_support import check_a_rollout_yields
 from tinker import types
 
 from plexrl.cluster import ClusterConfig, LocalCluster
@@ -97,6 +98,15 @@ def test_a_seeded_call_is_a_clear_4xx(cluster: LocalCluster) -> None:
     # A user error (the SDK does not retry it), saying what to change.
     with pytest.raises(tinker.RequestFailedError, match="seed"):
         sampler.sample(types.ModelInput.from_ints([5, 6, 7]), 1, seeded).result()
+
+
+def test_a_long_rollout_in_sglang_yields_to_a_short_training_call(cluster: LocalCluster) -> None:
+    # Greedy (SGLang takes no seed here): the same tokens paused and continued. Long
+    # enough that a training call (about 0.6 s here: it releases SGLang's memory first)
+    # is under half of what is left of it.
+    params = types.SamplingParams(max_tokens=400, temperature=0.0)
+    check_a_rollout_yields(cluster.config.gateway_url, KEY, params, num_samples=16)
+    assert _worker_counter(cluster, "plexrl_worker_preempted_batches_total") >= 1
 
 
 def _worker_counter(cluster: LocalCluster, name: str) -> float:

@@ -125,3 +125,52 @@ def test_without_a_threshold_nothing_is_released(engine: TorchEngine) -> None:
 
     rans = asyncio.run(main())
     assert told == [] and all(r.tail_released_at is None for r in rans)
+
+
+def test_a_preempted_batch_lets_go_at_once_pauses_at_its_gate_and_samples_the_same(
+    engine: TorchEngine,
+) -> None:
+    call = _call("long", 2, 40, 7)
+    told: list[tuple[list[int], int, int]] = []
+    steps: list[int] = []
+    gate_open = asyncio.Event()
+    gate_open.set()
+
+    async def on_tail(running: list[int], remaining: int, total: int) -> None:
+        told.append((running, remaining, total))
+        gate_open.clear()  # the preempting dispatch runs: the batch waits
+
+    async def gate() -> None:
+        steps.append(1)
+        await gate_open.wait()
+
+    async def main() -> tuple[list[Ran], int, int]:
+        thread = EngineThread()
+        release = asyncio.Event()
+        try:
+            task = asyncio.create_task(
+                _runner(engine, thread).run_samples(
+                    [call], tail_threshold=0.0, on_tail=on_tail, release=release, gate=gate
+                )
+            )
+            while len(steps) < 4:
+                await asyncio.sleep(0.001)
+            release.set()
+            while not told:
+                await asyncio.sleep(0.001)
+            paused_at = len(steps)
+            await asyncio.sleep(0.3)
+            assert not task.done()
+            held = len(steps)
+            gate_open.set()
+            return await task, paused_at, held
+        finally:
+            thread.shutdown()
+
+    rans, paused_at, held = asyncio.run(main())
+    assert held == paused_at  # no decode step while paused
+    running, remaining, total = told[0]
+    assert len(told) == 1 and running == [0] and total == 2 and 0 < remaining <= 2
+    assert rans[0].tail_released_at is not None and rans[0].error is None
+    # Paused and resumed, the same samples as run straight through.
+    assert rans[0].output == engine.sample(f"base:{BASE}", cast(SampleInput, call.payload))

@@ -75,6 +75,10 @@ class SchedulerSettings(CommonSettings):
     # is in a burst of calls (its last gap between calls at most this) waits up to twice
     # that gap, at most this, for that job's next call before serving another job. 0: off.
     hold_s: float = 0.1
+    # The plexrl policy's preemption (`PolicyConfig.preempt_ratio`): a worker's running
+    # sample batch yields to a waiting job whose calls are expected to take at most this
+    # fraction of the batch's remaining seconds (once per batch). 0: off.
+    preempt_ratio: float = Field(default=0.5, ge=0.0, le=1.0)
     # A worker whose last heartbeat is older than this is treated as down (its jobs
     # are re-homed and restored elsewhere). Heartbeats come every second; a false alarm
     # costs a restore, never a wrong result (the old home is fenced off).

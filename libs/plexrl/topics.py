@@ -35,6 +35,11 @@ class Topics:
         """Dispatch for one worker group, keyed by job id."""
         return f"{self.cluster_id}.dispatch.{worker_id}"
 
+    def control(self, worker_id: str) -> str:
+        """PreemptBatch, keyed by dispatch id: scheduler → one worker group, read beside its
+        dispatches (a dispatch topic waits while the worker runs the one before)."""
+        return f"{self.cluster_id}.control.{worker_id}"
+
     def group(self, name: str) -> str:
         """A consumer group name scoped to this cluster."""
         return f"{self.cluster_id}-{name}"

@@ -37,13 +37,14 @@ from plexrl.messages.completions import (
     StopReason,
     UnloadOutput,
 )
-from plexrl.messages.dispatch import Dispatch, Lease, StateMove
+from plexrl.messages.dispatch import Dispatch, Lease, PreemptBatch, StateMove
 from plexrl.messages.dlq import DeadLetter, DeadLetterReason
 from plexrl.messages.events import (
     Event,
     IdleHint,
     JobAdmitted,
     JobFinished,
+    ReleaseReason,
     ResidencyChanged,
     ResidentState,
     TailReleased,
@@ -144,6 +145,8 @@ __all__ = [
     "PhaseInput",
     "PhaseOutput",
     "PhaseRequest",
+    "PreemptBatch",
+    "ReleaseReason",
     "ResidencyChanged",
     "ResidentState",
     "SampleInput",

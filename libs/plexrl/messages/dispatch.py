@@ -47,3 +47,18 @@ class Dispatch(msgspec.Struct, frozen=True):
     lease: Lease | None = None
     """None (an older scheduler): the calls run unnumbered and unfenced."""
     schema_version: int = SCHEMA_VERSION
+
+
+class PreemptBatch(msgspec.Struct, frozen=True):
+    """Scheduler → worker, on the worker's control topic (`Topics.control`): let the next
+    dispatch in beside the running sample batch of `dispatch_id` now, without waiting for
+    its tail, and pause that batch while the next dispatch's other calls run. The worker
+    answers with a TailReleased of reason PREEMPT (the scheduler then sends the next
+    dispatch), or with nothing when the batch had already finished or was released."""
+
+    worker_id: str
+    dispatch_id: str
+    for_job: str
+    """The job whose pending calls the batch is preempted for (logged, traced)."""
+    issued_at: float = 0.0
+    schema_version: int = SCHEMA_VERSION

@@ -6,6 +6,8 @@ One tagged union, so a consumer decodes any event with one decoder and a
 
 from __future__ import annotations
 
+import enum
+
 import msgspec
 
 from plexrl.messages.common import SCHEMA_VERSION, StateComponent, Tier
@@ -82,6 +84,16 @@ class IdleHint(msgspec.Struct, frozen=True, tag="idle_hint"):
     schema_version: int = SCHEMA_VERSION
 
 
+class ReleaseReason(enum.StrEnum):
+    """Why a worker let its next dispatch in beside a running sample batch."""
+
+    TAIL = "tail"
+    """Fewer than the tail threshold of the batch's sequences still decode."""
+    PREEMPT = "preempt"
+    """The scheduler preempted the batch for a waiting job's calls (`PreemptBatch`); the
+    batch pauses while the next dispatch's non-sample calls run, then goes on."""
+
+
 class TailReleased(msgspec.Struct, frozen=True, tag="tail_released"):
     """A worker's running sample batch is down to its straggling tail: fewer than the
     threshold fraction of its sequences still decode (the simulator's `tail_threshold`
@@ -99,6 +111,8 @@ class TailReleased(msgspec.Struct, frozen=True, tag="tail_released"):
     total: int
     """Sequences the released calls sample in all."""
     at: float
+    reason: ReleaseReason = ReleaseReason.TAIL
+    """Why: down to its tail, or preempted by the scheduler (`PreemptBatch`)."""
     schema_version: int = SCHEMA_VERSION
 
 

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from plexrl.policy.actions import Action, Admit, Move, Plan, Prefetch, Reject, RejectReason, Run
+from plexrl.policy.actions import (
+    Action,
+    Admit,
+    Move,
+    Plan,
+    Preempt,
+    Prefetch,
+    Reject,
+    RejectReason,
+    Run,
+)
 from plexrl.policy.anticipate import held_groups, without
 from plexrl.policy.backfill import plan_spread_backfill
 from plexrl.policy.config import PolicyConfig
@@ -16,6 +26,7 @@ from plexrl.policy.cosample import co_sample
 from plexrl.policy.fifo import plan_fifo
 from plexrl.policy.pack import plan_pack
 from plexrl.policy.plexrl_policy import plan_plexrl
+from plexrl.policy.preempt import preemptions
 from plexrl.policy.snapshot import (
     CallEstimates,
     ClusterSnapshot,
@@ -58,11 +69,17 @@ def decide(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
 
 def decide_until(snapshot: ClusterSnapshot, config: PolicyConfig) -> tuple[Plan, float | None]:
     """`decide`, and when the earliest hold it made ends (snapshot clock; None: no group
-    held): the live scheduler decides again then, whatever arrives."""
-    held = held_groups(snapshot, config.hold_s, config.quantum_s) if config.name == "plexrl" else {}
+    held): the live scheduler decides again then, whatever arrives. With the plexrl
+    policy, running sample batches that should yield to a waiting job are preempted
+    (`plexrl.policy.preempt`)."""
+    own = config.name == "plexrl"
+    held = held_groups(snapshot, config.hold_s, config.quantum_s) if own else {}
     view = without(snapshot, held)
     ends = [until for _, until in held.values()]
-    return co_sample(view, plan(view, config), config.max_cosampled_calls), min(ends, default=None)
+    decided = co_sample(view, plan(view, config), config.max_cosampled_calls)
+    if own:
+        decided += preemptions(view, config)
+    return decided, min(ends, default=None)
 
 
 __all__ = [
@@ -76,6 +93,7 @@ __all__ = [
     "PendingCall",
     "Plan",
     "PolicyConfig",
+    "Preempt",
     "Prefetch",
     "Reject",
     "RejectReason",
@@ -86,4 +104,5 @@ __all__ = [
     "decide",
     "decide_until",
     "plan",
+    "preemptions",
 ]

@@ -72,5 +72,17 @@ class Prefetch:
     evict: tuple[Move, ...] = ()
 
 
-Action = Admit | Reject | Run | Prefetch
+@quick_init
+@dataclass(frozen=True)
+class Preempt:
+    """Let the group's next Run in beside its running sample batch now (live only)."""
+
+    worker_id: str
+    job_id: str
+    """The job whose sample batch yields."""
+    for_job: str
+    """The waiting job it yields to."""
+
+
+Action = Admit | Reject | Run | Prefetch | Preempt
 Plan = tuple[Action, ...]

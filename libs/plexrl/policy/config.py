@@ -51,7 +51,24 @@ class PolicyConfig:
     takes other jobs' pending sample calls on its group along, up to this many calls in
     all, decoded in one batch; 0 turns it off. The simulator does not model it."""
 
+    preempt_ratio: float = 0.5
+    """The live scheduler's preemption (`plexrl.policy.preempt`, plexrl policy only): a
+    group's running sample batch yields to a waiting job of the group whose pending calls
+    are expected to take at most this fraction of the batch's expected remaining seconds
+    (the yielding job waits that long at most, once per batch). 0 turns it off; the
+    simulator does not model it."""
+    preempt_after_s: float = 0.05
+    """A batch is never preempted before it has run this long (its own prompts and first
+    steps go first, and a batch about to be released anyway is not asked twice)."""
+
     def __post_init__(self) -> None:
+        if not 0 <= self.preempt_ratio <= 1:
+            raise ValueError(
+                f"preempt_ratio is {self.preempt_ratio}; use 0 (off) up to 1 (0.5: a job "
+                "yields only to calls at most half its remaining sampling)"
+            )
+        if self.preempt_after_s < 0:
+            raise ValueError(f"preempt_after_s is {self.preempt_after_s}; it must be 0 or more")
         if self.max_cosampled_calls < 0:
             raise ValueError(
                 f"max_cosampled_calls is {self.max_cosampled_calls}; use 0 (off) or more"

@@ -85,6 +85,9 @@ class WorkerView:
     """The job whose calls are in flight here, if any."""
     busy_until: float = 0.0
     """Expected end of the in-flight work (snapshot clock)."""
+    preemptible_since: float | None = None
+    """When the in-flight Run began, if it is sample calls only and not yet asked to
+    yield (`plexrl.policy.preempt`); None otherwise. Only the live scheduler sets it."""
     healthy: bool = True
 
 

@@ -24,6 +24,9 @@ class TimelineEntry(msgspec.Struct, frozen=True):
     tail_released_at: float | None = None
     """When the worker let its next dispatch in beside this sample call's straggling
     tail (wall clock); None if it never did."""
+    preempted: bool = False
+    """The release was the scheduler preempting the call (`PreemptBatch`), not its tail:
+    it paused while the dispatch it yielded to ran."""
 
 
 class TimelineStore(RedisStore):

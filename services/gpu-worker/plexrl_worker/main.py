@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import time
@@ -18,7 +19,14 @@ from plexrl.dead_letters import DeadLetters
 from plexrl.health import HttpServer, health_app
 from plexrl.kafka import Delivery, MessageConsumer
 from plexrl.ledger import Ledger
-from plexrl.messages import Dispatch, Function, PhaseCompletion, TailReleased
+from plexrl.messages import (
+    Dispatch,
+    Function,
+    PhaseCompletion,
+    PreemptBatch,
+    ReleaseReason,
+    TailReleased,
+)
 from plexrl.models import ModelRegistry
 from plexrl.retry import retrying
 from plexrl.service import join_cluster
@@ -29,6 +37,7 @@ from plexrl_worker import metrics
 from plexrl_worker.engine import EngineConfig, TorchEngine
 from plexrl_worker.engine_thread import EngineThread
 from plexrl_worker.heartbeat import Heartbeat
+from plexrl_worker.preemption import Preemption
 from plexrl_worker.recorder import ResultRecorder
 from plexrl_worker.recovery import JobRecovery, NumberedCalls, SnapshotConfig
 from plexrl_worker.residency import StateManager
@@ -68,7 +77,9 @@ class DispatchHandler:
         heartbeat: Heartbeat,
         numbered: NumberedCalls,
         tail: TailRelease,
+        preemption: Preemption | None = None,
     ) -> None:
+        self._preemption = preemption or Preemption()
         self._states = states
         self._runner = runner
         self._recorder = recorder
@@ -81,6 +92,8 @@ class DispatchHandler:
 
     async def __call__(self, dispatch: Dispatch, delivery: Delivery) -> None:
         self._heartbeat.busy = True
+        # A batch preempted for this dispatch stays paused until it lets go (below).
+        claimed = bool(dispatch.calls) and self._preemption.claim()
         try:
             for move in dispatch.evict:
                 await self._states.move(move.job_id, move.to_tier)
@@ -113,6 +126,8 @@ class DispatchHandler:
                 await self._states.move(move.job_id, move.to_tier)
         finally:
             self._heartbeat.busy = False
+            if claimed:
+                await self._preemption.open()
 
     async def _run_group(
         self,
@@ -152,6 +167,8 @@ class DispatchHandler:
             last_i = len(dispatch.calls) - 1
             if cobatched:
                 metrics.SAMPLE_BATCH_CALLS.observe(len(group))
+                # Sample calls join a preempted batch rather than wait for it.
+                await self._preemption.open()
                 await self._run_samples(dispatch, group, releasable)
                 return
             i = group[0]
@@ -170,14 +187,22 @@ class DispatchHandler:
             await self._record(dispatch, i, await self._runner.run(request), i == last_i)
 
     async def _run_samples(self, dispatch: Dispatch, group: list[int], releasable: bool) -> None:
-        """Run a co-batched group and record its calls. When it is releasable and the
-        tail release is on, return as soon as the batch is down to its tail (announced
-        on the events topic) and let it finish in the background: the consumer takes
-        the next dispatch, whose calls run beside the tail."""
+        """Run a co-batched group and record its calls. When it is releasable, return as
+        soon as the batch is down to its tail (with the tail release on) or the scheduler
+        preempts it (announced on the events topic) and let it finish in the background:
+        the consumer takes the next dispatch, whose calls run beside it (a preempted
+        batch pauses meanwhile, `Preemption`)."""
         released = asyncio.Event()
+        preemption = self._preemption
+        asked = preemption.yieldable(dispatch.dispatch_id) if releasable else None
 
         async def on_tail(running: list[int], remaining: int, total: int) -> None:
             calls = [dispatch.calls[group[k]] for k in running]
+            preempted = asked is not None and asked.is_set()
+            preemption.finished(dispatch.dispatch_id)
+            if preempted:
+                await preemption.hold()
+                metrics.PREEMPTED_BATCHES.inc()
             await self._tail.announce(
                 TailReleased(
                     worker_id=dispatch.worker_id,
@@ -187,9 +212,11 @@ class DispatchHandler:
                     remaining=remaining,
                     total=total,
                     at=time.time(),
+                    reason=ReleaseReason.PREEMPT if preempted else ReleaseReason.TAIL,
                 )
             )
-            metrics.TAIL_RELEASES.inc()
+            if not preempted:
+                metrics.TAIL_RELEASES.inc()
             released.set()
 
         last_i = len(dispatch.calls) - 1
@@ -197,16 +224,22 @@ class DispatchHandler:
 
         async def record(k: int, ran: Ran) -> None:
             recorded.add(k)
+            if ran.tail_released_at is not None and asked is not None and asked.is_set():
+                ran = dataclasses.replace(ran, preempted=True)
             await self._record(dispatch, group[k], ran, group[k] == last_i)
 
         async def run_and_record() -> None:
-            use_tail = releasable and self._tail.threshold > 0
-            rans = await self._runner.run_samples(
-                [dispatch.calls[i] for i in group],
-                tail_threshold=self._tail.threshold,
-                on_tail=on_tail if use_tail else None,
-                on_done=record,
-            )
+            try:
+                rans = await self._runner.run_samples(
+                    [dispatch.calls[i] for i in group],
+                    tail_threshold=self._tail.threshold,
+                    on_tail=on_tail if releasable else None,
+                    on_done=record,
+                    release=asked,
+                    gate=preemption.wait_open,
+                )
+            finally:
+                preemption.finished(dispatch.dispatch_id)
             for k, ran in enumerate(rans):  # those that failed before running
                 if k not in recorded:
                     await record(k, ran)
@@ -260,8 +293,10 @@ def _groups(
 
 async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
     name = f"plexrl-worker-{settings.worker_id}"
-    own_topic = Topics(settings.cluster_id).dispatch(settings.worker_id)
-    topics, stores, publisher = await join_cluster(settings, name, {own_topic: 1})
+    own = Topics(settings.cluster_id)
+    topics, stores, publisher = await join_cluster(
+        settings, name, {own.dispatch(settings.worker_id): 1, own.control(settings.worker_id): 1}
+    )
     store = StateStoreClient(settings.state_store_url, token=settings.service_token)
     registry = ModelRegistry(settings.model_registry)
     engine = TorchEngine(
@@ -341,7 +376,15 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         settings.tail_threshold,
         lambda event: publisher.publish(topics.events, settings.worker_id, event),
     )
-    handler = DispatchHandler(states, runner, recorder, heartbeat, numbered, tail)
+    preemption = (
+        Preemption(
+            pause=functools.partial(asyncio.to_thread, sglang.pause),
+            resume=functools.partial(asyncio.to_thread, sglang.resume),
+        )
+        if sglang is not None
+        else Preemption()
+    )
+    handler = DispatchHandler(states, runner, recorder, heartbeat, numbered, tail, preemption)
     metrics.watch(states, lambda: len(engine.installed_samplers()))
     dispatches: MessageConsumer[Dispatch] = MessageConsumer(
         bootstrap=settings.kafka_bootstrap,
@@ -353,21 +396,41 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         name=f"worker-{settings.worker_id}",
         answer=DeadLetters(stores.calls, stores.keys, publisher, topics.completions),
     )
+
+    async def preempt(message: PreemptBatch, delivery: Delivery) -> None:
+        await preemption.ask(message.dispatch_id)
+
+    control: MessageConsumer[PreemptBatch] = MessageConsumer(
+        bootstrap=settings.kafka_bootstrap,
+        topics=[topics.control(settings.worker_id)],
+        group=None,  # a preempt is for the batch running now: none is replayed
+        message_type=PreemptBatch,
+        handler=preempt,
+        dlq=(publisher, topics.dlq),
+        name=f"worker-{settings.worker_id}-control",
+        from_latest=True,
+    )
     # Completions must go out: wait out a broker that is away rather than fail the call.
     publisher.retry_until(stop)
     health = HttpServer(
         health_app(
             f"worker-{settings.worker_id}",
             lambda: status(states, handler, engine),
-            [dispatches],
+            [dispatches, control],
         ),
         settings.worker_host,
         settings.worker_port,
     )
     await publisher.start()
     await dispatches.start()
+    await control.start()
+    await control.wait_assigned()
     await health.start()
-    tasks = [asyncio.create_task(dispatches.run(stop)), asyncio.create_task(heartbeat.run(stop))]
+    tasks = [
+        asyncio.create_task(dispatches.run(stop)),
+        asyncio.create_task(control.run(stop)),
+        asyncio.create_task(heartbeat.run(stop)),
+    ]
     log.info(
         "worker %s up on %s with models %s",
         settings.worker_id,
@@ -381,6 +444,8 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         await asyncio.gather(*handler.tails, return_exceptions=True)
         with contextlib.suppress(Exception):
             await dispatches.stop()
+        with contextlib.suppress(Exception):
+            await control.stop()
         await recovery.drain()
         if sglang is not None:
             await asyncio.to_thread(sglang.stop)

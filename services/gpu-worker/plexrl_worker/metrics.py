@@ -45,6 +45,10 @@ TAIL_RELEASES = Counter(
     "plexrl_worker_tail_releases_total",
     "Sample batches down to their straggling tail, left to finish beside the next dispatch",
 )
+PREEMPTED_BATCHES = Counter(
+    "plexrl_worker_preempted_batches_total",
+    "Sample batches the scheduler preempted: released early and paused for one dispatch",
+)
 SGLANG_RELEASES = Counter(
     "plexrl_worker_sglang_releases_total",
     "Times the SGLang sampler released its device memory (weights, KV cache) to training",

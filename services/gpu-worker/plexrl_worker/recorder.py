@@ -91,6 +91,7 @@ class ResultRecorder:
             compute_s=ran.compute_s,
             ok=ran.error is None,
             tail_released_at=ran.tail_released_at,
+            preempted=ran.preempted,
         )
         # Two independent writes, one round trip's wait (a retry of the whole record
         # may append the timeline entry twice, as it could before; the record is NX).

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
@@ -67,7 +68,10 @@ class Ran:
     compute_s: float
     started_at: float
     tail_released_at: float | None = None
-    """When the worker let its next dispatch in beside this call's straggling tail."""
+    """When the worker let its next dispatch in beside this call's straggling tail (or,
+    with `preempted`, beside this call preempted)."""
+    preempted: bool = False
+    """The release was the scheduler's preemption, not the tail threshold."""
 
 
 TailHook = Callable[[list[int], int, int], Awaitable[None]]
@@ -177,15 +181,21 @@ class CallRunner:
         tail_threshold: float = 0.0,
         on_tail: TailHook | None = None,
         on_done: Callable[[int, Ran], Awaitable[None]] | None = None,
+        release: asyncio.Event | None = None,
+        gate: Callable[[], Awaitable[None]] | None = None,
     ) -> list[Ran]:
         """Run sample calls in one running batch (co-batched: each call's output is the
         same as run alone); each Ran's compute_s is the call's share of the batch's
         seconds (see below). With `on_tail`, once fewer than `tail_threshold` of the
-        batch's sequences still decode, it is awaited (once) and the calls finishing
-        after carry the time in `tail_released_at`. `on_done` is awaited with each call's
-        index and Ran as it finishes (before the batch does)."""
+        batch's sequences still decode, or as soon as `release` is set (a preemption),
+        it is awaited (once) and the calls finishing after carry the time in
+        `tail_released_at`. `on_done` is awaited with each call's index and Ran as it
+        finishes (before the batch does). `gate` is awaited before each decode step (a
+        preempted batch's pause; SGLang pauses in the server instead)."""
         if self._sglang is not None:
-            return await self._run_sglang(self._sglang, requests, tail_threshold, on_tail, on_done)
+            return await self._run_sglang(
+                self._sglang, requests, tail_threshold, on_tail, on_done, release
+            )
         started_at = time.time()
         done: dict[int, Ran] = {}
         joined: list[tuple[int, SampleCall, float]] = []
@@ -205,6 +215,12 @@ class CallRunner:
         released_at: float | None = None
         waiting = list(joined)
         while waiting:
+            if on_tail is not None and released_at is None and release and release.is_set():
+                released_at = time.time()
+                remaining = sum(call.remaining for _, call, _ in waiting)
+                await on_tail([i for i, _, _ in waiting], remaining, total_rows)
+            if gate is not None:
+                await gate()
             rows = {i: call.remaining for i, call, _ in waiting}
             t0 = time.perf_counter()
             try:
@@ -249,11 +265,12 @@ class CallRunner:
         tail_threshold: float,
         on_tail: TailHook | None,
         on_done: Callable[[int, Ran], Awaitable[None]] | None,
+        release: asyncio.Event | None,
     ) -> list[Ran]:
         """`run_samples` through SGLang: every call is sent at once and SGLang batches
         them. Its steps are not visible here, so a call's compute_s is its wall time
         scaled by its share of the group's sequences, and the tail is judged as calls
-        finish."""
+        finish (or `release` is set)."""
         started_at = time.time()
         done: dict[int, Ran] = {}
         running: dict[asyncio.Task[SampleOutput], tuple[int, int, float, float]] = {}
@@ -267,9 +284,17 @@ class CallRunner:
             running[task] = (i, payload.num_samples, swap_s, time.perf_counter())
         total_rows = sum(rows for _, rows, _, _ in running.values())
         released_at: float | None = None
+        asked = asyncio.ensure_future(release.wait()) if release is not None else None
         while running:
-            finished, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-            for task in finished:
+            watch: set[asyncio.Future[Any]] = set(running)
+            if asked is not None and released_at is None:
+                watch.add(asked)
+            finished, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+            if asked is not None and asked.done() and released_at is None and on_tail:
+                released_at = time.time()
+                remaining = sum(rows for _, rows, _, _ in running.values())
+                await on_tail([i for i, _, _, _ in running.values()], remaining, total_rows)
+            for task in [t for t in running if t in finished]:
                 i, rows, swap_s, t0 = running.pop(task)
                 compute_s = (time.perf_counter() - t0) * rows / max(1, total_rows)
                 failure = task.exception()
@@ -296,6 +321,8 @@ class CallRunner:
             ):
                 released_at = time.time()
                 await on_tail([i for i, _, _, _ in running.values()], remaining, total_rows)
+        if asked is not None:
+            asked.cancel()
         return [done[i] for i in range(len(requests))]
 
     async def _prepare_sample(self, request: PhaseRequest) -> tuple[SampleInput, str, float]:

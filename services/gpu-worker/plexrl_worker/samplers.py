@@ -113,6 +113,21 @@ class SGLangSampling:
                 metrics.SGLANG_RELEASES.inc()
             return bool(servers)
 
+    def pause(self) -> None:
+        """Pause generation on every server (a preempted batch, `plexrl_worker.preemption`):
+        running requests are retracted (their KV cache freed) and wait; they finish with
+        the same tokens after `resume`."""
+        with self._lock:
+            servers = list(self._servers.values())
+        for server in servers:
+            server.pause_generation("retract")
+
+    def resume(self) -> None:
+        with self._lock:
+            servers = list(self._servers.values())
+        for server in servers:
+            server.continue_generation()
+
     def sample(self, weights_id: str, inp: SampleInput) -> SampleOutput:
         """`sample` of the weights the torch engine knows as `weights_id` (installed)."""
         with self._hand:

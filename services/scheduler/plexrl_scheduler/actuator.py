@@ -20,11 +20,12 @@ from plexrl.messages import (
     JobAdmitted,
     Lease,
     PhaseCompletion,
+    PreemptBatch,
     StateMove,
     Tier,
     Timings,
 )
-from plexrl.policy import Admit, Plan, Prefetch, Reject, RejectReason, Run
+from plexrl.policy import Admit, Plan, Preempt, Prefetch, Reject, RejectReason, Run
 from plexrl.retry import retrying
 from plexrl.stores import CallStore, JobStore
 from plexrl.topics import Topics
@@ -68,6 +69,28 @@ class Actuator:
                     await self._run(action)
                 case Prefetch():
                     await self._prefetch(action)
+                case Preempt():
+                    await self._preempt(action)
+
+    async def _preempt(self, action: Preempt) -> None:
+        """Ask the worker to let the next dispatch in beside its running sample batch."""
+        dispatch_id = self._state.apply_preempt(action.worker_id)
+        if dispatch_id is None:
+            return
+        message = PreemptBatch(
+            worker_id=action.worker_id,
+            dispatch_id=dispatch_id,
+            for_job=action.for_job,
+            issued_at=time.time(),
+        )
+        await self._publisher.publish(self._topics.control(action.worker_id), dispatch_id, message)
+        metrics.PREEMPTS.labels(action.worker_id).inc()
+        log.info(
+            "preempting %s's sample batch on %s for %s",
+            action.job_id,
+            action.worker_id,
+            action.for_job,
+        )
 
     async def _admit(self, action: Admit) -> None:
         # A new lease: whoever held the job before (a dead worker) is fenced off now.

@@ -37,6 +37,7 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
         max_calls_per_run=settings.max_calls_per_run,
         pack=settings.pack_groups,
         hold_s=settings.hold_s,
+        preempt_ratio=settings.preempt_ratio,
     )
     receiver = Receiver(state, stores.jobs, stores.usage)
     ledger = Ledger(stores.keys.redis, settings.cluster_id)
@@ -162,6 +163,7 @@ async def ensure_worker_topics(
 ) -> None:
     if receiver.new_workers:
         wanted = {topics.dispatch(w): 1 for w in receiver.new_workers}
+        wanted |= {topics.control(w): 1 for w in receiver.new_workers}
         await ensure_topics(settings.kafka_bootstrap, wanted)
         receiver.new_workers.clear()  # only once created: a failure is retried next pass
 

@@ -29,7 +29,13 @@ PREFETCHES = Counter(
 )
 TAIL_RELEASES = Counter(
     "plexrl_scheduler_tail_releases_total",
-    "Dispatches a worker released at their sample tail (the worker freed for the next)",
+    "Dispatches a worker released beside their running sample batch (the worker freed "
+    "for the next), by why: at the batch's tail, or preempted",
+    ["worker", "reason"],
+)
+PREEMPTS = Counter(
+    "plexrl_scheduler_preempts_total",
+    "Preempts sent: a running sample batch asked to let a waiting job's calls in",
     ["worker"],
 )
 HOLDING_PASSES = Counter(

@@ -104,7 +104,7 @@ class Receiver:
                 self._state.on_idle_hint(event.job_id, event.seconds)
             case TailReleased():
                 if self._state.on_tail_released(event):
-                    metrics.TAIL_RELEASES.labels(event.worker_id).inc()
+                    metrics.TAIL_RELEASES.labels(event.worker_id, str(event.reason)).inc()
             case ResidencyChanged():
                 pass  # the scheduler moved it itself; heartbeats reconcile
             case _:

@@ -91,6 +91,12 @@ class InFlight:
     issued_at: float
     calls: list[Pending] = field(default_factory=list)
     """The dispatched calls, in order: requeued as they were if the lease is lost."""
+    preempt_asked: bool = False
+    """A Preempt was sent for it (asked once; the worker's TailReleased answers it)."""
+
+    @property
+    def samples_only(self) -> bool:
+        return bool(self.calls) and all(p.request.function == Function.SAMPLE for p in self.calls)
 
 
 @dataclass
@@ -222,6 +228,15 @@ class ClusterState:
         self.tails[run.dispatch_id] = run
         self._changed.set()
         return True
+
+    def apply_preempt(self, worker_id: str) -> str | None:
+        """Record that the worker's running batch was asked to yield; its dispatch id
+        (None: nothing runs there now)."""
+        run = self.inflight.get(worker_id)
+        if run is None:
+            return None
+        run.preempt_asked = True
+        return run.dispatch_id
 
     def on_idle_hint(self, job_id: str, seconds: float) -> None:
         job = self.jobs.get(job_id)
@@ -369,24 +384,27 @@ class ClusterState:
             burst_s=now - job.burst_since if job.burst_since else 0.0,
         )
 
+    def _worker_view(self, wid: str, w: WorkerState, jobs: dict[str, JobView]) -> WorkerView:
+        run = self.inflight.get(wid)
+        preemptible = run is not None and run.samples_only and not run.preempt_asked
+        return WorkerView(
+            worker_id=wid,
+            device_bytes=w.heartbeat.device_bytes,
+            host_bytes=w.heartbeat.host_bytes,
+            devices=w.heartbeat.devices,
+            base_models=frozenset(w.heartbeat.base_models),
+            running=run.job_id if run is not None else None,
+            busy_until=_expected_end(run, jobs) if run is not None else 0.0,
+            preemptible_since=run.issued_at if run is not None and preemptible else None,
+            healthy=self.healthy(wid),
+        )
+
     def healthy(self, worker_id: str) -> bool:
         state = self.workers.get(worker_id)
         return state is not None and self._clock() - state.seen_at < self._worker_timeout_s
 
     def snapshot(self) -> ClusterSnapshot:
         now = self._clock()
-        workers = {
-            wid: WorkerView(
-                worker_id=wid,
-                device_bytes=w.heartbeat.device_bytes,
-                host_bytes=w.heartbeat.host_bytes,
-                devices=w.heartbeat.devices,
-                base_models=frozenset(w.heartbeat.base_models),
-                running=run.job_id if (run := self.inflight.get(wid)) else None,
-                healthy=self.healthy(wid),
-            )
-            for wid, w in self.workers.items()
-        }
         dormant = self.dormant(now)
         learned = priors(
             ((j.kind, j.history) for jid, j in self.jobs.items() if jid not in dormant),
@@ -403,6 +421,7 @@ class ClusterState:
             jid: self._view(j, now, learned, jid in pinned, jid in dormant)
             for jid, j in self.jobs.items()
         }
+        workers = {wid: self._worker_view(wid, w, jobs) for wid, w in self.workers.items()}
         pending = tuple(
             PendingCall(rid, p.request.job_id, p.request.function, p.request.arrival_time)
             for rid, p in self.pending.items()
@@ -411,6 +430,17 @@ class ClusterState:
         return ClusterSnapshot(
             now=now, workers=workers, jobs=jobs, pending=pending, swap=self._swap
         )
+
+
+def _expected_end(run: InFlight, jobs: dict[str, JobView]) -> float:
+    """When the dispatch should be done: its start plus its calls' expected seconds (a
+    co-batched call's seconds are its share of the batch, so they add up to the batch's)."""
+    seconds = 0.0
+    for p in run.calls:
+        job = jobs.get(p.request.job_id)
+        if job is not None:
+            seconds += job.estimates.expected_s(p.request.function)
+    return run.issued_at + seconds
 
 
 def _queued(job: JobState, queue_s: float, started: float) -> float:

@@ -255,11 +255,13 @@ function tickStep(windowS) {
 }
 
 // Tail releases: a worker let its next dispatch in beside a rollout's straggling tail at
-// `tail_released_at` (timeline entries of the sample calls still running then).
+// `tail_released_at` (timeline entries of the sample calls still running then), or beside
+// a rollout the scheduler preempted (`preempted`).
 function drawTailRelease(layer, entry, x, y) {
   if (entry.tail_released_at === undefined || entry.tail_released_at === null) return;
   const xt = x(entry.tail_released_at);
-  svg("line", { class: "tail", x1: xt, x2: xt, y1: y + 2, y2: y + ROW_H - 4 }, layer);
+  const cls = entry.preempted ? "preempt" : "tail";
+  svg("line", { class: cls, x1: xt, x2: xt, y1: y + 2, y2: y + ROW_H - 4 }, layer);
 }
 
 function renderTimeline(workers) {

@@ -1,0 +1,70 @@
+"""The live preemption check, run against the torch sampler (tests/test_preemption.py) and
+SGLang (tests/test_sglang_worker.py): a long rollout of one job yields to a short
+training call of another on the same worker, and samples what it sampled alone."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import tinker
+from tinker import types
+
+BASE = "plexrl/tiny-qwen3"
+
+
+def _finish_times(futures: dict[str, Any]) -> dict[str, tuple[float, Any]]:
+    """Each future's result and when it came (monotonic), waited for on threads."""
+
+    def wait(future: Any) -> tuple[float, Any]:
+        result = future.result()
+        return time.monotonic(), result
+
+    with ThreadPoolExecutor(len(futures)) as pool:
+        waiting = {name: pool.submit(wait, f) for name, f in futures.items()}
+        return {name: w.result() for name, w in waiting.items()}
+
+
+def check_a_rollout_yields(
+    gateway_url: str, key: str, params: types.SamplingParams, num_samples: int
+) -> None:
+    """The rollout (`params`, deterministic: seeded or greedy) is preempted for a
+    neighbour's forward_backward, which finishes first; the timeline shows the
+    preemption; the rollout's tokens are those it sampled alone."""
+    service = tinker.ServiceClient(base_url=gateway_url, api_key=key)
+    trainer = service.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    sampler = service.create_sampling_client(base_model=BASE).result()
+    prompt = types.ModelInput.from_ints([21, 22, 15, 9])
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([5, 6, 7, 8, 9]),
+        loss_fn_inputs={"target_tokens": types.TensorData(data=[6, 7, 8, 9, 10], dtype="int64")},
+    )
+
+    def rollout() -> Any:
+        return sampler.sample(prompt=prompt, num_samples=num_samples, sampling_params=params)
+
+    # What each job's calls take, for the scheduler's estimates.
+    trainer.forward_backward([datum], "cross_entropy").result()
+    started = time.monotonic()
+    alone = rollout().result()
+    rollout_s = time.monotonic() - started
+    trainer.forward_backward([datum], "cross_entropy").result()
+
+    since = time.time()
+    long = rollout()
+    time.sleep(min(0.5, rollout_s / 4))  # the rollout is running
+    short = trainer.forward_backward([datum], "cross_entropy")
+    done = _finish_times({"long": long, "short": short})
+    assert done["short"][0] < done["long"][0], rollout_s  # it did not wait for it all
+    # Paused and resumed, the rollout samples what it sampled alone.
+    assert [s.tokens for s in done["long"][1].sequences] == [s.tokens for s in alone.sequences]
+
+    with httpx.Client(base_url=gateway_url, headers={"X-API-Key": key}, timeout=30) as http:
+        timeline = http.get("/plexrl/v1/timeline", params={"since": since}).json()
+    preempted = [e for e in timeline if e["function"] == "sample" and e.get("preempted")]
+    assert preempted, timeline
+    released_at = preempted[0]["tail_released_at"]
+    trained = [e for e in timeline if e["function"] == "forward_backward"]
+    assert trained and trained[0]["started_at"] >= released_at - 0.01
