@@ -9,11 +9,17 @@ through the unmodified tinker SDK:
   reward stall): short calls that arrive while the roller samples.
 
 Phases, each with fresh jobs of the same seeds: each job alone; then both together
-with `PLEXRL_PREEMPT_RATIO` at 0.5 (on) and 0 (off), alternating `--repeats` times
-(only the scheduler restarts between phases). Per phase: each job's mean step time
-against its time alone (its slowdown), the trainer's call latency p50/p99, and the
-preemptions the scheduler sent. Both jobs' losses and samples must be the same in every
-phase (checked; preemption never changes what a job computes). Ends with one JSON line.
+under four schedulers, in turn, `--repeats` times (only the scheduler restarts between
+phases): `PLEXRL_PREEMPT_RATIO` 0.5 (on) or 0 (off), each with the policy's
+anticipation as deployed (`PLEXRL_HOLD_S` 0.1) and without it (0). Anticipation holds
+the worker for a job in a burst of calls for up to a quantum (10 s), and the roller's
+calls come back to back, so without preemption it keeps the trainer out for whole
+quanta; the runs without it show what preemption adds over that too.
+
+Per phase: each job's mean step time against its time alone (its slowdown), the
+trainer's call latency p50/p99, and the preemptions the scheduler sent. Both jobs'
+losses and samples must be the same in every phase (checked; preemption never changes
+what a job computes). Ends with one JSON line.
 
     .venv/bin/python bench/preempt.py
 """
@@ -72,7 +78,7 @@ def trainer(service: tinker.ServiceClient, args: argparse.Namespace, out: dict[s
     datum = _datum([5, 6, 7, 8, 9, 10, 11, 12])
     steps, calls, seen = [], [], []
     step = 0
-    while step < args.steps * 4 and "until" not in out:
+    while step == 0 or (step < args.steps * 4 and "until" not in out):
         t0 = time.monotonic()
         seen.append(client.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
         calls.append(time.monotonic() - t0)
@@ -93,12 +99,20 @@ def preempts(config: ClusterConfig) -> float:
     )
 
 
+MODES = {"on": (0.5, 0.1), "off": (0.0, 0.1), "on_no_hold": (0.5, 0.0), "off_no_hold": (0.0, 0.0)}
+"""Name: (PLEXRL_PREEMPT_RATIO, PLEXRL_HOLD_S)."""
+
+
 def phase(
-    cluster: LocalCluster, args: argparse.Namespace, who: str, ratio: float | None
+    cluster: LocalCluster,
+    args: argparse.Namespace,
+    who: str,
+    mode: tuple[float, float] | None,
 ) -> dict[str, Any]:
-    if ratio is not None:
+    if mode is not None:
         cluster.kill("scheduler", graceful=True)
-        cluster.restart("scheduler", env={"PLEXRL_PREEMPT_RATIO": str(ratio)})
+        env = {"PLEXRL_PREEMPT_RATIO": str(mode[0]), "PLEXRL_HOLD_S": str(mode[1])}
+        cluster.restart("scheduler", env=env)
     service = tinker.ServiceClient(base_url=cluster.config.gateway_url, api_key=KEY)
     out: dict[str, Any] = {}
     before = preempts(cluster.config)
@@ -153,10 +167,10 @@ def main() -> None:
             print(f"roller alone: {_mean(alone_r['steps']):.3f} s/step", flush=True)
             alone_t = phase(cluster, args, "trainer", None)["trainer"]
             print(f"trainer alone: {_mean(alone_t['steps']):.3f} s/step", flush=True)
-            runs: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+            runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
             for _ in range(args.repeats):
-                for mode, ratio in (("on", 0.5), ("off", 0.0)):
-                    got = phase(cluster, args, "both", ratio)
+                for mode, settings in MODES.items():
+                    got = phase(cluster, args, "both", settings)
                     r, t = got["roller"], got["trainer"]
                     same = (
                         r["seen"] == alone_r["seen"]
@@ -173,7 +187,7 @@ def main() -> None:
                     }
                     runs[mode].append(row)
                     print(
-                        f"preempt {mode}: roller x{row['roller_slowdown']:.3f}, trainer "
+                        f"{mode}: roller x{row['roller_slowdown']:.3f}, trainer "
                         f"x{row['trainer_slowdown']:.3f}, trainer fb p50 "
                         f"{row['trainer_call_p50_s'] * 1000:.0f} ms p99 "
                         f"{row['trainer_call_p99_s'] * 1000:.0f} ms, "
@@ -187,7 +201,7 @@ def main() -> None:
             "identical": all(r["identical"] for r in rows)
         }
 
-    on, off = summary(runs["on"]), summary(runs["off"])
+    summaries = {m: summary(rows) for m, rows in runs.items()}
     line = {
         "benchmark": "preempt",
         "steps": args.steps,
@@ -197,10 +211,11 @@ def main() -> None:
         "repeats": args.repeats,
         "roller_alone_s": round(_mean(alone_r["steps"]), 4),
         "trainer_alone_s": round(_mean(alone_t["steps"]), 4),
-        "on": on,
-        "off": off,
-        "mean_slowdown_on": round((on["roller_slowdown"] + on["trainer_slowdown"]) / 2, 4),
-        "mean_slowdown_off": round((off["roller_slowdown"] + off["trainer_slowdown"]) / 2, 4),
+        **summaries,
+        "mean_slowdown": {
+            m: round((s["roller_slowdown"] + s["trainer_slowdown"]) / 2, 4)
+            for m, s in summaries.items()
+        },
     }
     print(json.dumps(line))
 
