@@ -29,15 +29,33 @@ def test_a_hold_lasts_until_the_claiming_dispatch_opens_it() -> None:
         p.finished("d1")
         assert not await p.ask("d1")  # released already: nothing to yield
         await p.hold()
-        assert p.paused and p.claim()  # the next dispatch claims it: no expiry
+        claimed = p.claim()  # the next dispatch claims it: no expiry
+        assert p.paused and claimed is not None
         await asyncio.sleep(0.1)
         assert p.paused
-        await p.open()
-        assert not p.paused and not p.claim()
+        await p.open(claimed)
+        assert not p.paused and p.claim() is None
         await asyncio.wait_for(p.wait_open(), 1.0)
 
     asyncio.run(main())
     assert hooks == ["pause", "resume"]
+
+
+def test_a_dispatch_lets_go_only_of_the_hold_it_claimed() -> None:
+    async def main() -> None:
+        p = Preemption(grace_s=0.05)
+        await p.hold()
+        claimed = p.claim()
+        await p.open()  # its own sample calls join the batch: the pause lifts
+        await p.hold()  # and its batch is preempted in turn, for the next dispatch
+        await p.open(claimed)  # the claiming dispatch ends: the newer hold stays
+        assert p.paused
+        nxt = p.claim()
+        assert nxt is not None and nxt != claimed
+        await p.open(nxt)
+        assert not p.paused
+
+    asyncio.run(main())
 
 
 def test_a_hold_no_dispatch_claims_expires() -> None:

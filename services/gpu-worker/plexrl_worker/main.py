@@ -93,7 +93,7 @@ class DispatchHandler:
     async def __call__(self, dispatch: Dispatch, delivery: Delivery) -> None:
         self._heartbeat.busy = True
         # A batch preempted for this dispatch stays paused until it lets go (below).
-        claimed = bool(dispatch.calls) and self._preemption.claim()
+        claimed = self._preemption.claim() if dispatch.calls else None
         try:
             for move in dispatch.evict:
                 await self._states.move(move.job_id, move.to_tier)
@@ -126,8 +126,8 @@ class DispatchHandler:
                 await self._states.move(move.job_id, move.to_tier)
         finally:
             self._heartbeat.busy = False
-            if claimed:
-                await self._preemption.open()
+            if claimed is not None:
+                await self._preemption.open(claimed)
 
     async def _run_group(
         self,

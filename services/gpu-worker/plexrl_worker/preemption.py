@@ -35,6 +35,8 @@ class Preemption:
         self._open.set()
         self._timer: asyncio.TimerHandle | None = None
         self._lock = asyncio.Lock()
+        self._holds = 0
+        """Holds so far: a dispatch lets go only of the hold it claimed."""
         self.preempted = 0
 
     def yieldable(self, dispatch_id: str) -> asyncio.Event:
@@ -60,23 +62,29 @@ class Preemption:
         go of it (`open`), or for `grace_s` if none comes."""
         async with self._lock:
             self.preempted += 1
+            self._holds += 1
             if self._open.is_set():
                 if self._pause is not None:
                     await self._pause()
                 self._open.clear()
             self._restart_timer()
 
-    def claim(self) -> bool:
-        """A dispatch starts: a pause in force lasts until it lets go (`open`); True when
-        one is in force."""
+    def claim(self) -> int | None:
+        """A dispatch starts: a pause in force lasts until it lets go (`open` with what
+        this returns); None when no pause is in force."""
+        if not self.paused:
+            return None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        return self.paused
+        return self._holds
 
-    async def open(self) -> None:
-        """Lift the pause, if any."""
+    async def open(self, claimed: int | None = None) -> None:
+        """Lift the pause, if any; with `claimed` (from `claim`), only if no newer hold
+        came since (a batch preempted during the claiming dispatch waits for the next)."""
         async with self._lock:
+            if claimed is not None and claimed != self._holds:
+                return
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
