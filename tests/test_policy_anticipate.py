@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from plexrl.messages import Function, Tier
 from plexrl.policy import (
+    CallEstimates,
     ClusterSnapshot,
     JobView,
     PendingCall,
@@ -85,3 +86,24 @@ def test_the_bursting_jobs_call_goes_first_though_the_other_waited_longer() -> N
     assert runs(decide(snap([a, b], calls, now=100.02), CFG))[0] == "a"
     # Without anticipation the older call (b's) goes first at equal work.
     assert runs(decide(snap([a, b], calls, now=100.02), PolicyConfig(name="plexrl")))[0] == "b"
+
+
+def test_a_burst_of_long_calls_neither_holds_the_group_nor_cuts_ahead_of_short_work() -> None:
+    # a calls back to back, but every step of it has a 1 s rollout: b's 30 ms training
+    # call should not wait out a's burst (shortest remaining work first).
+    rollout = CallEstimates(
+        {Function.SAMPLE: 1.0, Function.FORWARD_BACKWARD: 0.03, Function.OPTIM_STEP: 0.02}
+    )
+    steps = (Function.SAMPLE, Function.FORWARD_BACKWARD, Function.OPTIM_STEP)
+    short = CallEstimates({Function.FORWARD_BACKWARD: 0.03})
+    a = job("a", last_active=100.0, gap=0.02, estimates=rollout, step_calls=steps)
+    b = job("b", last_active=50.0, estimates=short)
+    s = snap([a, b], [b_call()], now=100.01)
+    assert decide_until(s, CFG)[1] is None and runs(decide(s, CFG)) == ["b"]  # no hold
+    # a's rollout arrived: b's shorter call goes first all the same.
+    calls = [b_call(99.0), PendingCall("a/2", "a", Function.SAMPLE, 100.02)]
+    assert runs(decide(snap([a, b], calls, now=100.02), CFG))[0] == "b"
+    # Like work (within BURST_TOLERANCE) keeps run to completion.
+    like = job("a", last_active=100.0, gap=0.02, estimates=short, step_calls=steps[1:2])
+    calls = [b_call(99.0), PendingCall("a/2", "a", Function.FORWARD_BACKWARD, 100.02)]
+    assert runs(decide(snap([like, b], calls, now=100.02), CFG))[0] == "a"

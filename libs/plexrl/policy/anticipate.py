@@ -15,7 +15,17 @@ burst (its calls since its last longer gap) has lasted less than `quantum_s`; th
 lasts twice that gap (at most `hold_s`) from the end of its last call. When its call
 arrives it goes first (`plexrl_policy.shortest_remaining_first`). After a quantum of
 burst the group moves on as usual, so no job waits on another's burst for more than
-about a quantum. A job whose last gap was a stall (longer than `hold_s`) is not held
+about a quantum.
+
+Only between like bursts, though: run to completion beats alternation when the bursts
+are about equal, but a neighbour whose calls are much shorter should go first (shortest
+remaining work first). So the bursting job is held for, and goes first, only while its
+calls are expected to take at most `BURST_TOLERANCE` times the least pending work of
+the jobs waiting beside it (held for: its mean call over a step; going first: its
+pending calls). Without that a job calling back to back with a long rollout in every
+step kept a neighbour's 30 ms training calls out for whole quanta (`bench/preempt.py`).
+
+A job whose last gap was a stall (longer than `hold_s`) is not held
 for, so a group never waits on a job that is computing rewards or calling tools. Results
 do not change: only the order of calls of different jobs does.
 """
@@ -26,6 +36,24 @@ from dataclasses import replace
 
 from plexrl.messages import Tier
 from plexrl.policy.snapshot import ClusterSnapshot, JobView
+
+BURST_TOLERANCE = 2.0
+"""How much longer than the waiting work a bursting job's calls may be and still go
+first: about equal bursts (within estimation noise) run to completion in turn."""
+
+
+def mean_call_s(job: JobView) -> float:
+    """Expected seconds of one of the job's calls, over the calls of one of its steps
+    (its default estimate before any step is known)."""
+    calls = job.step_calls
+    if not calls:
+        return job.estimates.default_s
+    return sum(job.estimates.expected_s(f) for f in calls) / len(calls)
+
+
+def pending_s(snapshot: ClusterSnapshot, job: JobView) -> float:
+    """Expected seconds of the job's pending calls."""
+    return sum(job.estimates.expected_s(c.function) for c in snapshot.calls_view(job.job_id))
 
 
 def bursting_job(
@@ -54,19 +82,23 @@ def held_groups(
     """Groups to hold now: worker id → (the job held for, when the hold ends)."""
     if hold_s <= 0:
         return {}
-    waiting: set[str] = set()
+    waiting: dict[str, float] = {}
+    """Per group with calls ready: the least pending work of a job there."""
     for job_id in snapshot.callers():
         job = snapshot.jobs.get(job_id)
         if job is not None and job.home is not None:
-            waiting.add(job.home)
+            work = pending_s(snapshot, job)
+            waiting[job.home] = min(work, waiting.get(job.home, work))
     held: dict[str, tuple[str, float]] = {}
-    for worker_id in waiting:
+    for worker_id, least in waiting.items():
         worker = snapshot.workers.get(worker_id)
         if worker is None or not worker.healthy or worker.running is not None:
             continue
         bursting = bursting_job(snapshot, worker_id, hold_s, quantum_s)
         if bursting is None:
             continue
+        if mean_call_s(snapshot.jobs[bursting]) > BURST_TOLERANCE * least:
+            continue  # the waiting work is much shorter: it goes first
         until = _hold_until(snapshot, snapshot.jobs[bursting], hold_s)
         if until is not None:
             held[worker_id] = (bursting, until)

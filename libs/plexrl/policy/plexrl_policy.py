@@ -51,7 +51,7 @@ from functools import partial
 
 from plexrl.messages import Function, Tier
 from plexrl.policy.actions import Action, Move, Plan, Prefetch, Run
-from plexrl.policy.anticipate import bursting_job
+from plexrl.policy.anticipate import BURST_TOLERANCE, bursting_job, pending_s
 from plexrl.policy.common import (
     admit_waiting,
     dispatch,
@@ -355,8 +355,10 @@ def shortest_remaining_first(
     With `burst` = (hold_s, quantum_s) (the live scheduler's anticipation,
     `plexrl.policy.anticipate`), the group's bursting job goes first: the one that ran
     there last, whose last gap between calls was at most hold_s and whose burst has
-    lasted less than quantum_s. So a burst runs out before the group moves on, for at
-    most about a quantum.
+    lasted less than quantum_s, and whose pending calls are expected to take at most
+    `BURST_TOLERANCE` times the least pending work of the others. So a burst runs out
+    before the group moves on, for at most about a quantum, unless a neighbour's work is
+    much shorter.
 
     When jobs of several tenants are ready, tenants take turns first (the one served
     longest ago, as `fifo` does) and least remaining work orders each tenant's own jobs:
@@ -368,7 +370,11 @@ def shortest_remaining_first(
         rest = [j for j in jobs if j.job_id != bursting]
         mine = [j for j in jobs if j.job_id == bursting]
         first = mine[0].tenant
-        if all(j.tenant == first for j in rest):
+        least = min(pending_s(snapshot, j) for j in rest)
+        if (
+            all(j.tenant == first for j in rest)
+            and pending_s(snapshot, mine[0]) <= BURST_TOLERANCE * least
+        ):
             return [*mine, *shortest_remaining_first(snapshot, worker, rest, switch_weight)]
 
     def key(job: JobView) -> tuple[float, int, float, str]:
