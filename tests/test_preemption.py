@@ -4,12 +4,16 @@ or for a grace period if none comes; the sampler's pause and resume hooks run on
 from __future__ import annotations
 
 import asyncio
+import os
+import time
+from pathlib import Path
 
+import httpx
 import pytest
-from preempt_support import check_a_rollout_yields
+from preempt_support import Scene, check_a_rollout_yields, tokens
 from tinker import types
 
-from plexrl.cluster import ClusterConfig
+from plexrl.cluster import ClusterConfig, LocalCluster
 from plexrl_worker.preemption import Preemption
 
 
@@ -79,3 +83,43 @@ def test_a_long_rollout_yields_to_a_short_training_call_and_samples_the_same(
     # About a second of decoding on two cores; seeded, so the rollout is reproducible.
     params = types.SamplingParams(max_tokens=400, temperature=1.0, seed=11)
     check_a_rollout_yields(shared_cluster.gateway_url, "tml-preempt", params, num_samples=16)
+
+
+@pytest.mark.integration
+def test_a_worker_killed_while_a_rollout_is_preempted_answers_it_after_a_restart(
+    infra: dict[str, str], tiny_registry: Path, tmp_path: Path
+) -> None:
+    # The preempted rollout's dispatch was acknowledged at its release: after the crash
+    # Kafka does not bring it back; the scheduler must (it sees the restart in the next
+    # heartbeat). The worker timeout is long, so this is a restart, never a lost worker.
+    config = ClusterConfig.on_free_ports(
+        tiny_registry,
+        tmp_path,
+        "prk",
+        api_keys="tml-preempt-kill=prk",
+        worker_threads=1,
+        env={"PLEXRL_WORKER_TIMEOUT_S": "300"},
+    )
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    params = types.SamplingParams(max_tokens=400, temperature=1.0, seed=11)
+    with LocalCluster(config) as cluster:
+        scene = Scene(config.gateway_url, "tml-preempt-kill", params, num_samples=16)
+        metrics = f"http://127.0.0.1:{config.worker_port(0)}/metrics"
+        long, short = scene.preempting()
+        deadline = time.monotonic() + 10
+        while _counter(metrics, "plexrl_worker_preempted_batches_total") < 1:
+            assert time.monotonic() < deadline, "no preemption"
+            time.sleep(0.02)
+        cluster.kill("worker-0")  # kill -9, the rollout paused or just resumed
+        cluster.restart("worker-0")
+        assert short.result(timeout=120).metrics["loss:sum"] == scene.loss
+        assert tokens(long.result(timeout=120)) == tokens(scene.alone)
+        log = cluster.logs()["scheduler"].read_text()
+    assert "worker-0 restarted: requeued" in log  # the rollout was lost with it
+
+
+def _counter(url: str, name: str) -> float:
+    for line in httpx.get(url, timeout=30).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 from aiokafka import TopicPartition
 from opentelemetry.context import Context
@@ -422,3 +423,19 @@ def test_a_run_with_other_calls_is_never_preemptible() -> None:
     state.on_request(req("a2", "a", Function.FORWARD_BACKWARD), delivery(1))
     state.apply_run("d1", "w0", "a", state.take_pending(("a1", "a2")), ())
     assert state.snapshot().workers["w0"].preemptible_since is None
+
+
+def test_a_restarted_worker_gives_back_the_calls_of_its_released_batches() -> None:
+    # The tail's dispatch was acknowledged at its release: Kafka will not bring it
+    # back to the restarted worker, so the scheduler must.
+    state = ClusterState(clock=Clock())
+    _sampling(state)
+    state.on_completion(done("a1", "a", fn=Function.SAMPLE))
+    assert state.on_tail_released(_tail("w0", "d1", ["a2", "b1"], ["a", "b"]))
+    state.on_request(req("c1", "c"), delivery(3))
+    state.apply_run("d2", "w0", "c", state.take_pending(("c1",)), ())
+    restarted = msgspec.structs.replace(beat("w0"), started_at=5.0)
+    state.on_heartbeat(restarted)
+    assert list(state.pending) == ["a2", "b1"] and not state.tails
+    assert state.inflight["w0"].dispatch_id == "d2"  # Kafka redelivers that one
+    assert not state.snapshot().jobs["a"].pinned

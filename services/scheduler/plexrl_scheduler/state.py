@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from plexrl.policy import (
 from plexrl.policy.history import CallHistory, Prior, describe, priors
 
 Clock = Callable[[], float]
+log = logging.getLogger(__name__)
 
 # Wall time a job must have been seen for before its measured duty cycle is used.
 _MIN_HISTORY_S = 5.0
@@ -205,6 +207,12 @@ class ClusterState:
             for homed in self.jobs.values():
                 if homed.home == beat.worker_id and homed.tier is not None:
                     homed.tier = Tier.DISK
+            # Batches it had released (a tail, a preempted rollout) died with it, and
+            # their dispatches were acknowledged at the release: Kafka will not bring
+            # them back, so their unanswered calls go back to the queue.
+            back = self.requeue_tails(beat.worker_id)
+            if back:
+                log.warning("worker %s restarted: requeued %s", beat.worker_id, back)
         self.workers[beat.worker_id] = WorkerState(beat, self._clock())
         # The worker's own report is the truth about residency, but only while no
         # dispatch of ours is on its way there (our plan runs ahead of its report).
@@ -334,6 +342,14 @@ class ClusterState:
         run = self.inflight.pop(worker_id, None)
         if run is not None:
             runs.append(run)
+        return self._back_to_queue(runs)
+
+    def requeue_tails(self, worker_id: str) -> list[str]:
+        """`requeue`, for the worker's released tails only."""
+        runs = [self.tails.pop(d) for d, t in list(self.tails.items()) if t.worker_id == worker_id]
+        return self._back_to_queue(runs)
+
+    def _back_to_queue(self, runs: list[InFlight]) -> list[str]:
         if not runs:
             return []
         back = [p for r in runs for p in r.calls if p.request.request_id in r.remaining]
