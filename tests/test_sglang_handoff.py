@@ -33,6 +33,12 @@ class Server:
         self.released = False
         self.log.append("resume")
 
+    def pause_generation(self, mode: str = "retract") -> None:
+        self.log.append(f"pause:{mode}")
+
+    def continue_generation(self) -> None:
+        self.log.append("continue")
+
     def sample(self, inp: SampleInput, adapter: str | None = None) -> SampleOutput:
         assert not self.released, "sampled on released memory"
         self.log.append("sample")
@@ -87,6 +93,17 @@ def test_off_it_never_releases() -> None:
     assert not s.release_for_training()
     s.sample(BASE_PREFIX + "tiny", INPUT)
     assert server.log == ["sample"]
+
+
+def test_a_preemption_pauses_every_server_and_continues_them() -> None:
+    s, server = sampling(yield_device=True)
+    other = Server()
+    s._servers[Path("/models/other")] = other  # type: ignore[assignment]
+    s.pause()
+    s.resume()
+    # retract: the running requests wait with their KV cache freed (on a GPU, room for
+    # the preempting call), and finish with the same tokens once continued.
+    assert server.log == other.log == ["pause:retract", "continue"]
 
 
 class AdapterServer(Server):
