@@ -36,9 +36,12 @@ def test_a_hold_lasts_until_the_claiming_dispatch_opens_it() -> None:
         claimed = p.claim()  # the next dispatch claims it: no expiry
         assert p.paused and claimed is not None
         await asyncio.sleep(0.1)
-        assert p.paused
+        assert p.paused and p.paused_seconds() >= 0.1  # not charged to the paused call
         await p.open(claimed)
         assert not p.paused and p.claim() is None
+        held = p.paused_seconds()
+        await asyncio.sleep(0.02)
+        assert p.paused_seconds() == held  # no pause, no more
         await asyncio.wait_for(p.wait_open(), 1.0)
 
     asyncio.run(main())

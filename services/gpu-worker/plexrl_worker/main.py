@@ -237,6 +237,7 @@ class DispatchHandler:
                     on_done=record,
                     release=asked,
                     gate=preemption.wait_open,
+                    paused_s=preemption.paused_seconds,
                 )
             finally:
                 preemption.finished(dispatch.dispatch_id)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ class Preemption:
         self._lock = asyncio.Lock()
         self._holds = 0
         """Holds so far: a dispatch lets go only of the hold it claimed."""
+        self._paused_s = 0.0
+        self._paused_at: float | None = None
         self.preempted = 0
 
     def yieldable(self, dispatch_id: str) -> asyncio.Event:
@@ -67,6 +70,7 @@ class Preemption:
                 if self._pause is not None:
                     await self._pause()
                 self._open.clear()
+                self._paused_at = time.monotonic()
             self._restart_timer()
 
     def claim(self) -> int | None:
@@ -93,6 +97,9 @@ class Preemption:
             if self._resume is not None:
                 await self._resume()
             self._open.set()
+            if self._paused_at is not None:
+                self._paused_s += time.monotonic() - self._paused_at
+                self._paused_at = None
 
     async def wait_open(self) -> None:
         await self._open.wait()
@@ -100,6 +107,12 @@ class Preemption:
     @property
     def paused(self) -> bool:
         return not self._open.is_set()
+
+    def paused_seconds(self) -> float:
+        """Seconds spent paused so far (monotonic clock): what a call's wall time held in
+        the pause, which no job should be charged for."""
+        current = time.monotonic() - self._paused_at if self._paused_at is not None else 0.0
+        return self._paused_s + current
 
     def _restart_timer(self) -> None:
         if self._timer is not None:

@@ -183,6 +183,7 @@ class CallRunner:
         on_done: Callable[[int, Ran], Awaitable[None]] | None = None,
         release: asyncio.Event | None = None,
         gate: Callable[[], Awaitable[None]] | None = None,
+        paused_s: Callable[[], float] | None = None,
     ) -> list[Ran]:
         """Run sample calls in one running batch (co-batched: each call's output is the
         same as run alone); each Ran's compute_s is the call's share of the batch's
@@ -191,10 +192,11 @@ class CallRunner:
         it is awaited (once) and the calls finishing after carry the time in
         `tail_released_at`. `on_done` is awaited with each call's index and Ran as it
         finishes (before the batch does). `gate` is awaited before each decode step (a
-        preempted batch's pause; SGLang pauses in the server instead)."""
+        preempted batch's pause; SGLang pauses in the server instead, and `paused_s`,
+        seconds paused so far, keeps the pause out of its calls' compute_s)."""
         if self._sglang is not None:
             return await self._run_sglang(
-                self._sglang, requests, tail_threshold, on_tail, on_done, release
+                self._sglang, requests, tail_threshold, on_tail, on_done, release, paused_s
             )
         started_at = time.time()
         done: dict[int, Ran] = {}
@@ -266,6 +268,7 @@ class CallRunner:
         on_tail: TailHook | None,
         on_done: Callable[[int, Ran], Awaitable[None]] | None,
         release: asyncio.Event | None,
+        paused_s: Callable[[], float] | None = None,
     ) -> list[Ran]:
         """`run_samples` through SGLang: every call is sent at once and SGLang batches
         them. Its steps are not visible here, so a call's compute_s is its wall time
@@ -273,6 +276,7 @@ class CallRunner:
         finish (or `release` is set)."""
         started_at = time.time()
         done: dict[int, Ran] = {}
+        paused = paused_s or (lambda: 0.0)
         running: dict[asyncio.Task[SampleOutput], tuple[int, int, float, float]] = {}
         for i, request in enumerate(requests):
             try:
@@ -281,7 +285,7 @@ class CallRunner:
                 done[i] = Ran(None, _error(request, exc), 0.0, 0.0, started_at)
                 continue
             task = asyncio.create_task(asyncio.to_thread(sglang.sample, weights_id, payload))
-            running[task] = (i, payload.num_samples, swap_s, time.perf_counter())
+            running[task] = (i, payload.num_samples, swap_s, time.perf_counter() - paused())
         total_rows = sum(rows for _, rows, _, _ in running.values())
         released_at: float | None = None
         asked = asyncio.ensure_future(release.wait()) if release is not None else None
@@ -296,7 +300,8 @@ class CallRunner:
                 await on_tail([i for i, _, _, _ in running.values()], remaining, total_rows)
             for task in [t for t in running if t in finished]:
                 i, rows, swap_s, t0 = running.pop(task)
-                compute_s = (time.perf_counter() - t0) * rows / max(1, total_rows)
+                wall = time.perf_counter() - paused() - t0  # not the pause's seconds
+                compute_s = wall * rows / max(1, total_rows)
                 failure = task.exception()
                 done[i] = (
                     Ran(
