@@ -82,21 +82,21 @@ def held_groups(
     """Groups to hold now: worker id → (the job held for, when the hold ends)."""
     if hold_s <= 0:
         return {}
-    waiting: dict[str, float] = {}
-    """Per group with calls ready: the least pending work of a job there."""
+    waiting: dict[str, list[JobView]] = {}
+    """Per group: its jobs with calls ready."""
     for job_id in snapshot.callers():
         job = snapshot.jobs.get(job_id)
         if job is not None and job.home is not None:
-            work = pending_s(snapshot, job)
-            waiting[job.home] = min(work, waiting.get(job.home, work))
+            waiting.setdefault(job.home, []).append(job)
     held: dict[str, tuple[str, float]] = {}
-    for worker_id, least in waiting.items():
+    for worker_id, callers in waiting.items():
         worker = snapshot.workers.get(worker_id)
         if worker is None or not worker.healthy or worker.running is not None:
             continue
         bursting = bursting_job(snapshot, worker_id, hold_s, quantum_s)
         if bursting is None:
             continue
+        least = min(pending_s(snapshot, j) for j in callers)
         if mean_call_s(snapshot.jobs[bursting]) > BURST_TOLERANCE * least:
             continue  # the waiting work is much shorter: it goes first
         until = _hold_until(snapshot, snapshot.jobs[bursting], hold_s)

@@ -370,12 +370,10 @@ def shortest_remaining_first(
         rest = [j for j in jobs if j.job_id != bursting]
         mine = [j for j in jobs if j.job_id == bursting]
         first = mine[0].tenant
-        least = min(pending_s(snapshot, j) for j in rest)
-        if (
-            all(j.tenant == first for j in rest)
-            and pending_s(snapshot, mine[0]) <= BURST_TOLERANCE * least
-        ):
-            return [*mine, *shortest_remaining_first(snapshot, worker, rest, switch_weight)]
+        if all(j.tenant == first for j in rest):
+            least = min(pending_s(snapshot, j) for j in rest)
+            if pending_s(snapshot, mine[0]) <= BURST_TOLERANCE * least:
+                return [*mine, *shortest_remaining_first(snapshot, worker, rest, switch_weight)]
 
     def key(job: JobView) -> tuple[float, int, float, str]:
         calls = snapshot.calls_view(job.job_id)

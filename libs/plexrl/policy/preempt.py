@@ -19,6 +19,7 @@ remaining sampling, as far as the estimates go.
 from __future__ import annotations
 
 from plexrl.policy.actions import Preempt
+from plexrl.policy.anticipate import pending_s
 from plexrl.policy.common import make_room, switch_s
 from plexrl.policy.config import PolicyConfig
 from plexrl.policy.snapshot import ClusterSnapshot, JobView, WorkerView
@@ -57,8 +58,7 @@ def _yields_to(
         evict = make_room(snapshot, worker.worker_id, job)
         if evict is None:
             continue
-        work = sum(job.estimates.expected_s(c.function) for c in calls)
-        work += switch_s(snapshot, job, evict)
+        work = pending_s(snapshot, job) + switch_s(snapshot, job, evict)
         if work > config.preempt_ratio * remaining:
             continue
         key = (work, job.job_id)

@@ -217,10 +217,6 @@ class CallRunner:
         released_at: float | None = None
         waiting = list(joined)
         while waiting:
-            if on_tail is not None and released_at is None and release and release.is_set():
-                released_at = time.time()
-                remaining = sum(call.remaining for _, call, _ in waiting)
-                await on_tail([i for i, _, _ in waiting], remaining, total_rows)
             if gate is not None:
                 await gate()
             rows = {i: call.remaining for i, call, _ in waiting}
@@ -250,11 +246,12 @@ class CallRunner:
                         await on_done(i, done[i])
             waiting = still
             remaining = sum(call.remaining for _, call, _ in waiting)
+            asked = release is not None and release.is_set()
             if (
                 on_tail is not None
                 and released_at is None
                 and waiting
-                and remaining < tail_threshold * total_rows
+                and (asked or remaining < tail_threshold * total_rows)
             ):
                 released_at = time.time()
                 await on_tail([i for i, _, _ in waiting], remaining, total_rows)
@@ -294,10 +291,6 @@ class CallRunner:
             if asked is not None and released_at is None:
                 watch.add(asked)
             finished, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
-            if asked is not None and asked.done() and released_at is None and on_tail:
-                released_at = time.time()
-                remaining = sum(rows for _, rows, _, _ in running.values())
-                await on_tail([i for i, _, _, _ in running.values()], remaining, total_rows)
             for task in [t for t in running if t in finished]:
                 i, rows, swap_s, t0 = running.pop(task)
                 wall = time.perf_counter() - paused() - t0  # not the pause's seconds
@@ -318,11 +311,12 @@ class CallRunner:
                 if on_done is not None:
                     await on_done(i, done[i])
             remaining = sum(rows for _, rows, _, _ in running.values())
+            preempted = asked is not None and asked.done()
             if (
                 on_tail is not None
                 and released_at is None
                 and running
-                and remaining < tail_threshold * total_rows
+                and (preempted or remaining < tail_threshold * total_rows)
             ):
                 released_at = time.time()
                 await on_tail([i for i, _, _, _ in running.values()], remaining, total_rows)

@@ -338,7 +338,7 @@ class ClusterState:
         """Put the unanswered calls of the worker's dispatch (and of the tails it was
         finishing) back at the head of the queue, in their order (a numbered call that
         did apply is answered from its job's ledger)."""
-        runs = [self.tails.pop(d) for d, t in list(self.tails.items()) if t.worker_id == worker_id]
+        runs = self._pop_tails(worker_id)
         run = self.inflight.pop(worker_id, None)
         if run is not None:
             runs.append(run)
@@ -346,8 +346,10 @@ class ClusterState:
 
     def requeue_tails(self, worker_id: str) -> list[str]:
         """`requeue`, for the worker's released tails only."""
-        runs = [self.tails.pop(d) for d, t in list(self.tails.items()) if t.worker_id == worker_id]
-        return self._back_to_queue(runs)
+        return self._back_to_queue(self._pop_tails(worker_id))
+
+    def _pop_tails(self, worker_id: str) -> list[InFlight]:
+        return [self.tails.pop(d) for d, t in list(self.tails.items()) if t.worker_id == worker_id]
 
     def _back_to_queue(self, runs: list[InFlight]) -> list[str]:
         if not runs:
