@@ -28,6 +28,7 @@ from plexrl.messages import (
     SamplingParams,
     WorkHint,
 )
+from plexrl.names import BadNameError, check_name
 from plexrl_gateway.codec import CodecError, chunk_tokens, tensor_array, to_tensor_array
 from plexrl_gateway.errors import bad_request
 from plexrl_gateway.proto import tinker_public_pb2 as pb
@@ -122,11 +123,10 @@ def checkpoint_name(name: str | None, fallback: str) -> str:
     """A checkpoint name as the last segment of its tinker path."""
     if name is None or name == "":
         return fallback
-    if "/" in name or ":" in name or len(name) > 200:
-        raise bad_request(
-            f"checkpoint name {name!r} is not allowed: no '/' or ':', at most 200 characters"
-        )
-    return name
+    try:
+        return check_name(name)
+    except BadNameError as exc:
+        raise bad_request(str(exc)) from None
 
 
 # Create --------------------------------------------------------------------------------
