@@ -1,17 +1,36 @@
-"""A small HTTP server for a service's health check and metrics, run inside its loop."""
+"""The HTTP server every service runs inside its loop (the gateway's API, the state-store,
+the health and metrics endpoints), with limits no client can talk it out of.
+
+Uvicorn alone keeps a connection open as long as its client keeps it half-sent: a
+request head trickling in a byte at a time resets the keep-alive timer, and nothing
+caps how many connections are open, so a few hundred such clients hold every file
+descriptor and the service stops for everyone. `HttpServer` closes a connection whose
+head or body has not arrived in time (a deadline per phase that data does not extend),
+refuses connections beyond a cap with a 503, and says so in one log line per interval.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
+import time
+from collections import Counter
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, ClassVar, Protocol
 
+import h11
 import uvicorn
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from plexrl import tracing
+from plexrl.settings import CommonSettings
+
+log = logging.getLogger(__name__)
 
 
 class Watched(Protocol):
@@ -56,12 +75,162 @@ def health_app(
     return app
 
 
-class HttpServer:
-    """Uvicorn serving an app until stopped; never installs signal handlers of its own."""
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one HTTP server holds open for its clients (settings `PLEXRL_HTTP_*`)."""
 
-    def __init__(self, app: Any, host: str, port: int) -> None:
+    max_connections: int = 512
+    """Open connections at most; a new one beyond them is answered 503 and closed. Keep it
+    well under the process's file descriptor limit (`ulimit -n`)."""
+    head_timeout_s: float = 10.0
+    """Seconds for a request's line and headers, counted from when the connection opens
+    or its previous response ends; bytes arriving do not extend it."""
+    body_timeout_s: float = 60.0
+    """Seconds for a request's whole body, counted from the end of its headers. The app's
+    own time (a long poll) is not limited: the deadline stops once the body is in."""
+    keep_alive_s: int = 5
+    """Seconds an idle keep-alive connection waits for its next request."""
+    max_head_bytes: int = 64 * 1024
+    """Largest request line plus headers; a longer head is answered 400."""
+    log_every_s: float = 10.0
+    """Refused and timed-out connections are logged as one line per this many seconds."""
+
+    @classmethod
+    def from_settings(cls, settings: CommonSettings) -> HttpLimits:
+        return cls(
+            max_connections=settings.http_max_connections,
+            head_timeout_s=settings.http_head_timeout_s,
+            body_timeout_s=settings.http_body_timeout_s,
+            keep_alive_s=settings.http_keep_alive_s,
+            max_head_bytes=settings.http_max_head_bytes,
+        )
+
+
+class ConnectionReport:
+    """Counts what the limits did to connections and logs it at most once per interval,
+    so a flood of bad clients costs one line, not one per connection."""
+
+    def __init__(
+        self, server: str, every_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._server = server
+        self._every_s = every_s
+        self._clock = clock
+        self._counts: Counter[str] = Counter()
+        self._last: float | None = None
+
+    def note(self, what: str) -> None:
+        self._counts[what] += 1
+        now = self._clock()
+        if self._last is not None and now - self._last < self._every_s:
+            return
+        since = f"in the last {now - self._last:.0f}s" if self._last is not None else "so far"
+        self._last = now
+        counts = ", ".join(f"{n} {what}" for what, n in sorted(self._counts.items()))
+        self._counts.clear()
+        log.warning("HTTP server %s: connections %s %s", self._server, counts, since)
+
+
+_BUSY_BODY = json.dumps(
+    {"error": "too many open connections to this server; retry shortly", "category": "server"}
+).encode()
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+    b"retry-after: 1\r\nconnection: close\r\ncontent-length: "
+    + str(len(_BUSY_BODY)).encode()
+    + b"\r\n\r\n"
+    + _BUSY_BODY
+)
+
+
+class LimitedH11Protocol(H11Protocol):
+    """Uvicorn's h11 protocol with a connection cap and read deadlines.
+
+    Invariant: while the client owes the server bytes (h11's `their_state` is IDLE, a
+    head to come, or SEND_BODY, a body to come) exactly one deadline is armed, set when
+    that phase began; while the app works or the response goes out, none is. One class
+    per server (`for_server`) carries that server's limits and report."""
+
+    limits: ClassVar[HttpLimits] = HttpLimits()
+    report: ClassVar[ConnectionReport] = ConnectionReport("?", HttpLimits().log_every_s)
+
+    _phase: object = None
+    """h11.IDLE (a head is owed), h11.SEND_BODY (a body is owed) or None."""
+    _deadline: asyncio.TimerHandle | None = None
+
+    @classmethod
+    def for_server(cls, name: str, limits: HttpLimits) -> type[LimitedH11Protocol]:
+        report = ConnectionReport(name, limits.log_every_s)
+        return type(cls.__name__, (cls,), {"limits": limits, "report": report})
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        if len(self.connections) > self.limits.max_connections:
+            self.report.note(f"refused over the cap of {self.limits.max_connections} open")
+            transport.write(_BUSY)
+            transport.close()
+            return
+        self._watch()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch()
+
+    def _watch(self) -> None:
+        """Arms the deadline of the phase the connection is in, if it changed."""
+        state = self.conn.their_state
+        phase = state if state in (h11.IDLE, h11.SEND_BODY) else None
+        if phase is self._phase:
+            return
+        self._disarm()
+        self._phase = phase
+        if phase is h11.IDLE:
+            self._deadline = self.loop.call_later(self.limits.head_timeout_s, self._expire, "head")
+        elif phase is h11.SEND_BODY:
+            self._deadline = self.loop.call_later(self.limits.body_timeout_s, self._expire, "body")
+
+    def _disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _expire(self, what: str) -> None:
+        self._deadline = None
+        if self.transport.is_closing():
+            return
+        timeout = self.limits.head_timeout_s if what == "head" else self.limits.body_timeout_s
+        kept_alive = self.cycle is not None and not self.conn.trailing_data[0]
+        if what == "body" or not kept_alive:
+            # A used keep-alive connection that sent nothing more is closed quietly, as
+            # uvicorn's keep-alive timer does; a connection that never sent a whole
+            # request, or stalled in one, is what the report counts.
+            self.report.note(f"closed with no complete request {what} after {timeout:g}s")
+        self.transport.close()
+
+
+class HttpServer:
+    """Uvicorn serving an app until stopped, within `limits` (by default the environment's
+    `PLEXRL_HTTP_*` settings); never installs signal handlers of its own."""
+
+    def __init__(self, app: Any, host: str, port: int, limits: HttpLimits | None = None) -> None:
+        limits = limits or HttpLimits.from_settings(CommonSettings())
         config = uvicorn.Config(
-            tracing.FreshContext(app), host=host, port=port, log_level="warning", lifespan="off"
+            tracing.FreshContext(app),
+            host=host,
+            port=port,
+            log_level="warning",
+            lifespan="off",
+            http=LimitedH11Protocol.for_server(f"{host}:{port}", limits),
+            timeout_keep_alive=limits.keep_alive_s,
+            h11_max_incomplete_event_size=limits.max_head_bytes,
         )
         self._server = uvicorn.Server(config)
         # The service owns SIGTERM/SIGINT (plexrl.service); uvicorn must neither take

@@ -38,6 +38,18 @@ class CommonSettings(BaseSettings):
     # to the state-store). Unset: the state-store serves only a loopback address, without
     # authentication, and refuses to start on any other (docs/security.md).
     service_token: str | None = None
+    # Limits of this service's HTTP server (plexrl.health.HttpLimits): open connections at
+    # most; beyond them a new connection gets a 503 and is closed.
+    http_max_connections: int = Field(default=512, ge=1)
+    # Seconds a connection has for a request's line and headers, from when it opens or
+    # its previous response ends; data trickling in does not extend it (slowloris).
+    http_head_timeout_s: float = Field(default=10.0, gt=0)
+    # Seconds a request has for its whole body once its headers are in.
+    http_body_timeout_s: float = Field(default=60.0, gt=0)
+    # Seconds an idle keep-alive connection is kept between requests.
+    http_keep_alive_s: int = Field(default=5, ge=1)
+    # Largest request line plus headers, bytes; a longer head is answered 400.
+    http_max_head_bytes: int = Field(default=64 * 1024, ge=1024)
 
 
 class GatewaySettings(CommonSettings):

@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 from plexrl import tracing
-from plexrl.health import HttpServer
+from plexrl.health import HttpLimits, HttpServer
 from plexrl.service_auth import is_loopback
 from plexrl.settings import StateStoreSettings
 from plexrl.stores import Stores
@@ -44,7 +44,8 @@ async def serve(settings: StateStoreSettings, stop: asyncio.Event) -> None:
     stores = Stores.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
     blobs = BlobDir(settings.state_store_dir)
     app = build_app(blobs, stores.checkpoints, stores.residency, settings.service_token)
-    server = HttpServer(app, settings.state_store_host, settings.state_store_port)
+    limits = HttpLimits.from_settings(settings)
+    server = HttpServer(app, settings.state_store_host, settings.state_store_port, limits)
     await server.start()
     # Checkpoint records Redis lost (a restart without its append-only file) come back.
     records: CheckpointRecords = app.state.records
