@@ -73,7 +73,7 @@ def decide_until(snapshot: ClusterSnapshot, config: PolicyConfig) -> tuple[Plan,
     policy, running sample batches that should yield to a waiting job are preempted
     (`plexrl.policy.preempt`)."""
     own = config.name == "plexrl"
-    held = held_groups(snapshot, config.hold_s, config.quantum_s) if own else {}
+    held = held_groups(snapshot, config.hold_s, config.quantum_s, config.fair_share) if own else {}
     view = without(snapshot, held)
     ends = [until for _, until in held.values()]
     decided = co_sample(view, plan(view, config), config.max_cosampled_calls)

@@ -25,6 +25,11 @@ the jobs waiting beside it (held for: its mean call over a step; going first: it
 pending calls). Without that a job calling back to back with a long rollout in every
 step kept a neighbour's 30 ms training calls out for whole quanta (`bench/preempt.py`).
 
+Across tenants (with `PolicyConfig.fair_share`), a group is held only for a job whose
+tenant the dispatch would serve first among the tenants waiting there
+(`plexrl.policy.share.tenant_order`): holding it for a tenant that has had its turn
+would only keep the next tenant's call out for the length of the hold.
+
 A job whose last gap was a stall (longer than `hold_s`) is not held
 for, so a group never waits on a job that is computing rewards or calling tools. Results
 do not change: only the order of calls of different jobs does.
@@ -35,6 +40,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from plexrl.messages import Tier
+from plexrl.policy.share import several_tenants, tenant_order
 from plexrl.policy.snapshot import ClusterSnapshot, JobView
 
 BURST_TOLERANCE = 2.0
@@ -77,7 +83,7 @@ def bursting_job(
 
 
 def held_groups(
-    snapshot: ClusterSnapshot, hold_s: float, quantum_s: float
+    snapshot: ClusterSnapshot, hold_s: float, quantum_s: float, fair_share: bool = False
 ) -> dict[str, tuple[str, float]]:
     """Groups to hold now: worker id → (the job held for, when the hold ends)."""
     if hold_s <= 0:
@@ -97,9 +103,17 @@ def held_groups(
         if bursting is None:
             continue
         least = min(pending_s(snapshot, j) for j in callers)
-        if mean_call_s(snapshot.jobs[bursting]) > BURST_TOLERANCE * least:
+        job = snapshot.jobs[bursting]
+        if mean_call_s(job) > BURST_TOLERANCE * least:
             continue  # the waiting work is much shorter: it goes first
-        until = _hold_until(snapshot, snapshot.jobs[bursting], hold_s)
+        everyone = [job, *callers]
+        if (
+            fair_share
+            and several_tenants(everyone)
+            and tenant_order(snapshot, worker_id, everyone)[0] != job.tenant
+        ):
+            continue  # another tenant goes next anyway
+        until = _hold_until(snapshot, job, hold_s)
         if until is not None:
             held[worker_id] = (bursting, until)
     return held

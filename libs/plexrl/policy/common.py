@@ -9,6 +9,7 @@ from dataclasses import replace
 from plexrl.messages import Tier
 from plexrl.policy.actions import Action, Admit, Move, Reject, RejectReason, Run
 from plexrl.policy.config import PolicyConfig
+from plexrl.policy.share import beside_other_tenants
 from plexrl.policy.snapshot import ClusterSnapshot, JobView, WorkerView
 
 _DEVICE = Tier.DEVICE  # (read per decision: a module constant, not an enum class lookup)
@@ -298,6 +299,7 @@ def dispatch(
     key: Callable[[JobView], tuple[float, ...]] = lru_key,
     keep_snapshot: bool = False,
     quantum_s: float | None = None,
+    tenant_quantum_s: float | None = None,
 ) -> tuple[list[Run], ClusterSnapshot]:
     """On every free group, run the first job in `order` that can be brought in.
 
@@ -308,7 +310,9 @@ def dispatch(
     With `quantum_s`, a Run on a group shared with other jobs stops at the quantum, so
     the group is decided again after it (time-slicing at call boundaries), unless every
     other job there said it will stay idle longer (`quiet_s`): then the Run goes on to
-    that point, as nobody could cut in before it anyway.
+    that point, as nobody could cut in before it anyway. With `tenant_quantum_s` too, a
+    Run on a group where another tenant's job is active stops at that shorter quantum
+    (`plexrl.policy.share.beside_other_tenants`).
     """
     runs: list[Run] = []
     for worker_id, jobs in ready_by_worker(snapshot).items():
@@ -319,7 +323,10 @@ def dispatch(
                 continue
             quantum = None
             if quantum_s is not None and len(snapshot.homed_view(worker_id)) > 1:
-                quantum = max(quantum_s, quiet_s(snapshot, worker_id, job))
+                slice_s = quantum_s
+                if tenant_quantum_s is not None and beside_other_tenants(snapshot, worker_id, job):
+                    slice_s = min(quantum_s, tenant_quantum_s)
+                quantum = max(slice_s, quiet_s(snapshot, worker_id, job))
             runs.append(run_of(snapshot, config, worker_id, job, evict, quantum))
             break
     if keep_snapshot and runs:

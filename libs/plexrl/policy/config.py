@@ -46,6 +46,19 @@ class PolicyConfig:
     most this), instead of going to another job for one call. 0 turns it off; the
     simulator does not model it."""
 
+    fair_share: bool = True
+    """Tenants' share of each group (`plexrl.policy.share`, plexrl policy only; it acts
+    only where jobs of several tenants are homed). Placement keeps a tenant's jobs off
+    groups where other tenants' jobs are homed while a group with less of other
+    tenants' load can hold them; dispatch serves first the tenant that used the group's
+    engine least recently-weighted (within one turn per tenant), and a Run there holds
+    at most about `tenant_quantum_s` of calls. False: tenant-blind placement and tenants
+    in plain turns (the served-longest-ago first of `fifo`)."""
+    tenant_quantum_s: float = 0.25
+    """With `fair_share`, on a group where another tenant's job is homed and active, a Run
+    stops after about this many expected seconds of calls (at least one call), so that
+    tenant's next call waits behind at most about one call of this one (or this long)."""
+
     max_cosampled_calls: int = 32
     """The live scheduler's co-sampling (`plexrl.policy.cosample`): a Run of sample calls
     takes other jobs' pending sample calls on its group along, up to this many calls in
@@ -87,6 +100,11 @@ class PolicyConfig:
             )
         if self.hold_s < 0:
             raise ValueError(f"hold_s is {self.hold_s}; it must be 0 (off) or more (seconds)")
+        if self.tenant_quantum_s <= 0:
+            raise ValueError(
+                f"tenant_quantum_s is {self.tenant_quantum_s}; it must be positive (seconds; "
+                "0.25: a Run beside another tenant holds about one long call)"
+            )
         if self.quantum_s <= 0:
             raise ValueError(f"quantum_s is {self.quantum_s}; it must be positive (seconds)")
         if self.switch_weight < 0:

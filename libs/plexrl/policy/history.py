@@ -26,7 +26,32 @@ EWMA = 0.3
 UNKNOWN_DUTY = 0.5
 """Duty cycle of a job with no history and no kind to borrow from."""
 
+USAGE_HALF_LIFE_S = 60.0
+"""Half-life of a job's recent engine use (`RecentUse`): a minute of history decides a
+tenant's share, so a tenant that was busy long ago is not held back for it now."""
+
 Kind = TypeVar("Kind", bound=Hashable)
+
+
+@dataclass
+class RecentUse:
+    """Engine seconds a job used, each weighed by half for every `half_life_s` since its
+    call ended (`JobView.used_s`). Two numbers, however many calls."""
+
+    half_life_s: float = USAGE_HALF_LIFE_S
+    seconds: float = 0.0
+    """The weighed sum as of `at`."""
+    at: float = 0.0
+
+    def add(self, seconds: float, now: float) -> None:
+        """A call that used `seconds` of the engine ended at `now`."""
+        self.seconds = self.as_of(now) + seconds
+        self.at = max(self.at, now)
+
+    def as_of(self, now: float) -> float:
+        if self.seconds <= 0 or now <= self.at:
+            return self.seconds
+        return self.seconds * 0.5 ** ((now - self.at) / self.half_life_s)
 
 
 @dataclass

@@ -22,6 +22,11 @@ That packing pays where an idle group costs nothing (it is released); in a fixed
 (`PolicyConfig.pack` False) the job goes where the predicted mean slowdown after adding
 it is least, and waits only while no group can hold its state.
 
+Where jobs of several tenants are homed, `PolicyConfig.fair_share` adds the tenants'
+share (`plexrl.policy.share`): placement weighs other tenants' load first, dispatch
+serves the tenant that used the group least lately first (one turn each), and a Run
+beside another tenant's active job stops after about `tenant_quantum_s`.
+
 The interference model. A job's step is a sequence of *phases* (its sample, then its
 training calls, which arrive together); phase x of job i meets neighbour k (step period
 p_k, phases q of l_q seconds, mean remaining call c_k) in three ways:
@@ -63,6 +68,7 @@ from plexrl.policy.common import (
 from plexrl.policy.config import PolicyConfig
 from plexrl.policy.fifo import last_served
 from plexrl.policy.frozen import quick_init
+from plexrl.policy.share import tenant_order
 from plexrl.policy.snapshot import ClusterSnapshot, JobView, WorkerView
 
 _TRAIN = (Function.FORWARD_BACKWARD, Function.OPTIM_STEP, Function.SAVE)
@@ -168,9 +174,15 @@ class _Group:
     members: list[Figures] = field(default_factory=list)
     waits: list[float] = field(default_factory=list)
     """Each member's summed first-order wait behind the others (seconds per step)."""
+    tenants: dict[str, float] = field(default_factory=dict)
+    """Sum of the duty cycles per tenant."""
 
     def add(
-        self, fig: Figures, state_bytes: int, pair: Callable[[Figures, Figures], float]
+        self,
+        fig: Figures,
+        state_bytes: int,
+        pair: Callable[[Figures, Figures], float],
+        tenant: str = "",
     ) -> None:
         mine = 0.0
         for i, other in enumerate(self.members):
@@ -180,6 +192,11 @@ class _Group:
         self.waits.append(mine)
         self.load += fig.duty
         self.reserved += state_bytes
+        self.tenants[tenant] = self.tenants.get(tenant, 0.0) + fig.duty
+
+    def foreign(self, tenant: str) -> float:
+        """Summed duty cycles of the other tenants' jobs (`share.foreign_load`)."""
+        return self.load - self.tenants.get(tenant, 0.0)
 
 
 class InterferenceFit:
@@ -187,15 +204,25 @@ class InterferenceFit:
     budget; else an empty group; else None (wait). With `pack` False (a fixed pool):
     the group where the mean predicted slowdown after adding the job is least.
 
+    With `fair_share` and jobs of other tenants among the candidates (`plexrl.policy.
+    share`): in a fixed pool, the group with the least of other tenants' load, among
+    those the job keeps within `max_load` (before the least slowed); packing, the groups
+    within budget with the least of other tenants' load first (fullest first among
+    equals), then an empty group.
+
     One instance serves one admission pass (`admit_waiting`), which admits the job
     wherever this returns: it caches job figures, size classes and group totals, and
     adds each placed job to its group, so asking about every waiting job against every
     group costs arithmetic, not snapshot scans.
     """
 
-    def __init__(self, budget: float, pack: bool = True) -> None:
+    def __init__(
+        self, budget: float, pack: bool = True, fair_share: bool = False, max_load: float = 1.0
+    ) -> None:
         self.budget = budget
         self.pack = pack
+        self.fair_share = fair_share
+        self.max_load = max_load
         self._figures: dict[str, Figures] = {}
         self._shapes: dict[tuple[tuple[int, ...], int], int] = {}
         self._representatives: list[Figures] = []
@@ -266,18 +293,34 @@ class InterferenceFit:
         return total / (len(group.members) + 1)
 
     def _least_slowed(self, snapshot: ClusterSnapshot, job: JobView, fig: Figures) -> str | None:
-        best: tuple[float, float, int, int] | None = None
-        chosen: WorkerView | None = None
+        fits: list[tuple[int, WorkerView, _Group]] = []
         for i, worker in enumerate(self._size_class(snapshot, job)):
             group = self._group(snapshot, worker.worker_id)
-            if group.reserved + job.state_bytes > worker.device_bytes + worker.host_bytes:
-                continue
-            key = (self._mean_adding(group, fig), group.load, len(group.members), i)
+            if group.reserved + job.state_bytes <= worker.device_bytes + worker.host_bytes:
+                fits.append((i, worker, group))
+        if not fits:
+            return None
+        tenant = job.tenant
+        # Other tenants' load first: the prediction rests on a newcomer's priors (or
+        # defaults), which say least about it exactly now, and the jobs of one tenant
+        # share the engine by their own choice, those of two by the policy's.
+        apart = self.fair_share and any(g.foreign(tenant) > 0 for _, _, g in fits)
+        best: tuple[float, ...] | None = None
+        chosen: WorkerView | None = None
+        for i, worker, group in fits:
+            key: tuple[float, ...] = (
+                self._mean_adding(group, fig),
+                group.load,
+                len(group.members),
+                i,
+            )
+            if apart:
+                over = 1.0 if group.load + fig.duty > self.max_load else 0.0
+                key = (over, group.foreign(tenant), *key)
             if best is None or key < best:
                 best, chosen = key, worker
-        if chosen is None:
-            return None
-        self._groups[chosen.worker_id].add(fig, job.state_bytes, self.pair)
+        assert chosen is not None
+        self._groups[chosen.worker_id].add(fig, job.state_bytes, self.pair, tenant)
         return chosen.worker_id
 
     def _group(self, snapshot: ClusterSnapshot, worker_id: str) -> _Group:
@@ -285,7 +328,7 @@ class InterferenceFit:
         if group is None:
             group = self._groups[worker_id] = _Group()
             for job in snapshot.homed_view(worker_id):
-                group.add(self.figures(job), job.state_bytes, self.pair)
+                group.add(self.figures(job), job.state_bytes, self.pair, job.tenant)
         return group
 
     def _size_class(self, snapshot: ClusterSnapshot, job: JobView) -> list[WorkerView]:
@@ -311,7 +354,8 @@ class InterferenceFit:
 
     def _fullest_within(self, snapshot: ClusterSnapshot, job: JobView, fig: Figures) -> str | None:
         empty: WorkerView | None = None
-        shared: list[tuple[float, int, WorkerView, _Group]] = []
+        shared: list[tuple[float, float, int, WorkerView, _Group]] = []
+        tenant = job.tenant
         for i, worker in enumerate(self._size_class(snapshot, job)):
             group = self._group(snapshot, worker.worker_id)
             if group.reserved + job.state_bytes > worker.device_bytes + worker.host_bytes:
@@ -319,16 +363,18 @@ class InterferenceFit:
             if not group.members:
                 empty = empty or worker
             elif group.load + fig.duty < 1.0:
-                shared.append((-group.load, i, worker, group))
-        # Fullest first: the first group within budget is the answer.
+                foreign = group.foreign(tenant) if self.fair_share else 0.0
+                shared.append((foreign, -group.load, i, worker, group))
+        # Fullest first (least of other tenants' load before that, with fair share): the
+        # first group within budget is the answer.
         chosen = empty
-        for _, _, worker, group in sorted(shared, key=lambda c: (c[0], c[1])):
+        for _, _, _, worker, group in sorted(shared, key=lambda c: (c[0], c[1], c[2])):
             if self._within_adding(group, fig):
                 chosen = worker
                 break
         if chosen is None:
             return None
-        self._groups[chosen.worker_id].add(fig, job.state_bytes, self.pair)
+        self._groups[chosen.worker_id].add(fig, job.state_bytes, self.pair, tenant)
         return chosen.worker_id
 
 
@@ -347,6 +393,7 @@ def shortest_remaining_first(
     jobs: list[JobView],
     switch_weight: float,
     burst: tuple[float, float] = (0.0, 0.0),
+    fair_share: bool = False,
 ) -> Sequence[JobView]:
     """Least remaining work first: the expected seconds of the job's pending calls plus
     `switch_weight` times the seconds to bring its state onto the device; ties to the
@@ -360,9 +407,11 @@ def shortest_remaining_first(
     before the group moves on, for at most about a quantum, unless a neighbour's work is
     much shorter.
 
-    When jobs of several tenants are ready, tenants take turns first (the one served
-    longest ago, as `fifo` does) and least remaining work orders each tenant's own jobs:
-    short calls of one tenant never hold back another's beyond one dispatch each."""
+    When jobs of several tenants are ready, tenants take turns first and least remaining
+    work orders each tenant's own jobs: short calls of one tenant never hold back
+    another's beyond one dispatch each. With `fair_share` the tenant that used the group
+    least recently goes first within those turns (`plexrl.policy.share.tenant_order`);
+    without it, the one served longest ago (as `fifo` does)."""
     if len(jobs) < 2:
         return jobs
     bursting = bursting_job(snapshot, worker.worker_id, *burst) if burst[0] > 0 else None
@@ -373,7 +422,12 @@ def shortest_remaining_first(
         if all(j.tenant == first for j in rest):
             least = min(pending_s(snapshot, j) for j in rest)
             if pending_s(snapshot, mine[0]) <= BURST_TOLERANCE * least:
-                return [*mine, *shortest_remaining_first(snapshot, worker, rest, switch_weight)]
+                return [
+                    *mine,
+                    *shortest_remaining_first(
+                        snapshot, worker, rest, switch_weight, fair_share=fair_share
+                    ),
+                ]
 
     def key(job: JobView) -> tuple[float, int, float, str]:
         calls = snapshot.calls_view(job.job_id)
@@ -386,6 +440,9 @@ def shortest_remaining_first(
     first = jobs[0].tenant
     if all(job.tenant == first for job in jobs):
         return sorted(jobs, key=key)
+    if fair_share:
+        rank = {t: i for i, t in enumerate(tenant_order(snapshot, worker.worker_id, jobs))}
+        return sorted(jobs, key=lambda job: (rank[job.tenant], key(job)))
     served = last_served(snapshot)
     return sorted(jobs, key=lambda job: (served[job.tenant], key(job)))
 
@@ -407,7 +464,9 @@ def prefetches(snapshot: ClusterSnapshot, config: PolicyConfig, runs: list[Run])
             continue
         with_calls = [j for j in candidates if snapshot.calls_view(j.job_id)]
         if with_calls:
-            target = shortest_remaining_first(snapshot, worker, with_calls, config.switch_weight)[0]
+            target = shortest_remaining_first(
+                snapshot, worker, with_calls, config.switch_weight, fair_share=config.fair_share
+            )[0]
         else:
             hinted = [j for j in candidates if snapshot.now < j.idle_until <= worker.busy_until]
             if not hinted:
@@ -435,14 +494,16 @@ def _off_device(snapshot: ClusterSnapshot) -> bool:
 def plan_plexrl(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
     actions: list[Action] = []
     if waiting_jobs(snapshot):  # (most plans only dispatch: no placement to set up)
-        admitted, snapshot = admit_waiting(
-            snapshot, InterferenceFit(config.slowdown_budget, config.pack), backfill=True
+        place = InterferenceFit(
+            config.slowdown_budget, config.pack, config.fair_share, config.max_load
         )
+        admitted, snapshot = admit_waiting(snapshot, place, backfill=True)
         actions.extend(admitted)
     order = partial(
         shortest_remaining_first,
         switch_weight=config.switch_weight,
         burst=(config.hold_s, config.quantum_s),
+        fair_share=config.fair_share,
     )
     prefetch = config.prefetch and _off_device(snapshot)
     runs, snapshot = dispatch(
@@ -452,6 +513,7 @@ def plan_plexrl(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
         key=_idle_first(snapshot.now),
         keep_snapshot=prefetch,
         quantum_s=config.quantum_s,
+        tenant_quantum_s=config.tenant_quantum_s if config.fair_share else None,
     )
     actions.extend(runs)
     if prefetch:

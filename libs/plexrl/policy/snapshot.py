@@ -140,6 +140,13 @@ class JobView:
     burst_s: float = 0.0
     """Seconds since the first call of its current burst (its calls since its last gap
     longer than the scheduler's hold); 0: not in one."""
+    used_s: float = 0.0
+    """Engine seconds (swap + compute) its calls used, each weighed by half for every
+    `plexrl.policy.history.USAGE_HALF_LIFE_S` since it ended: its recent use of its
+    group, which a tenant's share sums (`policy.share`)."""
+    last_started: float = 0.0
+    """When its latest Run began (snapshot clock; 0: none seen): one turn of its tenant
+    on its group (`policy.share`)."""
 
 
 @quick_init
