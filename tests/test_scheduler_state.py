@@ -439,3 +439,24 @@ def test_a_restarted_worker_gives_back_the_calls_of_its_released_batches() -> No
     assert list(state.pending) == ["a2", "b1"] and not state.tails
     assert state.inflight["w0"].dispatch_id == "d2"  # Kafka redelivers that one
     assert not state.snapshot().jobs["a"].pinned
+
+
+def test_a_jobs_engine_use_and_last_dispatch_reach_the_snapshot() -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock)
+    state.on_heartbeat(beat("w0"))
+    state.add_job("a", "t", JobSpec(base_model="m"), home="w0")
+    state.add_job("b", "u", JobSpec(base_model="m"), home="w0")
+    state.on_request(req("r1", "a", Function.SAMPLE), delivery(0))
+    state.on_request(req("r2", "b", Function.SAMPLE), delivery(1))
+    # One dispatch carries both jobs' calls (co-sampling): both started with it.
+    state.apply_run("d", "w0", "a", state.take_pending(("r1", "r2")), ())
+    started = clock.t
+    clock.t += 3
+    state.on_completion(done("r1", "a", compute_s=2.0, swap_s=0.5))
+    view = state.snapshot().jobs
+    assert view["a"].last_started == started and view["b"].last_started == started
+    assert view["a"].used_s == 2.5 and view["b"].used_s == 0.0
+    assert view["a"].tenant == "t" and view["b"].tenant == "u"
+    clock.t += 60  # one half-life
+    assert state.snapshot().jobs["a"].used_s == pytest.approx(1.25)

@@ -91,6 +91,11 @@ class SchedulerSettings(CommonSettings):
     # sample batch yields to a waiting job whose calls are expected to take at most this
     # fraction of the batch's remaining seconds (once per batch). 0: off.
     preempt_ratio: float = Field(default=0.5, ge=0.0, le=1.0)
+    # The plexrl policy's tenant share (`PolicyConfig.fair_share`): where several tenants'
+    # jobs share a worker, the one that used it least lately goes first (one turn each),
+    # a dispatch beside another tenant holds about one long call, and new jobs are homed
+    # away from other tenants' load. False: tenant-blind placement, tenants in turns.
+    fair_share: bool = True
     # A worker whose last heartbeat is older than this is treated as down (its jobs
     # are re-homed and restored elsewhere). Heartbeats come every second; a false alarm
     # costs a restore, never a wrong result (the old home is fenced off).

@@ -38,6 +38,7 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
         pack=settings.pack_groups,
         hold_s=settings.hold_s,
         preempt_ratio=settings.preempt_ratio,
+        fair_share=settings.fair_share,
     )
     receiver = Receiver(state, stores.jobs, stores.usage)
     ledger = Ledger(stores.keys.redis, settings.cluster_id)

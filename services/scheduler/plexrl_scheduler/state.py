@@ -32,7 +32,7 @@ from plexrl.policy import (
     SwapCosts,
     WorkerView,
 )
-from plexrl.policy.history import CallHistory, Prior, describe, priors
+from plexrl.policy.history import CallHistory, Prior, RecentUse, describe, priors
 
 Clock = Callable[[], float]
 log = logging.getLogger(__name__)
@@ -69,6 +69,10 @@ class JobState:
     sees a job as the simulated one does."""
     epoch: int = 0
     """Its lease's fencing token on its home (see plexrl.ledger); 0: not known here yet."""
+    used: RecentUse = field(default_factory=RecentUse)
+    """Its recent engine seconds (`JobView.used_s`): its tenant's share of its group."""
+    last_started: float = 0.0
+    """When a dispatch with its calls was last sent (`JobView.last_started`)."""
 
     @property
     def kind(self) -> Kind:
@@ -182,6 +186,7 @@ class ClusterState:
             now, t = self._clock(), completion.timings
             queued = _queued(job, t.queue_s, started=now - t.compute_s - t.swap_s)
             job.history.observe(completion.function, t.compute_s, t.swap_s, queued)
+            job.used.add(t.compute_s + t.swap_s, now)
             job.last_active = now
             if completion.function == Function.UNLOAD:
                 del self.jobs[job.job_id]
@@ -283,9 +288,12 @@ class ClusterState:
                 self.jobs[move.job_id].tier = move.to_tier
         self.jobs[job_id].tier = Tier.DEVICE
         ids = {p.request.request_id for p in taken}
-        self.inflight[worker_id] = InFlight(
-            dispatch_id, worker_id, job_id, ids, self._clock(), list(taken)
-        )
+        now = self._clock()
+        self.inflight[worker_id] = InFlight(dispatch_id, worker_id, job_id, ids, now, list(taken))
+        for p in taken:  # (co-sampled calls of other jobs start with it)
+            started = self.jobs.get(p.request.job_id)
+            if started is not None:
+                started.last_started = now
         for p in taken:
             self._inflight_requests[p.request.request_id] = (worker_id, p.delivery)
 
@@ -400,6 +408,8 @@ class ClusterState:
             tenant=job.tenant,
             last_gap_s=job.last_gap_s,
             burst_s=now - job.burst_since if job.burst_since else 0.0,
+            used_s=job.used.as_of(now),
+            last_started=job.last_started,
         )
 
     def _worker_view(self, wid: str, w: WorkerState, jobs: dict[str, JobView]) -> WorkerView:
