@@ -19,15 +19,16 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Annotated, Any, ClassVar, Protocol
 
 import h11
 import uvicorn
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Header, HTTPException, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from plexrl import tracing
+from plexrl.service_auth import bearer_matches
 from plexrl.settings import CommonSettings
 
 log = logging.getLogger(__name__)
@@ -50,11 +51,32 @@ def consumers_health(consumers: Sequence[Watched]) -> dict[str, Any]:
 
 
 def health_app(
-    name: str, status: Callable[[], dict[str, Any]], watched: Sequence[Watched] = ()
+    name: str,
+    status: Callable[[], dict[str, Any]],
+    watched: Sequence[Watched] = (),
+    detail: Callable[[], dict[str, Any]] | None = None,
+    token: str | None = None,
 ) -> FastAPI:
     """GET /healthz (200 with `status()`, or 503 when it says ok=False or a watched
-    consumer is dead or stuck) and GET /metrics."""
+    consumer is dead or stuck) and GET /metrics, both open and naming no tenant's job;
+    with `detail`, GET /status answers `detail()` (what names jobs) to callers holding
+    the service `token` (401 otherwise; open when the cluster has none, as on one machine)."""
     app = FastAPI(title=f"plexrl {name}", docs_url=None, redoc_url=None)
+
+    if detail is not None:
+        read_detail = detail
+
+        @app.get("/status")
+        async def private_status(
+            authorization: Annotated[str | None, Header()] = None,
+        ) -> dict[str, Any]:
+            if token and not bearer_matches(token, authorization):
+                raise HTTPException(
+                    401,
+                    f"the {name}'s /status needs the cluster's service token: send "
+                    "'Authorization: Bearer <token>' with the token set in PLEXRL_SERVICE_TOKEN",
+                )
+            return {"service": name, **read_detail()}
 
     @app.get("/healthz")
     def healthz(response: Response) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import httpx
 import msgspec
 
 from plexrl.messages import MessageError, WorkerHeartbeat, decode
+from plexrl.service_auth import auth_headers
 from plexrl.stores import (
     JobRecord,
     JobStore,
@@ -33,13 +34,16 @@ class ClusterView:
         residency: ResidencyStore,
         usage: UsageStore,
         scheduler_url: str,
+        service_token: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._jobs = jobs
         self._workers = workers
         self._residency = residency
         self._usage = usage
-        self._http = httpx.AsyncClient(base_url=scheduler_url.rstrip("/"), timeout=1.0)
+        self._http = httpx.AsyncClient(
+            base_url=scheduler_url.rstrip("/"), timeout=1.0, headers=auth_headers(service_token)
+        )
         self._clock = clock
 
     async def close(self) -> None:
@@ -64,10 +68,11 @@ class ClusterView:
         return len(await self._jobs.all_jobs())
 
     async def scheduler(self) -> dict[str, Any] | None:
-        """The scheduler's own status (pending and in-flight calls), if it answers."""
+        """The scheduler's status (pending and in-flight calls, which job each worker
+        runs), from its token-guarded /status, if it answers."""
         try:
-            response = await self._http.get("/healthz")
-            return dict(response.json()) if response.status_code < 500 else None
+            response = await self._http.get("/status")
+            return dict(response.json()) if response.status_code < 400 else None
         except (httpx.HTTPError, ValueError):
             return None
 

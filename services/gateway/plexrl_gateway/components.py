@@ -104,6 +104,7 @@ class Gateway:
                 residency=stores.residency,
                 usage=stores.usage,
                 scheduler_url=settings.scheduler_url,
+                service_token=settings.service_token,
             ),
             checkpoints=CheckpointRemover(
                 stores.checkpoints, settings.state_store_url, settings.service_token

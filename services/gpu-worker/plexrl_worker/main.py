@@ -26,6 +26,7 @@ from plexrl.messages import (
     PreemptBatch,
     ReleaseReason,
     TailReleased,
+    Tier,
 )
 from plexrl.models import ModelRegistry
 from plexrl.retry import retrying
@@ -462,6 +463,8 @@ def status(states: StateManager, handler: DispatchHandler, engine: TorchEngine) 
     return {
         "ok": True,
         "calls": handler.calls,
-        "resident": {s.job_id: s.tier for s in states.resident()},
+        # Counted per tier, never named: /healthz is open inside the cluster, and a job
+        # id is its tenant's (the gateway names a tenant's own states to that tenant).
+        "resident_jobs": {str(t): sum(s.tier == t for s in states.resident()) for t in Tier},
         "bases": engine.loaded_bases(),
     }

@@ -1,7 +1,9 @@
 """The gpu-worker's Prometheus metrics (served on its health port at /metrics).
 
 One worker process is one device group, so the scrape target names the worker; the
-labels say which job, function or tier.
+labels say which function, status or tier. No label names a job or a tenant: whoever can
+reach `/metrics` is inside the cluster but is not a tenant, and one tenant's job ids are
+never shown to anyone else (per-job device time is in that tenant's `/plexrl/v1/jobs`).
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ _SECONDS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 
 BUSY_SECONDS = Counter(
     "plexrl_worker_busy_seconds_total",
-    "Device-seconds (swap + compute) spent on a job's calls",
-    ["job"],
+    "Device-seconds (swap + compute) spent on calls, by function",
+    ["function"],
 )
 CALLS = Counter(
     "plexrl_worker_calls_total", "Calls run, by function and outcome", ["function", "status"]

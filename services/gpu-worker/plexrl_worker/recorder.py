@@ -100,7 +100,7 @@ class ResultRecorder:
         )
         await self.publish(completion)
         metrics.CALLS.labels(str(request.function), str(completion.status)).inc()
-        metrics.BUSY_SECONDS.labels(request.job_id).inc(ran.swap_s + ran.compute_s)
+        metrics.BUSY_SECONDS.labels(str(request.function)).inc(ran.swap_s + ran.compute_s)
         metrics.COMPUTE_SECONDS.labels(str(request.function)).observe(ran.compute_s)
         return completion
 

@@ -104,7 +104,13 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
         ]
     )
     health = HttpServer(
-        health_app("scheduler", lambda: status(state, actuator, liveness, loop), consumers),
+        health_app(
+            "scheduler",
+            lambda: status(state, actuator, liveness, loop),
+            consumers,
+            detail=lambda: status(state, actuator, liveness, loop) | inflight(state),
+            token=settings.service_token,
+        ),
         settings.scheduler_host,
         settings.scheduler_port,
     )
@@ -178,8 +184,16 @@ def status(
         "workers": {w: state.healthy(w) for w in state.workers},
         "jobs": len(state.jobs),
         "pending": len(state.pending),
-        "inflight": {w: r.job_id for w, r in state.inflight.items()},
+        # A count: /healthz is open inside the cluster and job ids are tenants' (which
+        # job each worker runs is on the token-guarded /status, for the gateway).
+        "inflight_dispatches": len(state.inflight),
         "dispatches": actuator.dispatches,
         "rehomed": liveness.rehomed,
         "requeued": liveness.requeued,
     }
+
+
+def inflight(state: ClusterState) -> dict[str, Any]:
+    """Which job each busy worker runs: on /status (beside the health body), for the
+    gateway to show each tenant its own."""
+    return {"inflight": {w: r.job_id for w, r in state.inflight.items()}}
