@@ -169,6 +169,9 @@ async def test_the_split_stores_keep_the_key_names(stores: Stores, cluster_id: s
         "tenant:t:ckpts",
         "timeline",
         "usage:j",
+        # What each tenant holds, counted as its records are written (quotas).
+        "tenant:t:live:training",
+        "tenant:t:live:session",
     }
     await redis.delete(*found)
 

@@ -7,7 +7,15 @@ import enum
 import msgspec
 
 from plexrl.messages import JobSpec, decode, encode
-from plexrl.stores.redis import RedisStore, raw_bytes, text
+from plexrl.stores.redis import RedisKeys, RedisStore, raw_bytes, text
+from plexrl.stores.tenant_records import (
+    NO_CAPS,
+    Caps,
+    RecordKind,
+    RecordWrite,
+    TenantRecords,
+    metadata_bytes,
+)
 
 
 class JobKind(enum.StrEnum):
@@ -36,34 +44,68 @@ class JobRecord(msgspec.Struct, frozen=True):
 
 class JobStore(RedisStore):
     """Job records (kept for the job's lifetime) and homes. Keys: `job:<id>`,
-    `tenant:<tenant>:jobs` (a set), `home:<id>`."""
+    `tenant:<tenant>:jobs` (a set), `home:<id>`; each write moves the tenant's counts
+    (plexrl.stores.tenant_records) in the same script."""
 
-    async def put_job(self, job: JobRecord) -> None:
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(self._k("job", job.job_id), encode(job))
-            pipe.sadd(self._k("tenant", job.tenant, "jobs"), job.job_id)
-            await pipe.execute()
+    def __init__(self, keys: RedisKeys) -> None:
+        super().__init__(keys)
+        self._records = TenantRecords(keys)
+
+    async def put_job(self, job: JobRecord, caps: Caps = NO_CAPS) -> None:
+        """Write a job; a new one (or more metadata) is checked against `caps` and raises
+        `QuotaExceeded` without writing when it would pass them. An unloaded model keeps
+        its record (and its metadata counted) but gives back its place."""
+        await self._records.write(
+            RecordWrite(
+                tenant=job.tenant,
+                kind=_kind(job),
+                record_id=job.job_id,
+                record_key=self._k("job", job.job_id),
+                id_set_key=self._k("tenant", job.tenant, "jobs"),
+                encoded=encode(job),
+                holds_slot=not job.unloaded,
+                metadata_bytes=metadata_bytes(job.metadata),
+                cluster_count=JOB_COUNT,
+            ),
+            caps,
+        )
 
     async def delete_job(self, job_id: str) -> None:
-        """Forget a job (its record, its place in its tenant's set and its home)."""
+        """Forget a job (its record, its place in its tenant's set and counts, its home)."""
         job = await self.get_job(job_id)
         if job is None:
             return
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.delete(self._k("job", job_id), self._k("home", job_id))
-            pipe.srem(self._k("tenant", job.tenant, "jobs"), job_id)
-            await pipe.execute()
+        await self._records.forget(
+            job.tenant,
+            _kind(job),
+            job_id,
+            self._k("job", job_id),
+            self._k("tenant", job.tenant, "jobs"),
+            self._k("home", job_id),
+            cluster_count=JOB_COUNT,
+        )
 
     async def get_job(self, job_id: str) -> JobRecord | None:
         return await self._get(self._k("job", job_id), JobRecord)
 
     async def tenant_jobs(self, tenant: str) -> list[JobRecord]:
-        members = await self._redis.smembers(self._k("tenant", tenant, "jobs"))
-        ids = sorted(text(m) for m in members)
-        jobs = [await self.get_job(i) for i in ids]
-        return [j for j in jobs if j is not None]
+        ids = sorted(await self.tenant_job_ids(tenant))
+        raws = await self._redis.mget([self._k("job", i) for i in ids]) if ids else []
+        return [decode(raw_bytes(r), JobRecord) for r in raws if r is not None]
+
+    async def tenant_job_ids(self, tenant: str) -> set[str]:
+        """The ids of the tenant's jobs, no record read."""
+        return {text(m) for m in await self._redis.smembers(self._k("tenant", tenant, "jobs"))}
+
+    async def tenant_job_count(self, tenant: str) -> int:
+        return int(await self._redis.scard(self._k("tenant", tenant, "jobs")))
+
+    async def job_count(self) -> int:
+        """Jobs of every tenant, counted as they are written (no record is read)."""
+        return await self._records.count(JOB_COUNT, self._k("job", "*"))
 
     async def all_jobs(self) -> list[JobRecord]:
+        """Every tenant's job records: for the scheduler's start, never a request path."""
         keys = [k async for k in self._redis.scan_iter(match=self._k("job", "*"), count=500)]
         raws = await self._redis.mget(keys) if keys else []
         return [decode(raw_bytes(r), JobRecord) for r in raws if r is not None]
@@ -71,8 +113,21 @@ class JobStore(RedisStore):
     async def set_home(self, job_id: str, worker_id: str) -> None:
         await self._redis.set(self._k("home", job_id), worker_id)
 
+    async def get_home(self, job_id: str) -> str | None:
+        raw = await self._redis.get(self._k("home", job_id))
+        return None if raw is None else text(raw)
+
     async def homes(self) -> dict[str, str]:
+        """Every job's home, a scan over every tenant's (`get_home` reads one)."""
         keys = [k async for k in self._redis.scan_iter(match=self._k("home", "*"), count=500)]
         raws = await self._redis.mget(keys) if keys else []
         prefix = len(self._k("home", ""))
         return {text(k)[prefix:]: text(r) for k, r in zip(keys, raws, strict=True) if r is not None}
+
+
+JOB_COUNT = "jobs"
+"""The cluster-wide count of job records (`records` hash)."""
+
+
+def _kind(job: JobRecord) -> RecordKind:
+    return RecordKind.TRAINING if job.kind == JobKind.TRAINING else RecordKind.SAMPLING

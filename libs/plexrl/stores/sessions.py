@@ -5,7 +5,15 @@ from __future__ import annotations
 import msgspec
 
 from plexrl.messages import decode, encode
-from plexrl.stores.redis import RedisStore, raw_bytes, text
+from plexrl.stores.redis import RedisKeys, RedisStore, raw_bytes, text
+from plexrl.stores.tenant_records import (
+    NO_CAPS,
+    Caps,
+    RecordKind,
+    RecordWrite,
+    TenantRecords,
+    metadata_bytes,
+)
 
 
 class SessionRecord(msgspec.Struct, frozen=True):
@@ -18,13 +26,29 @@ class SessionRecord(msgspec.Struct, frozen=True):
 
 
 class SessionStore(RedisStore):
-    """`session:<id>` (lives `ttl_s` from its last heartbeat) and `tenant:<t>:sessions`."""
+    """`session:<id>` (lives `ttl_s` from its last heartbeat) and `tenant:<t>:sessions`;
+    each write moves the tenant's counts (plexrl.stores.tenant_records) in the same
+    script, and frees the places of the tenant's sessions that expired."""
 
-    async def put_session(self, session: SessionRecord) -> None:
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.set(self._k("session", session.session_id), encode(session), ex=self._keys.ttl_s)
-            pipe.sadd(self._k("tenant", session.tenant, "sessions"), session.session_id)
-            await pipe.execute()
+    def __init__(self, keys: RedisKeys) -> None:
+        super().__init__(keys)
+        self._records = TenantRecords(keys)
+
+    async def put_session(self, session: SessionRecord, caps: Caps = NO_CAPS) -> None:
+        """Write a session (a new one checked against `caps`: `QuotaExceeded` otherwise)."""
+        await self._records.write(
+            RecordWrite(
+                tenant=session.tenant,
+                kind=RecordKind.SESSION,
+                record_id=session.session_id,
+                record_key=self._k("session", session.session_id),
+                id_set_key=self._k("tenant", session.tenant, "sessions"),
+                encoded=encode(session),
+                ttl_s=self._keys.ttl_s,
+                metadata_bytes=metadata_bytes(session.user_metadata, session.tags),
+            ),
+            caps,
+        )
 
     async def get_session(self, session_id: str) -> SessionRecord | None:
         return await self._get(self._k("session", session_id), SessionRecord)

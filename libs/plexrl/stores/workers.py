@@ -19,3 +19,8 @@ class WorkerStore(RedisStore):
         ids = sorted(text(m) for m in await self._redis.smembers(self._k("workers")))
         raws = await self._redis.mget([self._k("worker", i) for i in ids]) if ids else []
         return {i: raw_bytes(r) for i, r in zip(ids, raws, strict=True) if r is not None}
+
+    async def worker(self, worker_id: str) -> bytes | None:
+        """One worker's heartbeat, if it has not expired."""
+        raw = await self._redis.get(self._k("worker", worker_id))
+        return None if raw is None else raw_bytes(raw)

@@ -26,6 +26,10 @@ log = logging.getLogger(__name__)
 
 
 class ClusterView:
+    """What every dashboard polls, at a cost that does not grow with what tenants store:
+    counts come from Redis counters, a tenant's own job ids from its id set, and no
+    request reads another tenant's records (or any record's metadata)."""
+
     def __init__(
         self,
         *,
@@ -64,8 +68,8 @@ class ClusterView:
         return out
 
     async def job_count(self) -> int:
-        """Jobs of every tenant (a number only: the records stay per tenant)."""
-        return len(await self._jobs.all_jobs())
+        """Jobs of every tenant (a number only, kept as jobs are written)."""
+        return await self._jobs.job_count()
 
     async def scheduler(self) -> dict[str, Any] | None:
         """The scheduler's status (pending and in-flight calls, which job each worker
@@ -78,12 +82,12 @@ class ClusterView:
 
     async def job(self, job: JobRecord) -> dict[str, Any]:
         """A job's record, home, residency and accounting against a dedicated deployment."""
-        home = (await self._jobs.homes()).get(job.job_id)
+        home = await self._jobs.get_home(job.job_id)
         residency = await self._residency.get_residency(job.job_id)
         usage = await self._usage.usage(job.job_id)
         devices = 1
         if home is not None:
-            beat = (await self._workers.workers()).get(home)
+            beat = await self._workers.worker(home)
             if beat is not None:
                 with contextlib.suppress(MessageError):
                     devices = decode(beat, WorkerHeartbeat).devices

@@ -112,6 +112,13 @@ class Registry:
     async def jobs(self, tenant: str) -> list[JobRecord]:
         return await self._jobs.tenant_jobs(tenant)
 
+    async def job_ids(self, tenant: str) -> set[str]:
+        """The tenant's job ids, with no record read."""
+        return await self._jobs.tenant_job_ids(tenant)
+
+    async def job_count(self, tenant: str) -> int:
+        return await self._jobs.tenant_job_count(tenant)
+
     async def live_owner(self, tenant: str, job_id: str) -> str | None:
         """`job_id` when it is a live training model of the tenant (a sampling session over
         its checkpoint runs on its home worker, in order with it), else None."""
