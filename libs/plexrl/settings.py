@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from plexrl.quotas import DEFAULT_QUOTAS, RecordQuotas
+
 
 class CommonSettings(BaseSettings):
     """What every service needs to find the cluster."""
@@ -67,6 +69,30 @@ class GatewaySettings(CommonSettings):
     sequence_gap_timeout_s: float = 30.0
     # Base URL of the scheduler's health endpoint (queue depths for /plexrl/v1/cluster).
     scheduler_url: str = "http://127.0.0.1:8100"
+    # Per-tenant quotas on records and their user metadata (plexrl.quotas.RecordQuotas
+    # says what each counts); a record past one is refused with a 400 naming it.
+    # Client sessions alive at once.
+    quota_sessions: int = Field(default=DEFAULT_QUOTAS.sessions, ge=1)
+    # Training models loaded at once (unloading one frees its place).
+    quota_training_models: int = Field(default=DEFAULT_QUOTAS.training_models, ge=1)
+    # Sampling sessions kept.
+    quota_sampling_sessions: int = Field(default=DEFAULT_QUOTAS.sampling_sessions, ge=1)
+    # Checkpoints kept.
+    quota_checkpoints: int = Field(default=DEFAULT_QUOTAS.checkpoints, ge=1)
+    # Bytes of user_metadata (and tags) of one session or model.
+    quota_record_metadata_bytes: int = Field(default=DEFAULT_QUOTAS.record_metadata_bytes, ge=1)
+    # Bytes of user_metadata of all one tenant's records together.
+    quota_metadata_bytes: int = Field(default=DEFAULT_QUOTAS.metadata_bytes, ge=1)
+
+    def quotas(self) -> RecordQuotas:
+        return RecordQuotas(
+            sessions=self.quota_sessions,
+            training_models=self.quota_training_models,
+            sampling_sessions=self.quota_sampling_sessions,
+            checkpoints=self.quota_checkpoints,
+            record_metadata_bytes=self.quota_record_metadata_bytes,
+            metadata_bytes=self.quota_metadata_bytes,
+        )
 
 
 class SchedulerSettings(CommonSettings):

@@ -10,6 +10,7 @@ from plexrl.limits import DEFAULT_LIMITS, CallLimits
 from plexrl.models import ModelRegistry
 from plexrl.settings import GatewaySettings
 from plexrl.stores import CallStore, PayloadStore, Stores, TimelineStore, UsageStore
+from plexrl.stores.tenant_records import TenantRecords
 from plexrl.topics import Topics
 from plexrl_gateway.admission import CountingPublisher, PendingCalls
 from plexrl_gateway.auth import ApiKeys
@@ -85,7 +86,13 @@ class Gateway:
             timeline=stores.timeline,
             usage=stores.usage,
             catalog=ModelCatalog(ModelRegistry(settings.model_registry)),
-            registry=Registry(stores.sessions, stores.jobs, stores.checkpoints),
+            registry=Registry(
+                stores.sessions,
+                stores.jobs,
+                stores.checkpoints,
+                TenantRecords(stores.keys),
+                settings.quotas(),
+            ),
             submitter=Submitter(
                 stores.calls,
                 stores.payloads,

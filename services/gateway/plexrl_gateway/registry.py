@@ -1,17 +1,21 @@
 """Sessions, jobs (training models and sampling sessions) and checkpoints, seen per tenant.
 
 Every lookup takes the caller's tenant; an object of another tenant is reported exactly
-like a missing one (404), so a key cannot learn what others have.
+like a missing one (404), so a key cannot learn what others have. Every record a tenant
+creates is checked against its quotas (plexrl.quotas) as it is written: a refusal is a
+400 naming the quota, and nothing is stored.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from plexrl.messages import JobSpec
+from plexrl.quotas import DEFAULT_QUOTAS, QuotaError, RecordQuotas
 from plexrl.stores import (
     CheckpointRecord,
     CheckpointStore,
@@ -21,7 +25,8 @@ from plexrl.stores import (
     SessionRecord,
     SessionStore,
 )
-from plexrl_gateway.errors import not_found
+from plexrl.stores.tenant_records import QuotaExceeded, RecordKind, TenantRecords
+from plexrl_gateway.errors import bad_request, not_found
 
 Clock = Callable[[], float]
 
@@ -32,11 +37,17 @@ class Registry:
         sessions: SessionStore,
         jobs: JobStore,
         checkpoints: CheckpointStore,
+        records: TenantRecords,
+        quotas: RecordQuotas = DEFAULT_QUOTAS,
         clock: Clock = time.time,
     ) -> None:
+        """`records`: what each tenant holds (counted as records are written), read to
+        check checkpoints against `quotas`."""
         self._sessions = sessions
         self._jobs = jobs
         self._checkpoints = checkpoints
+        self._records = records
+        self._quotas = quotas
         self._clock = clock
 
     # Sessions ------------------------------------------------------------------
@@ -45,6 +56,7 @@ class Registry:
         self, tenant: str, tags: list[str], user_metadata: dict[str, Any] | None
     ) -> SessionRecord:
         now = self._clock()
+        metadata = metadata_strings(user_metadata)
         session = SessionRecord(
             # Ids go into model ids ("<session>:train:<n>") and URL paths: no ':' or '/'.
             session_id=f"sess-{uuid.uuid4().hex[:16]}",
@@ -52,9 +64,11 @@ class Registry:
             created_at=now,
             last_heartbeat=now,
             tags=list(tags),
-            user_metadata=metadata_strings(user_metadata),
+            user_metadata=metadata,
         )
-        await self._sessions.put_session(session)
+        with self._quota(tenant):
+            self._quotas.check_metadata(RecordKind.SESSION, metadata, tags)
+            await self._sessions.put_session(session, self._quotas.caps(RecordKind.SESSION))
         return session
 
     async def session(self, tenant: str, session_id: str) -> SessionRecord:
@@ -107,7 +121,12 @@ class Registry:
         return job
 
     async def put_job(self, job: JobRecord) -> None:
-        await self._jobs.put_job(job)
+        """Write a job; a new one takes a place under its tenant's quota (400 when none is
+        left), a rewrite of one it holds (an unload) never fails for the count."""
+        kind = RecordKind.TRAINING if job.kind == JobKind.TRAINING else RecordKind.SAMPLING
+        with self._quota(job.tenant):
+            self._quotas.check_metadata(kind, job.metadata)
+            await self._jobs.put_job(job, self._quotas.caps(kind))
 
     async def jobs(self, tenant: str) -> list[JobRecord]:
         return await self._jobs.tenant_jobs(tenant)
@@ -140,6 +159,23 @@ class Registry:
 
     async def checkpoints(self, tenant: str) -> list[CheckpointRecord]:
         return await self._checkpoints.tenant_checkpoints(tenant)
+
+    async def admit_checkpoint(self, tenant: str) -> None:
+        """400 when the tenant holds its quota of checkpoints: call before publishing a
+        save that creates one (the worker writes the record, so the count is read here)."""
+        held = await self._records.checkpoints(tenant)
+        with self._quota(tenant):
+            self._quotas.check_checkpoints(tenant, held)
+
+    @contextlib.contextmanager
+    def _quota(self, tenant: str) -> Iterator[None]:
+        """A quota refused in the block is the tenant's 400, saying which and what to do."""
+        try:
+            yield
+        except QuotaExceeded as exc:
+            raise bad_request(str(self._quotas.refusal(tenant, exc))) from None
+        except QuotaError as exc:
+            raise bad_request(str(exc)) from None
 
 
 def metadata_strings(metadata: dict[str, Any] | None) -> dict[str, str]:
