@@ -75,7 +75,20 @@ class CallLimits:
     """Bytes of payloads (token batches, loss inputs) of one tenant's pending calls, per
     gateway: what Redis holds for them until they run."""
     retry_after_s: int = 2
-    """The Retry-After a 429 carries, seconds."""
+    """The Retry-After a 429 (or a parse-busy 503) carries, seconds."""
+    max_json_items: int = 1 << 20
+    """Array elements plus object members of one JSON body, bounded from its bytes (each
+    ',' and ':') before it is decoded, so the objects decoding makes are bounded by this
+    and not by the body's size; a forward_backward at `max_call_tokens` with five
+    per-token inputs has about 800k."""
+    max_json_containers: int = 1 << 17
+    """Arrays and objects of one JSON body (each '[' and '{'), bounded the same way."""
+    max_parsing_bodies: int = 2
+    """Request bodies decoded at once per gateway (what decoding holds in memory is at
+    most this many bodies' worth); one more waits up to `parse_wait_s`, then gets a 503
+    with Retry-After."""
+    parse_wait_s: int = 2
+    """Seconds a body waits for a decoding slot."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
@@ -16,15 +18,17 @@ from plexrl_gateway import (
     routes_session,
     routes_training,
 )
-from plexrl_gateway.body_limit import BodySizeLimit
+from plexrl_gateway.body_limit import BodyParser, BodySizeLimit
 from plexrl_gateway.components import Gateway
 from plexrl_gateway.errors import install_error_handlers
 from plexrl_gateway.metrics import observe_request
+from plexrl_gateway.schemas import JSON_BODY_COMPONENTS
 
 
 def build_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(title="PlexRL gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.gateway = gateway
+    app.state.body_parser = BodyParser(gateway.limits)
     install_error_handlers(app)
     for module in (
         routes_session,
@@ -42,9 +46,27 @@ def build_app(gateway: Gateway) -> FastAPI:
     def metrics() -> Response:
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
+    _document_struct_bodies(app)
+
     # Inside the metrics middleware, so refused bodies are counted (as 413s) too.
-    app.add_middleware(BodySizeLimit, max_body_bytes=gateway.limits.max_body_bytes)
+    app.add_middleware(BodySizeLimit, limits=gateway.limits)
     app.add_middleware(ObserveRequests, observe=observe_request)
     # The one server span of each request (the root of an API call's trace).
     tracing.instrument_app(app)
     return app
+
+
+def _document_struct_bodies(app: FastAPI) -> None:
+    """The OpenAPI document names the msgspec Structs' schemas (the routes that decode
+    into one point at them from `openapi_extra`) beside pydantic's own."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = build()
+            document.setdefault("components", {}).setdefault("schemas", {}).update(
+                JSON_BODY_COMPONENTS
+            )
+        return app.openapi_schema or {}
+
+    app.openapi = openapi  # type: ignore[method-assign]

@@ -26,7 +26,8 @@ from plexrl.messages import (
 from plexrl.models import BaseModelInfo
 from plexrl.stores import CheckpointRecord, JobKind, JobRecord
 from plexrl.stores.checkpoints import EPHEMERAL_PREFIX
-from plexrl_gateway.codec import PROTOBUF, CodecError, decode_forward_backward
+from plexrl_gateway.body_limit import BodyParser, Parser, is_json_media
+from plexrl_gateway.codec import PROTOBUF, decode_forward_backward
 from plexrl_gateway.codec_json import forward_backward_from_json
 from plexrl_gateway.deps import Catalog, Jobs, Submit, Tenant
 from plexrl_gateway.errors import bad_request
@@ -35,11 +36,14 @@ from plexrl_gateway.registry import metadata_strings, new_job
 from plexrl_gateway.render import CTX_MODEL_ID, CTX_NO_PATH, CTX_SAMPLING_SESSION, ResponseKind
 from plexrl_gateway.schemas import (
     CreateModelBody,
+    ForwardBackwardBody,
+    ForwardBody,
     LoadWeightsBody,
     ModelIdBody,
     OptimStepBody,
     SaveWeightsBody,
     SaveWeightsForSamplerBody,
+    struct_request_body,
 )
 from plexrl_gateway.sdk import ephemeral_save_carries_path, sdk_version
 from plexrl_gateway.submitter import Call, CallBuilder, Submission, Submitter
@@ -118,25 +122,25 @@ async def get_info(
     return out
 
 
-@router.post("/forward_backward")
+@router.post("/forward_backward", openapi_extra=struct_request_body(ForwardBackwardBody, PROTOBUF))
 async def forward_backward(
-    request: Request, tenant: Tenant, jobs: Jobs, catalog: Catalog, submit: Submit
+    request: Request, parser: Parser, tenant: Tenant, jobs: Jobs, catalog: Catalog, submit: Submit
 ) -> dict[str, Any]:
-    proto = await _forward_backward_request(request, forward_only=False)
+    proto = await _forward_backward_request(request, parser, forward_only=False)
     return await _forward_backward(proto, tenant, jobs, catalog, submit)
 
 
-@router.post("/forward")
+@router.post("/forward", openapi_extra=struct_request_body(ForwardBody, PROTOBUF))
 async def forward(
-    request: Request, tenant: Tenant, jobs: Jobs, catalog: Catalog, submit: Submit
+    request: Request, parser: Parser, tenant: Tenant, jobs: Jobs, catalog: Catalog, submit: Submit
 ) -> dict[str, Any]:
     """SDKs before protobuf call `forward` here (newer ones set forward_only instead)."""
-    proto = await _forward_backward_request(request, forward_only=True)
+    proto = await _forward_backward_request(request, parser, forward_only=True)
     return await _forward_backward(proto, tenant, jobs, catalog, submit)
 
 
 async def _forward_backward_request(
-    request: Request, forward_only: bool
+    request: Request, parser: BodyParser, forward_only: bool
 ) -> pb.ForwardBackwardRequest:
     """The protobuf body newer SDKs send, or the JSON one older SDKs send, as protobuf."""
     if request.headers.get("content-encoding"):
@@ -144,17 +148,15 @@ async def _forward_backward_request(
             "compressed forward_backward bodies are not supported (proto_compress_fwdbwd is off)"
         )
     content_type = request.headers.get("content-type", "")
-    try:
-        if PROTOBUF in content_type:
-            proto = decode_forward_backward(await request.body())
-            proto.forward_only = proto.forward_only or forward_only
-            return proto
-        if "json" in content_type:
-            return forward_backward_from_json(await request.json(), forward_only)
-    except CodecError as exc:
-        raise bad_request(str(exc)) from None
-    except ValueError as exc:  # a body that is not JSON at all
-        raise bad_request(f"the body is not JSON ({exc})") from None
+    if PROTOBUF in content_type:
+        proto = await parser.parse(await request.body(), decode_forward_backward)
+        proto.forward_only = proto.forward_only or forward_only
+        return proto
+    if is_json_media(content_type):
+        caps = parser.limits
+        return await parser.parse(
+            await request.body(), lambda data: forward_backward_from_json(data, forward_only, caps)
+        )
     raise bad_request(
         "forward_backward takes a tinker_public.ForwardBackwardRequest protobuf "
         f"(Content-Type: {PROTOBUF}) or its JSON form (application/json)"

@@ -2,14 +2,22 @@
 
 Unknown fields are ignored (a newer SDK may add some); missing required ones are a 422
 that names the field. `type` discriminators are accepted and not checked.
+
+The forward / forward_backward bodies are msgspec Structs, decoded straight from the
+bytes (codec_json.py) with every value's type and range checked as it is read: they
+carry the big token and loss-input arrays, which would cost several times their size
+as a generic object graph first. The rest are pydantic models FastAPI validates.
+Both kinds are in the OpenAPI document (`JSON_BODY_COMPONENTS` holds the Structs').
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field
 
+from plexrl.limits import INT64_MAX, INT64_MIN
 from plexrl.messages import AdamParams
 
 
@@ -163,3 +171,79 @@ class TinkerPathBody(Body):
 
 class IdleBody(Body):
     seconds: float = Field(gt=0, le=24 * 3600, description="expected stall, seconds")
+
+
+# forward / forward_backward ------------------------------------------------------------
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+"""A token id as the protobuf wire holds it (int32); the vocabulary check comes later."""
+SeqId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
+"""A call's seq_id as the protobuf request holds it (int32)."""
+Int64 = Annotated[int, msgspec.Meta(ge=INT64_MIN, le=INT64_MAX)]
+Dimension = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+
+
+class TensorDataBody(msgspec.Struct):
+    """Tinker's TensorData: a flat list of values with its dtype and (optional) shape."""
+
+    data: list[Int64 | float]
+    dtype: Literal["int64", "float32"]
+    shape: list[Dimension] | None = None
+
+
+class TextChunkBody(msgspec.Struct):
+    """One model-input chunk; only `encoded_text` ones carry tokens PlexRL can serve."""
+
+    type: str = "encoded_text"
+    tokens: list[TokenId] = []
+
+
+class DatumInputBody(msgspec.Struct):
+    chunks: list[TextChunkBody]
+
+
+class DatumBody(msgspec.Struct):
+    model_input: DatumInputBody
+    loss_fn_inputs: dict[str, TensorDataBody] | None = None
+
+
+class ForwardBackwardInputBody(msgspec.Struct):
+    data: list[DatumBody]
+    loss_fn: str
+    loss_fn_config: dict[str, float | str] | None = None
+
+
+class ForwardBackwardBody(msgspec.Struct):
+    """POST /forward_backward as JSON (SDKs before protobuf, and newer ones without it)."""
+
+    model_id: str
+    forward_backward_input: ForwardBackwardInputBody
+    seq_id: SeqId | None = None
+
+
+class ForwardBody(msgspec.Struct):
+    """POST /forward as JSON: the same input under `forward_input`."""
+
+    model_id: str
+    forward_input: ForwardBackwardInputBody
+    seq_id: SeqId | None = None
+
+
+JSON_BODY_REF = "#/components/schemas/{name}"
+_, JSON_BODY_COMPONENTS = msgspec.json.schema_components(
+    (ForwardBackwardBody, ForwardBody), ref_template=JSON_BODY_REF
+)
+"""The Structs' JSON Schemas, for the OpenAPI document's components."""
+
+
+def struct_request_body(
+    struct: type[msgspec.Struct], protobuf: str | None = None
+) -> dict[str, Any]:
+    """A route's `openapi_extra` for a body decoded into `struct` (and, given its media
+    type, sent as protobuf too)."""
+    content: dict[str, Any] = {
+        "application/json": {"schema": {"$ref": JSON_BODY_REF.format(name=struct.__name__)}}
+    }
+    if protobuf is not None:
+        content[protobuf] = {"schema": {"type": "string", "format": "binary"}}
+    return {"requestBody": {"required": True, "content": content}}
