@@ -20,7 +20,7 @@ from gateway_harness import ALICE, BOB, gateway
 from gateway_support import TINY_MODEL, free_port
 
 from plexrl.cluster import ClusterConfig, LocalCluster
-from plexrl.health import HttpServer
+from plexrl.health import HttpServer, health_app
 from plexrl.messages import Function, ResidentState, Tier, WorkerHeartbeat, encode
 from plexrl.service_auth import auth_headers, bearer_matches, is_loopback
 from plexrl.settings import StateStoreSettings, parse_api_keys
@@ -266,3 +266,39 @@ async def test_workers_and_cluster_hide_other_tenants_model_ids(
         cluster = (await gw.http.get("/plexrl/v1/cluster", headers=BOB)).json()
         assert cluster["jobs"] == 2 and cluster["tenant_jobs"] == 1
         await asyncio.sleep(0)
+
+
+async def test_a_tenant_sees_only_its_own_running_job_from_the_schedulers_status(
+    infra: dict[str, str], tiny_registry: Path
+) -> None:
+    port = free_port()
+    alices: list[str] = []
+    bobs: list[str] = []
+
+    def inflight() -> dict[str, object]:
+        return {"pending": 0, "jobs": 2, "inflight": {"w-a": alices[0], "w-b": bobs[0]}}
+
+    # The scheduler's own health app, its state stood in for by `inflight`.
+    scheduler = HttpServer(
+        health_app("scheduler", lambda: {"ok": True}, detail=inflight, token=TOKEN),
+        "127.0.0.1",
+        port,
+    )
+    await scheduler.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with httpx.AsyncClient() as http:
+            assert (await http.get(f"{url}/status")).status_code == 401
+        async with gateway(infra, tiny_registry, scheduler_url=url, service_token=TOKEN) as gw:
+            alices.append(await gw.model(ALICE))
+            bobs.append(await gw.model(BOB))
+            seen = (await gw.http.get("/plexrl/v1/cluster", headers=ALICE)).json()["scheduler"]
+            assert seen["reachable"] and seen["inflight"] == {
+                "w-a": alices[0],
+                "w-b": "other-tenant",
+            }
+        async with gateway(infra, tiny_registry, scheduler_url=url, service_token="wrong") as gw:
+            seen = (await gw.http.get("/plexrl/v1/cluster", headers=ALICE)).json()["scheduler"]
+            assert seen == {"reachable": False}
+    finally:
+        await scheduler.stop()
