@@ -8,9 +8,12 @@ the keep-alive test serves it on a real port through plexrl.health.HttpServer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import json
+import socket
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +28,7 @@ from plexrl.limits import CallLimits
 from plexrl.settings import GatewaySettings
 from plexrl.stores import Stores
 from plexrl_gateway.app import build_app
-from plexrl_gateway.body_limit import INLINE_DECODE_BYTES, BodyParser
+from plexrl_gateway.body_limit import INLINE_DECODE_BYTES, BodiesBusyError, BodyBudget, BodyParser
 from plexrl_gateway.codec import CodecError
 from plexrl_gateway.codec_json import forward_backward_from_json
 from plexrl_gateway.components import Gateway
@@ -321,28 +324,89 @@ def keep_alive_exchange(port: int, model_id: str) -> list[tuple[int, str, int]]:
     return seen
 
 
-async def test_the_connection_keeps_serving_after_a_4xx(
-    infra: dict[str, str], tiny_registry: Path
-) -> None:
+@contextlib.asynccontextmanager
+async def served_gateway(
+    infra: dict[str, str], models: Path, limits: CallLimits | None = None
+) -> AsyncIterator[int]:
+    """The gateway on a real port, through the HttpServer every service runs."""
     settings = GatewaySettings(
         cluster_id=unique_cluster("gwbody"),
         kafka_bootstrap=infra["kafka"],
         redis_url=infra["redis"],
         api_keys="tml-alice=alice",
-        model_registry=tiny_registry,
+        model_registry=models,
     )
     stores = Stores.from_url(settings.redis_url, settings.cluster_id, 600)
-    gateway_ = Gateway.build(settings, stores, FakePublisher())
+    gateway_ = Gateway.build(settings, stores, FakePublisher(), limits or CallLimits())
     port = free_port()
     server = HttpServer(build_app(gateway_), "127.0.0.1", port)
     await server.start()
     try:
-        seen = await asyncio.to_thread(keep_alive_exchange, port, "s:train:0")
+        yield port
     finally:
         await server.stop()
         await gateway_.close()
         await drop_cluster_keys(stores, settings.cluster_id)
         await stores.close()
+
+
+async def test_the_connection_keeps_serving_after_a_4xx(
+    infra: dict[str, str], tiny_registry: Path
+) -> None:
+    async with served_gateway(infra, tiny_registry) as port:
+        seen = await asyncio.to_thread(keep_alive_exchange, port, "s:train:0")
     assert [status for status, _, _ in seen] == [400, 400, 400, 422, 200], seen
     assert len({sock for _, _, sock in seen}) == 1  # one connection throughout
     assert "send a JSON object" in seen[0][1]
+
+
+async def test_body_bytes_held_at_once_are_bounded_and_given_back() -> None:
+    limits = CallLimits(max_body_bytes=100, max_held_body_bytes=100, parse_wait_s=1)
+    budget = BodyBudget(limits)
+    await budget.take(60)
+    waiting = asyncio.create_task(budget.take(60))
+    await asyncio.sleep(0.1)
+    assert not waiting.done()  # waits for room
+    await budget.give_back(60)
+    await waiting
+    assert budget.held == 60
+    with pytest.raises(BodiesBusyError) as busy:
+        await budget.take(41)  # no room comes within parse_wait_s
+    assert busy.value.status_code == 503 and busy.value.headers == {"Retry-After": "2"}
+    await budget.give_back(60)
+    assert budget.held == 0
+
+
+def held_then_refused(port: int, size: int) -> tuple[int, dict[str, str], str]:
+    """One client sends most of a body and holds it; another's body finds no room."""
+    holder = socket.create_connection(("127.0.0.1", port))
+    head = (
+        f"POST /api/v1/create_session HTTP/1.1\r\nHost: gw\r\nX-API-Key: tml-alice\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n"
+    )
+    holder.sendall(head.encode() + b'{"tags": ["' + b"a" * (size - 100))
+    time.sleep(0.3)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    body = json.dumps({"tags": ["b" * (size - 100)]}).encode()
+    conn.request(
+        "POST",
+        "/api/v1/create_session",
+        body=body,
+        headers={"X-API-Key": "tml-alice", "content-type": "application/json"},
+    )
+    response = conn.getresponse()
+    answer = (response.status, dict(response.getheaders()), response.read().decode())
+    conn.close()
+    holder.close()
+    return answer
+
+
+async def test_a_body_finding_no_room_among_those_held_gets_a_503(
+    infra: dict[str, str], tiny_registry: Path
+) -> None:
+    limits = CallLimits(max_body_bytes=64 * 1024, max_held_body_bytes=64 * 1024, parse_wait_s=1)
+    async with served_gateway(infra, tiny_registry, limits) as port:
+        status, headers, text = await asyncio.to_thread(held_then_refused, port, 40_000)
+    assert status == 503, text
+    assert headers.get("retry-after") == "2"
+    assert "bytes of request bodies already" in json.loads(text)["error"]

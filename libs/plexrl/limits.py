@@ -88,7 +88,11 @@ class CallLimits:
     most this many bodies' worth); one more waits up to `parse_wait_s`, then gets a 503
     with Retry-After."""
     parse_wait_s: int = 2
-    """Seconds a body waits for a decoding slot."""
+    """Seconds a body waits for a decoding slot, or for room in `max_held_body_bytes`."""
+    max_held_body_bytes: int = 256 * 1024 * 1024
+    """Bytes of request bodies one gateway holds at once, all requests together, counted
+    as they arrive; a body that would go over waits up to `parse_wait_s` for room, then
+    gets a 503 with Retry-After. At least `max_body_bytes`."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -18,7 +18,7 @@ from plexrl_gateway import (
     routes_session,
     routes_training,
 )
-from plexrl_gateway.body_limit import BodyParser, BodySizeLimit
+from plexrl_gateway.body_limit import BodyBudget, BodyParser, BodySizeLimit
 from plexrl_gateway.components import Gateway
 from plexrl_gateway.errors import install_error_handlers
 from plexrl_gateway.metrics import observe_request
@@ -49,7 +49,7 @@ def build_app(gateway: Gateway) -> FastAPI:
     _document_struct_bodies(app)
 
     # Inside the metrics middleware, so refused bodies are counted (as 413s) too.
-    app.add_middleware(BodySizeLimit, limits=gateway.limits)
+    app.add_middleware(BodySizeLimit, limits=gateway.limits, budget=BodyBudget(gateway.limits))
     app.add_middleware(ObserveRequests, observe=observe_request)
     # The one server span of each request (the root of an API call's trace).
     tracing.instrument_app(app)

@@ -3,7 +3,8 @@
 Every body is capped in size as it streams in: a declared `Content-Length` over the cap
 is answered 413 at once, without reading a byte; a body sent without one (chunked) is
 counted as it arrives and cut off at the cap, so the gateway never holds more than
-`max_body_bytes` of one request. A JSON body (any route's) is then checked whole by
+`max_body_bytes` of one request, nor more than `max_held_body_bytes` of all requests
+together (`BodyBudget`). A JSON body (any route's) is then checked whole by
 `codec_json.check_json`, which builds no objects: well-formed, not nested too deeply,
 and with at most so many arrays, objects, elements and members. Only then does a route
 see it, so whatever decodes it (FastAPI's pydantic models, or `BodyParser` into a
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Annotated, TypeVar
 
 from fastapi import Depends, HTTPException, Request
@@ -50,14 +51,65 @@ def too_large_message(limit: int) -> str:
     )
 
 
-class BodySizeLimit:
-    """ASGI middleware capping every HTTP request body at `max_body_bytes`, and checking
-    every JSON body with `check_json` before the app sees it."""
+class BodiesBusyError(HTTPException):
+    """The bodies the gateway holds left no room for this one within the wait: 503."""
 
-    def __init__(self, app: ASGIApp, limits: CallLimits) -> None:
+    def __init__(self, limits: CallLimits) -> None:
+        super().__init__(
+            503,
+            f"the gateway holds {limits.max_held_body_bytes} bytes of request bodies already "
+            f"and none made room within {limits.parse_wait_s}s; retry after "
+            f"{limits.retry_after_s}s",
+            headers={"Retry-After": str(limits.retry_after_s)},
+        )
+
+
+class BodyBudget:
+    """Bytes of request bodies held at once, all requests together.
+
+    Taken as the bytes arrive (never by a declared Content-Length, which a client could
+    declare and then not send, holding room it never fills) and given back when the
+    request is answered, the earliest the app lets go of its body."""
+
+    def __init__(self, limits: CallLimits) -> None:
+        self._limits = limits
+        self._room = max(limits.max_held_body_bytes, limits.max_body_bytes)
+        self._held = 0
+        self._freed = asyncio.Condition()
+
+    async def take(self, n: int) -> None:
+        """Takes `n` bytes, waiting up to `parse_wait_s` for room; BodiesBusyError if none."""
+        if self._held + n <= self._room:
+            self._held += n
+            return
+        try:
+            async with asyncio.timeout(self._limits.parse_wait_s), self._freed:
+                await self._freed.wait_for(lambda: self._held + n <= self._room)
+                self._held += n
+        except TimeoutError:
+            raise BodiesBusyError(self._limits) from None
+
+    async def give_back(self, n: int) -> None:
+        if n:
+            self._held -= n
+            async with self._freed:
+                self._freed.notify_all()
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+
+class BodySizeLimit:
+    """ASGI middleware capping every HTTP request body at `max_body_bytes` and all bodies
+    held at once at `max_held_body_bytes`, and checking every JSON body with `check_json`
+    before the app sees it."""
+
+    def __init__(self, app: ASGIApp, limits: CallLimits, budget: BodyBudget) -> None:
         self._app = app
         self._limits = limits
         self._max = limits.max_body_bytes
+        self._budget = budget
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -67,20 +119,30 @@ class BodySizeLimit:
         if declared is not None and declared > self._max:
             await self._answer(send, 413, too_large_message(self._max), close=True)
             return
-        if _is_json(scope):
-            await self._checked_json(scope, receive, send)
-            return
         seen = 0
-        started = False
 
         async def counted_receive() -> Message:
             nonlocal seen
             message = await receive()
             if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self._max:
+                size = len(message.get("body", b""))
+                if seen + size > self._max:
                     raise BodyTooLargeError(self._max)
+                await self._budget.take(size)
+                seen += size
             return message
+
+        try:
+            if _is_json(scope):
+                await self._checked_json(scope, counted_receive, send)
+            else:
+                await self._streamed(scope, counted_receive, send)
+        finally:
+            await self._budget.give_back(seen)
+
+    async def _streamed(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A body the app reads itself (protobuf), counted as it does."""
+        started = False
 
         async def watched_send(message: Message) -> None:
             nonlocal started
@@ -89,26 +151,28 @@ class BodySizeLimit:
             await send(message)
 
         try:
-            await self._app(scope, counted_receive, watched_send)
-        except BodyTooLargeError:
+            await self._app(scope, receive, watched_send)
+        except (BodyTooLargeError, BodiesBusyError) as exc:
             # Read outside a route (no handler turned it into a response): answer here.
             if not started:
-                await self._answer(send, 413, too_large_message(self._max), close=True)
+                await self._refuse(send, exc)
+
+    async def _refuse(self, send: Send, exc: HTTPException) -> None:
+        # The rest of the body is never read: the connection cannot serve another call.
+        await self._answer(send, exc.status_code, str(exc.detail), exc.headers, close=True)
 
     async def _checked_json(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Reads the whole JSON body (within the cap), checks it, then hands it on."""
         chunks: list[bytes] = []
-        seen = 0
         while True:
-            message = await receive()
+            try:
+                message = await receive()
+            except (BodyTooLargeError, BodiesBusyError) as exc:
+                await self._refuse(send, exc)
+                return
             if message["type"] != "http.request":
                 return  # the client went away; nobody to answer
-            chunk = message.get("body", b"")
-            seen += len(chunk)
-            if seen > self._max:
-                await self._answer(send, 413, too_large_message(self._max), close=True)
-                return
-            chunks.append(chunk)
+            chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
@@ -122,11 +186,19 @@ class BodySizeLimit:
             return
         await self._app(scope, _replay(body, receive), send)
 
-    async def _answer(self, send: Send, status: int, message: str, close: bool = False) -> None:
+    async def _answer(
+        self,
+        send: Send,
+        status: int,
+        message: str,
+        extra: Mapping[str, str] | None = None,
+        close: bool = False,
+    ) -> None:
         body = json.dumps(error_body(message)).encode()
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
+            *((k.lower().encode(), v.encode()) for k, v in (extra or {}).items()),
         ]
         if close:  # the rest of the body was never read
             headers.append((b"connection", b"close"))
