@@ -69,7 +69,9 @@ async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bytes:
 
 
 async def test_half_sent_connections_neither_stall_others_nor_stay_open() -> None:
-    limits = HttpLimits(max_connections=400, head_timeout_s=1.0, body_timeout_s=1.0)
+    limits = HttpLimits(
+        max_connections=400, max_connections_per_client=400, head_timeout_s=1.0, body_timeout_s=1.0
+    )
     async with served(limits) as port:
         stalled = [await half_sent(port) for _ in range(300)]
         started = time.monotonic()
@@ -82,6 +84,32 @@ async def test_half_sent_connections_neither_stall_others_nor_stay_open() -> Non
         assert time.monotonic() - started < 3.0
         for _, writer in stalled:
             writer.close()
+
+
+async def test_one_client_with_a_thousand_stalled_connections_leaves_room_for_others(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="plexrl.health")
+    limits = HttpLimits(head_timeout_s=2.0)  # the default caps: 512 open, 128 per client
+    async with served(limits) as port:
+        flood = [await half_sent(port) for _ in range(1100)]
+        started = time.monotonic()
+        # Another client (another loopback address) is served at once.
+        transport = httpx.AsyncHTTPTransport(local_address="127.0.0.2")
+        async with httpx.AsyncClient(
+            base_url=f"http://127.0.0.1:{port}", transport=transport
+        ) as http:
+            answer = await http.get("/ping")
+        assert answer.status_code == 200
+        assert time.monotonic() - started < 1.0
+        answers = await asyncio.gather(*(closed_within(r, 5.0) for r, _ in flood))
+        refused = [a for a in answers if a.startswith(b"HTTP/1.1 503 ")]
+        assert len(refused) == 1100 - limits.max_connections_per_client
+        assert answers.count(b"") == limits.max_connections_per_client  # closed at the deadline
+        for _, writer in flood:
+            writer.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "plexrl.health"]
+    assert 1 <= len(lines) <= 2, lines  # the first refusal, then at most one per 10 s
 
 
 async def test_a_head_trickled_in_is_cut_at_its_deadline() -> None:

@@ -104,6 +104,9 @@ class HttpLimits:
     max_connections: int = 512
     """Open connections at most; a new one beyond them is answered 503 and closed. Keep it
     well under the process's file descriptor limit (`ulimit -n`)."""
+    max_connections_per_client: int = 128
+    """Open connections from one client address at most, so that one client cannot take
+    the whole `max_connections` from the others; beyond it, 503 and closed."""
     head_timeout_s: float = 10.0
     """Seconds for a request's line and headers, counted from when the connection opens
     or its previous response ends; bytes arriving do not extend it."""
@@ -121,6 +124,7 @@ class HttpLimits:
     def from_settings(cls, settings: CommonSettings) -> HttpLimits:
         return cls(
             max_connections=settings.http_max_connections,
+            max_connections_per_client=settings.http_max_connections_per_client,
             head_timeout_s=settings.http_head_timeout_s,
             body_timeout_s=settings.http_body_timeout_s,
             keep_alive_s=settings.http_keep_alive_s,
@@ -180,23 +184,46 @@ class LimitedH11Protocol(H11Protocol):
     """h11.IDLE (a head is owed), h11.SEND_BODY (a body is owed) or None."""
     _deadline: asyncio.TimerHandle | None = None
 
+    per_client: ClassVar[Counter[str]] = Counter()
+    """Open connections by client address, of this server."""
+    _counted: str | None = None
+
     @classmethod
     def for_server(cls, name: str, limits: HttpLimits) -> type[LimitedH11Protocol]:
-        report = ConnectionReport(name, limits.log_every_s)
-        return type(cls.__name__, (cls,), {"limits": limits, "report": report})
+        state = {
+            "limits": limits,
+            "report": ConnectionReport(name, limits.log_every_s),
+            "per_client": Counter(),
+        }
+        return type(cls.__name__, (cls,), state)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        client = self.client[0] if self.client else "?"
         if len(self.connections) > self.limits.max_connections:
-            self.report.note(f"refused over the cap of {self.limits.max_connections} open")
-            transport.write(_BUSY)
-            transport.close()
+            self._refuse(transport, f"refused over the cap of {self.limits.max_connections} open")
             return
+        if self.per_client[client] >= self.limits.max_connections_per_client:
+            cap = self.limits.max_connections_per_client
+            self._refuse(transport, f"refused over the cap of {cap} open from one client")
+            return
+        self.per_client[client] += 1
+        self._counted = client
         self._watch()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        if self._counted is not None:
+            self.per_client[self._counted] -= 1
+            if not self.per_client[self._counted]:
+                del self.per_client[self._counted]
+            self._counted = None
         super().connection_lost(exc)
+
+    def _refuse(self, transport: asyncio.Transport, why: str) -> None:
+        self.report.note(why)
+        transport.write(_BUSY)
+        transport.close()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)

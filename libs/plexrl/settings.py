@@ -43,6 +43,8 @@ class CommonSettings(BaseSettings):
     # Limits of this service's HTTP server (plexrl.health.HttpLimits): open connections at
     # most; beyond them a new connection gets a 503 and is closed.
     http_max_connections: int = Field(default=512, ge=1)
+    # Open connections from one client address at most (a share of the above).
+    http_max_connections_per_client: int = Field(default=128, ge=1)
     # Seconds a connection has for a request's line and headers, from when it opens or
     # its previous response ends; data trickling in does not extend it (slowloris).
     http_head_timeout_s: float = Field(default=10.0, gt=0)
