@@ -69,6 +69,8 @@ NOT_JSON = {
     "form data": b"model_id=m&seq_id=1",
     "NaN": b'{"model_id": NaN}',
     "trailing garbage": b'{"model_id": "m"} {}',
+    "not UTF-8": b'{"model_id": "\xff"}',
+    "a lone surrogate": b'{"model_id": "\\ud800"}',
 }
 
 
@@ -101,6 +103,8 @@ async def test_a_body_that_is_not_json_or_nests_too_deep_is_a_400_saying_so(gw: 
             assert status == 400, (path, kind, error)
             if kind.startswith("deep"):
                 assert "nests JSON arrays and objects too deeply" in error
+            elif kind == "not UTF-8":
+                assert "not UTF-8" in error
             else:
                 assert "not JSON" in error, (path, kind, error)
 

@@ -92,6 +92,13 @@ def check_json(body: bytes, caps: CallLimits = DEFAULT_LIMITS) -> None:
     objects than the caps allow, building no objects (every route's body passes here
     before the route decodes it: body_limit.BodySizeLimit)."""
     check_json_size(body, caps)
+    if not body.isascii():  # skipping below does not look inside strings
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise CodecError(
+                f"the body is not UTF-8 ({exc.reason} at byte {exc.start}); send JSON in UTF-8"
+            ) from None
     try:
         msgspec.json.decode(body, type=msgspec.Raw)  # walks the syntax, keeps nothing
     except msgspec.DecodeError as exc:
