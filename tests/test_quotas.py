@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import tinker
 from gateway_harness import ALICE, BOB, gateway
-from gateway_support import TINY_MODEL, free_port
+from gateway_support import TINY_MODEL, free_port, unique_cluster
 
 from plexrl.health import HttpServer
 from plexrl.quotas import RecordQuotas
@@ -148,6 +148,22 @@ async def test_metadata_is_capped_per_record_and_per_tenant(
         )
         # Bob's metadata is counted apart.
         await gw.ok("create_session", session_body(fits), BOB)
+
+
+async def test_lowered_caps_never_refuse_an_unload(
+    infra: dict[str, str], tiny_registry: Path
+) -> None:
+    cluster = unique_cluster("quota")
+    async with gateway(infra, tiny_registry, cluster_id=cluster) as before:
+        session = await before.session(ALICE)
+        model = (await before.ok("create_model", model_body(session, 0, {"n": "x" * 5000})))[
+            "model_id"
+        ]
+        lowered = {"quota_training_models": 1, "quota_record_metadata_bytes": 1000}
+        async with gateway(infra, tiny_registry, cluster_id=cluster, **lowered) as after:
+            await after.ok("unload_model", {"model_id": model})
+            job = await after.stores.jobs.get_job(model)
+            assert job is not None and job.unloaded
 
 
 async def test_checkpoints_past_the_quota_are_refused(

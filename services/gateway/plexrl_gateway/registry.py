@@ -125,7 +125,8 @@ class Registry:
         left), a rewrite of one it holds (an unload) never fails for the count."""
         kind = RecordKind.TRAINING if job.kind == JobKind.TRAINING else RecordKind.SAMPLING
         with self._quota(job.tenant):
-            self._quotas.check_metadata(kind, job.metadata)
+            if not job.unloaded:  # an unload must go through even after a cap was lowered
+                self._quotas.check_metadata(kind, job.metadata)
             await self._jobs.put_job(job, self._quotas.caps(kind))
 
     async def jobs(self, tenant: str) -> list[JobRecord]:
