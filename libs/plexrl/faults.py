@@ -9,6 +9,7 @@ twice or skipped), and every loss and the saved checkpoint's bytes identical.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import threading
 import time
@@ -78,12 +79,15 @@ def batch(seed: int, step: int) -> list[Any]:
 
 
 def checkpoint_sha256(blobs: Path, tenant: str, model_id: str, name: str) -> str:
-    """The sha256 of a `save_state(name)` checkpoint's bytes in the state-store's directory."""
-    safe = model_id.replace("tinker://", "").replace("/", "_")
-    matches = sorted((blobs / "ckpt" / tenant / safe / "weights").glob(f"*{name}*"))
-    if not matches:
-        return ""
-    return hashlib.sha256(matches[-1].read_bytes()).hexdigest()
+    """The sha256 of a `save_state(name)` checkpoint's bytes in the state-store's directory
+    (found through the copy of its record the state-store keeps beside the blobs)."""
+    path = f"tinker://{model_id.replace('tinker://', '')}/weights/{name}"
+    for copy in sorted((blobs / "#records" / "ckpt" / tenant).rglob("*.json")):
+        record = json.loads(copy.read_bytes())
+        blob = blobs / record["blob_key"]
+        if record["path"] == path and blob.is_file():
+            return hashlib.sha256(blob.read_bytes()).hexdigest()
+    return ""
 
 
 def run_job(

@@ -1,6 +1,17 @@
-"""Client of the state-store's HTTP API (the disk tier and checkpoint records)."""
+"""Client of the state-store's HTTP API (the disk tier and checkpoint records).
+
+Errors say what kind they are, so a caller retries only what may pass: a state-store
+that cannot be reached or answers 5xx raises `StateStoreError` (transient,
+`plexrl.retry.is_transient` reads its status); a request it refuses (a bad key, a
+record it never takes) raises `StateStoreRefused`; a full disk `StateStoreFull`; a
+write whose lease no longer stands `StateStoreFenced`. None of the last three can
+pass by retrying the same request.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import quote
 
 import httpx
 import msgspec
@@ -9,16 +20,76 @@ from plexrl import tracing
 from plexrl.service_auth import auth_headers
 from plexrl.stores import CheckpointRecord
 
+CHECKPOINT_PREFIX = "ckpt"
+"""Blobs under `ckpt/<tenant>/` are that tenant's checkpoints; others are service-internal
+(offloaded states, snapshots), reachable with the service token alone."""
+
+FENCE_JOB_HEADER = "x-plexrl-job"
+FENCE_EPOCH_HEADER = "x-plexrl-epoch"
+
+
+@dataclass(frozen=True)
+class Fence:
+    """The lease a job's call runs under: its writes count only while it stands."""
+
+    job_id: str
+    epoch: int
+
+    def headers(self) -> dict[str, str]:
+        return {FENCE_JOB_HEADER: self.job_id, FENCE_EPOCH_HEADER: str(self.epoch)}
+
 
 class StateStoreError(RuntimeError):
-    pass
+    """The state-store failed a request; `status_code` is its HTTP status (0: never
+    answered)."""
+
+    def __init__(self, message: str, status_code: int = 0) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+class StateStoreRefused(StateStoreError):
+    """The state-store refused the request as it stands (4xx): it never will take it."""
+
+
+class StateStoreFull(StateStoreError):
+    """The state-store's disk is full (507): nothing more fits until space is freed."""
+
+
+class StateStoreFenced(StateStoreError):
+    """The write's lease no longer stands (409): the job has a new home."""
+
+
+def blob_tenant(key: str) -> str | None:
+    """The tenant whose checkpoint blob `key` is, or None for a service-internal blob."""
+    parts = key.split("/")
+    if parts[0] != CHECKPOINT_PREFIX:
+        return None
+    # `ckpt` or `ckpt/<tenant>` alone name no blob of anyone's: nobody may write there.
+    return parts[1] if len(parts) >= 3 else ""
+
+
+def blob_url(key: str) -> str:
+    """The URL path of a blob: each part of the key percent-escaped, so no character of
+    a key can end the path early (`#`, `?`) or name another blob."""
+    return "/v1/blobs/" + quote(key, safe="/")
 
 
 class StateStoreClient:
-    def __init__(self, base_url: str, timeout_s: float = 120.0, token: str | None = None) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 30.0,
+        token: str | None = None,
+        connect_timeout_s: float = 5.0,
+    ) -> None:
         # Every request carries the cluster's service token (PLEXRL_SERVICE_TOKEN).
+        # `timeout_s` bounds each read or write of the socket, not a whole transfer: a
+        # large blob keeps going while bytes move, a hung store is given up on.
         self._http = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"), timeout=timeout_s, headers=auth_headers(token)
+            base_url=base_url.rstrip("/"),
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            headers=auth_headers(token),
         )
         # Each request continues the caller's trace (the state-store hop of a call).
         tracing.instrument_client(self._http)
@@ -28,35 +99,38 @@ class StateStoreClient:
 
     # `tenant`: the tenant a call acts for; required for a checkpoint's blob
     # (`ckpt/<tenant>/...`), which the state-store serves to that tenant only.
+    # `fence`: the lease of the job's call that writes (checkpoints), see `Fence`.
 
-    async def put_blob(self, key: str, data: bytes, tenant: str | None = None) -> int:
+    async def put_blob(
+        self, key: str, data: bytes, tenant: str | None = None, fence: Fence | None = None
+    ) -> int:
         response = await self._http.put(
-            f"/v1/blobs/{key}", content=data, headers=auth_headers(None, tenant)
+            blob_url(key), content=data, headers=_headers(tenant, fence)
         )
         _check(response, f"storing blob {key}")
         return int(response.json()["size_bytes"])
 
     async def get_blob(self, key: str, tenant: str | None = None) -> bytes:
-        response = await self._http.get(f"/v1/blobs/{key}", headers=auth_headers(None, tenant))
+        response = await self._http.get(blob_url(key), headers=auth_headers(None, tenant))
         _check(response, f"reading blob {key}")
         return response.content
 
     async def delete_blob(self, key: str, tenant: str | None = None) -> None:
-        response = await self._http.delete(f"/v1/blobs/{key}", headers=auth_headers(None, tenant))
+        response = await self._http.delete(blob_url(key), headers=auth_headers(None, tenant))
         _check(response, f"deleting blob {key}")
 
-    async def put_checkpoint(self, record: CheckpointRecord) -> None:
+    async def put_checkpoint(self, record: CheckpointRecord, fence: Fence | None = None) -> None:
         response = await self._http.post(
             "/v1/checkpoints",
             content=msgspec.json.encode(record),
-            headers={"content-type": "application/json", **auth_headers(None, record.tenant)},
+            headers={"content-type": "application/json", **_headers(record.tenant, fence)},
         )
         _check(response, f"recording checkpoint {record.path}")
 
-    async def delete_checkpoint(self, path: str, tenant: str) -> bool:
+    async def delete_checkpoint(self, path: str, tenant: str, fence: Fence | None = None) -> bool:
         """Delete a checkpoint's record and blob; False if there was none."""
         response = await self._http.delete(
-            "/v1/checkpoints", params={"path": path}, headers=auth_headers(None, tenant)
+            "/v1/checkpoints", params={"path": path}, headers=_headers(tenant, fence)
         )
         if response.status_code == 404:
             return False
@@ -71,6 +145,36 @@ class StateStoreClient:
         return response.status_code == 200
 
 
+def _headers(tenant: str | None, fence: Fence | None) -> dict[str, str]:
+    return {**auth_headers(None, tenant), **(fence.headers() if fence else {})}
+
+
 def _check(response: httpx.Response, doing: str) -> None:
-    if response.status_code >= 400:
-        raise StateStoreError(f"state-store failed {doing}: {response.status_code} {response.text}")
+    status = response.status_code
+    if status < 400:
+        return
+    try:
+        detail = response.json().get("detail", response.text)
+    except ValueError:
+        detail = response.text
+    message = f"state-store failed {doing}: {status} {str(detail)[:500]}"
+    if status == 409:
+        raise StateStoreFenced(message, status)
+    if status == 507:
+        raise StateStoreFull(message, status)
+    if 400 <= status < 500:
+        raise StateStoreRefused(message, status)
+    raise StateStoreError(message, status)
+
+
+__all__ = [
+    "CHECKPOINT_PREFIX",
+    "Fence",
+    "StateStoreClient",
+    "StateStoreError",
+    "StateStoreFenced",
+    "StateStoreFull",
+    "StateStoreRefused",
+    "blob_tenant",
+    "blob_url",
+]

@@ -81,7 +81,10 @@ class ErrorCode(enum.StrEnum):
     INTERNAL = "internal"
     """A bug or an infrastructure failure; retrying may help."""
     CANCELLED = "cancelled"
-    """The call was cancelled before it ran."""
+    """The call was cancelled before it ran, or its effect refused (its lease was gone)."""
+    UNAVAILABLE = "unavailable"
+    """A service the call needs has no room for it (the state-store's disk is full); the
+    call had no effect, and may succeed once an operator frees space."""
 
 
 class TensorArray(msgspec.Struct, frozen=True):

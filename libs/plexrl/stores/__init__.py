@@ -11,7 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from plexrl.stores.calls import CallStore, FutureRecord, PayloadStore
-from plexrl.stores.checkpoints import CheckpointRecord, CheckpointStore, is_ephemeral
+from plexrl.stores.checkpoints import (
+    CheckpointRecord,
+    CheckpointStore,
+    FencedWriteError,
+    is_ephemeral,
+)
 from plexrl.stores.jobs import JobKind, JobRecord, JobStore
 from plexrl.stores.redis import RedisKeys, RedisStore
 from plexrl.stores.residency import Residency, ResidencyStore
@@ -24,6 +29,7 @@ __all__ = [
     "CallStore",
     "CheckpointRecord",
     "CheckpointStore",
+    "FencedWriteError",
     "FutureRecord",
     "JobKind",
     "JobRecord",

@@ -29,8 +29,10 @@ class CheckpointRemover:
     async def delete(self, record: CheckpointRecord) -> bool:
         """Forget the checkpoint; True when its blob was deleted too.
 
-        When the state-store cannot be reached, only the record is removed (the path
-        stops resolving at once) and the orphaned blob is logged for an operator.
+        When the state-store cannot be reached, the record is removed here with a
+        tombstone for its blob (the path stops resolving at once); the state-store
+        deletes the blob and its copy of the record when it is back, before it would
+        restore any record, so the delete lasts across its restart.
         """
         try:
             response = await self._http.delete(
@@ -45,7 +47,8 @@ class CheckpointRemover:
             reason = repr(exc)
         await self._records.delete_checkpoint(record)
         log.warning(
-            "state-store did not delete %s (%s): record removed, blob %s left behind",
+            "state-store did not delete %s (%s): record removed, blob %s tombstoned for "
+            "the state-store to delete when it is back",
             record.path,
             reason,
             record.blob_key,

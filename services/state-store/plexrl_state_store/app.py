@@ -6,10 +6,19 @@ has one. Inside that boundary each tenant's checkpoints stay its own: a checkpoi
 blob lives under `ckpt/<tenant>/`, is served only to a call that acts for that tenant
 (`X-PlexRL-Tenant`), and a checkpoint record can only name a blob of its own tenant,
 so no record can be forged to point one tenant's model at another's weights.
+
+A job's call that writes here says under which lease it runs (`X-PlexRL-Job`,
+`X-PlexRL-Epoch`): its blob is kept and its record written only while that lease
+stands, so a worker that comes back after its job was re-homed leaves nothing behind.
+A blob write checks before and after (a blob written by a writer fenced meanwhile is
+deleted again); a record is checked in the same Redis script that writes it, and a
+refused record's blob is deleted. Errors say what they are: 400 a key or record this
+store never takes, 403/404 another tenant's, 409 a fenced writer, 507 a full disk.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Annotated, Any
 
 import msgspec
@@ -20,14 +29,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from plexrl import tracing
 from plexrl.http_metrics import ObserveRequests
 from plexrl.service_auth import bearer_matches
-from plexrl.stores import CheckpointRecord, CheckpointStore, ResidencyStore
+from plexrl.state_store_client import (
+    CHECKPOINT_PREFIX,
+    FENCE_EPOCH_HEADER,
+    FENCE_JOB_HEADER,
+    Fence,
+    blob_tenant,
+)
+from plexrl.stores import CheckpointRecord, CheckpointStore, FencedWriteError, ResidencyStore
 from plexrl_state_store import metrics
-from plexrl_state_store.blobs import BadKeyError, BlobDir
+from plexrl_state_store.blobs import BadKeyError, BlobDir, DiskFullError
 from plexrl_state_store.records import CheckpointRecords
-
-CHECKPOINT_PREFIX = "ckpt"
-"""Blobs under `ckpt/<tenant>/` are that tenant's checkpoints; others are service-internal
-(offloaded states, snapshots), reachable with the service token alone."""
 
 
 def get_blobs(request: Request) -> BlobDir:
@@ -61,13 +73,32 @@ ActingFor = Annotated[str | None, Header(alias="x-plexrl-tenant")]
 """The tenant a service call acts for."""
 
 
-def blob_tenant(key: str) -> str | None:
-    """The tenant whose checkpoint blob `key` is, or None for a service-internal blob."""
-    parts = key.split("/")
-    if parts[0] != CHECKPOINT_PREFIX:
+def call_fence(
+    job: Annotated[str | None, Header(alias=FENCE_JOB_HEADER)] = None,
+    epoch: Annotated[str | None, Header(alias=FENCE_EPOCH_HEADER)] = None,
+) -> Fence | None:
+    """The lease a job's call writes under, if it names one."""
+    if job is None and epoch is None:
         return None
-    # `ckpt` or `ckpt/<tenant>` alone name no blob of anyone's: nobody may write there.
-    return parts[1] if len(parts) >= 3 else ""
+    if not job or epoch is None or not epoch.isdigit():
+        raise HTTPException(
+            400,
+            f"a fenced write names the job ({FENCE_JOB_HEADER}) and the lease's epoch "
+            f"({FENCE_EPOCH_HEADER}, a whole number), not {job!r} and {epoch!r}",
+        )
+    return Fence(job, int(epoch))
+
+
+Fenced = Annotated[Fence | None, Depends(call_fence)]
+
+
+def _fenced_off(fence: Fence, doing: str) -> HTTPException:
+    metrics.FENCED_WRITES.inc()
+    return HTTPException(
+        409,
+        f"{doing} refused: the lease of epoch {fence.epoch} on job {fence.job_id} no longer "
+        "stands (the job was re-homed; its new home writes instead)",
+    )
 
 
 def _visible(key: str, acting_for: str | None) -> bool:
@@ -91,7 +122,12 @@ def build_app(
 
     @app.exception_handler(BadKeyError)
     async def bad_key(_: Request, exc: BadKeyError) -> JSONResponse:
-        return JSONResponse({"error": str(exc)}, status_code=400)
+        return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    @app.exception_handler(DiskFullError)
+    async def disk_full(_: Request, exc: DiskFullError) -> JSONResponse:
+        metrics.DISK_FULL.inc()
+        return JSONResponse({"detail": exc.strerror}, status_code=507)
 
     @app.get("/healthz")
     async def healthz(c: Checkpoints) -> dict[str, Any]:
@@ -103,7 +139,12 @@ def build_app(
 
     @v1.put("/blobs/{key:path}")
     async def put_blob(
-        key: str, request: Request, b: Blobs, acting_for: ActingFor = None
+        key: str,
+        request: Request,
+        b: Blobs,
+        c: Checkpoints,
+        fence: Fenced,
+        acting_for: ActingFor = None,
     ) -> dict[str, Any]:
         b.path(key)  # a bad key is refused before the body is read
         if not _visible(key, acting_for):
@@ -113,7 +154,15 @@ def build_app(
                 "go under ckpt/<tenant>/... and are written acting for that tenant "
                 "(X-PlexRL-Tenant)",
             )
-        size = b.write(key, await request.body())
+        # Named in the job's blob book before it is written: a writer killed before its
+        # record leaves it findable, and the job's next owner deletes it.
+        if fence is not None and not await c.writing(fence.job_id, fence.epoch, key):
+            raise _fenced_off(fence, f"writing blob {key!r}")
+        # Off the event loop: a large blob's write and fsync must not stall other calls.
+        size = await asyncio.to_thread(b.write, key, await request.body())
+        if fence is not None and not await c.epoch_stands(fence.job_id, fence.epoch):
+            await asyncio.to_thread(b.delete, key)  # re-homed while it was written
+            raise _fenced_off(fence, f"writing blob {key!r}")
         metrics.BLOB_WRITTEN_BYTES.inc(size)
         return {"key": key, "size_bytes": size}
 
@@ -143,7 +192,7 @@ def build_app(
 
     @v1.post("/checkpoints")
     async def put_checkpoint(
-        request: Request, b: Blobs, c: Checkpoints, acting_for: ActingFor = None
+        request: Request, b: Blobs, c: Checkpoints, fence: Fenced, acting_for: ActingFor = None
     ) -> dict[str, Any]:
         try:
             record = msgspec.json.decode(await request.body(), type=CheckpointRecord)
@@ -167,11 +216,24 @@ def build_app(
             )
         if b.size(record.blob_key) is None:
             raise HTTPException(400, f"blob {record.blob_key!r} must be stored first")
+        if fence is not None and fence.job_id != record.job_id:
+            raise HTTPException(
+                400, f"a call of job {fence.job_id!r} records checkpoints of its own job only"
+            )
         standing = await c.get_checkpoint(record.path)
         if standing is not None and standing.tenant != record.tenant:
             raise HTTPException(403, f"checkpoint {record.path!r} belongs to another tenant")
-        await c.put_checkpoint(record)
-        request.app.state.records.keep(record)  # beside its blob: Redis may lose it
+        records: CheckpointRecords = request.app.state.records
+        try:
+            replaced = await c.put_checkpoint(record, None if fence is None else fence.epoch)
+        except FencedWriteError as exc:
+            # The blob was written for this record alone (its key is unique to the save).
+            await asyncio.to_thread(b.delete, record.blob_key)
+            metrics.FENCED_WRITES.inc()
+            raise HTTPException(409, str(exc)) from None
+        await asyncio.to_thread(records.keep, record)  # beside its blob: Redis may lose it
+        if replaced is not None and replaced.blob_key != record.blob_key:
+            await asyncio.to_thread(records.forget, replaced.blob_key)
         metrics.CHECKPOINTS_RECORDED.inc()
         return {"path": record.path}
 
@@ -184,15 +246,23 @@ def build_app(
 
     @v1.delete("/checkpoints")
     async def delete_checkpoint(
-        path: str, b: Blobs, c: Checkpoints, x_plexrl_tenant: Annotated[str, Header()]
+        path: str,
+        request: Request,
+        c: Checkpoints,
+        fence: Fenced,
+        x_plexrl_tenant: Annotated[str, Header()],
     ) -> dict[str, Any]:
         record = await c.get_checkpoint(path)
         if record is None or record.tenant != x_plexrl_tenant:
             raise HTTPException(404, f"no checkpoint {path!r}")
+        if fence is not None and not await c.epoch_stands(fence.job_id, fence.epoch):
+            raise _fenced_off(fence, f"deleting checkpoint {path!r}")
+        # The tombstone first: killed after it, the next rebuild finishes the delete.
         await c.delete_checkpoint(record)
-        CheckpointRecords(b, c).forget(record)
+        records: CheckpointRecords = request.app.state.records
         if blob_tenant(record.blob_key) == record.tenant:
-            b.delete(record.blob_key)
+            await asyncio.to_thread(records.forget, record.blob_key)
+        await c.buried([record.blob_key])
         return {"path": path, "deleted": True}
 
     @v1.get("/residency/{job_id}")

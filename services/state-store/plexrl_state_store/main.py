@@ -16,6 +16,9 @@ from plexrl_state_store.records import CheckpointRecords
 
 log = logging.getLogger("plexrl.state_store")
 
+TEMP_FILE_AGE_S = 900.0
+"""A temp file this old is a blob write that died (a write takes seconds): removed."""
+
 
 class NoTokenError(RuntimeError):
     """The state-store was asked to serve a network without a service token."""
@@ -43,13 +46,17 @@ async def serve(settings: StateStoreSettings, stop: asyncio.Event) -> None:
     tracing.setup_tracing("plexrl-state-store")
     stores = Stores.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
     blobs = BlobDir(settings.state_store_dir)
+    # Only this process writes here: a temp file now is a write that died with the last.
+    blobs.sweep_temp(0.0)
     app = build_app(blobs, stores.checkpoints, stores.residency, settings.service_token)
     limits = HttpLimits.from_settings(settings)
     server = HttpServer(app, settings.state_store_host, settings.state_store_port, limits)
     await server.start()
     # Checkpoint records Redis lost (a restart without its append-only file) come back.
     records: CheckpointRecords = app.state.records
-    rebuilding = asyncio.create_task(records.run(stop, settings.state_store_rebuild_s))
+    rebuilding = asyncio.create_task(
+        records.run(stop, settings.state_store_rebuild_s, TEMP_FILE_AGE_S)
+    )
     log.info("state-store up on :%d, blobs in %s", settings.state_store_port, blobs.root)
     try:
         await stop.wait()

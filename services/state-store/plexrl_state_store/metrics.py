@@ -16,6 +16,14 @@ BLOBS_DELETED = Counter("plexrl_state_store_blobs_deleted_total", "Blobs deleted
 CHECKPOINTS_RECORDED = Counter(
     "plexrl_state_store_checkpoints_recorded_total", "Checkpoint records written"
 )
+FENCED_WRITES = Counter(
+    "plexrl_state_store_fenced_writes_total",
+    "Blob writes, checkpoint records and deletes refused because the writing call's "
+    "lease no longer stood (its job was re-homed)",
+)
+DISK_FULL = Counter(
+    "plexrl_state_store_disk_full_total", "Blob writes refused because the disk was full"
+)
 REQUESTS = Counter(
     "plexrl_state_store_requests_total",
     "HTTP requests answered",

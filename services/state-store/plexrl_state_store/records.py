@@ -5,6 +5,10 @@ without its append-only file (or lost its last second) would leave the blobs orp
 So the state-store writes each record it accepts next to its blob, under a directory
 no blob key can name (`#` is not allowed in keys), and puts back any record Redis
 lacks: at start, then every few seconds. A deleted checkpoint's record goes with it.
+
+A delete made while this store was away left only a tombstone in Redis (the record
+is gone there, blob and copy are still here): each round deletes tombstoned blobs and
+their copies first, so what was deleted stays deleted however the services restart.
 """
 
 from __future__ import annotations
@@ -12,14 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import tempfile
 from pathlib import Path
 
 import msgspec
 
-from plexrl.stores import CheckpointRecord, CheckpointStore
-from plexrl_state_store.blobs import BlobDir
+from plexrl.stores import CheckpointRecord, CheckpointStore, FencedWriteError
+from plexrl_state_store.blobs import BlobDir, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -32,27 +34,19 @@ class CheckpointRecords:
         self._store = store
         self._root = blobs.root / RECORDS_DIR
 
-    def _file(self, record: CheckpointRecord) -> Path:
-        self._blobs.path(record.blob_key)  # refuses keys that could leave the directory
-        return self._root / f"{record.blob_key}.json"
+    def _file(self, blob_key: str) -> Path:
+        self._blobs.path(blob_key)  # refuses keys that could leave the directory
+        return self._root / f"{blob_key}.json"
 
     def keep(self, record: CheckpointRecord) -> None:
         """Write the record beside its blob (atomically: a crash leaves old or new)."""
-        target = self._file(record)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".tmp-")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(msgspec.json.encode(record))
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomically(self._file(record.blob_key), msgspec.json.encode(record))
 
-    def forget(self, record: CheckpointRecord) -> None:
-        self._file(record).unlink(missing_ok=True)
+    def forget(self, blob_key: str) -> None:
+        """Delete a checkpoint's blob and the copy of its record (the copy first: a copy
+        without its blob is never restored)."""
+        self._file(blob_key).unlink(missing_ok=True)
+        self._blobs.delete(blob_key)
 
     def kept(self) -> list[CheckpointRecord]:
         """Every record kept whose blob is still there."""
@@ -67,21 +61,45 @@ class CheckpointRecords:
                 records.append(record)
         return records
 
+    async def bury(self) -> int:
+        """Delete the blobs (and copies) of checkpoints deleted while this store was away;
+        returns how many."""
+        tombstones = await self._store.tombstones()
+        for blob_key in tombstones:
+            try:
+                self.forget(blob_key)
+            except ValueError:  # a key no blob can have: nothing of it is here
+                log.warning("tombstone of an invalid blob key %r dropped", blob_key)
+        await self._store.buried(list(tombstones))
+        return len(tombstones)
+
     async def rebuild(self) -> int:
-        """Put back the records Redis lacks; returns how many."""
+        """Finish deletes, then put back the records Redis lacks; returns how many."""
+        await self.bury()
         restored = 0
         for record in self.kept():
-            if await self._store.get_checkpoint(record.path) is None:
-                await self._store.put_checkpoint(record)
+            standing = await self._store.get_checkpoint(record.path)
+            if standing is not None and standing.blob_key != record.blob_key:
+                # Replaced by a later save (the store died before forgetting it): its
+                # blob is referenced by nothing and can never be again (keys are unique).
+                self.forget(record.blob_key)
+                continue
+            if standing is None:
+                try:
+                    await self._store.put_checkpoint(record)
+                except FencedWriteError:  # deleted since `bury` read the tombstones
+                    continue
                 restored += 1
         if restored:
             log.warning("restored %d checkpoint records Redis had lost", restored)
         return restored
 
-    async def run(self, stop: asyncio.Event, interval_s: float) -> None:
-        """Rebuild at start and every `interval_s` until `stop` (Redis may restart anytime)."""
+    async def run(self, stop: asyncio.Event, interval_s: float, temp_age_s: float) -> None:
+        """Rebuild at start and every `interval_s` until `stop` (Redis may restart anytime);
+        each round also removes temp files of writes that died over `temp_age_s` ago."""
         while not stop.is_set():
             try:
+                await asyncio.to_thread(self._blobs.sweep_temp, temp_age_s)
                 await self.rebuild()
             except Exception:  # Redis away: the next round tries again
                 log.warning("rebuilding checkpoint records failed", exc_info=True)
