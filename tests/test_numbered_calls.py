@@ -22,6 +22,7 @@ from plexrl.messages import (
     OptimStepInput,
     PhaseRequest,
 )
+from plexrl.state_store_client import Fence
 from plexrl_worker.recovery import NumberedCalls
 from plexrl_worker.runner import Ran
 
@@ -59,6 +60,7 @@ class Recovery:
 class Runner:
     def __init__(self, recovery: Recovery) -> None:
         self.recovery = recovery
+        self.fences: list[Fence | None] = []
 
     async def resolved(self, request: PhaseRequest) -> PhaseRequest:
         return request
@@ -66,8 +68,9 @@ class Runner:
     async def replay(self, request: PhaseRequest) -> None:
         pass
 
-    async def run(self, request: PhaseRequest) -> Ran:
+    async def run(self, request: PhaseRequest, fence: Fence | None = None) -> Ran:
         self.recovery.events.append("run")
+        self.fences.append(fence)
         return Ran(None, None, 0.0, 0.0, time.time())
 
 
@@ -117,6 +120,8 @@ def test_a_call_whose_record_failed_is_restored_not_run_again_on_its_own_effect(
     asyncio.run(calls.run(request, 5, 1, "d1", True))
     assert recovery.events == ["run", "forget", "restore", "run"]
     assert ledger.applied == 5 and calls.applied == 1
+    # What the call writes in the state-store carries its lease: the job and epoch 1.
+    assert calls._runner.fences == [Fence("job", 1), Fence("job", 1)]  # type: ignore[attr-defined]
 
 
 class Answers:

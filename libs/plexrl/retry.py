@@ -74,11 +74,14 @@ async def retrying(
     stop: asyncio.Event | None = None,
     backoff: Backoff = Backoff(),
     on_retry: Callable[[BaseException, int], None] | None = None,
+    within_s: float | None = None,
 ) -> T:
     """Run `op` until it returns; transient errors are logged and retried with backoff.
 
-    Raises what `op` raised when the error is not transient, or when `stop` is set
-    (the service is shutting down: the caller leaves the work for a replay).
+    Raises what `op` raised when the error is not transient, when `stop` is set (the
+    service is shutting down: the caller leaves the work for a replay), or when the
+    next attempt would start more than `within_s` seconds after the first (the caller
+    must not be held longer; the error is still transient, so it may try again later).
     """
     attempt = 0
     started = time.monotonic()
@@ -89,9 +92,11 @@ async def retrying(
             if not is_transient(exc) or (stop is not None and stop.is_set()):
                 raise
             attempt += 1
+            wait = backoff.delay(attempt)
+            if within_s is not None and time.monotonic() - started + wait > within_s:
+                raise
             if on_retry is not None:
                 on_retry(exc, attempt)
-            wait = backoff.delay(attempt)
             log_ = log.warning if attempt == 1 or attempt % 20 == 0 else log.debug
             log_(
                 "%s failed (%s: %s); attempt %d, retrying in %.2fs (%.1fs so far)",

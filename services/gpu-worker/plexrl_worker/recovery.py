@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -38,7 +39,8 @@ from plexrl.messages import (
     encode,
 )
 from plexrl.payloads import resolve
-from plexrl.state_store_client import StateStoreClient
+from plexrl.retry import is_transient
+from plexrl.state_store_client import Fence, StateStoreClient, blob_tenant
 from plexrl.stores.calls import PayloadStore
 from plexrl_worker.engine import TorchEngine
 from plexrl_worker.engine.state import JobTensors, state_from_bytes, state_to_bytes
@@ -132,7 +134,9 @@ class JobRecovery:
             return 0.0
         point = await self._ledger.recovery_point(job_id)
         if point.state.snap_blob:
-            state = state_from_bytes(await self._store.get_blob(point.state.snap_blob))
+            state = await asyncio.to_thread(
+                state_from_bytes, await self._store.get_blob(point.state.snap_blob)
+            )
             await self._thread.call(self._engine.onload, job_id, state)
             await self._states.restored(job_id, self._engine.state_bytes(job_id))
         for request in point.log:
@@ -212,7 +216,8 @@ class JobRecovery:
         try:
             keys = await self._ledger.unreferenced(job_id)
             for key in keys:
-                await self._store.delete_blob(key)
+                # A checkpoint blob a fenced or killed save left is its tenant's to delete.
+                await self._store.delete_blob(key, blob_tenant(key))
             await self._ledger.deleted(job_id, keys)
         except Exception:  # they stay in the book: the next sweep deletes them
             log.warning("deleting unreferenced blobs of %s failed", job_id, exc_info=True)
@@ -266,23 +271,26 @@ class NumberedCalls:
         recovery: JobRecovery,
         runner: CallRunner,
         recorder: ResultRecorder,
-        retry_s: float = 120.0,
+        retry_s: float = 60.0,
     ) -> None:
         self._ledger = ledger
         self._recovery = recovery
         self._runner = runner
         self._recorder = recorder
-        # How long a call failing for an internal reason is retried before it is
-        # answered with that error (and counts as applied, without effect).
+        # How long a call failing for a transient reason (a service away) is retried
+        # before it is answered with that error (and counts as applied, without
+        # effect): the worker, and every job homed on it, waits meanwhile.
         self._retry_s = retry_s
         self.applied = 0
         self.answered = 0
         self.fenced = 0
 
-    async def _run_retrying(self, request: PhaseRequest, head: LedgerState) -> Ran:
-        """Restore if need be and run; an internal failure (the state-store or Redis away,
+    async def _run_retrying(self, request: PhaseRequest, head: LedgerState, fence: Fence) -> Ran:
+        """Restore if need be and run; a transient failure (the state-store or Redis away,
         say) is retried from a fresh restore until `retry_s` has passed, so the call is
-        answered late rather than wrongly. Bad input fails at once."""
+        answered late rather than wrongly. Anything else (bad input, a request the
+        state-store refuses, a full disk, a bug) fails at once: retrying cannot change
+        it, and the worker must not be held for it."""
         deadline = time.monotonic() + self._retry_s
         pause_s = 0.5
         while True:
@@ -290,14 +298,15 @@ class NumberedCalls:
                 restore_s = await self._recovery.ensure(
                     request.job_id, request.function, head, self._runner.replay
                 )
-                ran = await self._runner.run(request)
-                ran = Ran(
-                    ran.output, ran.error, ran.swap_s + restore_s, ran.compute_s, ran.started_at
-                )
+                ran = await self._runner.run(request, fence)
+                ran = dataclasses.replace(ran, swap_s=ran.swap_s + restore_s)
             except Exception as exc:
                 log.warning("restoring %s failed", request.job_id, exc_info=True)
-                ran = _failed(f"restoring {request.job_id} failed: {type(exc).__name__}: {exc}")
-            if ran.error is None or ran.error.code != ErrorCode.INTERNAL:
+                ran = dataclasses.replace(
+                    _failed(f"restoring {request.job_id} failed: {type(exc).__name__}: {exc}"),
+                    transient=is_transient(exc),
+                )
+            if ran.error is None or not ran.transient:
                 return ran
             if time.monotonic() + pause_s > deadline:
                 return ran
@@ -362,7 +371,7 @@ class NumberedCalls:
             case Verdict.APPLY:
                 pass
         resolved = await self._runner.resolved(request)
-        ran = await self._run_retrying(resolved, head)
+        ran = await self._run_retrying(resolved, head, Fence(job_id, epoch))
         ok = ran.error is None
         logged = resolved if ok and request.function in MUTATING else None
 

@@ -7,6 +7,7 @@ compare-and-set on the state's version and announced as a ResidencyChanged event
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -127,7 +128,9 @@ class StateManager:
         state = held.host
         if state is None:
             assert held.blob_key is not None
-            state = state_from_bytes(await self._store.get_blob(held.blob_key))
+            state = await asyncio.to_thread(
+                state_from_bytes, await self._store.get_blob(held.blob_key)
+            )
         await self._thread.call(self._engine.onload, job_id, state)
         return await self._moved(job_id, held, Tier.DEVICE, start, host=None, blob_key=None)
 
@@ -145,11 +148,13 @@ class StateManager:
         if to_tier == Tier.HOST:
             if state is None:
                 assert held.blob_key is not None
-                state = state_from_bytes(await self._store.get_blob(held.blob_key))
+                state = await asyncio.to_thread(
+                    state_from_bytes, await self._store.get_blob(held.blob_key)
+                )
             return await self._moved(job_id, held, Tier.HOST, start, host=state, blob_key=None)
         assert state is not None
         key = f"offload/{self._worker_id}/{job_id}/v{held.version + 1}.safetensors"
-        await self._store.put_blob(key, state_to_bytes(state))
+        await self._store.put_blob(key, await asyncio.to_thread(state_to_bytes, state))
         if held.blob_key:
             await self._store.delete_blob(held.blob_key)
         return await self._moved(job_id, held, Tier.DISK, start, host=None, blob_key=key)

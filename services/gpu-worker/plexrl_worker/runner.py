@@ -1,7 +1,11 @@
 """Runs one PhaseRequest against the engine and the state tiers; returns its output.
 
-Every failure becomes an ErrorInfo: engine errors carry their own code (bad input,
-not found), anything else is INTERNAL. Nothing a call does can stop the worker.
+Every failure becomes an ErrorInfo classified by its cause: engine errors carry their
+own code (bad input, not found); a request the state-store refuses is the call's bad
+input, a full disk leaves the call UNAVAILABLE, a write whose lease is gone CANCELLED;
+anything else is INTERNAL, marked `transient` when a later attempt may not meet it
+(a service away). Nothing a call does can stop the worker, nor hold it for long:
+waiting on a service that is away is bounded by `retry_s`.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import asyncio
 import functools
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,8 +44,14 @@ from plexrl.messages import (
     UnloadOutput,
 )
 from plexrl.payloads import resolve
-from plexrl.retry import retrying
-from plexrl.state_store_client import StateStoreClient
+from plexrl.retry import is_transient, retrying
+from plexrl.state_store_client import (
+    Fence,
+    StateStoreClient,
+    StateStoreFenced,
+    StateStoreFull,
+    StateStoreRefused,
+)
 from plexrl.stores import (
     CheckpointRecord,
     CheckpointStore,
@@ -72,6 +83,9 @@ class Ran:
     with `preempted`, beside this call preempted)."""
     preempted: bool = False
     """The release was the scheduler's preemption, not the tail threshold."""
+    transient: bool = False
+    """The error was an infrastructure fault a later attempt may not meet (a service
+    away): the only kind worth running the call again for."""
 
 
 TailHook = Callable[[list[int], int, int], Awaitable[None]]
@@ -92,8 +106,12 @@ class CallRunner:
         store: StateStoreClient,
         sglang: SGLangSampling | None = None,
         ephemeral_keep: int = 8,
+        retry_s: float = 60.0,
     ) -> None:
         self._engine = engine
+        # How long a call waits in place for Redis or the state-store to come back
+        # before it fails (transient): the worker is held meanwhile.
+        self._retry_s = retry_s
         self._ephemeral_keep = ephemeral_keep
         self._sglang = sglang
         self._thread = thread
@@ -117,7 +135,9 @@ class CallRunner:
         payload = await resolve(self._payloads, request.payload, PhaseInput)
         await self._dispatch(request, payload)
 
-    async def run(self, request: PhaseRequest) -> Ran:
+    async def run(self, request: PhaseRequest, fence: Fence | None = None) -> Ran:
+        """Run the call; with `fence` (a numbered call's lease), what it writes in the
+        state-store counts only while that lease stands."""
         started_at = time.time()
         swap_s = 0.0
         t0 = time.perf_counter()
@@ -127,20 +147,24 @@ class CallRunner:
             payload = await retrying(
                 lambda: resolve(self._payloads, request.payload, PhaseInput),
                 what=f"reading the payload of {request.request_id}",
+                within_s=self._retry_s,
             )
             if request.function not in (Function.CREATE, Function.NOOP, Function.UNLOAD):
                 swap_s = await retrying(
                     lambda: self._states.onload(request.job_id),
                     what=f"bringing {request.job_id} onto the device",
+                    within_s=self._retry_s,
                 )
             t0 = time.perf_counter()
-            output = await self._dispatch(request, payload)
+            output = await self._dispatch(request, payload, fence)
             return Ran(output, None, swap_s, time.perf_counter() - t0, started_at)
         except Exception as exc:
-            error = _error(request, exc)
-        return Ran(None, error, swap_s, time.perf_counter() - t0, started_at)
+            error, transient = _error(request, exc), is_transient(exc)
+        return Ran(None, error, swap_s, time.perf_counter() - t0, started_at, transient=transient)
 
-    async def _dispatch(self, request: PhaseRequest, payload: PhaseInput) -> PhaseOutput:
+    async def _dispatch(
+        self, request: PhaseRequest, payload: PhaseInput, fence: Fence | None = None
+    ) -> PhaseOutput:
         job_id = request.job_id
         match payload:
             case CreateInput(spec=spec):
@@ -157,11 +181,11 @@ class CallRunner:
             case SampleInput():
                 return await self._sample(request, payload)
             case SaveInput():
-                return await self._save(request, payload)
+                return await self._save(request, payload, fence)
             case LoadInput():
                 return await self._load(request, payload)
             case UnloadInput():
-                await self._retire_ephemeral(job_id, request.tenant, keep=0)
+                await self._retire_ephemeral(job_id, request.tenant, 0, fence)
                 await self._thread.call(self._engine.drop, job_id)
                 await self._states.dropped(job_id)
                 self._specs.pop(job_id, None)
@@ -304,6 +328,7 @@ class CallRunner:
                         compute_s,
                         started_at,
                         released_at,
+                        transient=is_transient(failure),
                     )
                     if isinstance(failure, Exception)
                     else Ran(task.result(), None, swap_s, compute_s, started_at, released_at)
@@ -331,12 +356,14 @@ class CallRunner:
         payload = await retrying(
             functools.partial(resolve, self._payloads, request.payload, PhaseInput),
             what=f"reading the payload of {request.request_id}",
+            within_s=self._retry_s,
         )
         if not isinstance(payload, SampleInput):
             raise TypeError(f"{request.request_id} carries no SampleInput")
         swap_s = await retrying(
             functools.partial(self._states.onload, request.job_id),
             what=f"bringing {request.job_id} onto the device",
+            within_s=self._retry_s,
         )
         return payload, await self._sample_weights(request, payload), swap_s
 
@@ -353,19 +380,23 @@ class CallRunner:
         weights_id = inp.weights_path
         if not await self._thread.call(self._engine.touch_sampler, weights_id):
             record = await self._checkpoint(inp.weights_path, request.tenant)
-            state = state_from_bytes(await self._store.get_blob(record.blob_key, record.tenant))
+            data = await self._store.get_blob(record.blob_key, record.tenant)
+            state = await asyncio.to_thread(state_from_bytes, data)
             await self._thread.call(self._engine.install_sampler, weights_id, state)
         return weights_id
 
-    async def _save(self, request: PhaseRequest, inp: SaveInput) -> PhaseOutput:
+    async def _save(
+        self, request: PhaseRequest, inp: SaveInput, fence: Fence | None
+    ) -> PhaseOutput:
         full = inp.kind == SaveKind.STATE
         state = await self._thread.call(
             self._engine.export_state, request.job_id, optimizer=full, gradients=False
         )
-        data = state_to_bytes(state)
+        # Off the event loop: serializing a large state must not stall heartbeats.
+        data = await asyncio.to_thread(state_to_bytes, state)
         kind = "weights" if full else "sampler_weights"
-        blob_key = f"ckpt/{request.tenant}/{_safe(request.job_id)}/{kind}/{_safe(inp.path)}"
-        await self._store.put_blob(blob_key, data, request.tenant)
+        blob_key = checkpoint_blob_key(request.tenant, request.job_id, kind, inp.path, fence)
+        await self._store.put_blob(blob_key, data, request.tenant, fence)
         spec = state.spec
         record = CheckpointRecord(
             path=inp.path,
@@ -378,10 +409,12 @@ class CallRunner:
             base_model=spec.base_model,
             lora_rank=spec.lora.rank if spec.lora else None,
         )
-        await self._store.put_checkpoint(record)
+        await self._store.put_checkpoint(record, fence)
         if inp.ephemeral and not full:
             await self._checkpoints.add_ephemeral(record, inp.sampling_session)
-            await self._retire_ephemeral(request.job_id, request.tenant, self._ephemeral_keep)
+            await self._retire_ephemeral(
+                request.job_id, request.tenant, self._ephemeral_keep, fence
+            )
         if not full:
             # Sampling clients of this path will most likely run here next: keep it warm.
             await self._thread.call(self._engine.install_sampler, inp.path, state)
@@ -389,20 +422,23 @@ class CallRunner:
 
     async def _load(self, request: PhaseRequest, inp: LoadInput) -> PhaseOutput:
         record = await self._checkpoint(inp.path, request.tenant)
-        state = state_from_bytes(await self._store.get_blob(record.blob_key, record.tenant))
+        data = await self._store.get_blob(record.blob_key, record.tenant)
+        state = await asyncio.to_thread(state_from_bytes, data)
         await self._thread.call(
             self._engine.import_weights, request.job_id, state, optimizer=inp.with_optimizer
         )
         return LoadOutput(path=inp.path)
 
-    async def _retire_ephemeral(self, job_id: str, tenant: str, keep: int) -> None:
+    async def _retire_ephemeral(
+        self, job_id: str, tenant: str, keep: int, fence: Fence | None
+    ) -> None:
         """Delete all but the job's newest `keep` ephemeral sampler snapshots: record and
         blob through the state-store, the sampling sessions opened over them, then the
         ranking (a crash in between leaves them ranked, and the next retirement deletes
         them again: a 404 there is fine)."""
         paths = await self._checkpoints.ephemeral_beyond(job_id, keep)
         for path in paths:
-            await self._store.delete_checkpoint(path, tenant)
+            await self._store.delete_checkpoint(path, tenant, fence)
             await self._thread.call(self._engine.drop_sampler, path)
         for session in await self._checkpoints.ephemeral_sessions(job_id, paths):
             await self._jobs.delete_job(session)
@@ -433,10 +469,18 @@ class CallRunner:
 
 
 def _error(request: PhaseRequest, exc: Exception) -> ErrorInfo:
-    """What a failed call answers: engine errors carry their own code; anything else is
-    a bug or an infrastructure fault, logged and answered INTERNAL."""
+    """What a failed call answers: engine errors carry their own code, the state-store's
+    refusals theirs; anything else is a bug or an infrastructure fault, logged and
+    answered INTERNAL."""
     if isinstance(exc, EngineError):
         return ErrorInfo(exc.code, str(exc))
+    if isinstance(exc, StateStoreRefused):
+        return ErrorInfo(ErrorCode.BAD_REQUEST, str(exc))
+    if isinstance(exc, StateStoreFull):
+        log.error("call %s (%s): %s", request.request_id, request.function, exc)
+        return ErrorInfo(ErrorCode.UNAVAILABLE, f"{exc}; the call had no effect, retry later")
+    if isinstance(exc, StateStoreFenced):
+        return ErrorInfo(ErrorCode.CANCELLED, str(exc))
     log.exception("call %s (%s) failed", request.request_id, request.function, exc_info=exc)
     return ErrorInfo(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
 
@@ -445,6 +489,30 @@ class _NotFound(EngineError):
     code = ErrorCode.NOT_FOUND
 
 
-def _safe(text: str) -> str:
-    """A blob-key part from a job id or tinker path."""
-    return text.replace("tinker://", "").replace("/", "_")
+def checkpoint_blob_key(tenant: str, job_id: str, kind: str, path: str, fence: Fence | None) -> str:
+    """Where a save's bytes go: `ckpt/<tenant>/<job>/<kind>/<name>@e<epoch>-<random>`.
+    Unique per save, so a late or repeated save never overwrites a blob a record names
+    (the record is switched to the new blob instead, and the old one deleted), and a
+    deleted checkpoint's tombstone names only its own bytes. Job id and name are
+    escaped into the key's alphabet, injectively (`=XX` per byte outside it)."""
+    name = path.rpartition("/")[2]
+    epoch = fence.epoch if fence is not None else 0
+    return (
+        f"ckpt/{tenant}/{key_part(job_id)}/{kind}/{key_part(name)}@e{epoch}-{uuid.uuid4().hex[:12]}"
+    )
+
+
+_KEY_SAFE = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_-:")
+
+
+def key_part(text: str) -> str:
+    """`text` as one blob-key part: no '/', '@', '.' segment or character the key
+    alphabet lacks can come through (each such byte becomes `=XX`; a job id's ':'
+    stays)."""
+    out: list[str] = []
+    for ch in text:
+        if ch in _KEY_SAFE or (ch == "." and out):
+            out.append(ch)
+        else:
+            out.extend(f"={b:02X}" for b in ch.encode())
+    return "".join(out) or "=00"
