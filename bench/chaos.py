@@ -4,16 +4,25 @@ One local cluster (two workers) on a Kafka broker and a Redis of its own (the sh
 pair is never touched), one undisturbed run of the fixed workload of
 `plexrl.faults` as the reference, then, per process kind, N runs of it with one
 process killed (SIGKILL) at a random moment and restarted with the same id (the broker
-and Redis on the same data). Each run
-is compared to the reference: calls lost (the client saw an error), optimizer steps
-applied twice (or skipped), jobs not bit-identical (losses or checkpoint bytes).
+and Redis on the same data). Two more kinds are not kills:
+
+- `hung-worker`: the job's home is SIGSTOPped (a hung process, a long GC pause, a VM
+  stall) for twice the heartbeat timeout, so its jobs are re-homed, then continued:
+  whatever it does late, under its old leases, must change nothing (the pause may fall
+  in the final `save_state`);
+- `store-outage-delete`: the state-store is killed, a checkpoint of another job is
+  deleted through the SDK while it is down, and it is restarted: the checkpoint must
+  stay deleted (listing, record and blob), counted as `resurrected` otherwise.
+
+Each run is compared to the reference: calls lost (the client saw an error), optimizer
+steps applied twice (or skipped), jobs not bit-identical (losses or checkpoint bytes).
 
 Recovery time of an injection: from the kill to the moment every job has finished a
 training step that was still to come at the kill, minus that step's undisturbed
 duration — the stall a job saw. Ends with one JSON line.
 
     .venv/bin/python bench/chaos.py --injections 3 \
-        --kinds worker,scheduler,gateway,state-store,broker,redis
+        --kinds worker,scheduler,gateway,state-store,broker,redis,hung-worker,store-outage-delete
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -45,8 +55,12 @@ KINDS = {
     "state-store": "state-store",
     "broker": "broker",
     "redis": "redis",
+    "hung-worker": "worker-0",
+    "store-outage-delete": "state-store",
 }
 """Process kind -> what is killed (for a worker: the one the first job runs on)."""
+HANGS = {"hung-worker"}
+"""Kinds whose victim is paused (SIGSTOP, then SIGCONT), not killed."""
 INFRA_PARTS: dict[str, Part] = {"broker": "broker", "redis": "redis"}
 # Service start-up imports torch and transformers: minutes on a busy 2-core machine.
 START_TIMEOUT_S = 600.0
@@ -61,10 +75,14 @@ def inject(
     kind: str,
     rng: random.Random,
     step_s: float,
-) -> tuple[list[JobOutcome], float, str]:
-    """One disturbed run; returns its outcomes, the recovery time and who was killed."""
+    hang_s: float,
+    doomed: str,
+) -> tuple[list[JobOutcome], float, str, int]:
+    """One disturbed run; returns its outcomes, the recovery time, who was hit and how
+    many deleted checkpoints came back (`doomed`: the one `store-outage-delete` deletes)."""
     done_at: dict[int, list[float]] = {s: [] for s in workload.seeds}
-    kill_step = rng.randrange(1, workload.steps)
+    # A pause may also fall after the last step: in the job's final save_state.
+    kill_step = rng.randrange(1, workload.steps + (kind in HANGS))
     delay_s = rng.uniform(0.0, step_s)
     lock = threading.Lock()
     killed: dict[str, Any] = {}
@@ -75,11 +93,22 @@ def inject(
             killed["before"] = {s: len(t) for s, t in done_at.items()}
             killed["at"] = time.monotonic()
             killed["victim"] = victim
-        if victim in INFRA_PARTS:
+        if kind in HANGS:
+            pid = cluster.pid(victim)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                time.sleep(hang_s)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+        elif victim in INFRA_PARTS:
             infra.kill(INFRA_PARTS[victim])
             infra.up()
         else:
             cluster.kill(victim)
+            if kind == "store-outage-delete":
+                service.create_rest_client().delete_checkpoint_from_tinker_path(doomed).result(
+                    timeout=120
+                )
             cluster.restart(victim, START_TIMEOUT_S)
 
     def on_step(job: JobOutcome, step: int) -> None:
@@ -87,7 +116,7 @@ def inject(
             done_at[job.seed].append(time.monotonic())
         if job.seed == workload.seeds[0] and step == kill_step:
             victim = KINDS[kind]
-            if kind == "worker":  # the worker this job runs on
+            if kind in ("worker", "hung-worker"):  # the worker this job runs on
                 victim = cluster_home(cluster, job.model_id) or victim
             killed["thread"] = threading.Thread(target=kill, args=(victim,))
             killed["thread"].start()
@@ -96,13 +125,35 @@ def inject(
     if "thread" in killed:
         killed["thread"].join()
     if "at" not in killed:
-        return outcomes, 0.0, "nobody (the run ended first)"
+        return outcomes, 0.0, "nobody (the run ended first)", 0
+    resurrected = 0
+    if kind == "store-outage-delete":
+        time.sleep(3.0)  # past the restarted store's first rebuild rounds
+        resurrected = int(checkpoint_listed(service, doomed))
     before, at = killed["before"], killed["at"]
     # The stall: the first step each job finished after the kill, less an ordinary step.
     stalls = [
         done_at[s][before[s]] - at - step_s for s in workload.seeds if len(done_at[s]) > before[s]
     ]
-    return outcomes, max(0.0, max(stalls, default=0.0)), str(killed["victim"])
+    return outcomes, max(0.0, max(stalls, default=0.0)), str(killed["victim"]), resurrected
+
+
+def checkpoint_listed(service: Any, path: str) -> bool:
+    """Whether the SDK still lists the checkpoint at `path`."""
+    model_id = path.removeprefix("tinker://").split("/", 1)[0]
+    listing = service.create_rest_client().list_checkpoints(model_id).result(timeout=120)
+    return any(c.tinker_path == path for c in listing.checkpoints)
+
+
+def doomed_checkpoints(service: Any, workload: Workload, n: int) -> list[str]:
+    """`n` checkpoints of a job of its own, for `store-outage-delete` to delete."""
+    from tinker import types
+
+    client = service.create_lora_training_client(
+        base_model=workload.base_model, rank=workload.rank, seed=99
+    )
+    client.optim_step(types.AdamParams(learning_rate=workload.learning_rate)).result()
+    return [client.save_state(f"doomed-{i}").result().path for i in range(n)]
 
 
 def cluster_home(cluster: LocalCluster, model_id: str) -> str | None:
@@ -122,6 +173,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="training steps per job")
     parser.add_argument("--seed", type=int, default=None, help="seed of the kill points")
     parser.add_argument("--worker-timeout-s", type=float, default=3.0)
+    parser.add_argument(
+        "--hang-s", type=float, default=None, help="hung-worker pause (2x the timeout)"
+    )
     args = parser.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = [k for k in kinds if k not in KINDS]
@@ -130,6 +184,7 @@ def main() -> None:
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     rng = random.Random(seed)
     workload = Workload(steps=args.steps)
+    hang_s = args.hang_s if args.hang_s is not None else 2 * args.worker_timeout_s
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     infra = PrivateInfra()
@@ -158,20 +213,39 @@ def main() -> None:
                 sys.exit(f"the undisturbed run failed: {[o.errors for o in reference]}")
             step_s = statistics.median(s for o in reference for s in o.call_s)
             print(f"reference: {time.monotonic() - start:.1f}s, step {step_s:.3f}s", flush=True)
+            doomed = (
+                doomed_checkpoints(service, workload, args.injections)
+                if "store-outage-delete" in kinds
+                else []
+            )
             results: dict[str, dict[str, Any]] = {}
             for kind in kinds:
-                totals = {"lost": 0, "duplicated": 0, "not_identical": 0}
+                totals = {"lost": 0, "duplicated": 0, "not_identical": 0, "resurrected": 0}
                 recovery: list[float] = []
                 for i in range(args.injections):
-                    outcomes, stall_s, victim = inject(
-                        cluster, infra, service, workload, blobs, kind, rng, step_s
+                    outcomes, stall_s, victim, back = inject(
+                        cluster,
+                        infra,
+                        service,
+                        workload,
+                        blobs,
+                        kind,
+                        rng,
+                        step_s,
+                        hang_s,
+                        doomed[i] if doomed else "",
                     )
                     c = compare(reference, outcomes)
                     totals["lost"] += c.lost
                     totals["duplicated"] += c.duplicated
                     totals["not_identical"] += c.not_identical
+                    totals["resurrected"] += back
                     recovery.append(stall_s)
-                    print(f"{kind} #{i + 1} ({victim}): {c}, recovery {stall_s:.2f}s", flush=True)
+                    print(
+                        f"{kind} #{i + 1} ({victim}): {c}, resurrected {back}, "
+                        f"recovery {stall_s:.2f}s",
+                        flush=True,
+                    )
                 results[kind] = {
                     "injections": args.injections,
                     **totals,
@@ -188,10 +262,12 @@ def main() -> None:
         "steps": args.steps,
         "jobs": len(workload.seeds),
         "worker_timeout_s": args.worker_timeout_s,
+        "hang_s": hang_s,
         "kinds": results,
         "lost": sum(r["lost"] for r in results.values()),
         "duplicated": sum(r["duplicated"] for r in results.values()),
         "not_identical": sum(r["not_identical"] for r in results.values()),
+        "resurrected": sum(r["resurrected"] for r in results.values()),
     }
     print(json.dumps(line))
 
