@@ -175,7 +175,8 @@ class LimitedH11Protocol(H11Protocol):
     Invariant: while the client owes the server bytes (h11's `their_state` is IDLE, a
     head to come, or SEND_BODY, a body to come) exactly one deadline is armed, set when
     that phase began; while the app works or the response goes out, none is. One class
-    per server (`for_server`) carries that server's limits and report."""
+    per server (`for_server`) carries that server's limits, report and open connections
+    per client address."""
 
     limits: ClassVar[HttpLimits] = HttpLimits()
     report: ClassVar[ConnectionReport] = ConnectionReport("?", HttpLimits().log_every_s)
