@@ -188,6 +188,14 @@ async def test_checkpoints_past_the_quota_are_refused(
         with pytest.raises(Exception, match="PLEXRL_QUOTA_CHECKPOINTS=2"):
             await registry.admit_checkpoint("alice")
         await registry.admit_checkpoint("bob")
+        # Through the routes: a save that would make a third checkpoint is refused, a
+        # save over a standing one (overwrite) takes no new place.
+        model = (await gw.ok("create_model", model_body(await gw.session(ALICE))))["model_id"]
+        for path, body in (
+            ("save_weights", {"model_id": model, "path": "c", "seq_id": 1}),
+            ("save_weights_for_sampler", {"model_id": model, "path": "d", "seq_id": 2}),
+        ):
+            refused(await gw.post(path, body), "PLEXRL_QUOTA_CHECKPOINTS", 2)
 
 
 def test_quota_settings_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -201,8 +201,11 @@ async def save_weights(
     async def build() -> list[Call]:
         name = checkpoint_name(body.path, f"step-{seq}")
         path = TinkerPath(job.job_id, CheckpointKind.WEIGHTS, name)
-        if not body.overwrite and await jobs.find_checkpoint(tenant, str(path)) is not None:
+        standing = await jobs.find_checkpoint(tenant, str(path))
+        if not body.overwrite and standing is not None:
             raise bad_request(f"checkpoint {path} exists; pass overwrite=True or pick another name")
+        if standing is None:  # a new checkpoint takes a place of the tenant's quota
+            await jobs.admit_checkpoint(tenant)
         inp = SaveInput(SaveKind.STATE, str(path))
         return [Call(Function.SAVE, inp, ResponseKind.SAVE_WEIGHTS)]
 
@@ -219,6 +222,9 @@ async def save_weights_for_sampler(
     async def build() -> list[Call]:
         if body.path is not None:
             name = checkpoint_name(body.path, f"step-{seq}")
+            named = TinkerPath(job.job_id, CheckpointKind.SAMPLER_WEIGHTS, name)
+            if await jobs.find_checkpoint(tenant, str(named)) is None:
+                await jobs.admit_checkpoint(tenant)
         elif body.sampling_session_seq_id is not None:
             name = EPHEMERAL_PREFIX + str(
                 check_seq("sampling_session_seq_id", body.sampling_session_seq_id)
