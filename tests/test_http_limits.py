@@ -18,7 +18,7 @@ import pytest
 from fastapi import FastAPI
 from gateway_support import free_port
 
-from plexrl.health import ConnectionReport, HttpLimits, HttpServer
+from plexrl.health import ConnectionReport, HttpLimits, HttpServer, health_app
 from plexrl.settings import CommonSettings
 
 HALF_HEAD = b"POST /echo HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
@@ -200,3 +200,23 @@ def test_limits_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> No
     limits = HttpLimits.from_settings(CommonSettings())
     assert (limits.max_connections, limits.head_timeout_s) == (64, 2.5)
     assert limits.body_timeout_s == HttpLimits().body_timeout_s
+
+
+async def test_a_server_built_without_limits_takes_them_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # How the scheduler's and the workers' health servers are built.
+    monkeypatch.setenv("PLEXRL_HTTP_HEAD_TIMEOUT_S", "0.5")
+    port = free_port()
+    server = HttpServer(health_app("svc", lambda: {"ok": True}), "127.0.0.1", port)
+    await server.start()
+    try:
+        reader, writer = await half_sent(port)
+        started = time.monotonic()
+        assert await closed_within(reader, 3.0) == b""
+        assert time.monotonic() - started < 1.5
+        writer.close()
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+            assert (await http.get("/healthz")).json()["ok"] is True
+    finally:
+        await server.stop()
