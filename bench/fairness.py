@@ -234,9 +234,9 @@ def phase(
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30, help="light steps per phase")
+    parser.add_argument("--steps", type=int, default=20, help="light steps per phase")
     parser.add_argument("--pause-s", type=float, default=0.05, help="light idle per step")
-    parser.add_argument("--heavy-tokens", type=int, default=32768, help="per heavy call")
+    parser.add_argument("--heavy-tokens", type=int, default=16384, help="per heavy call")
     parser.add_argument("--heavy-accum", type=int, default=2, help="heavy calls per step")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
