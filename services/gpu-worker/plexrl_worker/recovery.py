@@ -43,7 +43,7 @@ from plexrl.retry import is_transient
 from plexrl.state_store_client import Fence, StateStoreClient, blob_tenant
 from plexrl.stores.calls import PayloadStore
 from plexrl_worker.engine import TorchEngine
-from plexrl_worker.engine.state import JobTensors, state_from_bytes, state_to_bytes
+from plexrl_worker.engine.state import JobTensors, StateStream, state_from_bytes, state_stream
 from plexrl_worker.engine_thread import EngineThread
 from plexrl_worker.recorder import ResultRecorder
 from plexrl_worker.residency import StateManager
@@ -190,8 +190,7 @@ class JobRecovery:
     async def _upload(self, job_id: str, epoch: int, seq: int, state: JobTensors) -> None:
         key = f"snapshot/{job_id}/e{epoch}-s{seq}.safetensors"
         try:
-            data = await asyncio.to_thread(state_to_bytes, state)
-            await self._put_named(job_id, epoch, key, data)
+            await self._put_named(job_id, epoch, key, state_stream(state))
             await self._ledger.record_snapshot(job_id, epoch, seq, key)
         except Exception:  # the log still holds every call: a later snapshot catches up
             log.exception("snapshot of %s at call %d failed", job_id, seq)
@@ -199,12 +198,17 @@ class JobRecovery:
         await self._archive_results(job_id, epoch, seq, self._config.archive_calls)
         await self._delete_unreferenced(job_id)
 
-    async def _put_named(self, job_id: str, epoch: int, key: str, data: bytes) -> None:
+    async def _put_named(
+        self, job_id: str, epoch: int, key: str, data: bytes | StateStream
+    ) -> None:
         """Write a blob the ledger will record, named in its blob book first (so a kill
         before the record leaves it findable); a failed write is marked for deletion."""
         await self._ledger.writing(job_id, epoch, key)
         try:
-            await self._store.put_blob(key, data)
+            if isinstance(data, StateStream):
+                await self._store.put_stream(key, data.chunks(), data.size)
+            else:
+                await self._store.put_blob(key, data)
         except BaseException:
             with contextlib.suppress(Exception):
                 await self._ledger.abandon(job_id, key)

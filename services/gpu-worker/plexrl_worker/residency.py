@@ -18,7 +18,7 @@ from plexrl.state_store_client import StateStoreClient
 from plexrl.stores import Residency, ResidencyStore
 from plexrl_worker import metrics
 from plexrl_worker.engine import TorchEngine
-from plexrl_worker.engine.state import JobTensors, state_from_bytes, state_to_bytes
+from plexrl_worker.engine.state import JobTensors, state_from_bytes, state_stream
 from plexrl_worker.engine_thread import EngineThread
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,8 @@ class StateManager:
             return await self._moved(job_id, held, Tier.HOST, start, host=state, blob_key=None)
         assert state is not None
         key = f"offload/{self._worker_id}/{job_id}/v{held.version + 1}.safetensors"
-        await self._store.put_blob(key, await asyncio.to_thread(state_to_bytes, state))
+        stream = state_stream(state)  # sent piece by piece: the loop runs between them
+        await self._store.put_stream(key, stream.chunks(), stream.size)
         if held.blob_key:
             await self._store.delete_blob(held.blob_key)
         return await self._moved(job_id, held, Tier.DISK, start, host=None, blob_key=key)

@@ -61,7 +61,7 @@ from plexrl.stores import (
 )
 from plexrl_worker.engine import BASE_PREFIX, EngineError, TorchEngine
 from plexrl_worker.engine.cobatch import SampleCall
-from plexrl_worker.engine.state import state_from_bytes, state_to_bytes
+from plexrl_worker.engine.state import state_from_bytes, state_stream
 from plexrl_worker.engine_thread import EngineThread
 from plexrl_worker.residency import StateManager
 from plexrl_worker.samplers import SGLangSampling
@@ -392,11 +392,12 @@ class CallRunner:
         state = await self._thread.call(
             self._engine.export_state, request.job_id, optimizer=full, gradients=False
         )
-        # Off the event loop: serializing a large state must not stall heartbeats.
-        data = await asyncio.to_thread(state_to_bytes, state)
+        # Sent piece by piece from the tensors' own memory: building one buffer of a
+        # large state would stall the event loop (heartbeats, health) while it copies.
+        stream = state_stream(state)
         kind = "weights" if full else "sampler_weights"
         blob_key = checkpoint_blob_key(request.tenant, request.job_id, kind, inp.path, fence)
-        await self._store.put_blob(blob_key, data, request.tenant, fence)
+        await self._store.put_stream(blob_key, stream.chunks(), stream.size, request.tenant, fence)
         spec = state.spec
         record = CheckpointRecord(
             path=inp.path,
@@ -404,7 +405,7 @@ class CallRunner:
             job_id=request.job_id,
             kind=kind,
             blob_key=blob_key,
-            size_bytes=len(data),
+            size_bytes=stream.size,
             created_at=time.time(),
             base_model=spec.base_model,
             lora_rank=spec.lora.rank if spec.lora else None,
@@ -418,7 +419,7 @@ class CallRunner:
         if not full:
             # Sampling clients of this path will most likely run here next: keep it warm.
             await self._thread.call(self._engine.install_sampler, inp.path, state)
-        return SaveOutput(path=inp.path, size_bytes=len(data))
+        return SaveOutput(path=inp.path, size_bytes=stream.size)
 
     async def _load(self, request: PhaseRequest, inp: LoadInput) -> PhaseOutput:
         record = await self._checkpoint(inp.path, request.tenant)

@@ -8,7 +8,7 @@ parameters carry no adapter slot name). `metadata` is JSON-able: the JobSpec and
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +62,78 @@ def state_to_bytes(state: JobTensors) -> bytes:
     """Safetensors bytes; the metadata travels as one JSON string in the header."""
     tensors = {k: t.detach().to("cpu").contiguous() for k, t in state.tensors.items()}
     return st_save(tensors, metadata={_META_KEY: json.dumps(state.metadata)})
+
+
+_ST_DTYPES = {
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.float32: "F32",
+    torch.int32: "I32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+@dataclass(frozen=True)
+class StateStream:
+    """A job state's safetensors bytes as a sequence of pieces, not one buffer: the
+    header, then each tensor's own memory in slices (no copy). Writing it out lets the
+    event loop run between pieces, where building one `bytes` of a large state would
+    hold the interpreter for as long as it takes to copy it all. `b"".join(chunks())`
+    is byte for byte what `state_to_bytes` gives."""
+
+    header: bytes
+    tensors: tuple[torch.Tensor, ...]
+    size: int
+    """Bytes in all."""
+    chunk_bytes: int = 4 << 20
+
+    def chunks(self) -> Iterator[bytes | memoryview]:
+        yield self.header
+        for t in self.tensors:
+            if t.numel() == 0:
+                continue
+            view = t.view(-1).view(torch.uint8).numpy().data
+            for start in range(0, len(view), self.chunk_bytes):
+                yield view[start : start + self.chunk_bytes]
+
+
+def _safetensors_order(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The order safetensors lays these tensors out in (by dtype, then by name), asked of
+    safetensors itself over empty tensors of the same names and dtypes: no data copied."""
+    empty = {k: torch.empty(0, dtype=t.dtype) for k, t in tensors.items()}
+    raw = st_save(empty)
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    return [k for k in header if k != "__metadata__"]
+
+
+def state_stream(state: JobTensors) -> StateStream:
+    """The state's safetensors bytes as a `StateStream`, laid out as safetensors lays
+    them (its tensor order; the header's JSON padded with spaces to 8 bytes), so it
+    reads back with any safetensors reader and hashes as `state_to_bytes` does."""
+    tensors = {k: t.detach().to("cpu").contiguous() for k, t in state.tensors.items()}
+    order = _safetensors_order(tensors)
+    entries: dict[str, Any] = {"__metadata__": {_META_KEY: json.dumps(state.metadata)}}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        if t.dtype not in _ST_DTYPES:
+            raise TypeError(f"tensor {name} has dtype {t.dtype}, which a job state never holds")
+        nbytes = t.numel() * t.element_size()
+        entries[name] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    header = len(text).to_bytes(8, "little") + text
+    return StateStream(header, tuple(tensors[n] for n in order), len(header) + offset)
 
 
 def state_from_bytes(data: bytes) -> JobTensors:
