@@ -147,6 +147,38 @@ async def test_a_body_that_stops_is_cut_and_a_slow_app_is_not() -> None:
             assert (await http.post("/echo", json={"a": 1})).json() == {"a": 1}
 
 
+async def test_a_long_body_arriving_steadily_outlasts_the_body_timeout_a_trickle_does_not() -> None:
+    # A large blob (a job's state to the state-store) takes longer than body_timeout_s;
+    # it keeps going while it arrives at the least rate on average.
+    limits = HttpLimits(body_timeout_s=0.5, min_body_bytes_per_s=10_000)
+    payload = b'{"a": ' + b" " * 19_990 + b"1}"
+    async with served(limits) as port:
+        head = HALF_HEAD + f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        reader, writer = await half_sent(port, head)
+        started = time.monotonic()
+        for i in range(0, len(payload), 1000):  # 20 kB/s, for about a second
+            writer.write(payload[i : i + 1000])
+            await writer.drain()
+            await asyncio.sleep(0.05)
+        answer = await asyncio.wait_for(reader.read(4096), 5.0)
+        assert time.monotonic() - started > 0.9
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b'{"a":1}')
+        writer.close()
+        # 1 kB/s is under the least rate: cut near body_timeout_s + bytes / rate.
+        reader, writer = await half_sent(port, head)
+        started = time.monotonic()
+        with contextlib.suppress(ConnectionError):
+            for i in range(0, len(payload), 100):
+                writer.write(payload[i : i + 100])
+                await writer.drain()
+                await asyncio.sleep(0.1)
+                if reader.at_eof():
+                    break
+        assert await closed_within(reader, 3.0) == b""
+        assert time.monotonic() - started < 2.0
+        writer.close()
+
+
 async def test_connections_over_the_cap_get_a_503_until_stalled_ones_are_reclaimed() -> None:
     limits = HttpLimits(max_connections=20, head_timeout_s=1.0)
     async with served(limits) as port:

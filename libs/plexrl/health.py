@@ -111,8 +111,12 @@ class HttpLimits:
     """Seconds for a request's line and headers, counted from when the connection opens
     or its previous response ends; bytes arriving do not extend it."""
     body_timeout_s: float = 60.0
-    """Seconds for a request's whole body, counted from the end of its headers. The app's
-    own time (a long poll) is not limited: the deadline stops once the body is in."""
+    """Seconds for a request's whole body, counted from the end of its headers, plus the
+    time its bytes so far take at `min_body_bytes_per_s`. The app's own time (a long
+    poll) is not limited: the deadline stops once the body is in."""
+    min_body_bytes_per_s: float = float(1 << 20)
+    """A body arriving at least this fast on average keeps going past `body_timeout_s`
+    (a large state uploaded to the state-store); one trickling in slower is cut there."""
     keep_alive_s: int = 5
     """Seconds an idle keep-alive connection waits for its next request."""
     max_head_bytes: int = 64 * 1024
@@ -127,6 +131,7 @@ class HttpLimits:
             max_connections_per_client=settings.http_max_connections_per_client,
             head_timeout_s=settings.http_head_timeout_s,
             body_timeout_s=settings.http_body_timeout_s,
+            min_body_bytes_per_s=settings.http_min_body_bytes_per_s,
             keep_alive_s=settings.http_keep_alive_s,
             max_head_bytes=settings.http_max_head_bytes,
         )
@@ -184,6 +189,9 @@ class LimitedH11Protocol(H11Protocol):
     _phase: object = None
     """h11.IDLE (a head is owed), h11.SEND_BODY (a body is owed) or None."""
     _deadline: asyncio.TimerHandle | None = None
+    _body_started: float = 0.0
+    _body_bytes: int = 0
+    """Bytes received since the body's deadline was armed."""
 
     per_client: ClassVar[Counter[str]] = Counter()
     """Open connections by client address, of this server."""
@@ -227,6 +235,8 @@ class LimitedH11Protocol(H11Protocol):
         transport.close()
 
     def data_received(self, data: bytes) -> None:
+        if self._phase is h11.SEND_BODY:
+            self._body_bytes += len(data)
         super().data_received(data)
         self._watch()
 
@@ -245,6 +255,7 @@ class LimitedH11Protocol(H11Protocol):
         if phase is h11.IDLE:
             self._deadline = self.loop.call_later(self.limits.head_timeout_s, self._expire, "head")
         elif phase is h11.SEND_BODY:
+            self._body_started, self._body_bytes = self.loop.time(), 0
             self._deadline = self.loop.call_later(self.limits.body_timeout_s, self._expire, "body")
 
     def _disarm(self) -> None:
@@ -256,6 +267,16 @@ class LimitedH11Protocol(H11Protocol):
         self._deadline = None
         if self.transport.is_closing():
             return
+        if what == "body":
+            # Still arriving at the least rate on average: the body keeps going.
+            due = (
+                self._body_started
+                + self.limits.body_timeout_s
+                + self._body_bytes / self.limits.min_body_bytes_per_s
+            )
+            if due > self.loop.time():
+                self._deadline = self.loop.call_at(due, self._expire, "body")
+                return
         timeout = self.limits.head_timeout_s if what == "head" else self.limits.body_timeout_s
         kept_alive = self.cycle is not None and not self.conn.trailing_data[0]
         if what == "body" or not kept_alive:

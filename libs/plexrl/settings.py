@@ -48,8 +48,12 @@ class CommonSettings(BaseSettings):
     # Seconds a connection has for a request's line and headers, from when it opens or
     # its previous response ends; data trickling in does not extend it (slowloris).
     http_head_timeout_s: float = Field(default=10.0, gt=0)
-    # Seconds a request has for its whole body once its headers are in.
+    # Seconds a request has for its whole body once its headers are in, plus what the
+    # bytes received so far take at http_min_body_bytes_per_s.
     http_body_timeout_s: float = Field(default=60.0, gt=0)
+    # A body arriving at least this fast on average (bytes/s) keeps going past
+    # http_body_timeout_s: a large state uploaded to the state-store takes longer.
+    http_min_body_bytes_per_s: float = Field(default=float(1 << 20), gt=0)
     # Seconds an idle keep-alive connection is kept between requests.
     http_keep_alive_s: int = Field(default=5, ge=1)
     # Largest request line plus headers, bytes; a longer head is answered 400.
