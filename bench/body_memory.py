@@ -1,20 +1,21 @@
 """How much memory JSON forward_backward bodies cost the gateway to take in.
 
-Run by hand (not collected by pytest), with Redis up:
+With Redis up (`scripts/infra.sh up`):
 
-    PYTHONPATH=tests .venv/bin/python tests/measure_body_memory.py TOKENS [N]
+    PYTHONPATH=tests .venv/bin/python bench/body_memory.py TOKENS [N]
 
 It serves a gateway over real Redis (PLEXRL_REDIS_URL; Kafka faked, as in
 tests/gateway_harness.py) in a child process of its own on a real port, posts N JSON
 forward_backward bodies at once, each one datum of TOKENS tokens with its targets and
 weights (2,200,000 tokens is a 30 MB body, far over the call caps: what a hostile or
 careless client sends; 131,072 is the most tokens one call may carry), and prints the
-growth of the gateway process's peak RSS against the bytes sent.
+growth of the gateway process's peak RSS against the bytes sent; ends with one JSON line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import resource
 import subprocess
@@ -113,6 +114,16 @@ async def measure(tokens: int, parallel: int) -> None:
         f"+{grew:.0f} MB ({grew / sent:.1f}x the bytes sent); statuses {statuses}; "
         f"{answers[0].text[:140]}"
     )
+    line = {
+        "benchmark": "body_memory",
+        "tokens": tokens,
+        "bodies": parallel,
+        "body_mb": round(len(body) / 1024 / 1024, 2),
+        "peak_rss_growth_mb": round(grew, 1),
+        "growth_per_byte_sent": round(grew / sent, 2),
+        "statuses": statuses,
+    }
+    print(json.dumps(line))
 
 
 if __name__ == "__main__":
