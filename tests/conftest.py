@@ -6,14 +6,16 @@ import os
 import socket
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+import pytest_asyncio
 
 from plexrl.cluster import ClusterConfig, LocalCluster
 from plexrl.cluster import free_port as free_port  # re-exported to the tests
+from plexrl.stores import Stores
 
 if TYPE_CHECKING:
     from plexrl_worker.sglang import SGLangSampler
@@ -49,6 +51,17 @@ def infra() -> dict[str, str]:
 def cluster_id() -> str:
     """A fresh cluster id: its own topics, consumer groups and Redis keys."""
     return "t" + uuid.uuid4().hex[:10]
+
+
+@pytest_asyncio.fixture
+async def stores(infra: dict[str, str], cluster_id: str) -> AsyncIterator[Stores]:
+    """Every Redis store under the test's own cluster id; its keys are deleted after."""
+    store = Stores.from_url(infra["redis"], cluster_id, ttl_s=60)
+    yield store
+    keys = [k async for k in store.keys.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
+    if keys:
+        await store.keys.redis.delete(*keys)
+    await store.close()
 
 
 @pytest.fixture(scope="session")

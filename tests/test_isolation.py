@@ -34,16 +34,6 @@ TOKEN = "test-service-token"
 
 
 @pytest_asyncio.fixture
-async def stores(infra: dict[str, str], cluster_id: str) -> AsyncIterator[Stores]:
-    store = Stores.from_url(infra["redis"], cluster_id, ttl_s=60)
-    yield store
-    keys = [k async for k in store.keys.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
-    if keys:
-        await store.keys.redis.delete(*keys)
-    await store.close()
-
-
-@pytest_asyncio.fixture
 async def store(stores: Stores, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
     """The state-store's API with a service token, called without credentials."""
     transport = httpx.ASGITransport(

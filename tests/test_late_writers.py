@@ -40,16 +40,6 @@ from plexrl_worker.runner import _error, checkpoint_blob_key
 TENANT, JOB = "alice", "job-1"
 
 
-@pytest_asyncio.fixture
-async def stores(infra: dict[str, str], cluster_id: str) -> AsyncIterator[Stores]:
-    store = Stores.from_url(infra["redis"], cluster_id, ttl_s=60)
-    yield store
-    keys = [k async for k in store.keys.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
-    if keys:
-        await store.keys.redis.delete(*keys)
-    await store.close()
-
-
 @pytest.fixture
 def ledger(stores: Stores, cluster_id: str) -> Ledger:
     return Ledger(stores.keys.redis, cluster_id)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -123,13 +122,6 @@ async def test_publish_consume_carries_trace_and_dead_letters_garbage(
         for c in consumers:
             await c.stop()
         await publisher.stop()
-
-
-@pytest.fixture()
-async def stores(infra: dict[str, str], cluster_id: str) -> AsyncIterator[Stores]:
-    store = Stores.from_url(infra["redis"], cluster_id, ttl_s=60)
-    yield store
-    await store.close()
 
 
 async def test_the_split_stores_keep_the_key_names(stores: Stores, cluster_id: str) -> None:

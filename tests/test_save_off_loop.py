@@ -14,14 +14,13 @@ import asyncio
 import os
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import pytest
-import pytest_asyncio
 import uvicorn
 
 from plexrl.ledger import Ledger
@@ -84,16 +83,6 @@ def served(infra: dict[str, str], cluster_id: str, tmp_path: Path) -> Iterator[s
     yield f"http://127.0.0.1:{port}"
     server.should_exit = True
     thread.join(30)
-
-
-@pytest_asyncio.fixture
-async def stores(infra: dict[str, str], cluster_id: str) -> AsyncIterator[Stores]:
-    store = Stores.from_url(infra["redis"], cluster_id, ttl_s=60)
-    yield store
-    keys = [k async for k in store.keys.redis.scan_iter(match=f"{cluster_id}:*", count=1000)]
-    if keys:
-        await store.keys.redis.delete(*keys)
-    await store.close()
 
 
 def request(function: Function, payload: Any) -> PhaseRequest:
