@@ -290,6 +290,24 @@ async def test_a_full_disk_is_answered_as_such_and_leaves_no_temp_file(
     assert files_under(small_disk) == []
 
 
+async def test_a_record_whose_copy_does_not_fit_is_not_recorded_either(
+    stores: Stores, ledger: Ledger, small_disk: Path
+) -> None:
+    epoch = await ledger.bump_epoch(JOB, "worker-0")
+    client = client_over(BlobDir(small_disk), stores)
+    try:
+        key = key_of(epoch)
+        stat = os.statvfs(small_disk)
+        # The blob takes every page left: the record's copy beside it has no room.
+        await client.put_blob(key, b"x" * (stat.f_bavail * stat.f_frsize - 64), TENANT)
+        with pytest.raises(StateStoreFull, match="disk is full"):
+            await client.put_checkpoint(record(key), Fence(JOB, epoch))
+    finally:
+        await client.close()
+    assert await stores.checkpoints.get_checkpoint(record(key).path) is None
+    assert files_under(small_disk) == []
+
+
 def test_temp_files_of_writes_that_died_are_swept(tmp_path: Path) -> None:
     blobs = BlobDir(tmp_path)
     (tmp_path / "ckpt" / "a").mkdir(parents=True)

@@ -231,7 +231,17 @@ def build_app(
             await asyncio.to_thread(b.delete, record.blob_key)
             metrics.FENCED_WRITES.inc()
             raise HTTPException(409, str(exc)) from None
-        await asyncio.to_thread(records.keep, record)  # beside its blob: Redis may lose it
+        try:
+            await asyncio.to_thread(records.keep, record)  # beside its blob: Redis may lose it
+        except OSError:
+            # No copy, no record (the disk filled between the blob and its copy): put
+            # back what stood, so the failed save changed nothing.
+            if replaced is not None:
+                await c.put_checkpoint(replaced)
+            else:
+                await c.delete_checkpoint(record)
+            await asyncio.to_thread(records.forget, record.blob_key)
+            raise
         if replaced is not None and replaced.blob_key != record.blob_key:
             await asyncio.to_thread(records.forget, replaced.blob_key)
         metrics.CHECKPOINTS_RECORDED.inc()

@@ -46,7 +46,10 @@ class BlobDir:
         return self.root / key
 
     def write(self, key: str, data: bytes) -> int:
-        target = self.path(key)
+        return self.write_file(self.path(key), data, f"blob {key!r}")
+
+    def write_file(self, target: Path, data: bytes, what: str = "") -> int:
+        """Write a file under the root atomically; DiskFullError when it does not fit."""
         try:
             return write_atomically(target, data)
         except OSError as exc:
@@ -55,9 +58,10 @@ class BlobDir:
             free = shutil.disk_usage(self.root).free
             raise DiskFullError(
                 exc.errno,
-                f"the state-store's disk is full: {len(data)} bytes for blob {key!r} do not "
-                f"fit in the {free} bytes free under {self.root}; free space there or "
-                "point PLEXRL_STATE_STORE_DIR at a larger volume",
+                f"the state-store's disk is full: {len(data)} bytes for "
+                f"{what or target.name} do not fit in the {free} bytes free under "
+                f"{self.root}; free space there or point PLEXRL_STATE_STORE_DIR at a larger "
+                "volume",
             ) from exc
 
     def read(self, key: str) -> bytes | None:

@@ -21,7 +21,7 @@ from pathlib import Path
 import msgspec
 
 from plexrl.stores import CheckpointRecord, CheckpointStore, FencedWriteError
-from plexrl_state_store.blobs import BlobDir, write_atomically
+from plexrl_state_store.blobs import BlobDir
 
 log = logging.getLogger(__name__)
 
@@ -39,8 +39,9 @@ class CheckpointRecords:
         return self._root / f"{blob_key}.json"
 
     def keep(self, record: CheckpointRecord) -> None:
-        """Write the record beside its blob (atomically: a crash leaves old or new)."""
-        write_atomically(self._file(record.blob_key), msgspec.json.encode(record))
+        """Write the record beside its blob (atomically: a crash leaves old or new);
+        DiskFullError when there is no room for it."""
+        self._blobs.write_file(self._file(record.blob_key), msgspec.json.encode(record))
 
     def forget(self, blob_key: str) -> None:
         """Delete a checkpoint's blob and the copy of its record (the copy first: a copy
