@@ -141,19 +141,21 @@ class CallRunner:
         started_at = time.time()
         swap_s = 0.0
         t0 = time.perf_counter()
+        wait = _Deadline(self._retry_s)
         try:
             # Before the call touches the engine, Redis or the state-store being away only
-            # delays it: retried in place rather than answered with an error.
+            # delays it: retried in place rather than answered with an error, all of it
+            # within one `retry_s`.
             payload = await retrying(
                 lambda: resolve(self._payloads, request.payload, PhaseInput),
                 what=f"reading the payload of {request.request_id}",
-                within_s=self._retry_s,
+                within_s=wait.left(),
             )
             if request.function not in (Function.CREATE, Function.NOOP, Function.UNLOAD):
                 swap_s = await retrying(
                     lambda: self._states.onload(request.job_id),
                     what=f"bringing {request.job_id} onto the device",
-                    within_s=self._retry_s,
+                    within_s=wait.left(),
                 )
             t0 = time.perf_counter()
             output = await self._dispatch(request, payload, fence)
@@ -353,17 +355,18 @@ class CallRunner:
         """A co-batched sample call's input, its job brought onto the device, and the
         engine's id of the weights it reads; returns (input, weights id, swap seconds).
         Redis or the state-store being away only delays it (retried in place)."""
+        wait = _Deadline(self._retry_s)
         payload = await retrying(
             functools.partial(resolve, self._payloads, request.payload, PhaseInput),
             what=f"reading the payload of {request.request_id}",
-            within_s=self._retry_s,
+            within_s=wait.left(),
         )
         if not isinstance(payload, SampleInput):
             raise TypeError(f"{request.request_id} carries no SampleInput")
         swap_s = await retrying(
             functools.partial(self._states.onload, request.job_id),
             what=f"bringing {request.job_id} onto the device",
-            within_s=self._retry_s,
+            within_s=wait.left(),
         )
         return payload, await self._sample_weights(request, payload), swap_s
 
@@ -484,6 +487,16 @@ def _error(request: PhaseRequest, exc: Exception) -> ErrorInfo:
         return ErrorInfo(ErrorCode.CANCELLED, str(exc))
     log.exception("call %s (%s) failed", request.request_id, request.function, exc_info=exc)
     return ErrorInfo(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+
+
+class _Deadline:
+    """Seconds left of one wait that several retried steps share."""
+
+    def __init__(self, seconds: float) -> None:
+        self._end = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return max(0.0, self._end - time.monotonic())
 
 
 class _NotFound(EngineError):
