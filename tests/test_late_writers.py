@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import pytest_asyncio
+from gateway_support import free_port
 
 from plexrl.ledger import Ledger
 from plexrl.messages import ErrorCode, Function, NoopInput, PhaseRequest
@@ -306,6 +307,22 @@ async def test_a_record_whose_copy_does_not_fit_is_not_recorded_either(
         await client.close()
     assert await stores.checkpoints.get_checkpoint(record(key).path) is None
     assert files_under(small_disk) == []
+
+
+async def test_a_state_store_whose_redis_is_away_answers_retry_not_a_bug(
+    tmp_path: Path,
+) -> None:
+    away = Stores.from_url(f"redis://127.0.0.1:{free_port()}/0", "away", ttl_s=60)
+    client = client_over(BlobDir(tmp_path), away)
+    try:
+        with pytest.raises(StateStoreError) as answered:
+            await client.put_blob(key_of(1), b"x", TENANT, Fence(JOB, 1))
+    finally:
+        await client.close()
+        await away.close()
+    assert answered.value.status_code == 503 and "Redis is away" in str(answered.value)
+    assert is_transient(answered.value)  # the worker waits for it, within its bound
+    assert files_under(tmp_path) == []
 
 
 def test_temp_files_of_writes_that_died_are_swept(tmp_path: Path) -> None:

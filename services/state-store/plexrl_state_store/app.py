@@ -13,7 +13,8 @@ stands, so a worker that comes back after its job was re-homed leaves nothing be
 A blob write checks before and after (a blob written by a writer fenced meanwhile is
 deleted again); a record is checked in the same Redis script that writes it, and a
 refused record's blob is deleted. Errors say what they are: 400 a key or record this
-store never takes, 403/404 another tenant's, 409 a fenced writer, 507 a full disk.
+store never takes, 403/404 another tenant's, 409 a fenced writer, 507 a full disk, 503
+its Redis away (retry).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import asyncio
 from typing import Annotated, Any
 
 import msgspec
+import redis.exceptions
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
@@ -123,6 +125,16 @@ def build_app(
     @app.exception_handler(BadKeyError)
     async def bad_key(_: Request, exc: BadKeyError) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=400)
+
+    @app.exception_handler(redis.exceptions.ConnectionError)
+    @app.exception_handler(redis.exceptions.TimeoutError)
+    async def redis_away(_: Request, exc: Exception) -> JSONResponse:
+        # Transient: the caller retries (a 500 would read as a bug and fail its call).
+        return JSONResponse(
+            {"detail": f"the state-store's Redis is away ({type(exc).__name__}); retry shortly"},
+            status_code=503,
+            headers={"retry-after": "1"},
+        )
 
     @app.exception_handler(DiskFullError)
     async def disk_full(_: Request, exc: DiskFullError) -> JSONResponse:
