@@ -1,18 +1,20 @@
-"""A save serialises the job's state off the worker's event loop: heartbeats and health
-keep being answered while a large state is turned into bytes.
+"""A save serialises the job's state, and a load parses it, off the worker's event loop:
+heartbeats and health keep being answered while a large state moves.
 
 The worker's own CallRunner, a real TorchEngine (a full fine-tuning job of the tiny
 Qwen3 made wider, so the state carries millions of weights and their Adam moments), the
-state-store served over HTTP from a thread of its own (its own event loop, as its own
-process has) over real Redis and a blob directory; the worker loop's longest gap during
+state-store served over HTTP from a process of its own, as deployed, over real Redis
+and a blob directory; the worker loop's longest gap during
 the save is set beside the time the same serialisation takes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-import threading
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,14 +22,16 @@ from typing import Any, cast
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import httpx
 import pytest
-import uvicorn
+from gateway_support import free_port
 
 from plexrl.ledger import Ledger
 from plexrl.messages import (
     CreateInput,
     Function,
     JobSpec,
+    LoadInput,
     PhaseRequest,
     SaveInput,
     SaveKind,
@@ -36,8 +40,6 @@ from plexrl.messages import (
 from plexrl.models import ModelRegistry, TinyShape, init_tiny
 from plexrl.state_store_client import Fence, StateStoreClient
 from plexrl.stores import Stores
-from plexrl_state_store.app import build_app
-from plexrl_state_store.blobs import BlobDir
 from plexrl_worker.engine import EngineConfig, TorchEngine
 from plexrl_worker.engine.state import state_to_bytes
 from plexrl_worker.engine_thread import EngineThread
@@ -57,32 +59,44 @@ class _Resident:
         pass
 
 
+_SERVE = """
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from plexrl.stores import Stores
+from plexrl_state_store.app import build_app
+from plexrl_state_store.blobs import BlobDir
+
+redis_url, cluster_id, root, port = sys.argv[1:5]
+stores = Stores.from_url(redis_url, cluster_id, 60)
+app = build_app(BlobDir(Path(root)), stores.checkpoints, stores.residency)
+uvicorn.run(app, host="127.0.0.1", port=int(port), log_level="warning")
+"""
+
+
 @pytest.fixture
 def served(infra: dict[str, str], cluster_id: str, tmp_path: Path) -> Iterator[str]:
-    """The state-store's app on a free port, in a thread with its own loop and stores."""
-
-    app_stores = Stores.from_url(infra["redis"], cluster_id, ttl_s=60)
-    app = build_app(BlobDir(tmp_path / "blobs"), app_stores.checkpoints, app_stores.residency)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-    )
-
-    async def serve(server: uvicorn.Server) -> None:
-        try:
-            await server.serve()
-        finally:
-            await app_stores.close()
-
-    thread = threading.Thread(target=asyncio.run, args=(serve(server),), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "the state-store did not start"
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(30)
+    """The state-store's app in a process of its own (as deployed: it shares no
+    interpreter with the worker), on a free port, over the real Redis."""
+    port = free_port()
+    args = [infra["redis"], cluster_id, str(tmp_path / "blobs"), str(port)]
+    process = subprocess.Popen([sys.executable, "-c", _SERVE, *args])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, "the state-store exited"
+            assert time.monotonic() < deadline, "the state-store did not start"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200:
+                    break
+            time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(30)
 
 
 def request(function: Function, payload: Any) -> PhaseRequest:
@@ -128,6 +142,7 @@ async def test_a_save_leaves_the_event_loop_free_while_the_state_is_serialised(
     try:
         epoch = await Ledger(stores.keys.redis, cluster_id).bump_epoch(JOB, "worker-0")
         fence = Fence(JOB, epoch)
+        assert await store.healthy()  # a worker's first request sets up its client
         spec = JobSpec(base_model=BASE, seed=1)  # full fine-tuning: every weight
         created = await runner.run(request(Function.CREATE, CreateInput(spec)), fence)
         assert created.error is None, created.error
@@ -136,10 +151,20 @@ async def test_a_save_leaves_the_event_loop_free_while_the_state_is_serialised(
         size = len(state_to_bytes(state))
         serialise_s = time.perf_counter() - start
 
-        save = SaveInput(SaveKind.STATE, f"tinker://{JOB}/weights/big")
-        task = asyncio.create_task(runner.run(request(Function.SAVE, save), fence))
+        path = f"tinker://{JOB}/weights/big"
+        task = asyncio.create_task(
+            runner.run(request(Function.SAVE, SaveInput(SaveKind.STATE, path)), fence)
+        )
         gap = await longest_gap(task)
         ran = await task
+        # And back: the load receives and parses the same bytes (no step taken yet, so
+        # the state holds weights alone).
+        task = asyncio.create_task(
+            runner.run(request(Function.LOAD, LoadInput(path, False)), fence)
+        )
+        load_gap = await longest_gap(task)
+        loaded = await task
+        again = engine.export_state(JOB, optimizer=True, gradients=False)
     finally:
         await store.close()
         thread.shutdown()
@@ -147,3 +172,6 @@ async def test_a_save_leaves_the_event_loop_free_while_the_state_is_serialised(
     assert isinstance(ran.output, SaveOutput) and ran.output.size_bytes == size
     # On the loop, the save would hold it at least as long as one serialisation.
     assert gap < 0.5 * serialise_s, (gap, serialise_s, size)
+    assert loaded.error is None, loaded.error
+    assert load_gap < 0.5 * serialise_s, (load_gap, serialise_s, size)
+    assert state_to_bytes(again) == state_to_bytes(state)  # the state it saved, bit for bit

@@ -8,6 +8,7 @@ parameters carry no adapter slot name). `metadata` is JSON-able: the JobSpec and
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,6 +79,9 @@ _ST_DTYPES = {
 }
 
 
+_TORCH_DTYPES = {name: dtype for dtype, name in _ST_DTYPES.items()}
+
+
 @dataclass(frozen=True)
 class StateStream:
     """A job state's safetensors bytes as a sequence of pieces, not one buffer: the
@@ -90,7 +94,7 @@ class StateStream:
     tensors: tuple[torch.Tensor, ...]
     size: int
     """Bytes in all."""
-    chunk_bytes: int = 4 << 20
+    chunk_bytes: int = 1 << 20
 
     def chunks(self) -> Iterator[bytes | memoryview]:
         yield self.header
@@ -136,17 +140,44 @@ def state_stream(state: JobTensors) -> StateStream:
     return StateStream(header, tuple(tensors[n] for n in order), len(header) + offset)
 
 
-def state_from_bytes(data: bytes) -> JobTensors:
-    """Inverse of `state_to_bytes`; ValueError if the bytes are not a PlexRL job state."""
-    header_len = int.from_bytes(data[:8], "little") if len(data) >= 8 else 0
+def state_from_bytes(data: bytes | bytearray | memoryview) -> JobTensors:
+    """Inverse of `state_to_bytes`; ValueError if the bytes are not a PlexRL job state.
+
+    Each tensor is copied out of `data` by torch, which lets go of the interpreter while
+    it copies: run in a thread, a large state's parse leaves the event loop free (the
+    same tensors, bit for bit, as safetensors' own reader gives)."""
+    header, meta = _header(data)
+    start = 8 + int.from_bytes(bytes(data[:8]), "little")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = _TORCH_DTYPES.get(entry.get("dtype"))
+        if dtype is None:  # not one a job state holds: safetensors' reader knows it all
+            return JobTensors(tensors=dict(st_load(bytes(data))), metadata=meta)
+        lo, hi = entry["data_offsets"]
+        out = torch.empty(entry["shape"], dtype=dtype)
+        if hi - lo != out.numel() * out.element_size() or start + hi > len(data):
+            raise ValueError(f"job state tensor {name} does not fit its offsets {lo}..{hi}")
+        if hi > lo:
+            with warnings.catch_warnings():  # read only: the source is never written
+                warnings.simplefilter("ignore", UserWarning)
+                source = torch.frombuffer(data, dtype=torch.uint8, count=hi - lo, offset=start + lo)
+            out.view(-1).view(torch.uint8).copy_(source)
+        tensors[name] = out
+    return JobTensors(tensors=tensors, metadata=meta)
+
+
+def _header(data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[str, Any]]:
+    header_len = int.from_bytes(bytes(data[:8]), "little") if len(data) >= 8 else 0
     try:
-        header = json.loads(data[8 : 8 + header_len])
+        header = json.loads(bytes(data[8 : 8 + header_len]))
         meta = json.loads(header["__metadata__"][_META_KEY])
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError("these bytes are not a PlexRL job state (no plexrl metadata)") from exc
     if meta.get("format") != _FORMAT:
         raise ValueError(f"job state format {meta.get('format')!r} is not {_FORMAT!r}")
-    return JobTensors(tensors=dict(st_load(data)), metadata=meta)
+    return header, meta
 
 
 def export_params(params: NamedParams, *, gradients: bool) -> dict[str, torch.Tensor]:
