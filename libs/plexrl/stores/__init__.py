@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from plexrl.stores.calls import CallStore, FutureRecord, PayloadStore
 from plexrl.stores.checkpoints import (
+    CheckpointFile,
     CheckpointRecord,
     CheckpointStore,
     FencedWriteError,
@@ -27,6 +28,7 @@ from plexrl.stores.workers import WorkerStore
 
 __all__ = [
     "CallStore",
+    "CheckpointFile",
     "CheckpointRecord",
     "CheckpointStore",
     "FencedWriteError",

@@ -24,18 +24,36 @@ from plexrl.messages import decode, encode
 from plexrl.stores.redis import RedisKeys, RedisStore, raw_bytes, text
 
 
+class CheckpointFile(msgspec.Struct, frozen=True):
+    """One file of an export, stored as a byte range of its checkpoint's one blob."""
+
+    name: str
+    """Its path in the exported directory, e.g. `adapter_model.safetensors` (with `.age`
+    when encrypted)."""
+    offset: int
+    size_bytes: int
+    sha256: str
+
+
 class CheckpointRecord(msgspec.Struct, frozen=True):
     path: str
     """`tinker://<job>/<kind>/<name>`."""
     tenant: str
     job_id: str
     kind: str
-    """"weights" (state with optimizer) or "sampler_weights"."""
+    """"weights" (state with optimizer), "sampler_weights" or "external_weights"
+    (Hugging Face files, listed in `files`)."""
     blob_key: str
     size_bytes: int
     created_at: float
     base_model: str
     lora_rank: int | None = None
+    expires_at: float | None = None
+    """Unix time after which the checkpoint is deleted (None: kept until deleted)."""
+    public: bool = False
+    """Published: readable by any tenant's key, not only its owner's."""
+    files: tuple[CheckpointFile, ...] = ()
+    """External weights: the exported files, in the blob in this order."""
 
 
 EPHEMERAL_PREFIX = "ephemeral-"

@@ -18,7 +18,11 @@ router = APIRouter(prefix="/api/v1")
 Limit = Annotated[int, Query(ge=1, le=1000)]
 Offset = Annotated[int, Query(ge=0)]
 
-_CHECKPOINT_TYPES = {CheckpointKind.WEIGHTS: "training", CheckpointKind.SAMPLER_WEIGHTS: "sampler"}
+_CHECKPOINT_TYPES = {
+    CheckpointKind.WEIGHTS: "training",
+    CheckpointKind.SAMPLER_WEIGHTS: "sampler",
+    CheckpointKind.EXTERNAL_WEIGHTS: "external",
+}
 
 
 def iso(ts: float) -> str:

@@ -23,7 +23,7 @@ from plexrl_gateway.schemas import CreateSamplingSessionBody, SampleBody
 from plexrl_gateway.submitter import Call, Submission, ready
 from plexrl_gateway.translate import (
     check_seq,
-    parse_tinker_path,
+    parse_runnable_path,
     sample_input,
     sampling_session_id,
 )
@@ -40,7 +40,7 @@ async def create_sampling_session(
     session_id = sampling_session_id(body.session_id, seq)
     if await jobs.find_job(tenant, session_id) is None:
         if body.model_path is not None:
-            path = str(parse_tinker_path(body.model_path))
+            path = str(parse_runnable_path(body.model_path))
             ckpt = await jobs.checkpoint(tenant, path)
             base_model, owner = ckpt.base_model, await jobs.live_owner(tenant, ckpt.job_id)
         elif body.base_model is not None:

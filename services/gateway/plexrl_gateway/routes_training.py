@@ -55,7 +55,7 @@ from plexrl_gateway.translate import (
     checkpoint_name,
     forward_backward_input,
     job_spec,
-    parse_tinker_path,
+    parse_runnable_path,
     sampling_session_id,
     session_of,
     training_model_id,
@@ -334,7 +334,7 @@ async def _submit_training(
 
 
 async def _loadable(body: LoadWeightsBody, tenant: str, jobs: Jobs) -> CheckpointRecord:
-    path = parse_tinker_path(body.path)
+    path = parse_runnable_path(body.path)
     ckpt = await jobs.checkpoint(tenant, str(path))
     if body.optimizer and path.kind != CheckpointKind.WEIGHTS:
         raise bad_request(

@@ -85,6 +85,9 @@ class CheckpointKind(enum.StrEnum):
     """Weights with optimizer state, from save_state; loadable by training clients."""
     SAMPLER_WEIGHTS = "sampler_weights"
     """Weights only, from save_weights_for_sampler; read by sampling clients."""
+    EXTERNAL_WEIGHTS = "external_weights"
+    """Hugging Face files from save_weights_external (a PEFT adapter or a model
+    directory): downloaded through get_external_weights_urls, never loaded or sampled."""
 
 
 @dataclass(frozen=True)
@@ -102,21 +105,34 @@ class TinkerPath:
 
 
 def parse_tinker_path(path: str) -> TinkerPath:
-    example = "tinker://<model_id>/weights/<name> or tinker://<model_id>/sampler_weights/<name>"
+    example = (
+        "tinker://<model_id>/weights/<name>, tinker://<model_id>/sampler_weights/<name> "
+        "or tinker://<model_id>/external_weights/<name>"
+    )
     if not path.startswith(TINKER_SCHEME):
         raise bad_request(f"bad tinker path {path!r}: it must start with tinker://, like {example}")
     parts = path[len(TINKER_SCHEME) :].split("/")
     if len(parts) != 3 or not all(parts):
         raise bad_request(f"bad tinker path {path!r}: expected three parts, like {example}")
     model_id, kind, name = parts
-    if kind == "external_weights":
-        raise bad_request(f"tinker path {path!r}: external weights are not supported by PlexRL")
     try:
         return TinkerPath(model_id, CheckpointKind(kind), name)
     except ValueError:
         raise bad_request(
             f"bad tinker path {path!r}: unknown type {kind!r}; expected {example}"
         ) from None
+
+
+def parse_runnable_path(path: str) -> TinkerPath:
+    """A tinker path a model can load or sample from: not one of exported files."""
+    parsed = parse_tinker_path(path)
+    if parsed.kind == CheckpointKind.EXTERNAL_WEIGHTS:
+        raise bad_request(
+            f"{path} names exported Hugging Face files, which are downloaded "
+            "(get_external_weights_urls), not loaded or sampled; use the weights/ or "
+            "sampler_weights/ checkpoint of the same run"
+        )
+    return parsed
 
 
 def checkpoint_name(name: str | None, fallback: str) -> str:
