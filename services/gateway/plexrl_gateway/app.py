@@ -11,7 +11,9 @@ from plexrl import tracing
 from plexrl.http_metrics import ObserveRequests
 from plexrl_gateway import (
     dashboard,
+    routes_files,
     routes_futures,
+    routes_openai,
     routes_plexrl,
     routes_rest,
     routes_sampling,
@@ -35,6 +37,8 @@ def build_app(gateway: Gateway) -> FastAPI:
         routes_training,
         routes_sampling,
         routes_futures,
+        routes_files,
+        routes_openai,
         routes_rest,
         routes_plexrl,
         dashboard,

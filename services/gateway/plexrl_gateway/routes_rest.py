@@ -116,11 +116,6 @@ async def checkpoint_ttl(run_id: str, checkpoint_id: str, _: Tenant) -> None:
     raise _unsupported("ttl")
 
 
-@router.get("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
-async def external_weights_urls(run_id: str, checkpoint_id: str, _: Tenant) -> None:
-    raise _unsupported("external_weights_urls")
-
-
 def _unsupported(action: str) -> ApiError:
     return ApiError(400, f"checkpoint {action} is not supported by PlexRL")
 
