@@ -194,6 +194,52 @@ async def test_the_sdk_trains_samples_saves_and_resumes(cluster: Cluster) -> Non
     ]
 
 
+def sdk_after_an_unserved_call(base_url: str) -> float:
+    """A training-client call to a route the gateway does not serve (as a method of a
+    newer SDK would be), sent the way the SDK sends every call: it takes a seq_id and
+    its turn. Returns how long the next call, a forward_backward, took."""
+    from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+    from tinker.types.shared.untyped_api_future import UntypedAPIFuture
+
+    client = tinker.ServiceClient(base_url=base_url, api_key=API_KEY)
+    try:
+        trainer = client.create_lora_training_client(base_model=TINY_MODEL, rank=8).result(
+            timeout=30
+        )
+        request_id = trainer._get_request_id()
+
+        async def unserved() -> None:
+            body = {"model_id": trainer.model_id, "seq_id": request_id + 1, "type": "future"}
+            async with trainer._take_turn(request_id):
+                with trainer.holder.aclient(ClientConnectionPoolType.TRAIN) as http:
+                    await http.weights._post(
+                        "/api/v1/a_method_of_a_newer_sdk",
+                        body=body,
+                        options={"max_retries": 0},
+                        cast_to=UntypedAPIFuture,
+                    )
+
+        with pytest.raises(tinker.NotFoundError):
+            trainer.holder.run_coroutine_threadsafe(unserved()).result(timeout=30)
+        datum = tinker.Datum(
+            model_input=tinker.ModelInput.from_ints([1, 2, 3]),
+            loss_fn_inputs={"target_tokens": [2, 3, 4]},
+        )
+        start = time.monotonic()
+        trainer.forward_backward([datum], "cross_entropy").result(timeout=60)
+        return time.monotonic() - start
+    finally:
+        client.close("success").result(timeout=30)
+
+
+async def test_a_call_to_an_unserved_route_does_not_hold_up_the_next(cluster: Cluster) -> None:
+    took = await asyncio.wait_for(
+        asyncio.to_thread(sdk_after_an_unserved_call, cluster.base_url), 90
+    )
+    gap = cluster.settings.sequence_gap_timeout_s
+    assert took < gap / 3, f"the next call took {took:.1f}s: it waited for the refused seq_id"
+
+
 async def test_echo_round_trip_through_kafka(cluster: Cluster) -> None:
     """The control-plane call the benchmark measures; prints its latency here."""
     headers = {"X-API-Key": API_KEY}

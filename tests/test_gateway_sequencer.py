@@ -145,3 +145,22 @@ async def test_a_settled_refusal_uses_up_its_seq_id() -> None:
     published: list[object] = []
     await asyncio.wait_for(_publish(seq, "m", 2, published), 1)
     assert published == [2] and cursors.next["m"] == 3
+
+
+async def test_a_release_uses_up_a_seq_id_in_turn_and_gives_up_on_a_gap() -> None:
+    """A call refused before its turn (an unserved route) still uses up its seq_id,
+    after the lower ones; a release whose lower seq_ids never come moves nothing."""
+    cursors = MemoryCursors()
+    seq = Sequencer(cursors, gap_timeout_s=5)
+    await _publish(seq, "m", 0, [])
+    published: list[object] = []
+    late = asyncio.create_task(_publish(seq, "m", 1, published, delay=0.1))
+    assert await seq.release("m", 2, wait_s=2)  # waits for 1, then uses 2 up
+    await late
+    assert published == [1] and cursors.next["m"] == 3
+    assert await seq.release("m", 1, wait_s=0.1)  # already used up: nothing moves
+    assert cursors.next["m"] == 3
+    assert not await seq.release("m", 5, wait_s=0.1)  # 3 and 4 never came
+    assert cursors.next["m"] == 3
+    await asyncio.wait_for(_publish(seq, "m", 3, published), 1)
+    assert published == [1, 3]

@@ -25,6 +25,7 @@ from plexrl_gateway.components import Gateway
 from plexrl_gateway.errors import install_error_handlers
 from plexrl_gateway.metrics import observe_request
 from plexrl_gateway.schemas import JSON_BODY_COMPONENTS
+from plexrl_gateway.seq_release import ReleaseRefused
 
 
 def build_app(gateway: Gateway) -> FastAPI:
@@ -54,6 +55,8 @@ def build_app(gateway: Gateway) -> FastAPI:
 
     # Inside the metrics middleware, so refused bodies are counted (as 413s) too.
     app.add_middleware(BodySizeLimit, limits=gateway.limits, budget=BodyBudget(gateway.limits))
+    # Outside the body limits, so the calls they refuse use up their seq_ids too.
+    app.add_middleware(ReleaseRefused, gateway=gateway)
     app.add_middleware(ObserveRequests, observe=observe_request)
     # The one server span of each request (the root of an API call's trace).
     tracing.instrument_app(app)

@@ -9,6 +9,7 @@ from plexrl.health import Watched
 from plexrl.limits import DEFAULT_LIMITS, CallLimits
 from plexrl.models import ModelRegistry
 from plexrl.settings import GatewaySettings
+from plexrl.state_store_client import StateStoreClient
 from plexrl.stores import CallStore, PayloadStore, Stores, TimelineStore, UsageStore
 from plexrl.stores.tenant_records import TenantRecords
 from plexrl.topics import Topics
@@ -17,10 +18,12 @@ from plexrl_gateway.auth import ApiKeys
 from plexrl_gateway.catalog import ModelCatalog
 from plexrl_gateway.checkpoints import CheckpointRemover
 from plexrl_gateway.cluster import ClusterView
+from plexrl_gateway.exports import ExportFiles
 from plexrl_gateway.futures import FutureWaiter
 from plexrl_gateway.outbox import Outbox
 from plexrl_gateway.registry import Registry
 from plexrl_gateway.sequencer import Sequencer
+from plexrl_gateway.signing import UrlSigner, signing_secret
 from plexrl_gateway.submitter import RequestPublisher, Submitter
 
 
@@ -42,6 +45,8 @@ class Gateway:
     """Sessions, jobs and checkpoints, per tenant."""
     submitter: Submitter
     """Future records, retry dedupe, ordering, Kafka."""
+    sequencer: Sequencer
+    """Each training model's seq_id order (the submitter's; refusals use seq_ids up)."""
     futures: FutureWaiter
     """Long-polls for completions."""
     publisher: RequestPublisher
@@ -55,6 +60,8 @@ class Gateway:
     """Longest one retrieve_future holds before answering 'try again'."""
     dead_letters: DeadLetters
     """Answers the callers of unreadable messages; lists a tenant's dead letters."""
+    exports: ExportFiles
+    """Exported weights: who may read them, their signed URLs, their files' bytes."""
     watched: list[Watched] = field(default_factory=list)
     """Consumer loops whose death or stall makes /healthz answer 503."""
 
@@ -102,6 +109,7 @@ class Gateway:
                 sequencer,
                 settings.payload_inline_max_bytes,
             ),
+            sequencer=sequencer,
             futures=FutureWaiter(stores.calls, on_answered=pending.done),
             publisher=publisher,
             topics=topics,
@@ -118,6 +126,13 @@ class Gateway:
             ),
             future_wait_s=settings.future_wait_s,
             dead_letters=DeadLetters(stores.calls, stores.keys, publisher, topics.completions),
+            exports=ExportFiles(
+                stores.checkpoints,
+                StateStoreClient(settings.state_store_url, token=settings.service_token),
+                UrlSigner(signing_secret(settings.url_signing_secret, settings.service_token)),
+                settings.export_url_ttl_s,
+                settings.public_url,
+            ),
             limits=limits,
             pending=pending,
         )
@@ -125,3 +140,4 @@ class Gateway:
     async def close(self) -> None:
         await self.cluster.close()
         await self.checkpoints.close()
+        await self.exports.close()

@@ -107,6 +107,31 @@ class Sequencer:
                 # Nobody waits: forget the line; the cursor lives on in the store.
                 del self._lines[job_id]
 
+    async def release(self, job_id: str, seq_id: int, wait_s: float) -> bool:
+        """Use up `seq_id` of a call refused before it reached its turn (a route the
+        gateway does not serve, a body it cannot read, admission), so the client's next
+        call need not wait for it. Waits at most `wait_s` for the lower seq_ids; False
+        when they did not come, and the cursor stays (the gap fails the next call as it
+        would have). A seq_id already used up changes nothing."""
+        line = self._lines.setdefault(job_id, _Line())
+        line.users += 1
+        try:
+            async with line.cond:
+                if not line.loaded:
+                    line.next_seq = await self._cursors.get_next_seq(job_id)
+                    line.loaded = True
+                try:
+                    await asyncio.wait_for(line.cond.wait_for(lambda: _ready(line, seq_id)), wait_s)
+                except TimeoutError:
+                    return False
+                await self._advance(line, job_id, seq_id, store=True)
+                line.cond.notify_all()
+                return True
+        finally:
+            line.users -= 1
+            if line.users == 0:
+                del self._lines[job_id]
+
     async def _advance(self, line: _Line, job_id: str, seq_id: int, store: bool) -> None:
         if line.next_seq is None or seq_id >= line.next_seq:
             line.next_seq = seq_id + 1
@@ -115,7 +140,7 @@ class Sequencer:
 
     async def _wait_for(self, line: _Line, job_id: str, seq_id: int) -> None:
         def ready() -> bool:
-            return line.next_seq is None or seq_id <= line.next_seq
+            return _ready(line, seq_id)
 
         if ready():
             return
@@ -130,3 +155,8 @@ class Sequencer:
             ) from None
         finally:
             metrics.SEQUENCER_WAITING.dec()
+
+
+def _ready(line: _Line, seq_id: int) -> bool:
+    """Every seq_id below `seq_id` is settled (or nothing was ever numbered)."""
+    return line.next_seq is None or seq_id <= line.next_seq
