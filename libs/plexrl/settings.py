@@ -89,6 +89,16 @@ class GatewaySettings(CommonSettings):
     quota_record_metadata_bytes: int = Field(default=DEFAULT_QUOTAS.record_metadata_bytes, ge=1)
     # Bytes of user_metadata of all one tenant's records together.
     quota_metadata_bytes: int = Field(default=DEFAULT_QUOTAS.metadata_bytes, ge=1)
+    # Seconds a signed download URL of exported weights is valid (get_external_weights_urls;
+    # never past the checkpoint's own expiry). docs/export.md.
+    export_url_ttl_s: float = Field(default=3600.0, gt=0)
+    # Secret the gateway signs those URLs with (HMAC-SHA256). Unset: derived from
+    # PLEXRL_SERVICE_TOKEN, so every gateway of a cluster accepts the others' URLs; with
+    # neither set, a random one per gateway process (its URLs die with it).
+    url_signing_secret: str | None = None
+    # Base URL clients reach the gateway at (e.g. behind a proxy), for the signed URLs.
+    # Unset: the URL the get_external_weights_urls call itself came to.
+    public_url: str | None = None
 
     def quotas(self) -> RecordQuotas:
         return RecordQuotas(

@@ -78,6 +78,22 @@ def blob_url(key: str) -> str:
     return "/v1/blobs/" + quote(key, safe="/")
 
 
+class BlobRange:
+    """A range of a blob being received: its pieces as they arrive, then `aclose`."""
+
+    def __init__(self, response: httpx.Response, size: int) -> None:
+        self._response = response
+        self.size = size
+        """Bytes in the range."""
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        async for chunk in self._response.aiter_raw():
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._response.aclose()
+
+
 class StateStoreClient:
     def __init__(
         self,
@@ -159,6 +175,35 @@ class StateStoreClient:
             raise StateStoreError(f"blob {key} ended after {at} of its {size} bytes", 502)
         return data
 
+    async def open_range(
+        self, key: str, offset: int, size: int, tenant: str | None = None
+    ) -> BlobRange:
+        """Bytes `offset` to `offset + size` of a blob, to be read as they arrive
+        (`BlobRange.chunks`), never held whole; close it when done. Raises as the other
+        reads do before any byte is read (a missing blob: StateStoreRefused, 404)."""
+        if offset < 0 or size < 1:
+            raise ValueError(
+                f"a blob's range starts at 0 or later and holds a byte or more: {offset}+{size}"
+            )
+        headers = {**auth_headers(None, tenant), "range": f"bytes={offset}-{offset + size - 1}"}
+        request = self._http.build_request("GET", blob_url(key), headers=headers)
+        response = await self._http.send(request, stream=True)
+        try:
+            if response.status_code >= 400:
+                await response.aread()
+                _check(response, f"reading bytes {offset}+{size} of blob {key}")
+            length = int(response.headers.get("content-length", "-1"))
+            if response.status_code != 206 or length != size:
+                raise StateStoreError(
+                    f"blob {key} answered a range of {size} bytes with status "
+                    f"{response.status_code} and {length} bytes (shorter than its record says?)",
+                    502,
+                )
+        except BaseException:
+            await response.aclose()
+            raise
+        return BlobRange(response, size)
+
     async def delete_blob(self, key: str, tenant: str | None = None) -> None:
         response = await self._http.delete(blob_url(key), headers=auth_headers(None, tenant))
         _check(response, f"deleting blob {key}")
@@ -213,6 +258,7 @@ def _check(response: httpx.Response, doing: str) -> None:
 
 __all__ = [
     "CHECKPOINT_PREFIX",
+    "BlobRange",
     "Fence",
     "StateStoreClient",
     "StateStoreError",

@@ -121,6 +121,20 @@ class SaveKind(enum.StrEnum):
     """Weights and optimizer state, for `load_state` later."""
     SAMPLER = "sampler"
     """Weights only, readable by sampling clients."""
+    EXTERNAL = "external"
+    """The weights as Hugging Face files (a PEFT adapter, or a model directory for full
+    fine-tuning), downloaded through signed URLs; never loaded or sampled."""
+
+
+class ExportOptions(msgspec.Struct, frozen=True):
+    """How an EXTERNAL save writes its files."""
+
+    age_recipients: list[str] = []
+    """age recipients (`age1...` keys, SSH public keys) every file is encrypted to, and
+    then named with a `.age` suffix; empty: plain files."""
+    expires_at: float | None = None
+    """Unix time the checkpoint expires (the gateway's clock at the call plus its
+    `ttl_seconds`); None: kept until deleted."""
 
 
 class SaveInput(msgspec.Struct, frozen=True, tag="save"):
@@ -133,6 +147,8 @@ class SaveInput(msgspec.Struct, frozen=True, tag="save"):
     sampling_session: str = ""
     """For an ephemeral snapshot: the sampling session the gateway opened over it (a job
     record), retired with the snapshot."""
+    export: ExportOptions | None = None
+    """For an EXTERNAL save: encryption and expiry (None: plain files, kept)."""
 
 
 class LoadInput(msgspec.Struct, frozen=True, tag="load"):

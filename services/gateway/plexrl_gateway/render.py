@@ -50,6 +50,8 @@ class ResponseKind(enum.StrEnum):
     SAVE_WEIGHTS_FOR_SAMPLER = "save_weights_for_sampler"
     """`{"type":"save_weights_for_sampler","path":...}`, plus the sampling session when
     the save was the ephemeral kind (and then no path for SDKs before 0.20)."""
+    SAVE_WEIGHTS_EXTERNAL = "save_weights_external"
+    """`{"type":"save_weights_external","path":...,"size_bytes":...}`."""
     LOAD_WEIGHTS = "load_weights"
     """`{"type":"load_weights","path":...,"model_id":...}`."""
     SAMPLE = "sample"
@@ -133,6 +135,10 @@ def render(
             if CTX_SAMPLING_SESSION in ctx:
                 body["sampling_session_id"] = ctx[CTX_SAMPLING_SESSION]
             return ResultJSON(body)
+        case SaveOutput() if kind == ResponseKind.SAVE_WEIGHTS_EXTERNAL:
+            return ResultJSON(
+                {"type": str(kind), "path": output.path, "size_bytes": output.size_bytes}
+            )
         case LoadOutput() if kind == ResponseKind.LOAD_WEIGHTS:
             model_id = ctx.get(CTX_MODEL_ID, future.job_id)
             return ResultJSON({"type": "load_weights", "path": output.path, "model_id": model_id})

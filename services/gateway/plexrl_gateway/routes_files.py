@@ -1,7 +1,68 @@
-"""Exported weights out: signed, expiring URLs for an export's files, and the files."""
+"""Exported weights out: signed, expiring URLs for an export's files, and the files.
+
+`GET .../external_weights_urls` (the SDK's `RestClient.get_external_weights_urls`)
+answers, for the owner's key or any key when the export is published, one URL per
+file. A file's URL needs no key: its signature is the permission, until `expires`.
+"""
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+from urllib.parse import quote
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import StreamingResponse
+
+from plexrl_gateway.deps import GatewayDep, Tenant
+from plexrl_gateway.exports import FILES_ROUTE, ExportFiles
+from plexrl_gateway.translate import TINKER_SCHEME, parse_tinker_path
 
 router = APIRouter()
+
+
+async def _exports(gateway: GatewayDep) -> ExportFiles:
+    return gateway.exports
+
+
+Exports = Annotated[ExportFiles, Depends(_exports)]
+
+
+@router.get("/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/external_weights_urls")
+async def external_weights_urls(
+    run_id: str, checkpoint_id: str, request: Request, tenant: Tenant, exports: Exports
+) -> dict[str, Any]:
+    path = parse_tinker_path(f"{TINKER_SCHEME}{run_id}/{checkpoint_id}")
+    record = await exports.readable(tenant, path)
+    signed = exports.sign(record, str(request.base_url))
+    return {"urls": signed.urls, "expires": signed.expires.isoformat().replace("+00:00", "Z")}
+
+
+@router.get(FILES_ROUTE + "/{run_id}/{name}/{file:path}")
+async def external_weights_file(
+    run_id: str,
+    name: str,
+    file: str,
+    exports: Exports,
+    expires: Annotated[int, Query()],
+    signature: Annotated[str, Query(max_length=128)],
+) -> Response:
+    entry, blob = await exports.open(run_id, name, file, expires, signature)
+    file_name = entry.name.rpartition("/")[2]
+    headers = {
+        "content-length": str(entry.size_bytes),
+        "etag": f'"{entry.sha256}"',
+        "content-disposition": f"attachment; filename*=UTF-8''{quote(file_name)}",
+        "cache-control": "private, no-store",
+    }
+    if blob is None:
+        return Response(b"", media_type="application/octet-stream", headers=headers)
+
+    async def body() -> AsyncIterator[bytes]:
+        try:
+            async for chunk in blob.chunks():
+                yield chunk
+        finally:  # also when the client goes away half way
+            await blob.aclose()
+
+    return StreamingResponse(body(), media_type="application/octet-stream", headers=headers)

@@ -7,14 +7,16 @@ re-sent call (same model and seq_id) gets its first future back.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import msgspec
 from fastapi import APIRouter, Request
 
-from plexrl import hf_cache
+from plexrl import age_encryption, hf_cache
 from plexrl.messages import (
     CreateInput,
+    ExportOptions,
     Function,
     JobSpec,
     LoadInput,
@@ -42,6 +44,7 @@ from plexrl_gateway.schemas import (
     ModelIdBody,
     OptimStepBody,
     SaveWeightsBody,
+    SaveWeightsExternalBody,
     SaveWeightsForSamplerBody,
     struct_request_body,
 )
@@ -251,6 +254,47 @@ async def save_weights_for_sampler(
             sampling_session=context.get(CTX_SAMPLING_SESSION, ""),
         )
         return [Call(Function.SAVE, inp, ResponseKind.SAVE_WEIGHTS_FOR_SAMPLER, context)]
+
+    return await _submit_training(job, seq, build, submit)
+
+
+MAX_TTL_S = 10 * 365 * 24 * 3600
+"""The longest ttl_seconds a save takes (Tinker's ten years)."""
+
+
+@router.post("/save_weights_external")
+async def save_weights_external(
+    body: SaveWeightsExternalBody, tenant: Tenant, jobs: Jobs, submit: Submit
+) -> dict[str, Any]:
+    """The job's weights as Hugging Face files (a PEFT adapter, or a model directory for
+    full fine-tuning), at `tinker://<model>/external_weights/<name>`; their signed URLs
+    come from get_external_weights_urls (docs/export.md)."""
+    job = await jobs.training_model(tenant, body.model_id)
+    seq = check_seq("seq_id", body.seq_id)
+    recipients = body.age_encryption_recipients or []
+    try:
+        age_encryption.parse_recipients(recipients)
+    except age_encryption.RecipientError as exc:
+        raise bad_request(str(exc)) from None
+    ttl = body.ttl_seconds
+    if ttl is not None and not 1 <= ttl <= MAX_TTL_S:
+        raise bad_request(
+            f"ttl_seconds is {ttl}; give 1 to {MAX_TTL_S} (ten years), or none to keep it"
+        )
+
+    async def build() -> list[Call]:
+        name = checkpoint_name(body.path, f"step-{seq}")
+        path = TinkerPath(job.job_id, CheckpointKind.EXTERNAL_WEIGHTS, name)
+        if await jobs.find_checkpoint(tenant, str(path)) is not None:
+            raise bad_request(
+                f"checkpoint {path} exists; delete it first or pick another name (its "
+                "signed URLs keep naming the files they were signed for)"
+            )
+        await jobs.admit_checkpoint(tenant)
+        expires_at = time.time() + ttl if ttl is not None else None
+        export = ExportOptions(age_recipients=recipients, expires_at=expires_at)
+        inp = SaveInput(SaveKind.EXTERNAL, str(path), export=export)
+        return [Call(Function.SAVE, inp, ResponseKind.SAVE_WEIGHTS_EXTERNAL)]
 
     return await _submit_training(job, seq, build, submit)
 

@@ -95,6 +95,14 @@ class SaveWeightsBody(Body):
     user_metadata: dict[str, str] | None = None
 
 
+class SaveWeightsExternalBody(Body):
+    model_id: str
+    path: str
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    age_encryption_recipients: list[str] | None = None
+
+
 class SaveWeightsForSamplerBody(Body):
     model_id: str
     path: str | None = None

@@ -12,19 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from plexrl import age_encryption, hf_export
 from plexrl.messages import (
     CreateInput,
     ErrorCode,
     ErrorInfo,
+    ExportOptions,
     ForwardBackwardInput,
     Function,
     JobSpec,
@@ -43,6 +46,7 @@ from plexrl.messages import (
     UnloadInput,
     UnloadOutput,
 )
+from plexrl.models import BaseModelInfo
 from plexrl.payloads import resolve
 from plexrl.retry import is_transient, retrying
 from plexrl.state_store_client import (
@@ -53,15 +57,16 @@ from plexrl.state_store_client import (
     StateStoreRefused,
 )
 from plexrl.stores import (
+    CheckpointFile,
     CheckpointRecord,
     CheckpointStore,
     JobStore,
     PayloadStore,
     is_ephemeral,
 )
-from plexrl_worker.engine import BASE_PREFIX, EngineError, TorchEngine
+from plexrl_worker.engine import BASE_PREFIX, EngineError, EngineInputError, TorchEngine
 from plexrl_worker.engine.cobatch import SampleCall
-from plexrl_worker.engine.state import state_from_bytes, state_stream
+from plexrl_worker.engine.state import WEIGHTS, JobTensors, state_from_bytes, state_stream
 from plexrl_worker.engine_thread import EngineThread
 from plexrl_worker.residency import StateManager
 from plexrl_worker.samplers import SGLangSampling
@@ -391,6 +396,8 @@ class CallRunner:
     async def _save(
         self, request: PhaseRequest, inp: SaveInput, fence: Fence | None
     ) -> PhaseOutput:
+        if inp.kind == SaveKind.EXTERNAL:
+            return await self._export(request, inp, fence)
         full = inp.kind == SaveKind.STATE
         state = await self._thread.call(
             self._engine.export_state, request.job_id, optimizer=full, gradients=False
@@ -424,6 +431,44 @@ class CallRunner:
             await self._thread.call(self._engine.install_sampler, inp.path, state)
         return SaveOutput(path=inp.path, size_bytes=stream.size)
 
+    async def _export(
+        self, request: PhaseRequest, inp: SaveInput, fence: Fence | None
+    ) -> PhaseOutput:
+        """The job's weights as Hugging Face files (plexrl.hf_export), encrypted to the
+        call's age recipients if it names any, stored as one blob: the files one after
+        another, each a byte range the record lists."""
+        state = await self._thread.call(
+            self._engine.export_state, request.job_id, optimizer=False, gradients=False
+        )
+        spec = state.spec
+        info = await self._thread.call(self._engine.model_info, spec.base_model)
+        options = inp.export or ExportOptions()
+        # Building the files copies the weights and may encrypt them: off the event loop.
+        files = await asyncio.to_thread(_export_files, state, info, options.age_recipients)
+        entries, at = [], 0
+        for name, data in files.items():
+            digest = hashlib.sha256(data).hexdigest()
+            entries.append(CheckpointFile(name, at, len(data), digest))
+            at += len(data)
+        kind = "external_weights"
+        blob_key = checkpoint_blob_key(request.tenant, request.job_id, kind, inp.path, fence)
+        await self._store.put_stream(blob_key, _pieces(files), at, request.tenant, fence)
+        record = CheckpointRecord(
+            path=inp.path,
+            tenant=request.tenant,
+            job_id=request.job_id,
+            kind=kind,
+            blob_key=blob_key,
+            size_bytes=at,
+            created_at=time.time(),
+            base_model=spec.base_model,
+            lora_rank=spec.lora.rank if spec.lora else None,
+            expires_at=options.expires_at,
+            files=tuple(entries),
+        )
+        await self._store.put_checkpoint(record, fence)
+        return SaveOutput(path=inp.path, size_bytes=at)
+
     async def _load(self, request: PhaseRequest, inp: LoadInput) -> PhaseOutput:
         record = await self._checkpoint(inp.path, request.tenant)
         data = await self._store.get_blob(record.blob_key, record.tenant)
@@ -449,8 +494,9 @@ class CallRunner:
         await self._checkpoints.unrank_ephemeral(job_id, paths)
 
     async def _checkpoint(self, path: str, tenant: str) -> CheckpointRecord:
-        record = await self._checkpoints.get_checkpoint(path)
-        if record is None or record.tenant != tenant:
+        # Its owner's, or published; none once past its TTL (plexrl.stores.checkpoints).
+        record = await self._checkpoints.readable(path, tenant)
+        if record is None:
             if is_ephemeral(path):
                 raise _NotFound(
                     f"no checkpoint at {path!r}: ephemeral sampler weights are kept for a "
@@ -501,6 +547,34 @@ class _Deadline:
 
 class _NotFound(EngineError):
     code = ErrorCode.NOT_FOUND
+
+
+def _export_files(
+    state: JobTensors, info: BaseModelInfo, recipients: list[str]
+) -> dict[str, bytes]:
+    weights = {
+        name.removeprefix(WEIGHTS): t
+        for name, t in state.tensors.items()
+        if name.startswith(WEIGHTS)
+    }
+    spec = state.spec
+    base_files = hf_export.base_model_files(info.path) if spec.lora is None else None
+    try:
+        files = hf_export.export_files(weights, spec, info, base_files)
+        if recipients:
+            files = age_encryption.encrypt_files(files, age_encryption.parse_recipients(recipients))
+    except (hf_export.ExportError, age_encryption.RecipientError) as exc:
+        raise EngineInputError(str(exc)) from exc
+    return files
+
+
+def _pieces(files: dict[str, bytes], chunk_bytes: int = 1 << 20) -> Iterator[memoryview]:
+    """The files' bytes one after another, in slices (no copy) the event loop can breathe
+    between."""
+    for data in files.values():
+        view = memoryview(data)
+        for start in range(0, len(view), chunk_bytes):
+            yield view[start : start + chunk_bytes]
 
 
 def checkpoint_blob_key(tenant: str, job_id: str, kind: str, path: str, fence: Fence | None) -> str:

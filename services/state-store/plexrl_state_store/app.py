@@ -25,7 +25,7 @@ from typing import Annotated, Any
 import msgspec
 import redis.exceptions
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import FileResponse, JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from plexrl import tracing
@@ -101,6 +101,22 @@ def _fenced_off(fence: Fence, doing: str) -> HTTPException:
         f"{doing} refused: the lease of epoch {fence.epoch} on job {fence.job_id} no longer "
         "stands (the job was re-homed; its new home writes instead)",
     )
+
+
+class BlobFileResponse(FileResponse):
+    """A blob file sent (or a range of it: Starlette's own Range handling) in pieces of
+    1 MiB, each read in a worker thread."""
+
+    chunk_size = 1 << 20
+
+
+def range_bytes(header: str) -> int:
+    """Bytes a single `bytes=<first>-<last>` range asks for (0 for any other form; the
+    response still answers it, this only counts)."""
+    first, sep, last = header.removeprefix("bytes=").partition("-")
+    if not (sep and first.isdigit() and last.isdigit()):
+        return 0
+    return max(0, int(last) - int(first) + 1)
 
 
 def _visible(key: str, acting_for: str | None) -> bool:
@@ -179,7 +195,20 @@ def build_app(
         return {"key": key, "size_bytes": size}
 
     @v1.get("/blobs/{key:path}")
-    def get_blob(key: str, b: Blobs, acting_for: ActingFor = None) -> Response:
+    def get_blob(
+        key: str,
+        b: Blobs,
+        acting_for: ActingFor = None,
+        range_: Annotated[str | None, Header(alias="range")] = None,
+    ) -> Response:
+        """The blob; with `Range: bytes=<first>-<last>`, only those bytes (206), read
+        from the file as they are sent (an exported file of a large checkpoint)."""
+        if range_ is not None:
+            target = b.existing(key) if _visible(key, acting_for) else None
+            if target is None:
+                raise HTTPException(404, f"no blob {key!r}")
+            metrics.BLOB_READ_BYTES.inc(range_bytes(range_))
+            return BlobFileResponse(target, media_type="application/octet-stream")
         data = b.read(key) if _visible(key, acting_for) else None
         if data is None:
             raise HTTPException(404, f"no blob {key!r}")

@@ -68,6 +68,11 @@ class BlobDir:
         target = self.path(key)
         return target.read_bytes() if target.is_file() else None
 
+    def existing(self, key: str) -> Path | None:
+        """The file of `key` if it is there."""
+        target = self.path(key)
+        return target if target.is_file() else None
+
     def size(self, key: str) -> int | None:
         target = self.path(key)
         return target.stat().st_size if target.is_file() else None

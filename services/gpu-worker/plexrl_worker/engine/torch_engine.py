@@ -424,6 +424,10 @@ class TorchEngine:
         tensors = {n: p.detach().to("cpu").clone() for n, p in weight_set.weights.params()}
         return weight_set.spec, weight_set.info.path, tensors
 
+    def model_info(self, name: str) -> BaseModelInfo:
+        """What the registry says of a base model (NotFoundError for one it lacks)."""
+        return self._info(name)
+
     def loaded_bases(self) -> list[str]:
         """Base models in memory (shared by the LoRA jobs on them)."""
         return sorted(base.info.name for base in list(self._bases.values()))
