@@ -1,5 +1,7 @@
-"""The OpenAI-compatible API through the official `openai` client, against all four services
-on the real Kafka and Redis, over a tiny model built here.
+"""The OpenAI-compatible API through the official `openai` client, and through an
+evaluation client PlexRL did not write (EleutherAI's lm-evaluation-harness, installed
+beside .venv by scripts/eval_client.sh), against all four services on the real Kafka and
+Redis, over a tiny model built here.
 
 One cluster for the module. Its registry holds the tiny Qwen3 (with an alias and its
 ChatML template) and a copy whose tokenizer has no chat template.
@@ -10,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +37,10 @@ TENANT = "openai"
 BASE = "plexrl/tiny-qwen3"
 ALIAS = "Qwen/Qwen3-0.6B"
 NO_CHAT = "plexrl/tiny-nochat"
+
+ROOT = Path(__file__).resolve().parent.parent
+LM_EVAL = Path(os.environ.get("PLEXRL_EVAL_DIR", ROOT / ".plexrl" / "eval")) / "lm-eval-0.4.13"
+"""Keep in step with scripts/eval_client.sh."""
 
 
 @dataclass(frozen=True)
@@ -258,3 +266,87 @@ def test_errors_are_shaped_as_openai_errors(served: Served) -> None:
         "param",
         "code",
     }
+
+
+# An evaluation client nobody here wrote --------------------------------------------------
+
+_TASK = """\
+task: plexrl_sums
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "Q: What is {{{{a}}}} + {{{{b}}}}? A:"
+doc_to_target: " {{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n", "Q:"]
+  max_gen_toks: 8
+  temperature: 0
+  do_sample: false
+metric_list:
+  - metric: exact_match
+    aggregation: mean
+    higher_is_better: true
+"""
+
+
+def _lm_eval() -> Path:
+    """The side install; skipped without it, except in CI, where it must be there."""
+    if (LM_EVAL / ".plexrl-stamp").is_file():
+        return LM_EVAL
+    reason = f"{LM_EVAL} is not installed; run scripts/eval_client.sh"
+    if os.environ.get("CI") == "true":
+        pytest.fail(reason + " (CI must run it before pytest)")
+    pytest.skip(reason)
+
+
+def test_lm_eval_harness_runs_a_local_task_through_completions(
+    served: Served, tmp_path: Path
+) -> None:
+    side = _lm_eval()
+    docs = [{"a": a, "b": b, "answer": str(a + b)} for a, b in ((1, 2), (12, 7), (30, 4), (5, 5))]
+    data = tmp_path / "sums.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "plexrl_sums.yaml").write_text(_TASK.format(data=data))
+    out = tmp_path / "out"
+    model_args = ",".join(
+        [
+            f"model={BASE}",
+            f"base_url={served.oai_url}/completions",
+            "tokenizer_backend=None",
+            "tokenized_requests=False",
+            "num_concurrent=2",
+            "max_retries=1",
+        ]
+    )
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions"]
+    cmd += ["--model_args", model_args, "--include_path", str(tasks), "--tasks", "plexrl_sums"]
+    cmd += ["--output_path", str(out), "--log_samples", "--seed", "0"]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(side),
+        "OPENAI_API_KEY": KEY,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "HF_HOME": str(tmp_path / "hf"),
+    }
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
+    [results_file] = out.rglob("results_*.json")
+    results = json.loads(results_file.read_text())["results"]["plexrl_sums"]
+    assert 0.0 <= results["exact_match,none"] <= 1.0
+    [samples_file] = out.rglob("samples_plexrl_sums_*.jsonl")
+    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
+    assert len(samples) == len(docs)
+    # Every answer is what the endpoint says greedy decoding gives for that prompt.
+    client = served.client()
+    for sample in samples:
+        prompt = sample["arguments"]["gen_args_0"]["arg_0"]
+        expected = client.completions.create(
+            model=BASE, prompt=prompt, max_tokens=8, temperature=0, stop=["\n", "Q:"]
+        )
+        assert sample["resps"][0][0] == expected.choices[0].text
