@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from plexrl.limits import InputError
+from plexrl.stores.checkpoints import TTL_MAX_S, TTL_MIN_S
 from plexrl.stores.tenant_records import Caps, Held, QuotaExceeded, RecordKind, metadata_bytes
 
 
@@ -46,14 +47,21 @@ class RecordQuotas:
     metadata_bytes: int = 16 * 1024**2
     """Bytes of `user_metadata` of all the tenant's records together, unloaded models'
     included while their records stay (PLEXRL_QUOTA_METADATA_BYTES)."""
+    checkpoint_bytes: int = 1024**4
+    """Bytes of checkpoints stored (PLEXRL_QUOTA_CHECKPOINT_BYTES): a save is refused
+    once the tenant's checkpoints, ephemeral sampler snapshots included, hold this many;
+    deleting one, or letting its TTL pass, frees its bytes. The save that crosses it is
+    accepted (its size is known only once written)."""
+    checkpoint_ttl_min_s: int = TTL_MIN_S
+    """The shortest TTL a checkpoint may be given, seconds (PLEXRL_CHECKPOINT_TTL_MIN_S;
+    the Tinker API's one hour); the longest is ten years."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(
-                    f"RecordQuotas.{f.name} is {value!r}; set PLEXRL_QUOTA_{f.name.upper()} "
-                    "to an integer >= 1"
+                    f"RecordQuotas.{f.name} is {value!r}; set {_setting(f.name)} to an integer >= 1"
                 )
 
     def caps(self, kind: RecordKind) -> Caps:
@@ -88,6 +96,27 @@ class RecordQuotas:
                 "weights instead, or ask the operator to raise PLEXRL_QUOTA_CHECKPOINTS"
             )
 
+    def check_ttl(self, ttl_s: int | None) -> None:
+        """A TTL asked for a checkpoint (None: no expiry)."""
+        if ttl_s is not None and not self.checkpoint_ttl_min_s <= ttl_s <= TTL_MAX_S:
+            raise QuotaError(
+                f"ttl_seconds is {ttl_s}; a checkpoint's TTL is between "
+                f"{self.checkpoint_ttl_min_s} (PLEXRL_CHECKPOINT_TTL_MIN_S) and {TTL_MAX_S} "
+                "seconds (ten years), or None to keep it until deleted"
+            )
+
+    def check_checkpoint_bytes(self, tenant: str, held: int) -> None:
+        """A save of a tenant whose checkpoints hold `held` bytes."""
+        if held >= self.checkpoint_bytes:
+            raise QuotaError(
+                f"tenant {tenant!r} stores {held} bytes of checkpoints, its quota "
+                f"(PLEXRL_QUOTA_CHECKPOINT_BYTES={self.checkpoint_bytes}); delete checkpoints "
+                "(RestClient.delete_checkpoint_from_tinker_path; list them with sizes with "
+                "RestClient.list_user_checkpoints), set a TTL on those you need only for a "
+                "while (set_checkpoint_ttl_from_tinker_path), or ask the operator to raise "
+                "PLEXRL_QUOTA_CHECKPOINT_BYTES"
+            )
+
     def refusal(self, tenant: str, exc: QuotaExceeded) -> QuotaError:
         """What to tell the tenant a write in Redis was refused for."""
         if exc.held == Held.METADATA:
@@ -106,6 +135,14 @@ class RecordQuotas:
 
 
 DEFAULT_QUOTAS = RecordQuotas()
+
+
+def _setting(field: str) -> str:
+    """The environment setting of a RecordQuotas field."""
+    if field == "checkpoint_ttl_min_s":
+        return "PLEXRL_CHECKPOINT_TTL_MIN_S"
+    return f"PLEXRL_QUOTA_{field.upper()}"
+
 
 _NAMES = {
     RecordKind.SESSION: "session",

@@ -99,6 +99,10 @@ class GatewaySettings(CommonSettings):
     # Base URL clients reach the gateway at (e.g. behind a proxy), for the signed URLs.
     # Unset: the URL the get_external_weights_urls call itself came to.
     public_url: str | None = None
+    # Bytes of checkpoints one tenant stores (a save is refused once they reach it).
+    quota_checkpoint_bytes: int = Field(default=DEFAULT_QUOTAS.checkpoint_bytes, ge=1)
+    # Shortest checkpoint TTL accepted, seconds (the Tinker API's is one hour).
+    checkpoint_ttl_min_s: int = Field(default=DEFAULT_QUOTAS.checkpoint_ttl_min_s, ge=1)
 
     def quotas(self) -> RecordQuotas:
         return RecordQuotas(
@@ -108,6 +112,8 @@ class GatewaySettings(CommonSettings):
             checkpoints=self.quota_checkpoints,
             record_metadata_bytes=self.quota_record_metadata_bytes,
             metadata_bytes=self.quota_metadata_bytes,
+            checkpoint_bytes=self.quota_checkpoint_bytes,
+            checkpoint_ttl_min_s=self.checkpoint_ttl_min_s,
         )
 
 
@@ -206,6 +212,9 @@ class StateStoreSettings(CommonSettings):
     # Seconds between checks that every checkpoint record kept beside its blob is in
     # Redis (records Redis lost are put back; also done at start).
     state_store_rebuild_s: float = 30.0
+    # Seconds between sweeps that delete checkpoints past their TTL (an expired one reads
+    # as gone at once; the sweep frees its blob and record).
+    state_store_expiry_sweep_s: float = Field(default=60.0, gt=0)
 
 
 _TENANT = re.compile(r"[A-Za-z0-9._@=+-]+")

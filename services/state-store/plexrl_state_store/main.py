@@ -12,6 +12,7 @@ from plexrl.settings import StateStoreSettings
 from plexrl.stores import Stores
 from plexrl_state_store.app import build_app
 from plexrl_state_store.blobs import BlobDir
+from plexrl_state_store.expiry import ExpirySweeper
 from plexrl_state_store.records import CheckpointRecords
 
 log = logging.getLogger("plexrl.state_store")
@@ -57,11 +58,16 @@ async def serve(settings: StateStoreSettings, stop: asyncio.Event) -> None:
     rebuilding = asyncio.create_task(
         records.run(stop, settings.state_store_rebuild_s, TEMP_FILE_AGE_S)
     )
+    # Checkpoints past their TTL are deleted (they read as gone already).
+    expiring = asyncio.create_task(
+        ExpirySweeper(stores.checkpoints, records).run(stop, settings.state_store_expiry_sweep_s)
+    )
     log.info("state-store up on :%d, blobs in %s", settings.state_store_port, blobs.root)
     try:
         await stop.wait()
     finally:
         await rebuilding
+        await expiring
         await server.stop()
         await stores.close()
         log.info("state-store stopped")
