@@ -25,8 +25,9 @@ from plexrl.stores import (
     SessionRecord,
     SessionStore,
 )
+from plexrl.stores.checkpoints import CheckpointGone, is_ephemeral
 from plexrl.stores.tenant_records import QuotaExceeded, RecordKind, TenantRecords
-from plexrl_gateway.errors import bad_request, not_found
+from plexrl_gateway.errors import ApiError, bad_request, not_found
 
 Clock = Callable[[], float]
 
@@ -110,6 +111,9 @@ class Registry:
         return job
 
     async def sampling_session(self, tenant: str, session_id: str) -> JobRecord:
+        """A sampling session of the tenant; 404 otherwise, and also once the checkpoint
+        it samples from may no longer be read (deleted, expired, or another tenant's
+        that was unpublished)."""
         job = await self.find_job(tenant, session_id)
         if job is None or job.kind != JobKind.SAMPLING:
             raise not_found(
@@ -117,6 +121,14 @@ class Registry:
                 "create_sampling_session. A sampling client from "
                 "save_weights_and_get_sampling_client lasts as long as its snapshot: each "
                 "model keeps its newest PLEXRL_EPHEMERAL_KEEP (8 by default) while loaded"
+            )
+        path = job.sampler_path
+        # Ephemeral snapshots are retired with their sessions: no read per sample there.
+        if path is not None and not is_ephemeral(path) and not await self._readable(tenant, path):
+            raise not_found(
+                f"sampling session {session_id!r} samples from {path}, which is no "
+                "longer there: it was deleted, its TTL passed, or its owner unpublished "
+                "it; sample from another checkpoint"
             )
         return job
 
@@ -149,14 +161,33 @@ class Registry:
     # Checkpoints -------------------------------------------------------------------
 
     async def checkpoint(self, tenant: str, path: str) -> CheckpointRecord:
-        record = await self._checkpoints.get_checkpoint(path)
-        if record is None or record.tenant != tenant:
+        """A checkpoint the tenant may read (info, load, sample): its own or a published
+        one, not past its TTL; 404 otherwise."""
+        record = await self._checkpoints.readable(path, tenant, self._clock())
+        if record is None:
             raise not_found(f"no checkpoint at {path!r}")
         return record
 
+    async def _readable(self, tenant: str, path: str) -> bool:
+        return await self._checkpoints.readable(path, tenant, self._clock()) is not None
+
+    async def owned_checkpoint(self, tenant: str, path: str) -> CheckpointRecord:
+        """A checkpoint the tenant may change (delete, publish, TTL): its own; 404 for
+        one it cannot see, 403 for another tenant's published one."""
+        record = await self.checkpoint(tenant, path)
+        if record.tenant != tenant:
+            raise ApiError(
+                403,
+                f"checkpoint {path} is published by another tenant: only its owner may "
+                "delete, unpublish or set its TTL",
+            )
+        return record
+
     async def find_checkpoint(self, tenant: str, path: str) -> CheckpointRecord | None:
+        """The tenant's own checkpoint at `path`, if one stands (not past its TTL)."""
         record = await self._checkpoints.get_checkpoint(path)
-        return record if record is not None and record.tenant == tenant else None
+        ok = record is not None and record.owned_by(tenant, self._clock())
+        return record if ok else None
 
     async def checkpoints(self, tenant: str) -> list[CheckpointRecord]:
         return await self._checkpoints.tenant_checkpoints(tenant)
@@ -167,6 +198,40 @@ class Registry:
         held = await self._records.checkpoints(tenant)
         with self._quota(tenant):
             self._quotas.check_checkpoints(tenant, held)
+
+    async def admit_save(self, tenant: str, path: str, ttl_s: int | None) -> None:
+        """Before a save of `path` is sent: 400 for a TTL out of range or a tenant whose
+        checkpoints hold its quota of bytes; else the TTL is left for the record to take
+        when the worker writes it (none: the checkpoint is kept until deleted)."""
+        with self._quota(tenant):
+            self._quotas.check_ttl(ttl_s)
+            held = await self._checkpoints.stored_bytes(tenant)
+            self._quotas.check_checkpoint_bytes(tenant, held)
+        await self._checkpoints.expire_on_save(path, ttl_s)
+
+    async def set_checkpoint_ttl(
+        self, tenant: str, path: str, ttl_s: int | None
+    ) -> CheckpointRecord:
+        """Expire the tenant's checkpoint `ttl_s` from now, or never (None)."""
+        await self.owned_checkpoint(tenant, path)
+        with self._quota(tenant):
+            self._quotas.check_ttl(ttl_s)
+        expires_at = None if ttl_s is None else self._clock() + ttl_s
+        try:
+            return await self._checkpoints.set_expiry(path, expires_at)
+        except CheckpointGone:
+            raise not_found(f"no checkpoint at {path!r}") from None
+
+    async def publish_checkpoint(self, tenant: str, path: str, public: bool) -> CheckpointRecord:
+        """Make the tenant's checkpoint readable by every key (or by its owner's only)."""
+        await self.owned_checkpoint(tenant, path)
+        try:
+            return await self._checkpoints.set_public(path, public)
+        except CheckpointGone:
+            raise not_found(f"no checkpoint at {path!r}") from None
+
+    async def stored_bytes(self, tenant: str) -> int:
+        return await self._checkpoints.stored_bytes(tenant)
 
     @contextlib.contextmanager
     def _quota(self, tenant: str) -> Iterator[None]:

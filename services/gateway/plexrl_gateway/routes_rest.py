@@ -1,4 +1,11 @@
-"""Tinker API: the RestClient's listings (training runs, checkpoints, sessions) and deletes."""
+"""Tinker API: the RestClient's listings (training runs, checkpoints, sessions), deletes,
+and a checkpoint's lifecycle: publication, TTL, the tenant's stored bytes.
+
+Who may do what (plexrl.stores.checkpoints.CheckpointRecord): any key reads a published
+checkpoint (its info, load it, sample from it); only its owner's key deletes,
+publishes, unpublishes or sets its TTL. A checkpoint past its TTL is gone for everyone.
+What each SDK method does here, or why it is refused: docs/checkpoints.md.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
+from pydantic import BaseModel
 
 from plexrl.stores import CheckpointRecord, JobKind, JobRecord
 from plexrl_gateway.deps import GatewayDep, Jobs, Tenant, Usage
@@ -37,7 +45,8 @@ def checkpoint_view(record: CheckpointRecord) -> dict[str, Any]:
         "time": iso(record.created_at),
         "tinker_path": record.path,
         "size_bytes": record.size_bytes,
-        "public": False,
+        "public": record.public,
+        "expires_at": None if record.expires_at is None else iso(record.expires_at),
     }
 
 
@@ -51,7 +60,7 @@ async def weights_info(body: TinkerPathBody, tenant: Tenant, jobs: Jobs) -> dict
     }
     if ckpt.lora_rank is not None:
         out["lora_rank"] = ckpt.lora_rank
-        origin = await jobs.find_job(tenant, ckpt.job_id)
+        origin = await jobs.find_job(ckpt.tenant, ckpt.job_id)  # a published one: another's
         if origin is not None and origin.spec.lora is not None:
             out["train_attn"] = origin.spec.lora.train_attn
             out["train_mlp"] = origin.spec.lora.train_mlp
@@ -99,25 +108,74 @@ async def delete_checkpoint(
     run_id: str, checkpoint_id: str, tenant: Tenant, jobs: Jobs, gateway: GatewayDep
 ) -> dict[str, Any]:
     if checkpoint_id.count("/") == 2 and checkpoint_id.endswith("/publish"):
-        raise _unsupported("unpublish")
-    path = parse_tinker_path(f"{TINKER_SCHEME}{run_id}/{checkpoint_id}")
-    ckpt = await jobs.checkpoint(tenant, str(path))
+        # unpublish_checkpoint_from_tinker_path: DELETE …/checkpoints/<kind>/<name>/publish
+        path = _path(run_id, checkpoint_id.removesuffix("/publish"))
+        record = await jobs.publish_checkpoint(tenant, path, public=False)
+        return {"tinker_path": record.path, "public": record.public}
+    ckpt = await jobs.owned_checkpoint(tenant, _path(run_id, checkpoint_id))
     blob_deleted = await gateway.checkpoints.delete(ckpt)
     return {"tinker_path": ckpt.path, "deleted": True, "blob_deleted": blob_deleted}
 
 
 @router.post("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/publish")
-async def publish_checkpoint(run_id: str, checkpoint_id: str, _: Tenant) -> None:
-    raise _unsupported("publish")
+async def publish_checkpoint(
+    run_id: str, checkpoint_id: str, tenant: Tenant, jobs: Jobs
+) -> dict[str, Any]:
+    record = await jobs.publish_checkpoint(tenant, _path(run_id, checkpoint_id), public=True)
+    return {"tinker_path": record.path, "public": record.public}
+
+
+class TtlBody(BaseModel):
+    ttl_seconds: int | None = None
+    """Seconds from now until the checkpoint is deleted; None keeps it until deleted."""
 
 
 @router.put("/training_runs/{run_id}/checkpoints/{checkpoint_id:path}/ttl")
-async def checkpoint_ttl(run_id: str, checkpoint_id: str, _: Tenant) -> None:
-    raise _unsupported("ttl")
+async def checkpoint_ttl(
+    run_id: str, checkpoint_id: str, body: TtlBody, tenant: Tenant, jobs: Jobs
+) -> dict[str, Any]:
+    path = _path(run_id, checkpoint_id)
+    record = await jobs.set_checkpoint_ttl(tenant, path, body.ttl_seconds)
+    expires = None if record.expires_at is None else iso(record.expires_at)
+    return {"tinker_path": record.path, "expires_at": expires}
 
 
-def _unsupported(action: str) -> ApiError:
-    return ApiError(400, f"checkpoint {action} is not supported by PlexRL")
+@router.get("/billing/usage/checkpoints/current")
+async def checkpoint_storage_usage(
+    tenant: Tenant, jobs: Jobs, project_id: str | None = None
+) -> dict[str, Any]:
+    """AdminClient.get_current_checkpoint_storage_usage: the caller's tenant only (a key
+    sees nothing of others'), as of now (no lag), with no price. `project_id` is ignored:
+    PlexRL has no projects."""
+    ckpts = await jobs.checkpoints(tenant)
+    size = sum(c.size_bytes for c in ckpts)
+    item = {
+        "project_id": None,
+        "org_user_urn": None,
+        "user_email": None,
+        "user_name": tenant,
+        "checkpoint_count": len(ckpts),
+        "size_bytes": size,
+        "size_gigabytes": size / 1e9,
+        "estimated_monthly_cost_usd": None,
+    }
+    return {"effective_rate_usd_per_gigabyte_month": None, "data": [item]}
+
+
+@router.post("/copy_weights")
+async def copy_weights(_: Tenant) -> None:
+    raise ApiError(
+        400,
+        "copy_weights is not supported by PlexRL: it copies a checkpoint into another "
+        "project, and PlexRL has no projects (a key is one tenant). To let another tenant "
+        "use a checkpoint, publish it (RestClient.publish_checkpoint_from_tinker_path): "
+        "any key may then load or sample from its tinker:// path",
+    )
+
+
+def _path(run_id: str, checkpoint_id: str) -> str:
+    """The tinker:// path a route's run id and `<kind>/<name>` name (400 if malformed)."""
+    return str(parse_tinker_path(f"{TINKER_SCHEME}{run_id}/{checkpoint_id}"))
 
 
 @router.get("/sessions")

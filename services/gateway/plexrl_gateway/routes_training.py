@@ -209,6 +209,7 @@ async def save_weights(
             raise bad_request(f"checkpoint {path} exists; pass overwrite=True or pick another name")
         if standing is None:  # a new checkpoint takes a place of the tenant's quota
             await jobs.admit_checkpoint(tenant)
+        await jobs.admit_save(tenant, str(path), body.ttl_seconds)
         inp = SaveInput(SaveKind.STATE, str(path))
         return [Call(Function.SAVE, inp, ResponseKind.SAVE_WEIGHTS)]
 
@@ -237,6 +238,7 @@ async def save_weights_for_sampler(
                 "save_weights_for_sampler needs a path (name) or sampling_session_seq_id"
             )
         path = TinkerPath(job.job_id, CheckpointKind.SAMPLER_WEIGHTS, name)
+        await jobs.admit_save(tenant, str(path), body.ttl_seconds)
         context: dict[str, str] = {}
         session_seq = body.sampling_session_seq_id if body.path is None else None
         if session_seq is not None:
@@ -341,8 +343,9 @@ async def _create_from_state(
                 f"{body.base_model!r}; leave base_model out"
             )
         # The LoRA options and seed are not in the checkpoint record: take them from the
-        # model that saved it while its record lasts, else the defaults.
-        origin = await jobs.find_job(tenant, ckpt.job_id)
+        # model that saved it while its record lasts, else the defaults (its owner's
+        # model: a published checkpoint may be another tenant's).
+        origin = await jobs.find_job(ckpt.tenant, ckpt.job_id)
         lora = None
         if ckpt.lora_rank is not None:
             saved = origin.spec.lora if origin is not None else None
