@@ -198,6 +198,19 @@ def test_encrypted_files_decrypt_to_the_plain_exports_bytes(
     for name, data in plain_files.items():
         assert pyrage.decrypt(sealed_files[name + ".age"], [identity]) == data
 
+    # A resumed download: the file's tail only.
+    plain_urls = rest.get_external_weights_urls(plain_path).result().urls
+    weights = plain_files["adapter_model.safetensors"]
+    tail = httpx.get(
+        plain_urls["adapter_model.safetensors"], headers={"range": "bytes=100-"}, timeout=30
+    )
+    assert tail.status_code == 206 and tail.content == weights[100:]
+    assert tail.headers["content-range"] == f"bytes 100-{len(weights) - 1}/{len(weights)}"
+    # Deleted, its URLs are gone too.
+    rest.delete_checkpoint_from_tinker_path(plain_path).result(timeout=60)
+    gone = httpx.get(plain_urls["adapter_config.json"], timeout=30)
+    assert gone.status_code == 404 and "deleted" in gone.json()["error"]
+
     with pytest.raises(tinker.BadRequestError, match="not a valid key"):
         client.save_weights_external("bad", age_encryption_recipients=["age1nope"]).result()
 

@@ -78,12 +78,12 @@ class ExportFiles:
             urls[file.name] = f"{base}/{where}/{quote(file.name, safe='/')}?{query}"
         return SignedUrls(urls, datetime.fromtimestamp(expires, UTC))
 
-    async def open(
+    async def find(
         self, run_id: str, name: str, file: str, expires: int, signature: str
-    ) -> tuple[CheckpointFile, BlobRange | None]:
-        """The file a signed URL names, and its bytes (None for an empty file). 403 for a
-        signature that does not match, 410 for a URL or export past its expiry, 404 for
-        an export or file that is gone."""
+    ) -> tuple[CheckpointRecord, CheckpointFile]:
+        """The export and file a signed URL names. 403 for a signature that does not
+        match, 410 for a URL or export past its expiry, 404 for an export or file that is
+        gone."""
         path = str(TinkerPath(run_id, CheckpointKind.EXTERNAL_WEIGHTS, name))
         try:
             self._signer.check(path, file, expires, signature)
@@ -98,14 +98,46 @@ class ExportFiles:
         entry = next((f for f in record.files if f.name == file), None)
         if entry is None:
             raise not_found(f"checkpoint {path} has no file {file!r}")
-        if entry.size_bytes == 0:
-            return entry, None
-        blob = await self._store.open_range(
-            record.blob_key, entry.offset, entry.size_bytes, record.tenant
+        return record, entry
+
+    async def read(
+        self, record: CheckpointRecord, entry: CheckpointFile, start: int, size: int
+    ) -> BlobRange:
+        """Bytes `start` to `start + size` of the file, as the state-store sends them."""
+        return await self._store.open_range(
+            record.blob_key, entry.offset + start, size, record.tenant
         )
-        return entry, blob
 
     def _check_not_expired(self, record: CheckpointRecord) -> None:
         if record.expires_at is not None and self._signer.now() >= record.expires_at:
             expired = datetime.fromtimestamp(record.expires_at, UTC).isoformat()
             raise ApiError(410, f"checkpoint {record.path} expired at {expired}")
+
+
+def requested_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """(first byte, bytes) of a single `Range: bytes=a-b`, `bytes=a-` or `bytes=-n`
+    within a file of `size` bytes; None for no Range (the whole file). 416 for one that
+    asks for nothing in the file or for several ranges."""
+    if header is None:
+        return None
+    unit, _, spec = header.partition("=")
+    first, dash, last = spec.strip().partition("-")
+    valid = unit.strip() == "bytes" and dash and "," not in spec
+    try:
+        if valid and first:
+            start = int(first)
+            end = min(int(last), size - 1) if last else size - 1
+        elif valid and last:
+            start, end = max(0, size - int(last)), size - 1
+        else:
+            raise ValueError
+    except ValueError:
+        start, end = size, -1
+    if start > end or start >= size:
+        raise ApiError(
+            416,
+            f"range {header!r} asks for no bytes of this {size}-byte file; give one range "
+            "like 'bytes=0-1023' or 'bytes=1024-'",
+            headers={"content-range": f"bytes */{size}"},
+        )
+    return start, end - start + 1

@@ -11,11 +11,11 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 from urllib.parse import quote
 
-from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from plexrl_gateway.deps import GatewayDep, Tenant
-from plexrl_gateway.exports import FILES_ROUTE, ExportFiles
+from plexrl_gateway.exports import FILES_ROUTE, ExportFiles, requested_range
 from plexrl_gateway.translate import TINKER_SCHEME, parse_tinker_path
 
 router = APIRouter()
@@ -46,17 +46,27 @@ async def external_weights_file(
     exports: Exports,
     expires: Annotated[int, Query()],
     signature: Annotated[str, Query(max_length=128)],
+    range_: Annotated[str | None, Header(alias="range")] = None,
 ) -> Response:
-    entry, blob = await exports.open(run_id, name, file, expires, signature)
+    """The file, or the one byte range a `Range` header asks for (a resumed download)."""
+    record, entry = await exports.find(run_id, name, file, expires, signature)
+    part = requested_range(range_, entry.size_bytes)
+    start, size = part if part is not None else (0, entry.size_bytes)
     file_name = entry.name.rpartition("/")[2]
     headers = {
-        "content-length": str(entry.size_bytes),
+        "content-length": str(size),
+        "accept-ranges": "bytes",
         "etag": f'"{entry.sha256}"',
         "content-disposition": f"attachment; filename*=UTF-8''{quote(file_name)}",
         "cache-control": "private, no-store",
     }
-    if blob is None:
-        return Response(b"", media_type="application/octet-stream", headers=headers)
+    status = 200
+    if part is not None:
+        status = 206
+        headers["content-range"] = f"bytes {start}-{start + size - 1}/{entry.size_bytes}"
+    if size == 0:
+        return Response(b"", status, headers=headers, media_type="application/octet-stream")
+    blob = await exports.read(record, entry, start, size)
 
     async def body() -> AsyncIterator[bytes]:
         try:
@@ -65,4 +75,4 @@ async def external_weights_file(
         finally:  # also when the client goes away half way
             await blob.aclose()
 
-    return StreamingResponse(body(), media_type="application/octet-stream", headers=headers)
+    return StreamingResponse(body(), status, headers=headers, media_type="application/octet-stream")
