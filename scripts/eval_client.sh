@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install an evaluation client PlexRL did not write, EleutherAI's lm-evaluation-harness,
-# beside .venv (never into it) for tests/test_openai_eval.py:
+# beside .venv (never into it) for tests/test_openai.py:
 #
-#   scripts/eval_client.sh   then  .venv/bin/python -m pytest tests/test_openai_eval.py
+#   scripts/eval_client.sh   then  .venv/bin/python -m pytest tests/test_openai.py
 #
 # It lands in .plexrl/eval/lm-eval-<version> with --no-deps: the test puts that folder
 # first on PYTHONPATH and runs .venv's Python, so the folder holds exactly what lm-eval
@@ -19,7 +19,7 @@ PLEXRL_LOG_TAG=eval-client
 source "$ROOT/scripts/_lib.sh"
 
 EVAL_DIR=${PLEXRL_EVAL_DIR:-$ROOT/.plexrl/eval}
-# Keep in step with tests/test_openai_eval.py.
+# Keep in step with tests/test_openai.py.
 LM_EVAL_VERSION=0.4.13
 LM_EVAL_EXTRA=(
   absl-py==2.5.1 aiohappyeyeballs==2.7.1 aiohttp==3.14.5 aiosignal==1.4.0 attrs==26.1.0

@@ -215,12 +215,16 @@ def test_a_sampler_checkpoint_is_a_model(served: Served) -> None:
     # `<base>;<path>` names the same weights.
     both = client.completions.create(model=f"{BASE};{path}", **kwargs)  # type: ignore[call-overload]
     assert both.choices[0].text == mine.choices[0].text
+    # A save_state checkpoint (weights with optimizer state) samples the same weights.
+    state = trainer.save_state(name="oai-state").result().path
+    from_state = client.completions.create(model=state, **kwargs)  # type: ignore[call-overload]
+    assert from_state.choices[0].text == mine.choices[0].text
     # The calls were scheduled as the tenant's, under the training model's job.
     timeline = httpx.get(
         f"{served.config.gateway_url}/plexrl/v1/timeline", headers={"X-API-Key": KEY}
     ).json()
     ran = [e for e in timeline if e["job_id"] == trainer.model_id and e["function"] == "sample"]
-    assert len(ran) >= 2
+    assert len(ran) >= 3
 
 
 def test_errors_are_shaped_as_openai_errors(served: Served) -> None:
@@ -312,7 +316,6 @@ def test_lm_eval_harness_runs_a_local_task_through_completions(
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     (tasks / "plexrl_sums.yaml").write_text(_TASK.format(data=data))
-    out = tmp_path / "out"
     model_args = ",".join(
         [
             f"model={BASE}",
@@ -323,9 +326,7 @@ def test_lm_eval_harness_runs_a_local_task_through_completions(
             "max_retries=1",
         ]
     )
-    cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions"]
-    cmd += ["--model_args", model_args, "--include_path", str(tasks), "--tasks", "plexrl_sums"]
-    cmd += ["--output_path", str(out), "--log_samples", "--seed", "0"]
+    cmd = [sys.executable, str(ROOT / "tests" / "lm_eval_run.py"), str(tasks), "plexrl_sums"]
     env = {
         **os.environ,
         "PYTHONPATH": str(side),
@@ -334,19 +335,15 @@ def test_lm_eval_harness_runs_a_local_task_through_completions(
         "HF_DATASETS_OFFLINE": "1",
         "HF_HOME": str(tmp_path / "hf"),
     }
-    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run([*cmd, model_args], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
-    [results_file] = out.rglob("results_*.json")
-    results = json.loads(results_file.read_text())["results"]["plexrl_sums"]
-    assert 0.0 <= results["exact_match,none"] <= 1.0
-    [samples_file] = out.rglob("samples_plexrl_sums_*.jsonl")
-    samples = [json.loads(line) for line in samples_file.read_text().splitlines()]
-    assert len(samples) == len(docs)
+    answered = json.loads(run.stdout.strip().splitlines()[-1])
+    assert 0.0 <= answered["metrics"]["exact_match,none"] <= 1.0
+    assert len(answered["samples"]) == len(docs)
     # Every answer is what the endpoint says greedy decoding gives for that prompt.
     client = served.client()
-    for sample in samples:
-        prompt = sample["arguments"]["gen_args_0"]["arg_0"]
+    for sample in answered["samples"]:
         expected = client.completions.create(
-            model=BASE, prompt=prompt, max_tokens=8, temperature=0, stop=["\n", "Q:"]
+            model=BASE, prompt=sample["prompt"], max_tokens=8, temperature=0, stop=["\n", "Q:"]
         )
-        assert sample["resps"][0][0] == expected.choices[0].text
+        assert sample["response"] == expected.choices[0].text
