@@ -18,6 +18,8 @@ if [[ ${CI:-} == true || ${PLEXRL_SGLANG:-0} == 1 ]]; then scripts/sglang.sh || 
 # Older tinker SDKs and the tinker-cookbook, side by side (tests/test_sdk_versions.py,
 # tests/test_cookbook_recipes.py): always under CI, else on request.
 if [[ ${CI:-} == true || ${PLEXRL_SDK_MATRIX:-0} == 1 ]]; then scripts/sdk_matrix.sh || exit; fi
+# lm-evaluation-harness beside .venv (tests/test_openai.py): always under CI, else on request.
+if [[ ${CI:-} == true || ${PLEXRL_EVAL_CLIENT:-0} == 1 ]]; then scripts/eval_client.sh || exit; fi
 scripts/chromium.sh >/dev/null || exit  # headless Chromium for the dashboard test
 
 lint_status=0
