@@ -2,9 +2,8 @@
 transformers and peft — no PlexRL code on the loading side — computing the same
 logprobs as the engine that trained them; their age encryption; the URL signer.
 
-Tolerance: float32 on CPU, the engine and the loaded model differ only in the order of
-floating point sums (the engine runs the adapter in a shared base), so logprobs agree
-within 1e-5 absolute.
+Tolerance: float32 on CPU, logprobs agree within 1e-5 absolute (measured here: equal to
+the bit; the bound leaves room for kernels that sum in another order).
 """
 
 from __future__ import annotations
