@@ -268,3 +268,14 @@ async def test_the_sweep_deletes_an_expired_checkpoint_for_good(
     now[0] += 1000
     assert await sweeper.sweep() == [renewed.path]
     assert blobs.size(renewed.blob_key) is None and blobs.size(kept.blob_key) == 4
+
+
+async def test_copy_weights_is_refused_with_what_to_do_instead(
+    infra: dict[str, str], tiny_registry: Path
+) -> None:
+    async with gateway(infra, tiny_registry) as gw:
+        body = {"source_path": "tinker://run-c/weights/a", "destination_project_id": "p"}
+        refused = await gw.post("copy_weights", body)
+        assert refused.status_code == 400
+        message = refused.json()["error"]
+        assert "no projects" in message and "publish_checkpoint_from_tinker_path" in message
