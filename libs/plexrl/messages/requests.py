@@ -132,9 +132,6 @@ class ExportOptions(msgspec.Struct, frozen=True):
     age_recipients: list[str] = []
     """age recipients (`age1...` keys, SSH public keys) every file is encrypted to, and
     then named with a `.age` suffix; empty: plain files."""
-    expires_at: float | None = None
-    """Unix time the checkpoint expires (the gateway's clock at the call plus its
-    `ttl_seconds`); None: kept until deleted."""
 
 
 class SaveInput(msgspec.Struct, frozen=True, tag="save"):
@@ -148,7 +145,8 @@ class SaveInput(msgspec.Struct, frozen=True, tag="save"):
     """For an ephemeral snapshot: the sampling session the gateway opened over it (a job
     record), retired with the snapshot."""
     export: ExportOptions | None = None
-    """For an EXTERNAL save: encryption and expiry (None: plain files, kept)."""
+    """For an EXTERNAL save: how its files are written (None: plain files). Its TTL
+    travels as every save's does (`CheckpointStore.expire_on_save`)."""
 
 
 class LoadInput(msgspec.Struct, frozen=True, tag="load"):

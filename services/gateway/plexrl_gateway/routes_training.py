@@ -7,7 +7,6 @@ re-sent call (same model and seq_id) gets its first future back.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import msgspec
@@ -260,10 +259,6 @@ async def save_weights_for_sampler(
     return await _submit_training(job, seq, build, submit)
 
 
-MAX_TTL_S = 10 * 365 * 24 * 3600
-"""The longest ttl_seconds a save takes (Tinker's ten years)."""
-
-
 @router.post("/save_weights_external")
 async def save_weights_external(
     body: SaveWeightsExternalBody, tenant: Tenant, jobs: Jobs, submit: Submit
@@ -278,11 +273,6 @@ async def save_weights_external(
         age_encryption.parse_recipients(recipients)
     except age_encryption.RecipientError as exc:
         raise bad_request(str(exc)) from None
-    ttl = body.ttl_seconds
-    if ttl is not None and not 1 <= ttl <= MAX_TTL_S:
-        raise bad_request(
-            f"ttl_seconds is {ttl}; give 1 to {MAX_TTL_S} (ten years), or none to keep it"
-        )
 
     async def build() -> list[Call]:
         name = checkpoint_name(body.path, f"step-{seq}")
@@ -293,8 +283,9 @@ async def save_weights_external(
                 "signed URLs keep naming the files they were signed for)"
             )
         await jobs.admit_checkpoint(tenant)
-        expires_at = time.time() + ttl if ttl is not None else None
-        export = ExportOptions(age_recipients=recipients, expires_at=expires_at)
+        # The TTL's range, the bytes quota; the record takes the TTL when it lands.
+        await jobs.admit_save(tenant, str(path), body.ttl_seconds)
+        export = ExportOptions(age_recipients=recipients)
         inp = SaveInput(SaveKind.EXTERNAL, str(path), export=export)
         return [Call(Function.SAVE, inp, ResponseKind.SAVE_WEIGHTS_EXTERNAL)]
 

@@ -463,7 +463,6 @@ class CallRunner:
             created_at=time.time(),
             base_model=spec.base_model,
             lora_rank=spec.lora.rank if spec.lora else None,
-            expires_at=options.expires_at,
             files=tuple(entries),
         )
         await self._store.put_checkpoint(record, fence)
