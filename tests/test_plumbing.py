@@ -159,6 +159,8 @@ async def test_the_split_stores_keep_the_key_names(stores: Stores, cluster_id: s
         "tenant:t:sessions",
         "ckpt:tinker://j/weights/a",
         "tenant:t:ckpts",
+        "tenant:t:ckpt-bytes",
+        "tenant:t:ckpt-sizes",
         "timeline",
         "usage:j",
         # What each tenant holds, counted as its records are written (quotas).
