@@ -142,6 +142,51 @@ def arithmetic_examples(n: int, seed: int = 0) -> list[tuple[str, str]]:
     return examples
 
 
+# The recipe's own texts (tinker_cookbook/recipes/multiplayer_rl/guess_number/env.py, 0.6.1).
+GUESS_NUMBER_SYSTEM = (
+    "Your job is to guess a integer between 0 and 1024. You can output your guess with the "
+    "format Guess: <guess> (without the angle brackets), and say nothing else. Then we will "
+    "tell you whether you guess is too high, too low, or correct."
+)
+GUESS_NUMBER_FAIL = (
+    "Failed to parse. Please output in the format Guess: <guess> (without the angle "
+    "brackets), and say nothing else."
+)
+
+
+def guess_number_examples(model_dir: Path, n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """guess_number's prompts after zero to nine earlier turns, as its default renderer
+    (qwen3_5_disable_thinking) writes them, which the tiny model's think template
+    reproduces; each answered once in the recipe's format (`Guess: N`, reward 0 or 1) and
+    once not (`It is N`, the format penalty), so a group's games score differently. The
+    earlier turns mix both, each followed by the recipe's reply, as in a real game."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rng = random.Random(seed)
+    examples = []
+    for _ in range(n):
+        gold = rng.randint(0, 1023)
+        turns: list[dict[str, str]] = [{"role": "system", "content": GUESS_NUMBER_SYSTEM}]
+        for _ in range(rng.randint(0, 9)):
+            guess = rng.randint(0, 1023)
+            if rng.random() < 0.5:
+                reply = "Too low" if guess < gold else "Too high"
+                turns += [{"role": "player", "content": f"Guess: {guess}"}]
+            else:
+                reply = GUESS_NUMBER_FAIL
+                turns += [{"role": "player", "content": f"It is {guess}"}]
+            turns += [{"role": "user", "content": reply}]
+        prompt = str(
+            tok.apply_chat_template(
+                turns, add_generation_prompt=True, tokenize=False, enable_thinking=False
+            )
+        )
+        guess = rng.randint(0, 1023)
+        examples += [(prompt, f"Guess: {guess}<|im_end|>"), (prompt, f"It is {guess}<|im_end|>")]
+    return examples
+
+
 def warm(model_dir: Path, examples: list[tuple[str, str]], steps: int = 80) -> float:
     """Fine-tune the tiny model in place on (prompt, completion) text pairs, loss on the
     completions only; returns the last loss.

@@ -98,6 +98,11 @@ def loop_result(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 
 # A name in the cookbook's model table (renderer qwen3), served by the tiny Qwen3.
 COOKBOOK_MODEL = "Qwen/Qwen3-8B"
+# The default model of the multi-turn recipes (guess_number, twenty_questions, text_arena),
+# whose renderers are the Qwen3.5 family's: served by a tiny Qwen3 with THINK_TOKENS and
+# room for ten turns.
+COOKBOOK_THINK_MODEL = "Qwen/Qwen3.5-4B"
+THINK_MAX_POSITIONS = 4096
 
 
 class RecipeFailed(RuntimeError):
@@ -119,21 +124,28 @@ class Recipes:
     def run(
         self, module: str, name: str, *args: str, timeout_s: float = 900
     ) -> list[dict[str, Any]]:
-        """Run recipe `module` with `args` (chz `key=value`); its metrics.jsonl rows."""
+        """Run recipe `module` on COOKBOOK_MODEL with a LoRA of rank 4, `args` (chz
+        `key=value`) besides; its metrics.jsonl rows."""
+        common = (f"base_url={self.base_url}", f"model_name={COOKBOOK_MODEL}", "lora_rank=4")
+        return self.run_as_is(module, name, *common, "save_every=0", *args, timeout_s=timeout_s)
+
+    def run_as_is(
+        self, module: str, name: str, *args: str, timeout_s: float = 900
+    ) -> list[dict[str, Any]]:
+        """Run recipe `module` with only `args` and a log path: its own model, renderer
+        and LoRA rank, the gateway by TINKER_BASE_URL (for recipes whose config has no
+        base_url); its metrics.jsonl rows."""
         log_path = self.runs / name
         cmd = [
             sys.executable,
             "-m",
             f"tinker_cookbook.recipes.{module}",
-            f"base_url={self.base_url}",
-            f"model_name={COOKBOOK_MODEL}",
-            "lora_rank=4",
-            "save_every=0",
             f"log_path={log_path}",
             *args,
         ]
+        env = {**self.env, "TINKER_BASE_URL": self.base_url}
         done = subprocess.run(
-            cmd, env=self.env, cwd=self.runs, capture_output=True, text=True, timeout=timeout_s
+            cmd, env=env, cwd=self.runs, capture_output=True, text=True, timeout=timeout_s
         )
         output = (done.stdout + done.stderr)[-8000:]
         if done.returncode != 0:
@@ -157,13 +169,30 @@ MATH_RL_ARGS = (
 )
 
 
-def prepare_cookbook(cookbook: Path, work: Path, api_key: str) -> tuple[Path, dict[str, str]]:
+# guess_number is given only these and a log path: its own model (COOKBOOK_THINK_MODEL),
+# renderer (qwen3_5_disable_thinking), LoRA rank (32) and max_tokens (64); one step of
+# two groups of four ten-turn games, no evaluation.
+GUESS_NUMBER_ARGS = (
+    "batch_size=2",
+    "group_size=4",
+    "max_steps=1",
+    "eval_every=0",
+    "save_every=0",
+    "behavior_if_log_dir_exists=delete",
+)
+
+
+def prepare_cookbook(
+    cookbook: Path, work: Path, api_key: str, *, think: bool = False
+) -> tuple[Path, dict[str, str]]:
     """Everything the recipes need offline, under `work`: a model registry holding the
     tiny Qwen3 as `COOKBOOK_MODEL`, warmed so RL groups disagree (tests/cookbook_data.py),
-    its tokenizer in a Hugging Face cache under that name, and the hub data sets. Returns
-    the registry and the recipes' environment."""
+    its tokenizer in a Hugging Face cache under that name, and the hub data sets. With
+    `think`, also a tiny Qwen3 with THINK_TOKENS and THINK_MAX_POSITIONS positions as
+    `COOKBOOK_THINK_MODEL`, warmed on guess_number's turns. Returns the registry and the
+    recipes' environment."""
     from plexrl import hf_cache
-    from plexrl.models import init_tiny
+    from plexrl.models import TinyShape, init_tiny
     from tests import cookbook_data
 
     registry, hf, data = work / "models", work / "hf", work / "datasets"
@@ -173,6 +202,16 @@ def prepare_cookbook(cookbook: Path, work: Path, api_key: str) -> tuple[Path, di
     examples += cookbook_data.arithmetic_examples(32)
     cookbook_data.warm(model_dir, examples, steps=80)
     hf_cache.register_all(model_dir, [COOKBOOK_MODEL], hf)
+    if think:
+        think_dir = init_tiny(
+            registry / "tiny-think",
+            name="plexrl/tiny-qwen3-think",
+            aliases=[COOKBOOK_THINK_MODEL],
+            shape=TinyShape(max_positions=THINK_MAX_POSITIONS),
+            think_tokens=True,
+        )
+        cookbook_data.warm(think_dir, cookbook_data.guess_number_examples(think_dir, 24))
+        hf_cache.register_all(think_dir, [COOKBOOK_THINK_MODEL], hf)
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(cookbook), str(ROOT)]),

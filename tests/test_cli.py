@@ -44,6 +44,19 @@ def test_init_tiny_builds_a_served_model(tmp_path: Path, monkeypatch: pytest.Mon
     assert listed.exit_code == 0 and "acme/tiny" in listed.output
 
 
+def test_init_tiny_takes_positions_and_think_tokens(tmp_path: Path) -> None:
+    out = tmp_path / "models" / "m"
+    args = ["model", "init-tiny", str(out), "--warm-steps", "0", "--no-hf-cache"]
+    result = runner.invoke(app, [*args, "--max-positions", "2048", "--think-tokens"])
+    assert result.exit_code == 0, result.output
+    assert "2048 positions" in result.output
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(out).encode("</think>", add_special_tokens=False)) == 1
+    refused = runner.invoke(app, [*args, "--max-positions", "4"])
+    assert refused.exit_code != 0 and "at least 16" in refused.output
+
+
 def test_bad_family_is_refused_with_the_choices(tmp_path: Path) -> None:
     result = runner.invoke(app, ["model", "init-tiny", str(tmp_path / "x"), "--family", "gpt"])
     assert result.exit_code != 0 and "qwen3" in result.output

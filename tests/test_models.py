@@ -16,7 +16,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from plexrl.models import INFO_JSON, ModelRegistry, UnknownModelError, init_tiny
+from plexrl.models import (
+    INFO_JSON,
+    THINK_TOKENS,
+    ModelRegistry,
+    TinyShape,
+    UnknownModelError,
+    init_tiny,
+)
 
 TINY = "plexrl/tiny-qwen3"
 
@@ -73,6 +80,45 @@ def test_every_digit_is_its_own_token(tiny_dir: Path) -> None:
         if any(c.isdigit() for c in token):
             assert len(token) == 1, f"token {token!r} joins a digit with something else"
     assert len(tok(" 4096").input_ids) == 5  # the space, then one token per digit
+
+
+def test_max_positions_changes_the_config_and_no_weight(tiny_dir: Path, tmp_path: Path) -> None:
+    # Rotary positions have no weights: a longer model is today's model with a longer limit.
+    long = init_tiny(tmp_path / "long", shape=TinyShape(max_positions=4096))
+    weights = "model.safetensors"
+    assert (long / weights).read_bytes() == (tiny_dir / weights).read_bytes()
+    assert json.loads((long / "config.json").read_text())["max_position_embeddings"] == 4096
+    assert AutoTokenizer.from_pretrained(long).model_max_length == 4096
+    assert ModelRegistry(tmp_path).info(str(long)).max_positions == 4096
+    with pytest.raises(ValueError, match="at least 16"):
+        TinyShape(max_positions=8)
+
+
+def test_think_tokens_are_single_tokens_after_the_trained_ids(
+    tiny_dir: Path, tmp_path: Path
+) -> None:
+    think = init_tiny(tmp_path / "think", think_tokens=True)
+    plain, tok = AutoTokenizer.from_pretrained(tiny_dir), AutoTokenizer.from_pretrained(think)
+    ids = [tok.encode(t, add_special_tokens=False) for t in THINK_TOKENS]
+    assert ids == [[len(plain) + i] for i in range(len(THINK_TOKENS))]
+    assert AutoModelForCausalLM.from_pretrained(think).config.vocab_size == len(tok)
+    # Every other text keeps its ids, and the tags decode back to themselves.
+    text = "<|im_start|>user\nWhat is 12+3?<|im_end|>\n"
+    assert tok.encode(text) == plain.encode(text)
+    assert tok.decode(tok.encode("a<think>b</think>c")) == "a<think>b</think>c"
+    # Not special (as in Qwen's tokenizers): skipping special tokens keeps them.
+    assert (
+        tok.decode(tok.encode("<think>x</think>"), skip_special_tokens=True) == "<think>x</think>"
+    )
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": " hi "}],
+        add_generation_prompt=True,
+        tokenize=False,
+        enable_thinking=False,
+    )
+    assert (
+        prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
 
 
 def test_llama_family(tmp_path: Path) -> None:

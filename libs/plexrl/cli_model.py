@@ -23,6 +23,21 @@ def init_tiny(
             "recipes configured for that model family run on it."
         ),
     ] = None,
+    max_positions: Annotated[
+        int,
+        typer.Option(
+            help="Longest sequence the model accepts, prompt plus completion; multi-turn "
+            "recipes want 2048 to 4096. Changes no weight (rotary positions)."
+        ),
+    ] = 512,  # plexrl.models.TinyShape's default, for the same reason as warm_steps'
+    think_tokens: Annotated[
+        bool,
+        typer.Option(
+            help="Add <think>, </think> and the tool-call tags as single tokens, and a chat "
+            "template to match, for the Qwen3.5-family renderers (qwen3_5, "
+            "qwen3_5_disable_thinking, qwen3_8_*). Widens the vocabulary: other weights."
+        ),
+    ] = False,
     warm_steps: Annotated[
         int, typer.Option(help="Steps of warm-up on synthetic digit tasks (0: random weights).")
     ] = 1000,  # plexrl.pretrain.WARM_STEPS, the demo's base (not imported: it pulls in torch)
@@ -32,14 +47,26 @@ def init_tiny(
 ) -> None:
     """Build a small Qwen- or Llama-family model with a locally trained tokenizer."""
     from plexrl import hf_cache as cache
-    from plexrl.models import ModelRegistry
+    from plexrl.models import ModelRegistry, TinyShape
     from plexrl.models import init_tiny as build
 
     if family not in ("qwen3", "llama"):
         raise typer.BadParameter(f"family {family!r} is not one of qwen3, llama")
     fam: Literal["qwen3", "llama"] = "qwen3" if family == "qwen3" else "llama"
     aliases = alias or []
-    path = build(out_dir, family=fam, seed=seed, name=name, aliases=aliases)
+    try:
+        shape = TinyShape(max_positions=max_positions)
+    except ValueError as err:
+        raise typer.BadParameter(str(err), param_hint="--max-positions") from err
+    path = build(
+        out_dir,
+        family=fam,
+        seed=seed,
+        name=name,
+        aliases=aliases,
+        shape=shape,
+        think_tokens=think_tokens,
+    )
     if warm_steps > 0:
         from plexrl.pretrain import pretrain
 
@@ -48,7 +75,10 @@ def init_tiny(
     info = ModelRegistry(path.parent).info(str(path.resolve()))
     served = name or f"plexrl/tiny-{family}"
     also = f", also served as {', '.join(aliases)}" if aliases else ""
-    typer.echo(f"wrote {served} to {path} ({info.num_params:,} parameters{also})")
+    typer.echo(
+        f"wrote {served} to {path} ({info.num_params:,} parameters, "
+        f"{info.max_positions} positions{also})"
+    )
     if hf_cache:
         for cached, snapshot in cache.register_all(path, [served, *aliases]).items():
             typer.echo(f"tokenizer resolvable offline as {cached!r} ({snapshot})")

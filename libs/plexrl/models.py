@@ -44,12 +44,44 @@ BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
 # ChatML markers, so chat renderers written for Qwen-style models work on the tiny ones.
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")
+# The reasoning and tool tags of Qwen3's and Qwen3.5's tokenizers, added the way those
+# tokenizers add them: one token each, but not special, so text that spells them out
+# encodes to them even where special tokens are encoded literally. The Qwen3.5-family
+# renderers assert that `</think>` is one token; they write the others as text.
+THINK_TOKENS = (
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
 
 _CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+# With THINK_TOKENS, the text the Qwen3.5-family renderers write (and Qwen3.5's own
+# template): content trimmed, an empty think block on each assistant turn after the last
+# user turn that has none, and a generation prompt that opens a think block (closed at
+# once with `enable_thinking=False`).
+_THINK_CHAT_TEMPLATE = (
+    "{% set ns = namespace(last_user=-1) %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}"
+    "{% endfor %}"
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['role'] == 'assistant' and loop.index0 > ns.last_user"
+    " and '</think>' not in message['content'] %}{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+    "{{ message['content'] | trim + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n<think>\n' }}"
+    "{% if enable_thinking is defined and not enable_thinking %}"
+    "{{ '\n</think>\n\n' }}{% endif %}{% endif %}"
 )
 
 # fp32 copies a trainable parameter costs while training: the weight, its gradient,
@@ -73,7 +105,9 @@ class TinyShape:
     num_kv_heads: int = 2
     """Key/value heads (grouped-query attention); must divide num_heads."""
     max_positions: int = 512
-    """Longest sequence (prompt plus completion) the model accepts."""
+    """Longest sequence (prompt plus completion) the model accepts. Rotary positions
+    have no weights, so this changes config.json and the tokenizer's limit only: the
+    same seed gives the same weights at any length."""
     vocab_size: int = 768
     """Target size of the trained BPE vocabulary, special tokens included."""
     tie_embeddings: bool = False
@@ -90,6 +124,11 @@ class TinyShape:
                 f"num_heads {self.num_heads} is not a multiple of num_kv_heads "
                 f"{self.num_kv_heads}; pick num_kv_heads among the divisors of num_heads"
             )
+        if self.max_positions < 16:
+            raise ValueError(
+                f"max_positions {self.max_positions} leaves no room for a prompt and its "
+                "completion; use at least 16 (multi-turn recipes want 2048 to 4096)"
+            )
         if self.vocab_size < 300:
             raise ValueError(
                 f"vocab_size {self.vocab_size} cannot hold the 256 byte tokens plus specials "
@@ -105,11 +144,15 @@ def init_tiny(
     name: str | None = None,
     shape: TinyShape | None = None,
     aliases: Sequence[str] = (),
+    think_tokens: bool = False,
 ) -> Path:
     """Write a tiny causal LM with seeded random weights and a locally trained tokenizer.
 
-    `aliases` are further names the registry serves it under. The same arguments always
-    give bit-identical files. Returns `out_dir`.
+    `aliases` are further names the registry serves it under. `think_tokens` adds
+    THINK_TOKENS after the trained vocabulary (every other token keeps its id) and the
+    chat template the Qwen3.5-family renderers match; it widens the vocabulary, so the
+    weights differ from a model without them. The same arguments always give
+    bit-identical files. Returns `out_dir`.
     """
     shape = shape or TinyShape()
     out_dir = Path(out_dir)
@@ -118,7 +161,7 @@ def init_tiny(
     import torch
     from transformers import AutoModelForCausalLM
 
-    tokenizer = _tiny_tokenizer(shape)
+    tokenizer = _tiny_tokenizer(shape, think_tokens=think_tokens)
     config = _tiny_config(family, shape, tokenizer)
     # A forked RNG keeps the caller's global torch RNG untouched.
     with torch.random.fork_rng(devices=[]):
@@ -164,8 +207,8 @@ def _tiny_config(
     raise ValueError(f"unknown tiny model family {family!r}; use 'qwen3' or 'llama'")
 
 
-def _tiny_tokenizer(shape: TinyShape) -> PreTrainedTokenizerFast:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def _tiny_tokenizer(shape: TinyShape, *, think_tokens: bool = False) -> PreTrainedTokenizerFast:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
@@ -195,6 +238,10 @@ def _tiny_tokenizer(shape: TinyShape) -> PreTrainedTokenizerFast:
         model_max_length=shape.max_positions,
     )
     fast.chat_template = _CHAT_TEMPLATE
+    if think_tokens:
+        # After training, so the trained vocabulary's ids stay what they are without.
+        fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+        fast.chat_template = _THINK_CHAT_TEMPLATE
     return fast
 
 
