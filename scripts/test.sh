@@ -21,6 +21,9 @@ if [[ ${CI:-} == true || ${PLEXRL_SDK_MATRIX:-0} == 1 ]]; then scripts/sdk_matri
 # lm-evaluation-harness beside .venv (tests/test_openai.py): always under CI, else on request.
 if [[ ${CI:-} == true || ${PLEXRL_EVAL_CLIENT:-0} == 1 ]]; then scripts/eval_client.sh || exit; fi
 scripts/chromium.sh >/dev/null || exit  # headless Chromium for the dashboard test
+# Helm, kubeconform and the Kubernetes schemas for the chart's test (tests/test_helm.py):
+# always under CI, else on request; the first build takes about 5 minutes.
+if [[ ${CI:-} == true || ${PLEXRL_HELM_TOOLS:-0} == 1 ]]; then scripts/helm.sh >/dev/null || exit; fi
 
 lint_status=0
 if [[ ${PLEXRL_LINT:-0} == 1 || ${CI:-} == true ]]; then

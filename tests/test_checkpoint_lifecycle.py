@@ -77,7 +77,7 @@ async def test_a_ttl_is_set_renewed_and_removed_and_an_expired_checkpoint_reads_
             route(ckpt.path, "/ttl"), json={"ttl_seconds": 3600}, headers=ALICE
         )
         assert set_ttl.status_code == 200, set_ttl.text
-        first = (await gw.stores.checkpoints.get_checkpoint(ckpt.path)).expires_at  # type: ignore[union-attr]
+        first = (await gw.stores.checkpoints.get_checkpoint(ckpt.path)).expires_at
         assert first is not None and before + 3600 <= first <= time.time() + 3600
         assert (await listing(gw))[ckpt.path]["expires_at"] is not None
         renew = await gw.http.put(

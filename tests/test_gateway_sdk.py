@@ -223,7 +223,7 @@ def sdk_after_an_unserved_call(base_url: str) -> float:
             trainer.holder.run_coroutine_threadsafe(unserved()).result(timeout=30)
         datum = tinker.Datum(
             model_input=tinker.ModelInput.from_ints([1, 2, 3]),
-            loss_fn_inputs={"target_tokens": [2, 3, 4]},
+            loss_fn_inputs={"target_tokens": tinker.TensorData(data=[2, 3, 4], dtype="int64")},
         )
         start = time.monotonic()
         trainer.forward_backward([datum], "cross_entropy").result(timeout=60)

@@ -11,14 +11,15 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from plexrl.messages import SampledSequence, StopReason
 from plexrl.models import BaseModelInfo
 from plexrl_gateway.openai_errors import invalid, unsupported
 from plexrl_gateway.openai_schemas import ChatMessage
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 """Message roles served, as the chat template reads them (OpenAI's `developer` is the
@@ -26,7 +27,10 @@ newer name of `system`)."""
 
 
 class Tokenizers:
-    """Each served model's tokenizer, loaded off the event loop on first use."""
+    """Each served model's tokenizer, loaded off the event loop on first use.
+
+    `transformers` is imported then too, not when the gateway starts: a gateway that
+    serves no OpenAI call never pays for it (seconds, and its memory)."""
 
     def __init__(self) -> None:
         self._loaded: dict[Path, PreTrainedTokenizerBase] = {}
@@ -34,9 +38,16 @@ class Tokenizers:
     async def get(self, info: BaseModelInfo) -> PreTrainedTokenizerBase:
         tok = self._loaded.get(info.path)
         if tok is None:
-            tok = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(info.path))
+            tok = await asyncio.to_thread(_load, info.path)
             self._loaded[info.path] = tok
         return tok
+
+
+def _load(path: Path) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    tok: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(str(path))
+    return tok
 
 
 def prompts(tok: PreTrainedTokenizerBase, prompt: str | list[Any]) -> list[list[int]]:

@@ -14,11 +14,10 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import APIRouter, Depends, Header
 from fastapi.responses import StreamingResponse
-from transformers import PreTrainedTokenizerBase
 
 from plexrl.messages import SampleOutput
 from plexrl_gateway.deps import GatewayDep
@@ -37,6 +36,9 @@ from plexrl_gateway.openai_text import (
     prompts,
 )
 from plexrl_gateway.translate import CheckpointKind
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 router = APIRouter(prefix="/oai/api/v1", route_class=OpenAIRoute)
 
