@@ -1,0 +1,504 @@
+"""One rank's executor: its shard of every resident job, trained with FSDP2.
+
+Every rank of a group holds one of these and runs each call the leader broadcasts, in
+the same order, with the same arguments. Two rules keep the ranks in step:
+
+- an input error (`EngineError`) is raised before the call's first collective, and
+  identically on every rank (each sees the whole input and the same job state), so a
+  refused call leaves no rank waiting in a collective;
+- every rank makes the same collectives in the same order: a rank with less data runs
+  masked idle micro-batches so that FSDP2's all-gathers and reduce-scatters pair up.
+
+A full job is its own copy of the model, `fully_shard`-ed per decoder layer and at the
+root; its parameters, gradients and Adam moments are DTensors sharded by rows. A LoRA
+job's adapter sits in a base model loaded and sharded once per base (frozen, so FSDP2
+only all-gathers it); the adapters are small and replicated, their gradients summed
+over ranks after each `forward_backward`, and each rank exports only its rows of them,
+so swaps and snapshots have one layout for both kinds (`shards`).
+
+Gradients are sums over every datum of the call (Tinker semantics), never averages:
+FSDP2's divide factor is 1 and its reductions pure sums (gloo has no PREMUL_SUM).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, Shard
+
+from plexrl.messages import (
+    ForwardBackwardInput,
+    JobSpec,
+    LossFn,
+    OptimStepInput,
+)
+from plexrl.models import BaseModelInfo, ModelRegistry, UnknownModelError
+from plexrl_worker.engine import state
+from plexrl_worker.engine.arrays import to_array
+from plexrl_worker.engine.batch import MicroBatch, ModelLimits, prepare
+from plexrl_worker.engine.config import EngineConfig
+from plexrl_worker.engine.errors import (
+    EngineError,
+    EngineInputError,
+    JobExistsError,
+    NotFoundError,
+    UnknownJobError,
+)
+from plexrl_worker.engine.losses import elementwise_loss, loss_config
+from plexrl_worker.engine.state import JobTensors, NamedParams
+from plexrl_worker.engine.torch_engine import _check_adam
+from plexrl_worker.engine.weights import (
+    FullWeights,
+    LoraWeights,
+    SharedBase,
+    Weights,
+    empty_model,
+    load_model,
+)
+from plexrl_worker.group import calls, shards
+from plexrl_worker.group.calls import Call, Reply
+
+_ModelBuilder = Callable[[Path, EngineConfig], nn.Module]
+"""`load_model` (pretrained weights) or `empty_model` (a state is about to be copied in)."""
+
+
+@dataclass
+class _Job:
+    spec: JobSpec
+    info: BaseModelInfo
+    weights: Weights
+    optimizer: torch.optim.AdamW
+    steps: int = 0
+
+
+class RankEngine:
+    """This rank's share of the group's jobs (see the module docstring)."""
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        config: EngineConfig,
+        mesh: DeviceMesh,
+    ) -> None:
+        self._registry = registry
+        self._config = config
+        self._mesh = mesh
+        self.rank = mesh.get_local_rank()
+        self.world_size = mesh.size()
+        self._bases: dict[Path, SharedBase] = {}
+        self._jobs: dict[str, _Job] = {}
+        self._host: dict[str, JobTensors] = {}
+        """Offloaded shards (this rank's host tier)."""
+
+    def execute(self, call: Call) -> Reply:
+        """Run one call on this rank; an `EngineError` comes back as an ErrorReply."""
+        try:
+            return self._dispatch(call)
+        except EngineError as exc:
+            return calls.ErrorReply(code=exc.code, message=str(exc))
+
+    def _dispatch(self, call: Call) -> Reply:
+        match call:
+            case calls.CreateCall(job_id, spec):
+                return self.create(job_id, spec)
+            case calls.ForwardBackwardCall(job_id, inp):
+                return self.forward_backward(job_id, inp)
+            case calls.OptimStepCall(job_id, inp):
+                return self.optim_step(job_id, inp)
+            case calls.OffloadCall(job_id):
+                return self.offload(job_id)
+            case calls.OnloadCall(job_id):
+                return self.onload(job_id)
+            case calls.SaveCall(job_id, directory):
+                return self.save(job_id, Path(directory))
+            case calls.RestoreCall(job_id, directory):
+                return self.restore(job_id, Path(directory))
+            case calls.GatherCall(job_id):
+                return calls.StateReply(state.state_to_bytes(self.export_shard(job_id)))
+            case calls.DropCall(job_id):
+                self.drop(job_id)
+                return calls.DoneReply()
+            case calls.ShutdownCall():
+                return calls.DoneReply()
+        raise EngineInputError(f"no call named {type(call).__name__}")
+
+    # ---- model functions -------------------------------------------------------------
+
+    def create(self, job_id: str, spec: JobSpec) -> calls.CreateReply:
+        """Fresh adapters seeded by `spec.seed` (bit-identical to the one-device engine's),
+        or a sharded full copy of the base weights; a fresh AdamW either way."""
+        if job_id in self._jobs or job_id in self._host:
+            raise JobExistsError(job_id)
+        info = self._info(spec.base_model)
+        weights = self._weights(spec, info, load_model)
+        job = self._jobs[job_id] = _Job(spec, info, weights, _adamw(weights))
+        return calls.CreateReply(
+            trainable_params=sum(p.numel() for _, p in weights.params()),
+            shard_bytes=4 * _local_bytes(job.weights.params(), self.rank, self.world_size),
+        )
+
+    def forward_backward(
+        self, job_id: str, inp: ForwardBackwardInput
+    ) -> calls.ForwardBackwardReply:
+        """This rank's contiguous slice of the data; gradients summed over every rank."""
+        job = self._job(job_id)
+        try:
+            loss_fn = LossFn(inp.loss_fn)
+            config = loss_config(loss_fn, inp.loss_fn_config)
+        except ValueError as exc:
+            raise EngineInputError(str(exc)) from exc
+        limits = ModelLimits(job.info.vocab_size, job.info.max_positions)
+        batch_tokens = self._config.max_batch_tokens
+        # The whole input is checked on every rank, so all refuse it alike.
+        whole = prepare(inp.data, loss_fn, limits, batch_tokens)
+        lo, hi = shards.row_range(len(inp.data), self.rank, self.world_size)
+        mine = prepare(inp.data[lo:hi], loss_fn, limits, batch_tokens) if hi > lo else []
+        count = torch.tensor([len(mine)], dtype=torch.int64)
+        if self.world_size > 1:
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+        idle = _idle(mine[0] if mine else whole[0])
+
+        trained = isinstance(job.weights, LoraWeights) and inp.backward
+        carried = _take_grads(job.weights.params()) if trained else {}
+        model = job.weights.module()
+        device = self._config.torch_device
+        outputs: list[dict[str, calls.TensorArray]] = [{} for _ in range(hi - lo)]
+        total, tokens = 0.0, 0
+        for i in range(int(count)):
+            mb = mine[i] if i < len(mine) else idle
+            inputs = {k: v.to(device) for k, v in mb.inputs.items()}
+            mask = mb.mask.to(device)
+            with torch.set_grad_enabled(inp.backward):
+                logits = model(input_ids=mb.tokens.to(device)).logits.float()
+                logprobs = -F.cross_entropy(
+                    logits.flatten(0, 1), inputs["target_tokens"].flatten(), reduction="none"
+                ).view_as(mask)
+                terms = elementwise_loss(loss_fn, logprobs, inputs, config)
+                terms = torch.where(mask, terms, torch.zeros_like(terms))
+                loss = terms.sum()
+                if inp.backward:
+                    loss.backward()
+            if i >= len(mine):
+                continue
+            total += float(loss.detach())
+            tokens += int(mask.sum())
+            for j, n in enumerate(mb.lengths):
+                outputs[mb.first + j] = {
+                    "logprobs": to_array(logprobs[j, :n]),
+                    "elementwise_loss": to_array(terms[j, :n]),
+                }
+        if trained:
+            self._sum_replicated_grads(job.weights.params(), carried)
+        return calls.ForwardBackwardReply(first=lo, outputs=outputs, loss=total, tokens=tokens)
+
+    def optim_step(self, job_id: str, inp: OptimStepInput) -> calls.OptimStepReply:
+        """One AdamW step, each rank on its shard (full) or on the replicated adapter."""
+        job = self._job(job_id)
+        adam = inp.adam
+        _check_adam(adam)
+        params = [p for _, p in job.weights.params()]
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if adam.grad_clip_norm > 0 and grads:
+            torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, norm)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        for group in job.optimizer.param_groups:
+            group.update(
+                lr=adam.learning_rate,
+                betas=(adam.beta1, adam.beta2),
+                eps=adam.eps,
+                weight_decay=adam.weight_decay,
+            )
+        job.optimizer.step()
+        job.optimizer.zero_grad(set_to_none=True)
+        job.steps += 1
+        return calls.OptimStepReply(
+            metrics={
+                "grad_norm:mean": float(norm),
+                "step:max": float(job.steps),
+                "learning_rate:mean": adam.learning_rate,
+            }
+        )
+
+    # ---- state movement --------------------------------------------------------------
+
+    def export_shard(self, job_id: str) -> JobTensors:
+        """A host copy of this rank's rows of the job's weights, gradients and moments."""
+        job = self._job(job_id)
+        params = job.weights.params()
+        tensors: dict[str, torch.Tensor] = {}
+        shapes: dict[str, list[int]] = {}
+
+        def put(key: str, t: torch.Tensor) -> None:
+            shapes[key] = list(t.shape)
+            tensors[key] = _host_copy(self._local(t))
+
+        for name, p in params:
+            put(state.WEIGHTS + name, p.detach())
+            if p.grad is not None:
+                put(state.GRADS + name, p.grad)
+            for key, value in job.optimizer.state.get(p, {}).items():
+                if key in state.ADAM_KEYS:
+                    put(f"{state.OPTIM}{name}.{key}", value)
+        state.wait_for_copies(self._config.torch_device)
+        meta = shards.shard_metadata(
+            state.make_metadata(job.spec, job.steps), self.rank, self.world_size, shapes
+        )
+        return JobTensors(tensors, meta)
+
+    def import_shard(self, job_id: str, shard: JobTensors) -> None:
+        """Put this rank's shard back into a resident job (weights, gradients, moments),
+        in place; a collective for LoRA jobs, whose replicated adapters are rebuilt
+        from every rank's rows."""
+        job = self._job(job_id)
+        params = job.weights.params()
+        expected = {state.WEIGHTS + name for name, _ in params}
+        given = {k for k in shard.tensors if k.startswith(state.WEIGHTS)}
+        if expected != given:
+            raise EngineInputError(
+                f"the shard does not fit this job: missing {sorted(expected - given)[:3]}, "
+                f"unexpected {sorted(given - expected)[:3]}"
+            )
+        full = self._whole if isinstance(job.weights, LoraWeights) else self._sharded
+        job.optimizer.state.clear()
+        with torch.no_grad():
+            for name, p in params:
+                local = shard.tensors[state.WEIGHTS + name]
+                if list(local.shape) != list(self._local(p).shape):
+                    raise EngineInputError(
+                        f"weight {name} has {list(local.shape)} rows on rank {self.rank}, the "
+                        f"job's shard has {list(self._local(p).shape)}; restore it with "
+                        "RestoreCall, which reshards a snapshot of any group size"
+                    )
+                if isinstance(p, DTensor):
+                    p.to_local().copy_(local)
+                else:
+                    p.copy_(self._whole(local, p))
+                grad = shard.tensors.get(state.GRADS + name)
+                p.grad = None if grad is None else full(grad, p)
+                keys = [f"{state.OPTIM}{name}.{k}" for k in state.ADAM_KEYS]
+                if all(k in shard.tensors for k in keys):
+                    exp_avg, exp_avg_sq, step = (shard.tensors[k] for k in keys)
+                    job.optimizer.state[p] = {
+                        "step": step.clone(),
+                        "exp_avg": full(exp_avg, p),
+                        "exp_avg_sq": full(exp_avg_sq, p),
+                    }
+        job.steps = shard.steps
+
+    def offload(self, job_id: str) -> calls.SwapReply:
+        """This rank's shard to host memory; the job then leaves the device."""
+        start = time.perf_counter()
+        shard = self.export_shard(job_id)
+        seconds = time.perf_counter() - start
+        self.drop(job_id)
+        self._host[job_id] = shard
+        return _swap_reply(shard, seconds)
+
+    def onload(self, job_id: str) -> calls.SwapReply:
+        """Rebuild the job from its offloaded shard, exactly as it left."""
+        shard = self._host.get(job_id)
+        if shard is None:
+            raise UnknownJobError(job_id, sorted(self._host))
+        seconds = self._rebuild(job_id, shard)
+        del self._host[job_id]
+        return _swap_reply(shard, seconds)
+
+    def save(self, job_id: str, directory: Path) -> calls.SavedReply:
+        """This rank's file of a sharded snapshot (the leader writes the manifest)."""
+        name, nbytes, digest = shards.write_shard(directory, self.export_shard(job_id))
+        return calls.SavedReply(file=name, nbytes=nbytes, digest=digest)
+
+    def restore(self, job_id: str, directory: Path) -> calls.DoneReply:
+        """Make the job from a snapshot saved by a group of any size."""
+        if job_id in self._jobs or job_id in self._host:
+            raise JobExistsError(job_id)
+        try:
+            manifest = shards.read_manifest(directory)
+            shard = shards.read_shard(directory, manifest, self.rank, self.world_size)
+        except ValueError as exc:
+            raise NotFoundError(str(exc)) from exc
+        self._rebuild(job_id, shard)
+        return calls.DoneReply()
+
+    def drop(self, job_id: str) -> bool:
+        job = self._jobs.pop(job_id, None)
+        host = self._host.pop(job_id, None)
+        if job is not None:
+            job.weights.release()
+        return job is not None or host is not None
+
+    def resident_jobs(self) -> list[str]:
+        return sorted(self._jobs)
+
+    # ---- internals -------------------------------------------------------------------
+
+    def _rebuild(self, job_id: str, shard: JobTensors) -> float:
+        """A new job from a shard; the seconds its tensor copies took."""
+        try:
+            spec = shard.spec
+        except (KeyError, ValueError) as exc:
+            raise EngineInputError(f"the shard carries no valid JobSpec: {exc}") from exc
+        info = self._info(spec.base_model)
+        weights = self._weights(spec, info, empty_model)
+        self._jobs[job_id] = _Job(spec, info, weights, _adamw(weights))
+        start = time.perf_counter()
+        try:
+            self.import_shard(job_id, shard)
+        except EngineError:
+            self.drop(job_id)
+            raise
+        return time.perf_counter() - start
+
+    def _weights(self, spec: JobSpec, info: BaseModelInfo, build: _ModelBuilder) -> Weights:
+        if spec.lora is None:
+            return FullWeights(self._shard(build(info.path, self._config)))
+        base = self._bases.get(info.path)
+        if base is None:
+            model = self._shard(load_model(info.path, self._config))
+            base = self._bases[info.path] = SharedBase(info, model)
+        return LoraWeights(base, base.add_adapter(spec.lora, spec.seed))
+
+    def _shard(self, model: nn.Module) -> nn.Module:
+        """FSDP2 over every decoder layer, then the root (embeddings, norm, head)."""
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if not isinstance(layers, nn.ModuleList):
+            raise EngineInputError(
+                f"{type(model).__name__} has no `model.layers`; the group shards decoder "
+                "models laid out as Hugging Face's Llama and Qwen families are"
+            )
+        for layer in layers:
+            fully_shard(layer, mesh=self._mesh)
+        fully_shard(model, mesh=self._mesh)
+        # Each FSDP module keeps its own reduction settings: set them on every one.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        return model
+
+    def _local(self, t: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a sharded (DTensor) or replicated tensor."""
+        if isinstance(t, DTensor):
+            return t.to_local()
+        return shards.shard_of(t, self.rank, self.world_size)
+
+    def _sharded(self, local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """A DTensor laid out as `like` over this rank's rows (a copy on the device)."""
+        if local.dim() == 0 or not isinstance(like, DTensor):
+            return local.to(self._config.torch_device, copy=True)
+        return DTensor.from_local(
+            local.to(self._config.torch_device, copy=True),
+            self._mesh,
+            [Shard(0)],
+            run_check=False,
+            shape=like.shape,
+            stride=like.stride(),
+        )
+
+    def _whole(self, local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """The whole replicated tensor from every rank's rows (a collective)."""
+        device = self._config.torch_device
+        if local.dim() == 0 or self.world_size == 1:
+            return local.to(device, copy=True)
+        rows = like.shape[0]
+        chunk = shards.row_range(rows, 0, self.world_size)[1]
+        padded = torch.zeros((chunk, *local.shape[1:]), dtype=local.dtype, device=device)
+        padded[: local.shape[0]] = local
+        out = torch.empty(
+            (chunk * self.world_size, *local.shape[1:]), dtype=local.dtype, device=device
+        )
+        dist.all_gather_into_tensor(out, padded)
+        return out[:rows].clone()
+
+    def _sum_replicated_grads(
+        self, params: NamedParams, carried: dict[int, torch.Tensor | None]
+    ) -> None:
+        """Sum this call's adapter gradients over ranks, then add the earlier calls'
+        (already summed) ones: each rank ends with the same, whole gradient."""
+        live = [p for _, p in params if p.grad is not None]
+        if self.world_size > 1 and live:
+            flat = torch.cat([p.grad.reshape(-1) for p in live if p.grad is not None])
+            dist.all_reduce(flat)
+            offset = 0
+            for p in live:
+                assert p.grad is not None
+                n = p.grad.numel()
+                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+                offset += n
+        for _, p in params:
+            before = carried.get(id(p))
+            if before is not None:
+                p.grad = before if p.grad is None else before + p.grad
+
+    def _job(self, job_id: str) -> _Job:
+        job = self._jobs.get(job_id)
+        if job is None:
+            raise UnknownJobError(job_id, sorted(self._jobs))
+        return job
+
+    def _info(self, name: str) -> BaseModelInfo:
+        try:
+            return self._registry.info(name)
+        except UnknownModelError as exc:
+            raise NotFoundError(str(exc)) from exc
+
+
+def _adamw(weights: Weights) -> torch.optim.AdamW:
+    # lr and the rest are set on every optim_step; these are placeholders.
+    return torch.optim.AdamW([p for _, p in weights.params()], lr=0.0)
+
+
+def _idle(batch: MicroBatch) -> MicroBatch:
+    """A one-token micro-batch that counts for nothing (its only token masked out): a
+    rank with no more data runs it so its collectives pair up with the others'."""
+    return MicroBatch(
+        first=0,
+        lengths=[],
+        tokens=batch.tokens[:1, :1].clone(),
+        mask=torch.zeros((1, 1), dtype=torch.bool),
+        inputs={k: v[:1, :1].clone() for k, v in batch.inputs.items()},
+    )
+
+
+def _take_grads(params: NamedParams) -> dict[int, torch.Tensor | None]:
+    """Set the gradients aside (they are already summed over ranks) and clear them."""
+    out: dict[int, torch.Tensor | None] = {}
+    for _, p in params:
+        out[id(p)] = p.grad
+        p.grad = None
+    return out
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A host copy aliasing nothing live; from CUDA, asynchronous into pinned memory
+    (`state.wait_for_copies` before reading it)."""
+    if t.is_cuda:
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t.detach(), non_blocking=True)
+        return out
+    return t.detach().to("cpu", copy=True).contiguous()
+
+
+def _local_bytes(params: NamedParams, rank: int, world_size: int) -> int:
+    total = 0
+    for _, p in params:
+        local = p.to_local() if isinstance(p, DTensor) else shards.shard_of(p, rank, world_size)
+        total += local.numel() * local.element_size()
+    return total
+
+
+def _swap_reply(shard: JobTensors, seconds: float) -> calls.SwapReply:
+    digest = hashlib.sha256(state.state_to_bytes(shard)).hexdigest()
+    return calls.SwapReply(nbytes=shard.nbytes(), seconds=seconds, digest=digest)

@@ -1,0 +1,318 @@
+"""Bring a group up: the calling process becomes rank 0 (the leader) and starts ranks
+1..N-1 as processes of their own; each joins the TCP-store rendezvous, the process
+group (gloo on CPU, NCCL on CUDA, device r for rank r) and the command channel, then
+runs every call the leader broadcasts, in step with the others.
+
+The leader is the group's voice: `Leader.call` broadcasts a call, runs it on rank 0,
+gathers every rank's reply and combines them. Losing a rank never hangs the leader:
+the collective it is in raises (at once when the peer's sockets close, else after
+`collective_timeout_s`), and the call raises `RankLostError`, naming the rank and how
+it ended. The group is then unusable; close it, start another and restore its jobs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import multiprocessing as mp
+import multiprocessing.process
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from plexrl.messages import ErrorCode, ForwardBackwardOutput
+from plexrl.models import ModelRegistry
+from plexrl_worker.engine.config import EngineConfig
+from plexrl_worker.engine.errors import EngineError
+from plexrl_worker.engine.state import JobTensors, state_from_bytes
+from plexrl_worker.group import calls, shards
+from plexrl_worker.group.calls import Call, Reply
+from plexrl_worker.group.channel import Channel
+from plexrl_worker.group.config import GroupConfig
+from plexrl_worker.group.executor import RankEngine
+
+log = logging.getLogger(__name__)
+
+
+class GroupCallError(EngineError):
+    """A call every rank refused alike (bad input, unknown job); the group is fine."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class RankLostError(RuntimeError):
+    """A rank died or stopped answering; the group can run nothing more."""
+
+
+def start_group(
+    config: GroupConfig, registry_root: Path, engine: EngineConfig | None = None
+) -> Leader:
+    """Start ranks 1..N-1, join them as rank 0, and return the leader. `engine` is each
+    rank's engine configuration; its device is replaced by the rank's own."""
+    engine = engine or EngineConfig()
+    timeout = datetime.timedelta(seconds=config.rendezvous_timeout_s)
+    store = dist.TCPStore(
+        config.master_addr,
+        config.master_port,
+        config.world_size,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    context = (
+        mp.get_context("forkserver")
+        if config.start_method == "forkserver"
+        else mp.get_context("spawn")
+    )
+    if config.start_method == "forkserver":
+        # The server imports torch, transformers and peft once; each rank is then a
+        # cheap fork of that clean process (never of this one, which may have run
+        # autograd: a forked child cannot).
+        context.set_forkserver_preload([__name__])
+    followers = [
+        context.Process(
+            target=_follower_main,
+            args=(rank, config, store.port, registry_root, engine),
+            name=f"plexrl-rank-{rank}",
+            daemon=True,
+        )
+        for rank in range(1, config.world_size)
+    ]
+    for process in followers:
+        process.start()
+    previous_threads = torch.get_num_threads()
+    try:
+        rank_engine, channel = _join(0, config, store, registry_root, engine)
+    except Exception as exc:
+        described = _describe_ranks(followers)
+        for process in followers:
+            process.kill()
+            process.join()
+        raise RankLostError(f"the group did not come up ({exc}); {described}") from exc
+    return Leader(rank_engine, channel, followers, store, previous_threads)
+
+
+class Leader:
+    """Rank 0: runs each call on every rank in step and speaks for the group."""
+
+    def __init__(
+        self,
+        engine: RankEngine,
+        channel: Channel,
+        followers: Sequence[multiprocessing.process.BaseProcess],
+        store: dist.TCPStore,
+        previous_threads: int,
+    ) -> None:
+        self.engine = engine
+        self._channel = channel
+        self._followers = list(followers)
+        self._store = store  # the rendezvous store lives as long as the group
+        self._previous_threads = previous_threads
+        self._broken: str | None = None
+        self.world_size = channel.world_size
+
+    @property
+    def follower_pids(self) -> list[int]:
+        return [p.pid for p in self._followers if p.pid is not None]
+
+    def call(self, call: Call) -> list[Reply]:
+        """Every rank's reply, in rank order; GroupCallError if the ranks refused it,
+        RankLostError if a rank was lost."""
+        if self._broken is not None:
+            raise RankLostError(self._broken)
+        try:
+            self._channel.broadcast(calls.encode(call))
+            mine = self.engine.execute(call)
+            gathered = self._channel.gather(calls.encode(mine))
+        except Exception as exc:
+            self._broken = (
+                f"the group lost a rank while running {type(call).__name__} ({exc}); "
+                f"{_describe_ranks(self._followers)}; the group can run nothing more: "
+                "close it, start a new one and restore its jobs from their snapshots"
+            )
+            raise RankLostError(self._broken) from exc
+        assert gathered is not None
+        replies = [calls.decode_reply(r) for r in gathered]
+        for reply in replies:
+            if isinstance(reply, calls.ErrorReply):
+                raise GroupCallError(reply.code, reply.message)
+        return replies
+
+    # ---- the group's model functions, combined ----------------------------------------
+
+    def create(self, job_id: str, spec: calls.JobSpec) -> calls.CreateReply:
+        replies = self.call(calls.CreateCall(job_id, spec))
+        first = replies[0]
+        assert isinstance(first, calls.CreateReply)
+        return first
+
+    def forward_backward(
+        self, job_id: str, inp: calls.ForwardBackwardInput
+    ) -> ForwardBackwardOutput:
+        parts = self.call(calls.ForwardBackwardCall(job_id, inp))
+        outputs: list[dict[str, calls.TensorArray]] = []
+        total, tokens = 0.0, 0
+        for part in parts:
+            assert isinstance(part, calls.ForwardBackwardReply)
+            outputs.extend(part.outputs)
+            total += part.loss
+            tokens += part.tokens
+        return ForwardBackwardOutput(
+            loss_fn_outputs=outputs, metrics={"loss:sum": total, "tokens:sum": float(tokens)}
+        )
+
+    def optim_step(self, job_id: str, inp: calls.OptimStepInput) -> dict[str, float]:
+        first = self.call(calls.OptimStepCall(job_id, inp))[0]
+        assert isinstance(first, calls.OptimStepReply)
+        return first.metrics
+
+    def offload(self, job_id: str) -> list[calls.SwapReply]:
+        return _swaps(self.call(calls.OffloadCall(job_id)))
+
+    def onload(self, job_id: str) -> list[calls.SwapReply]:
+        return _swaps(self.call(calls.OnloadCall(job_id)))
+
+    def save(self, job_id: str, directory: Path) -> None:
+        """A sharded snapshot; complete (its manifest written) only once every rank's
+        file is on disk."""
+        replies = self.call(calls.SaveCall(job_id, str(directory)))
+        files = []
+        for r in replies:
+            assert isinstance(r, calls.SavedReply)
+            files.append((r.file, r.nbytes, r.digest))
+        shards.write_manifest(directory, files)
+
+    def restore(self, job_id: str, directory: Path) -> None:
+        self.call(calls.RestoreCall(job_id, str(directory)))
+
+    def gather(self, job_id: str) -> JobTensors:
+        """The job's whole state on the leader, as the one-device engine names it."""
+        parts = self.call(calls.GatherCall(job_id))
+        states = []
+        for part in parts:
+            assert isinstance(part, calls.StateReply)
+            states.append(state_from_bytes(part.data))
+        return shards.merge(states)
+
+    def drop(self, job_id: str) -> None:
+        self.call(calls.DropCall(job_id))
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop every follower and leave the process group (also after a lost rank)."""
+        if self._broken is None:
+            with contextlib.suppress(RankLostError):
+                self.call(calls.ShutdownCall())
+        deadline = time.monotonic() + timeout_s
+        for process in self._followers:
+            process.join(max(0.0, deadline - time.monotonic()))
+            if process.is_alive():
+                process.kill()
+                process.join()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        torch.set_num_threads(self._previous_threads)
+
+    def __enter__(self) -> Leader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _swaps(replies: list[Reply]) -> list[calls.SwapReply]:
+    out = []
+    for r in replies:
+        assert isinstance(r, calls.SwapReply)
+        out.append(r)
+    return out
+
+
+def _join(
+    rank: int,
+    config: GroupConfig,
+    store: dist.Store,
+    registry_root: Path,
+    engine: EngineConfig,
+) -> tuple[RankEngine, Channel]:
+    """This process as `rank`: its threads, device, process group, mesh and channel."""
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
+    device = config.device(rank)
+    kwargs: dict[str, object] = {}
+    if config.device_type == "cuda":
+        torch.cuda.set_device(rank)
+        kwargs["device_id"] = torch.device(device)
+    dist.init_process_group(
+        config.backend,
+        store=store,
+        rank=rank,
+        world_size=config.world_size,
+        timeout=datetime.timedelta(seconds=config.collective_timeout_s),
+        **kwargs,  # type: ignore[arg-type]
+    )
+    # The command channel stays on the host under NCCL; on the CPU it is the group itself.
+    channel_group: dist.ProcessGroup | None = None
+    if config.device_type == "cuda":
+        made = dist.new_group(backend="gloo")
+        assert isinstance(made, dist.ProcessGroup)  # every rank is a member
+        channel_group = made
+    mesh = init_device_mesh(config.device_type, (config.world_size,))
+    rank_config = EngineConfig(
+        device=device,
+        dtype=engine.dtype,
+        max_batch_tokens=engine.max_batch_tokens,
+        attn_implementation=engine.attn_implementation,
+    )
+    return RankEngine(ModelRegistry(registry_root), rank_config, mesh), Channel(channel_group)
+
+
+def _follower_main(
+    rank: int, config: GroupConfig, port: int, registry_root: Path, engine: EngineConfig
+) -> None:
+    """A follower's life: join, then run each broadcast call until told to stop."""
+    os.environ.update(
+        MASTER_ADDR=config.master_addr,
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(config.world_size),
+    )
+    store = dist.TCPStore(
+        config.master_addr,
+        port,
+        config.world_size,
+        is_master=False,
+        timeout=datetime.timedelta(seconds=config.rendezvous_timeout_s),
+    )
+    rank_engine, channel = _join(rank, config, store, registry_root, engine)
+    while True:
+        call = calls.decode_call(channel.broadcast(None))
+        reply = rank_engine.execute(call)
+        channel.gather(calls.encode(reply))
+        if isinstance(call, calls.ShutdownCall):
+            break
+    dist.destroy_process_group()
+
+
+def _describe_ranks(followers: Sequence[multiprocessing.process.BaseProcess]) -> str:
+    """Which followers have ended, and how (waiting a moment: the death that broke a
+    collective may not have been reaped yet)."""
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline and all(p.exitcode is None for p in followers):
+        time.sleep(0.05)
+    ended = []
+    for rank, p in enumerate(followers, start=1):
+        if p.exitcode is None:
+            continue
+        how = f"killed by signal {-p.exitcode}" if p.exitcode < 0 else f"exit code {p.exitcode}"
+        ended.append(f"rank {rank} (pid {p.pid}) ended, {how}")
+    if not ended:
+        return "every follower is still running (one stopped answering)"
+    return "; ".join(ended)
