@@ -5,16 +5,24 @@
 Run by tests/test_openai.py as a subprocess, with lm-eval on PYTHONPATH (scripts/
 eval_client.sh). lm-eval's command line indexes its thousands of built-in task files
 first (about 15 s here); this reads only the given folder. Prints one JSON line: the
-task's metrics and each document's prompt and response.
+task's metrics and, per document, its target and each request's first argument (a
+generation's prompt; a loglikelihood's context and continuation) and answer (a
+generation's text; a loglikelihood's (logprob, is_greedy)).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
+
+
+def _sample(s: dict[str, Any]) -> dict[str, Any]:
+    args = [a[:2] if isinstance(a[1], str) else a[0] for a in s["arguments"]]
+    return {"target": s["target"], "arguments": args, "resps": [r[0] for r in s["resps"]]}
 
 
 def main() -> None:
@@ -27,10 +35,8 @@ def main() -> None:
         log_samples=True,
     )
     assert out is not None
-    samples = [
-        {"prompt": s["arguments"][0][0], "response": s["resps"][0][0]} for s in out["samples"][task]
-    ]
-    print(json.dumps({"metrics": out["results"][task], "samples": samples}))
+    samples = [_sample(s) for s in out["samples"][task]]
+    print(json.dumps({"metrics": out["results"][task], "samples": samples}, default=str))
 
 
 if __name__ == "__main__":

@@ -42,8 +42,10 @@ class CompletionBody(SamplingFields):
     max_tokens: int | None = 16
     """OpenAI's default for completions is 16 tokens; null lets the prompt's room decide."""
     logprobs: int | None = None
-    """0: each chosen token's logprob; more asks for alternatives, which are refused."""
+    """0: each chosen token's logprob; k (up to `MAX_COMPLETION_TOP`): the k most likely
+    alternatives at each position too."""
     echo: bool = False
+    """The prompt comes first in the text (and, with `logprobs`, in the logprobs)."""
     best_of: int | None = None
 
 
@@ -64,6 +66,13 @@ class ChatBody(SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    """The most likely alternatives at each position, up to `MAX_CHAT_TOP`."""
+
+
+MAX_COMPLETION_TOP = 5
+"""OpenAI's largest completions `logprobs`."""
+MAX_CHAT_TOP = 20
+"""OpenAI's largest chat `top_logprobs`."""
 
 
 # Each refused parameter and what to send instead.
@@ -120,26 +129,20 @@ def refused(body: SamplingFields, chat: bool) -> None:
     if body.stream_options is not None and not body.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
     if isinstance(body, CompletionBody):
-        if body.echo:
-            raise unsupported(
-                "echo", "echoing the prompt (with its logprobs) is not supported; send false"
-            )
         if body.best_of is not None and body.best_of != body.n:
             raise unsupported(
                 "best_of", "ranking candidates server-side is not supported; send n instead"
             )
-        if body.logprobs is not None and body.logprobs > 0:
-            raise unsupported(
+        if body.logprobs is not None and not 0 <= body.logprobs <= MAX_COMPLETION_TOP:
+            raise invalid(
+                f"logprobs is {body.logprobs}; it must be between 0 and {MAX_COMPLETION_TOP}",
                 "logprobs",
-                "the sampler returns the chosen token's logprob only, not alternatives; "
-                "send logprobs=0 for each chosen token's logprob",
             )
-    if isinstance(body, ChatBody):
-        if body.top_logprobs:
-            raise unsupported(
+    if isinstance(body, ChatBody) and body.top_logprobs is not None:
+        if not 0 <= body.top_logprobs <= MAX_CHAT_TOP:
+            raise invalid(
+                f"top_logprobs is {body.top_logprobs}; it must be between 0 and {MAX_CHAT_TOP}",
                 "top_logprobs",
-                "the sampler returns the chosen token's logprob only, not alternatives; "
-                "send logprobs=true with top_logprobs=0 (or left out)",
             )
-        if body.top_logprobs is not None and not body.logprobs:
+        if not body.logprobs:
             raise invalid("top_logprobs needs logprobs=true", "top_logprobs")

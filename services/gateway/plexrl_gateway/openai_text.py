@@ -3,7 +3,8 @@
 The gateway reads the served model's own tokenizer (and its chat template) from the model
 directory, once per model. A sampled sequence keeps the token that ended it (the
 worker's rule); OpenAI's text does not: an end-of-sequence or stop token is left out of
-the text, and the text ends before the first stop string it holds.
+the text (its logprob is still listed), and the text ends before the first stop string
+it holds (the tokens after it are in neither).
 """
 
 from __future__ import annotations
@@ -115,7 +116,9 @@ class Choice:
     text: str
     finish_reason: str
     tokens: list[int]
-    """The tokens the text is made of (what `logprobs` describes)."""
+    """What `logprobs` describes: the text's tokens, and the end-of-sequence token that
+    ended it (sampled and counted, though not text): an evaluation client reading an
+    echoed prompt + one sampled token counts on that last token being there."""
     logprobs: list[float]
 
 
@@ -131,8 +134,8 @@ def choice(tok: PreTrainedTokenizerBase, seq: SampledSequence, stop_strings: lis
     text = _text(tok, tokens)
     cut = min((i for s in stop_strings if (i := text.find(s)) >= 0), default=None)
     if cut is None:
-        # Ended by an end-of-sequence (or stop) token: it is not part of the text.
-        return Choice(text, "stop", tokens[:-1], logprobs[:-1])
+        # Ended by an end-of-sequence (or stop) token: not part of the text, but sampled.
+        return Choice(text, "stop", tokens, logprobs)
     # The shortest run of tokens whose text reaches the stop string's start.
     kept = len(tokens)
     for n in range(len(tokens) + 1):
@@ -142,29 +145,82 @@ def choice(tok: PreTrainedTokenizerBase, seq: SampledSequence, stop_strings: lis
     return Choice(text[:cut], "stop", tokens[:kept], logprobs[:kept])
 
 
+@dataclass(frozen=True)
+class Scores:
+    """The logprobs a choice shows: of its tokens (the prompt's first, with echo)."""
+
+    tokens: list[int]
+    logprobs: list[float | None]
+    """None only for a text's first token, which nothing precedes."""
+    top: list[list[tuple[int, float]] | None] | None
+    """The most likely (token, logprob) at each position, best first; None where no
+    alternatives were asked for (and at the first token)."""
+
+
+def echoed(
+    tok: PreTrainedTokenizerBase, prompt: str | list[Any], tokens: list[list[int]]
+) -> list[str]:
+    """Each prompt's text as `echo` shows it: a string as sent, token ids decoded."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if all(isinstance(p, str) for p in prompt):
+        return [str(p) for p in prompt]
+    return [str(tok.decode(t, skip_special_tokens=False)) for t in tokens]
+
+
 def token_texts(tok: PreTrainedTokenizerBase, tokens: list[int]) -> list[str]:
     return [str(tok.decode([t], skip_special_tokens=False)) for t in tokens]
 
 
-def completion_logprobs(tok: PreTrainedTokenizerBase, c: Choice) -> dict[str, Any]:
-    """`logprobs` of a completion choice: each chosen token and its logprob."""
-    texts = token_texts(tok, c.tokens)
+def _alternatives(
+    tok: PreTrainedTokenizerBase, chosen: int, logprob: float | None, top: list[tuple[int, float]]
+) -> dict[str, float]:
+    """OpenAI's `{token text: logprob}`, best first, with the chosen token too (so up to
+    k + 1 entries). Tokens that decode alike keep the likeliest one's logprob."""
+    texts = token_texts(tok, [t for t, _ in top])
+    out: dict[str, float] = {}
+    for text, (_, lp) in zip(texts, top, strict=True):
+        out.setdefault(text, lp)
+    if logprob is not None and chosen not in {t for t, _ in top}:
+        out.setdefault(token_texts(tok, [chosen])[0], logprob)
+    return out
+
+
+def completion_logprobs(tok: PreTrainedTokenizerBase, scores: Scores) -> dict[str, Any]:
+    """`logprobs` of a completion choice: each token, its logprob, its offset in the text,
+    and (when asked for) the alternatives."""
+    texts = token_texts(tok, scores.tokens)
     offsets, at = [], 0
     for t in texts:
         offsets.append(at)
         at += len(t)
+    top: list[dict[str, float] | None] | None = None
+    if scores.top is not None:
+        top = [
+            None if alts is None else _alternatives(tok, t, lp, alts)
+            for t, lp, alts in zip(scores.tokens, scores.logprobs, scores.top, strict=True)
+        ]
     return {
         "tokens": texts,
-        "token_logprobs": c.logprobs,
-        "top_logprobs": None,
+        "token_logprobs": scores.logprobs,
+        "top_logprobs": top,
         "text_offset": offsets,
     }
 
 
-def chat_logprobs(tok: PreTrainedTokenizerBase, c: Choice) -> dict[str, Any]:
-    """`logprobs` of a chat choice: each chosen token, its logprob and bytes."""
-    content = [
-        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-        for t, lp in zip(token_texts(tok, c.tokens), c.logprobs, strict=True)
-    ]
+def _bytes(text: str) -> list[int]:
+    return list(text.encode())
+
+
+def chat_logprobs(tok: PreTrainedTokenizerBase, scores: Scores) -> dict[str, Any]:
+    """`logprobs` of a chat choice: each token, its logprob and bytes, and the
+    alternatives (`[]` when none were asked for)."""
+    content = []
+    tops = scores.top or [None] * len(scores.tokens)
+    for text, lp, alts in zip(token_texts(tok, scores.tokens), scores.logprobs, tops, strict=True):
+        top = []
+        if alts is not None:
+            for t, alt_lp in zip(token_texts(tok, [a for a, _ in alts]), alts, strict=True):
+                top.append({"token": t, "logprob": alt_lp[1], "bytes": _bytes(t)})
+        content.append({"token": text, "logprob": lp, "bytes": _bytes(text), "top_logprobs": top})
     return {"content": content, "refusal": None}

@@ -2,8 +2,9 @@
 
 `/oai/api/v1/completions`, `/chat/completions` (both may stream) and `/models`, with the
 tenant's API key as the bearer token. Every request becomes Tinker `sample` calls that go
-through the scheduler (plexrl_gateway.openai_calls); the sampler answers a call whole,
-so a stream carries each choice's text in one chunk once its call is done.
+through the scheduler (plexrl_gateway.openai_calls), with a scoring pass after them when
+it asks for alternatives (top-k logprobs); the sampler answers a call whole, so a stream
+carries each choice's text in one chunk once its calls are done.
 """
 
 from __future__ import annotations
@@ -14,31 +15,26 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header
 from fastapi.responses import StreamingResponse
 
-from plexrl.messages import SampleOutput
 from plexrl_gateway.deps import GatewayDep
 from plexrl_gateway.errors import ApiError
-from plexrl_gateway.openai_calls import Sampling, answers, sampling, submit
+from plexrl_gateway.openai_calls import Answer, Calls, Logprobs, sampling
 from plexrl_gateway.openai_errors import OpenAIError, OpenAIRoute, error_body
 from plexrl_gateway.openai_models import resolve
 from plexrl_gateway.openai_schemas import ChatBody, CompletionBody, refused
 from plexrl_gateway.openai_text import (
-    Choice,
     Tokenizers,
     chat_logprobs,
     chat_prompt,
-    choice,
     completion_logprobs,
+    echoed,
     prompts,
 )
 from plexrl_gateway.translate import CheckpointKind
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
 
 router = APIRouter(prefix="/oai/api/v1", route_class=OpenAIRoute)
 
@@ -68,21 +64,15 @@ async def _tenant(
 Tenant = Annotated[str, Depends(_tenant)]
 
 
-def _usage(prompt_lists: list[list[int]], outputs: list[SampleOutput]) -> dict[str, int]:
+def _usage(prompt_lists: list[list[int]], answer: Answer) -> dict[str, int]:
+    """The scoring pass is not counted: it is the server's way to the logprobs asked for."""
     prompt = sum(len(p) for p in prompt_lists)
-    completion = sum(len(seq.tokens) for out in outputs for seq in out.sequences)
+    completion = sum(len(seq.tokens) for out in answer.outputs for seq in out.sequences)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
     }
-
-
-def _choices(
-    tok: PreTrainedTokenizerBase, outputs: list[SampleOutput], s: Sampling
-) -> list[Choice]:
-    """Every sequence in OpenAI's order: prompt by prompt, `n` each."""
-    return [choice(tok, seq, s.stop) for out in outputs for seq in out.sequences]
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
@@ -91,9 +81,9 @@ def _sse(data: dict[str, Any] | str) -> bytes:
 
 
 async def _stream(
-    wait: asyncio.Task[list[SampleOutput]],
+    wait: asyncio.Task[Answer],
     first: list[dict[str, Any]],
-    chunks: Callable[[list[SampleOutput]], list[dict[str, Any]]],
+    chunks: Callable[[Answer], list[dict[str, Any]]],
 ) -> AsyncIterator[bytes]:
     """`first` at once; then, when the calls are done, `chunks` of their outputs and
     `[DONE]`. A call that fails ends the stream with an OpenAI error event."""
@@ -106,11 +96,11 @@ async def _stream(
                 break
             yield b": keep-alive\n\n"
         try:
-            outputs = wait.result()
+            answer = wait.result()
         except ApiError as exc:
             yield _sse(error_body(exc))
             return
-        for chunk in chunks(outputs):
+        for chunk in chunks(answer):
             yield _sse(chunk)
         yield _sse("[DONE]")
     finally:
@@ -135,36 +125,40 @@ async def completions(
     body: CompletionBody, tenant: Tenant, gateway: GatewayDep
 ) -> dict[str, Any] | StreamingResponse:
     refused(body, chat=False)
-    s = sampling(body.n, body.max_tokens, body.temperature, body.top_p, body.seed, body.stop)
+    s = sampling(
+        body.n, body.max_tokens, body.temperature, body.top_p, body.seed, body.stop, body.echo
+    )
+    want = Logprobs(body.logprobs is not None, body.logprobs or 0, body.echo)
     target = await resolve(body.model, tenant, gateway.registry, gateway.catalog)
     tok = await _tokenizers.get(target.info)
     prompt_lists = prompts(tok, body.prompt)
-    request_ids = await submit(gateway, target, tenant, prompt_lists, s)
+    echo = echoed(tok, body.prompt, prompt_lists) if body.echo else [""] * len(prompt_lists)
+    calls = Calls(gateway, target, tenant, prompt_lists, s, want)
+    request_ids = await calls.submit()
     head = _header("text_completion", "cmpl", body.model)
-    want_logprobs = body.logprobs is not None
 
-    def rendered(outputs: list[SampleOutput]) -> list[dict[str, Any]]:
+    def rendered(answer: Answer) -> list[dict[str, Any]]:
         return [
             {
                 "index": i,
-                "text": c.text,
-                "logprobs": completion_logprobs(tok, c) if want_logprobs else None,
+                "text": echo[i // s.n] + c.text,
+                "logprobs": None if lp is None else completion_logprobs(tok, lp),
                 "finish_reason": c.finish_reason,
             }
-            for i, c in enumerate(_choices(tok, outputs, s))
+            for i, (c, lp) in enumerate(zip(answer.choices, answer.scores, strict=True))
         ]
 
     if not body.stream:
-        outputs = await answers(gateway, request_ids)
-        return {**head, "choices": rendered(outputs), "usage": _usage(prompt_lists, outputs)}
+        answer = await calls.answer(request_ids, tok)
+        return {**head, "choices": rendered(answer), "usage": _usage(prompt_lists, answer)}
 
-    def chunks(outputs: list[SampleOutput]) -> list[dict[str, Any]]:
-        out = [{**head, "choices": [c]} for c in rendered(outputs)]
+    def chunks(answer: Answer) -> list[dict[str, Any]]:
+        out = [{**head, "choices": [c]} for c in rendered(answer)]
         if body.stream_options and body.stream_options.include_usage:
-            out.append({**head, "choices": [], "usage": _usage(prompt_lists, outputs)})
+            out.append({**head, "choices": [], "usage": _usage(prompt_lists, answer)})
         return out
 
-    wait = asyncio.create_task(answers(gateway, request_ids))
+    wait = asyncio.create_task(calls.answer(request_ids, tok))
     return StreamingResponse(_stream(wait, [], chunks), media_type="text/event-stream")
 
 
@@ -182,27 +176,26 @@ async def chat_completions(
         )
     max_tokens = body.max_completion_tokens or body.max_tokens
     s = sampling(body.n, max_tokens, body.temperature, body.top_p, body.seed, body.stop)
+    want = Logprobs(body.logprobs, body.top_logprobs or 0)
     target = await resolve(body.model, tenant, gateway.registry, gateway.catalog)
     tok = await _tokenizers.get(target.info)
     prompt_lists = [chat_prompt(tok, body.model, body.messages)]
-    request_ids = await submit(gateway, target, tenant, prompt_lists, s)
+    calls = Calls(gateway, target, tenant, prompt_lists, s, want)
+    request_ids = await calls.submit()
     head = _header("chat.completion", "chatcmpl", body.model)
 
-    def logprobs(c: Choice) -> dict[str, Any] | None:
-        return chat_logprobs(tok, c) if body.logprobs else None
-
     if not body.stream:
-        outputs = await answers(gateway, request_ids)
+        answer = await calls.answer(request_ids, tok)
         choices = [
             {
                 "index": i,
                 "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": logprobs(c),
+                "logprobs": None if lp is None else chat_logprobs(tok, lp),
                 "finish_reason": c.finish_reason,
             }
-            for i, c in enumerate(_choices(tok, outputs, s))
+            for i, (c, lp) in enumerate(zip(answer.choices, answer.scores, strict=True))
         ]
-        return {**head, "choices": choices, "usage": _usage(prompt_lists, outputs)}
+        return {**head, "choices": choices, "usage": _usage(prompt_lists, answer)}
 
     chunk_head = {**head, "object": "chat.completion.chunk"}
     first = [
@@ -220,18 +213,19 @@ async def chat_completions(
         }
     ]
 
-    def chunks(outputs: list[SampleOutput]) -> list[dict[str, Any]]:
+    def chunks(answer: Answer) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
-        for i, c in enumerate(_choices(tok, outputs, s)):
-            delta = {"index": i, "delta": {"content": c.text}, "logprobs": logprobs(c)}
+        for i, (c, lp) in enumerate(zip(answer.choices, answer.scores, strict=True)):
+            logprobs = None if lp is None else chat_logprobs(tok, lp)
+            delta = {"index": i, "delta": {"content": c.text}, "logprobs": logprobs}
             out.append({**chunk_head, "choices": [{**delta, "finish_reason": None}]})
             end = {"index": i, "delta": {}, "logprobs": None, "finish_reason": c.finish_reason}
             out.append({**chunk_head, "choices": [end]})
         if body.stream_options and body.stream_options.include_usage:
-            out.append({**chunk_head, "choices": [], "usage": _usage(prompt_lists, outputs)})
+            out.append({**chunk_head, "choices": [], "usage": _usage(prompt_lists, answer)})
         return out
 
-    wait = asyncio.create_task(answers(gateway, request_ids))
+    wait = asyncio.create_task(calls.answer(request_ids, tok))
     return StreamingResponse(_stream(wait, first, chunks), media_type="text/event-stream")
 
 
