@@ -124,12 +124,19 @@ class Samples:
     round_p50s: list[float] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)
     """CPU seconds each service spent on the sequential echo calls, less its idle rate."""
+    cpu_concurrent: dict[str, float] = field(default_factory=dict)
+    """The same during the concurrent calls, where a service handles several at once."""
+    concurrent_calls: int = 0
 
     def figures(self, calls: int, clients: int) -> dict[str, Any]:
         ms = 1000.0
         echo_p50 = statistics.median(self.echo)
         http_p50 = statistics.median(self.http)
         per_call = {k: round(v / len(self.echo) * ms, 3) for k, v in sorted(self.cpu.items())}
+        calls_16 = max(self.concurrent_calls, 1)
+        per_call_16 = {
+            k: round(v / calls_16 * ms, 3) for k, v in sorted(self.cpu_concurrent.items())
+        }
         return {
             "calls": calls,
             "echo_p50_ms": round(echo_p50 * ms, 3),
@@ -144,6 +151,9 @@ class Samples:
             # CPU is what a busy shared machine does not blur: the services' own work.
             "cpu_ms_per_echo": round(sum(per_call.values()), 3),
             "cpu_ms_per_echo_by_service": per_call,
+            # With the clients' calls in flight together: what batching saves per call.
+            "cpu_ms_per_call_concurrent": round(sum(per_call_16.values()), 3),
+            "cpu_ms_per_call_concurrent_by_service": per_call_16,
         }
 
 
@@ -189,7 +199,13 @@ async def measure(
                 for service, used in cpu_s(pids[name]).items():
                     spent = used - before.get(service, 0.0) - idle.get(service, 0.0) * elapsed
                     s.cpu[service] = s.cpu.get(service, 0.0) + spent
+                before, start = cpu_s(pids[name]), time.perf_counter()
                 s.rates.append(await concurrent(http, clients, per_round * 2))
+                elapsed = time.perf_counter() - start
+                for service, used in cpu_s(pids[name]).items():
+                    spent = used - before.get(service, 0.0) - idle.get(service, 0.0) * elapsed
+                    s.cpu_concurrent[service] = s.cpu_concurrent.get(service, 0.0) + spent
+                s.concurrent_calls += per_round * 2
     return samples
 
 
@@ -234,8 +250,16 @@ def line(name: str, f: dict[str, Any]) -> str:
         f"{name}: echo p50 {f['echo_p50_ms']} ms, p99 {f['echo_p99_ms']} ms "
         f"(plain HTTP p50 {f['http_p50_ms']} ms; added {f['added_p50_ms']} ms); "
         f"{f['calls_per_s']} calls/s with {f['clients']} clients; services' CPU "
-        f"{f['cpu_ms_per_echo']} ms per echo {f['cpu_ms_per_echo_by_service']}"
+        f"{f['cpu_ms_per_echo']} ms per echo {f['cpu_ms_per_echo_by_service']}, "
+        f"{f['cpu_ms_per_call_concurrent']} ms per call with {f['clients']} clients "
+        f"{f['cpu_ms_per_call_concurrent_by_service']}"
     )
+
+
+def ratio(cur: dict[str, Any], prev: dict[str, Any], key: str) -> float | None:
+    """This revision's scheduler figure over the previous one's (None: one is missing)."""
+    now, before = cur[key].get("scheduler"), prev[key].get("scheduler")
+    return round(now / before, 3) if now and before else None
 
 
 def main() -> None:
@@ -276,12 +300,17 @@ def main() -> None:
         result["added_p50_ratio"] = round(cur["added_p50_ms"] / prev["added_p50_ms"], 3)
         result["calls_per_s_ratio"] = round(cur["calls_per_s"] / prev["calls_per_s"], 3)
         result["cpu_per_echo_ratio"] = round(cur["cpu_ms_per_echo"] / prev["cpu_ms_per_echo"], 3)
+        result["scheduler_cpu_ratio"] = ratio(cur, prev, "cpu_ms_per_echo_by_service")
+        result["scheduler_cpu_concurrent_ratio"] = ratio(
+            cur, prev, "cpu_ms_per_call_concurrent_by_service"
+        )
         print(line(f"previous {commit[:10]}", prev))
         print(
             f"this / previous: echo p50 x{result['echo_p50_ratio']}, added p50 "
             f"x{result['added_p50_ratio']}, calls/s x{result['calls_per_s_ratio']}, "
-            f"CPU per echo x{result['cpu_per_echo_ratio']} "
-            f"({rounds} alternating rounds)"
+            f"CPU per echo x{result['cpu_per_echo_ratio']}; the scheduler's CPU per echo "
+            f"x{result['scheduler_cpu_ratio']}, per call with {args.clients} clients "
+            f"x{result['scheduler_cpu_concurrent_ratio']} ({rounds} alternating rounds)"
         )
     print(json.dumps(result))
 
