@@ -67,6 +67,8 @@ Handler = Callable[[T, Delivery], Awaitable[None]]
 Answer = Callable[[DeadLetter], Awaitable[None]]
 """Answers the calls a dead letter names (plexrl.dead_letters.DeadLetters)."""
 Skipped = Callable[[Delivery], Awaitable[None]]
+AfterBatch = Callable[[], Awaitable[None]]
+"""Called once a poll's messages are all handled, before their offsets count as done."""
 
 
 async def wait_for_kafka(bootstrap: str, timeout_s: float = 60.0) -> None:
@@ -237,6 +239,7 @@ class MessageConsumer(Generic[T]):
         commit_interval_s: float = 0.25,
         answer: Answer | None = None,
         skipped: Skipped | None = None,
+        after_batch: AfterBatch | None = None,
         tuning: ConsumerTuning | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -253,6 +256,10 @@ class MessageConsumer(Generic[T]):
         # itself) who must count a dead-lettered offset as finished.
         self._answer = answer
         self._skipped = skipped
+        # For handlers that queue their effects and write them together (one Redis
+        # round trip per poll, not per message): the offsets of a poll are marked for
+        # commit only after it returned, so a crash before it replays the poll.
+        self._after_batch = after_batch
         self._tuning = tuning or ConsumerTuning()
         self._clock = clock
         self._to_commit: dict[TopicPartition, int] = {}
@@ -370,13 +377,22 @@ class MessageConsumer(Generic[T]):
                 continue
             polls_failed = 0
             self._last_poll = self._clock()
+            handled: dict[TopicPartition, int] = {}
+            abandoned = False
             for tp, records in batches.items():
                 for record in records:
-                    outcome = await self._handle(record, stop)
-                    if outcome is _Outcome.ABANDONED:
-                        return
-                    if self._commit_after_handler:
-                        self._to_commit[tp] = record.offset + 1
+                    if await self._handle(record, stop) is _Outcome.ABANDONED:
+                        abandoned = True
+                        break
+                    handled[tp] = record.offset + 1
+                if abandoned:
+                    break
+            if self._after_batch is not None and handled:
+                await self._after_batch()
+            if self._commit_after_handler:
+                self._to_commit.update(handled)
+            if abandoned:
+                return
             self._last_poll = self._clock()
 
     async def commit_upto(self, tp: TopicPartition, next_offset: int) -> None:

@@ -69,17 +69,24 @@ def decide(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
 
 def decide_until(snapshot: ClusterSnapshot, config: PolicyConfig) -> tuple[Plan, float | None]:
     """`decide`, and when the earliest hold it made ends (snapshot clock; None: no group
-    held): the live scheduler decides again then, whatever arrives. With the plexrl
-    policy, running sample batches that should yield to a waiting job are preempted
-    (`plexrl.policy.preempt`)."""
+    held): the live scheduler decides again then, whatever arrives."""
+    decided, held = decide_holding(snapshot, config)
+    return decided, min((until for _, until in held.values()), default=None)
+
+
+def decide_holding(
+    snapshot: ClusterSnapshot, config: PolicyConfig
+) -> tuple[Plan, dict[str, tuple[str, float]]]:
+    """`decide`, and the groups it held (worker id → the job held for, when the hold
+    ends; `anticipate.held_groups`). With the plexrl policy, running sample batches that
+    should yield to a waiting job are preempted (`plexrl.policy.preempt`)."""
     own = config.name == "plexrl"
     held = held_groups(snapshot, config.hold_s, config.quantum_s, config.fair_share) if own else {}
     view = without(snapshot, held)
-    ends = [until for _, until in held.values()]
     decided = co_sample(view, plan(view, config), config.max_cosampled_calls)
     if own:
         decided += preemptions(view, config)
-    return decided, min(ends, default=None)
+    return decided, held
 
 
 __all__ = [
@@ -102,6 +109,7 @@ __all__ = [
     "WorkerView",
     "co_sample",
     "decide",
+    "decide_holding",
     "decide_until",
     "plan",
     "preemptions",

@@ -24,6 +24,19 @@ class UsageStore(RedisStore):
                 pipe.hset(key, "last_at", active_at)
             await pipe.execute()
 
+    async def add_usages(self, usages: dict[str, tuple[dict[str, float], float, float]]) -> None:
+        """`add_usage` for several jobs at once (job → counters, earliest and latest
+        activity among them): one transaction, one round trip; a retry after a failure
+        does not count twice."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            for job_id, (fields, first_at, last_at) in usages.items():
+                key = self._k("usage", job_id)
+                for name, value in fields.items():
+                    pipe.hincrbyfloat(key, name, value)
+                pipe.hsetnx(key, "first_at", first_at)
+                pipe.hset(key, "last_at", last_at)
+            await pipe.execute()
+
     async def mark_active(self, job_id: str, at: float) -> None:
         """Track a job's first and last activity: its wall time for dedicated accounting."""
         key = self._k("usage", job_id)

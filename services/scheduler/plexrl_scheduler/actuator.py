@@ -38,6 +38,31 @@ _tracer = tracing.tracer("plexrl.scheduler")
 Committer = Callable[[Delivery | None], Awaitable[None]]
 
 
+def dispatch_span(pending: Pending, action: Run) -> str:
+    """The call's `scheduler.dispatch` span, in the trace its request carried; its W3C
+    traceparent, for the worker to continue ('' when there is none). The span is started
+    and ended here, never made current: it marks the dispatch, and nothing runs in it,
+    so the context switches and the propagator's round through a carrier are skipped."""
+    request = pending.request
+    span = _tracer.start_span(
+        "scheduler.dispatch",
+        context=pending.delivery.context if pending.delivery else None,
+        kind=trace.SpanKind.INTERNAL,
+        attributes={
+            "plexrl.request_id": request.request_id,
+            "plexrl.job_id": request.job_id,
+            "plexrl.worker_id": action.worker_id,
+            "plexrl.function": request.function,
+            "plexrl.expected_swap_s": action.expected_swap_s,
+        },
+    )
+    span.end()
+    context = span.get_span_context()
+    if not context.is_valid:
+        return ""
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
+
+
 class Actuator:
     def __init__(
         self,
@@ -151,24 +176,15 @@ class Actuator:
         lease = await self._lease(action.job_id, action.worker_id, chosen)
         taken = self._state.take_pending(action.request_ids)
         dispatch_id = uuid.uuid4().hex
-        traceparents: list[str] = []
+        traceparents = [dispatch_span(p, action) for p in taken]
+        now = time.time()
+        functions: dict[str, int] = {}
         for pending in taken:
-            parent = pending.delivery.context if pending.delivery else None
-            with _tracer.start_as_current_span(
-                "scheduler.dispatch",
-                context=parent,
-                kind=trace.SpanKind.INTERNAL,
-                attributes={
-                    "plexrl.request_id": pending.request.request_id,
-                    "plexrl.job_id": pending.request.job_id,
-                    "plexrl.worker_id": action.worker_id,
-                    "plexrl.function": pending.request.function,
-                    "plexrl.expected_swap_s": action.expected_swap_s,
-                },
-            ):
-                traceparents.append(tracing.traceparent_of() or "")
-            metrics.DISPATCH_LATENCY.observe(max(0.0, time.time() - pending.request.arrival_time))
-            metrics.DISPATCHED_CALLS.labels(str(pending.request.function)).inc()
+            metrics.DISPATCH_LATENCY.observe(max(0.0, now - pending.request.arrival_time))
+            function = str(pending.request.function)
+            functions[function] = functions.get(function, 0) + 1
+        for function, count in functions.items():
+            metrics.DISPATCHED_CALLS.labels(function).inc(count)
         dispatch = Dispatch(
             dispatch_id=dispatch_id,
             worker_id=action.worker_id,

@@ -27,6 +27,9 @@ class Step:
 
     name: str
     run: Callable[[], Awaitable[None]]
+    every_s: float = 0.0
+    """Run at most this often (0: every pass): for steps that watch clocks of seconds
+    (liveness, gauges), which need not run on every event of a busy scheduler."""
 
 
 class ControlLoop:
@@ -41,6 +44,7 @@ class ControlLoop:
         self._backoff = backoff or Backoff(first_s=0.05, max_s=2.0)
         self._clock = clock
         self.passes = 0
+        self._last_run: dict[str, float] = {}
         self.failures: dict[str, int] = {}
         """Failed runs per step name, since start."""
         self.failing = 0
@@ -53,6 +57,10 @@ class ControlLoop:
         self.passes += 1
         for step in self._steps:
             started = self._clock()
+            if step.every_s > 0:
+                if started - self._last_run.get(step.name, -float("inf")) < step.every_s:
+                    continue
+                self._last_run[step.name] = started
             try:
                 await step.run()
             except Exception as exc:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from plexrl.dead_letters import DeadLetters
@@ -13,7 +14,7 @@ from plexrl.health import HttpServer, health_app
 from plexrl.kafka import MessageConsumer, ensure_topics
 from plexrl.ledger import Ledger
 from plexrl.messages import Event, PhaseCompletion, PhaseRequest
-from plexrl.policy import PolicyConfig, decide_until
+from plexrl.policy import PolicyConfig, decide_holding
 from plexrl.service import join_cluster
 from plexrl.settings import SchedulerSettings
 from plexrl.stores import JobStore
@@ -85,6 +86,7 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
             topics.group("scheduler-completions"),
             PhaseCompletion,
             receiver.on_completion,
+            after_batch=receiver.flush_usage,  # one Redis round trip per poll
         ),
         consumer(topics.events, None, Event, receiver.on_event, from_latest=True),
     ]
@@ -98,9 +100,10 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
     loop = ControlLoop(  # each step guarded: a failure is logged, the next pass retries
         [
             Step("topics", lambda: ensure_worker_topics(settings, topics, receiver)),
-            Step("reap", liveness.reap),  # dead workers and lost dispatches give calls back
+            # Dead workers and lost dispatches give calls back (timeouts of seconds).
+            Step("reap", liveness.reap, every_s=0.1),
             Step("decide and act", lambda: decide_and_act(state, policy, actuator, pace)),
-            Step("record", record),
+            Step("record", record, every_s=0.5),
         ]
     )
     health = HttpServer(
@@ -121,7 +124,8 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
     tasks = [asyncio.create_task(c.run(stop)) for c in consumers]
     log.info("scheduler up: policy=%s cluster=%s", policy.name, settings.cluster_id)
     try:
-        await loop.run(stop, lambda: state.wait_changed(pace.wait_s()))  # ingest: consumers
+        # ingest: the consumers, in their tasks; a pass when they changed something
+        await loop.run(stop, lambda: state.wait_changed(pace.wait_s(state.everything_due)))
     finally:
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -136,24 +140,63 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
 
 class Pace:
     """How long the loop waits for news before deciding again: half a second, or until
-    the earliest hold on a group ends (`plexrl.policy.decide_until`)."""
+    the earliest hold on a group ends (`plexrl.policy.decide_holding`); and when a
+    decision looks at every group rather than only those events touched.
 
-    def __init__(self, idle_s: float = 0.5) -> None:
+    A decision on the whole cluster costs time in its size (tens of milliseconds at a
+    thousand jobs): a scheduler that made one per event would spend itself on them at
+    thousands of calls a second. So whole decisions take at most `whole_share` of the
+    loop's time, and between them a decision reads only the groups events touched
+    (`ClusterState.take_touched`). On a small cluster a whole decision costs less than
+    an event's other work and every decision is whole, as before; on a large one, what
+    changes only with the clock (a batch turning preemptible, a job turning dormant, a
+    waiting job's admission) is seen at the next whole decision, at most
+    `took / whole_share` after the last one."""
+
+    def __init__(
+        self,
+        idle_s: float = 0.5,
+        whole_share: float = 0.05,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.idle_s = idle_s
+        self.whole_share = whole_share
         self.wake_at: float | None = None
+        self._clock = clock
+        self._next_whole = 0.0
 
-    def wait_s(self) -> float:
-        if self.wake_at is None:
-            return self.idle_s
-        return min(self.idle_s, max(self.wake_at - time.time(), 0.0))
+    def wait_s(self, whole_due: bool = False) -> float:
+        """Seconds to wait for news; `whole_due`: a change waits for a whole decision."""
+        wait = self.idle_s
+        if self.wake_at is not None:
+            wait = min(wait, max(self.wake_at - time.time(), 0.0))
+        if whole_due:
+            wait = min(wait, max(self._next_whole - self._clock(), 0.0))
+        return wait
+
+    def whole_now(self) -> bool:
+        return self._clock() >= self._next_whole
+
+    def decided(self, whole: bool, took_s: float) -> None:
+        """A decision took `took_s` (snapshot and policy); `whole`: on every group."""
+        if whole:
+            self._next_whole = self._clock() + took_s / self.whole_share
 
 
 async def decide_and_act(
     state: ClusterState, policy: PolicyConfig, actuator: Actuator, pace: Pace
 ) -> None:
-    plan, pace.wake_at = decide_until(state.snapshot(), policy)
+    started = time.perf_counter()
+    groups = state.take_touched(pace.whole_now())
+    if groups is not None and not groups:
+        pace.wake_at = None
+        return  # nothing touched since the last decision
+    plan, held = decide_holding(state.snapshot(groups), policy)
+    pace.wake_at = min((until for _, until in held.values()), default=None)
+    state.touch_again(held)  # decided again at the next pass, when its hold may end
+    pace.decided(groups is None, time.perf_counter() - started)
     await actuator.carry_out(plan)
-    if pace.wake_at is not None:
+    if held:
         metrics.HOLDING_PASSES.inc()
 
 

@@ -35,6 +35,7 @@ class Receiver:
         self._actuator: Actuator | None = None
         self._offsets = OffsetTracker()
         self._requests: MessageConsumer[PhaseRequest] | None = None
+        self._usage_due = UsageDue()
         self.new_workers: list[str] = []
 
     def use(self, actuator: Actuator) -> None:
@@ -72,27 +73,27 @@ class Receiver:
         self._state.on_request(request, delivery)
 
     async def on_completion(self, completion: PhaseCompletion, delivery: Delivery) -> None:
+        """Take the completion into the state now; its usage is written with the rest
+        of its poll's (`flush_usage`, before the poll's offsets are committed)."""
         request_delivery = self._state.on_completion(completion)
         if request_delivery is None:
             return
         if completion.function == Function.UNLOAD:
             metrics.JOBS_FINISHED.inc()
         await self.finished(request_delivery)
-        t = completion.timings
-        usage = {
-            "calls": 1.0,
-            "queue_s": t.queue_s,
-            "swap_s": t.swap_s,
-            "compute_s": t.compute_s,
-            "device_s": t.swap_s + t.compute_s,
-        }
-        # Retried in place: the state above already took the completion, so a second
-        # delivery of it would not count again. One round trip: the completions of a
-        # dispatch are handled one after another, and the last one frees the worker.
-        await retrying(
-            lambda: self._usage.add_usage(completion.job_id, usage, completion.finished_at),
-            what="recording usage",
-        )
+        self._usage_due.add(completion)
+
+    async def flush_usage(self) -> None:
+        """Write the usage of the completions taken since the last flush: one Redis
+        transaction for a whole poll of them. Retried in place while Redis is away: the
+        state already took the completions, so a second delivery would not count again."""
+        usages = self._usage_due.take()
+        if not usages:
+            return
+        try:
+            await retrying(lambda: self._usage.add_usages(usages), what="recording usage")
+        except Exception:  # not transient: lost, as a replay would not count it either
+            log.exception("could not record the usage of %d jobs", len(usages))
 
     async def on_event(self, event: Event, delivery: Delivery) -> None:
         match event:
@@ -109,3 +110,34 @@ class Receiver:
                 pass  # the scheduler moved it itself; heartbeats reconcile
             case _:
                 pass
+
+
+class UsageDue:
+    """Completions' usage not yet written, summed per job."""
+
+    def __init__(self) -> None:
+        self._due: dict[str, tuple[dict[str, float], float, float]] = {}
+
+    def add(self, completion: PhaseCompletion) -> None:
+        t = completion.timings
+        at = completion.finished_at
+        due = self._due.get(completion.job_id)
+        if due is None:
+            fields = dict.fromkeys(_USAGE_FIELDS, 0.0)
+            first, last = at, at
+        else:
+            fields, first, last = due
+            first, last = min(first, at), max(last, at)
+        fields["calls"] += 1.0
+        fields["queue_s"] += t.queue_s
+        fields["swap_s"] += t.swap_s
+        fields["compute_s"] += t.compute_s
+        fields["device_s"] += t.swap_s + t.compute_s
+        self._due[completion.job_id] = (fields, first, last)
+
+    def take(self) -> dict[str, tuple[dict[str, float], float, float]]:
+        due, self._due = self._due, {}
+        return due
+
+
+_USAGE_FIELDS = ("calls", "queue_s", "swap_s", "compute_s", "device_s")

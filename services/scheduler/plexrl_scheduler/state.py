@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from plexrl.kafka import Delivery
@@ -137,10 +137,31 @@ class ClusterState:
         """By dispatch id: dispatches whose sample batch a worker released at its tail
         (TailReleased): still running there, beside whatever it was sent next."""
         self._inflight_requests: dict[str, tuple[str, Delivery | None]] = {}
+        self._open: dict[str, int] = {}
+        """Per job: its calls queued or running (in `pending` or `_inflight_requests`),
+        kept as they move, so a request does not scan the queue to learn it."""
         self._started_at = clock()
         self._never_seen_lost: set[str] = set()
         """Homes (recorded before a restart) that have not reported since: declared lost."""
         self._changed = asyncio.Event()
+        self._touched: set[str] = set()
+        """Groups an event touched since the last decision (`take_touched`)."""
+        self._everything = True
+        """A change that every group's decision may read (a job to admit, a worker that
+        joined or died, calls back in the queue): the next decision looks at them all."""
+        self._learned: dict[Kind, Prior] = {}
+        """The kinds' figures as of the last whole snapshot (`snapshot`)."""
+        self._served: dict[str, JobState] = {}
+        """Per tenant, its job whose call ended last (`fifo.last_served` reads it)."""
+        self._homed: dict[str, set[str]] = {}
+        """Per group, the jobs given it as their home (some may have left since: read
+        through `_homed_on`)."""
+        self._queued: dict[str, set[str]] = {}
+        """Per job, its request ids in `pending`."""
+        self._place: dict[str, int] = {}
+        """Per request id in `pending`, its place in the queue's order."""
+        self._places = (0, 0)
+        """The lowest place given so far, and the next place at the back."""
 
     # Ingest -------------------------------------------------------------------
 
@@ -152,6 +173,7 @@ class ClusterState:
         if job is None:
             job = self.jobs[job_id] = JobState(job_id, tenant, spec, spec.state_bytes, home)
             if home is not None:
+                self._homed.setdefault(home, set()).add(job_id)
                 # Homed before this scheduler started: its history starts here.
                 job.history.homed(self._clock())
         return job
@@ -160,26 +182,80 @@ class ClusterState:
         job = self.jobs.get(request.job_id)
         if job is not None:
             job.history.arrived(request.function)
-            if job.last_active > 0 and job.job_id not in self._busy_jobs():
+            if job.last_active > 0 and not self._open.get(job.job_id):
                 now = self._clock()
                 job.last_gap_s = max(now - job.last_active, 1e-6)
                 if job.last_gap_s > self._burst_gap_s or not job.burst_since:
                     job.burst_since = now
+        if request.request_id not in self.pending:
+            self._queue(request.job_id, request.request_id, back=True)
         self.pending[request.request_id] = Pending(request, delivery)
+        self._touch(job.home if job is not None else None)
+
+    def _touch(self, worker_id: str | None) -> None:
+        """An event changed what the group's decision reads (None: a job with no home,
+        whose admission reads every group)."""
+        if worker_id is None:
+            self._everything = True
+        else:
+            self._touched.add(worker_id)
         self._changed.set()
+
+    def take_touched(self, everything: bool) -> set[str] | None:
+        """The groups to decide on now, forgotten here: those events touched since the
+        last call, or None for all of them (when `everything`, and whenever a change
+        every group's decision reads is due and `everything` allows it)."""
+        if everything:
+            self._touched, self._everything = set(), False
+            return None
+        touched, self._touched = self._touched, set()
+        return touched
+
+    def touch_again(self, worker_ids: Iterable[str]) -> None:
+        """Groups to decide on again at the next decision (held for a bursting job)."""
+        self._touched.update(worker_ids)
+
+    @property
+    def everything_due(self) -> bool:
+        """Whether a change every group's decision reads waits for a whole decision."""
+        return self._everything
+
+    def _queue(self, job_id: str, request_id: str, back: bool) -> None:
+        """A call joins the queue, at its back or (requeued) at its front."""
+        self._count(job_id, 1)
+        self._queued.setdefault(job_id, set()).add(request_id)
+        low, high = self._places
+        if back:
+            self._place[request_id], self._places = high, (low, high + 1)
+        else:
+            self._place[request_id], self._places = low - 1, (low - 1, high)
+
+    def _unqueue(self, job_id: str, request_id: str) -> None:
+        self._count(job_id, -1)
+        self._place.pop(request_id, None)
+        queued = self._queued.get(job_id)
+        if queued is not None:
+            queued.discard(request_id)
+            if not queued:
+                del self._queued[job_id]
+
+    def _count(self, job_id: str, change: int) -> None:
+        left = self._open.get(job_id, 0) + change
+        if left > 0:
+            self._open[job_id] = left
+        else:
+            self._open.pop(job_id, None)
 
     def _busy_jobs(self) -> set[str]:
         """Jobs with a call queued, or running (in a dispatch or a released tail)."""
-        busy = {p.request.job_id for p in self.pending.values()}
-        for run in [*self.inflight.values(), *self.tails.values()]:
-            busy |= {p.request.job_id for p in run.calls if p.request.request_id in run.remaining}
-        return busy
+        return set(self._open)
 
     def on_completion(self, completion: PhaseCompletion) -> Delivery | None:
         """Free the worker when its dispatch is done; returns the request's delivery."""
         entry = self._inflight_requests.pop(completion.request_id, None)
         if entry is None:
             return None
+        self._count(completion.job_id, -1)
         worker_id, delivery = entry
         job = self.jobs.get(completion.job_id)
         if job is not None:
@@ -188,8 +264,15 @@ class ClusterState:
             job.history.observe(completion.function, t.compute_s, t.swap_s, queued)
             job.used.add(t.compute_s + t.swap_s, now)
             job.last_active = now
+            served = self._served.get(job.tenant)
+            if served is None or served.last_active <= now:
+                self._served[job.tenant] = job
+            if job.home is not None and job.home != worker_id:
+                self._touch(job.home)
             if completion.function == Function.UNLOAD:
                 del self.jobs[job.job_id]
+                if self._served.get(job.tenant) is job:
+                    self._serve_again(job.tenant)
         run = self.inflight.get(worker_id)
         if run is not None and completion.request_id in run.remaining:
             run.remaining.discard(completion.request_id)
@@ -199,8 +282,16 @@ class ClusterState:
             tail.remaining.discard(completion.request_id)
             if not tail.remaining:
                 del self.tails[dispatch_id]
-        self._changed.set()
+        self._touch(worker_id)
         return delivery
+
+    def _serve_again(self, tenant: str) -> None:
+        """The tenant's last served job is gone: find the next one."""
+        self._served.pop(tenant, None)
+        for job in self.jobs.values():
+            served = self._served.get(tenant)
+            if job.tenant == tenant and (served is None or job.last_active > served.last_active):
+                self._served[tenant] = job
 
     def on_heartbeat(self, beat: WorkerHeartbeat) -> bool:
         """Record a heartbeat; True when the worker is new to this scheduler."""
@@ -227,7 +318,9 @@ class ClusterState:
                 if job is not None and job.home == beat.worker_id:
                     job.tier = resident.tier
                     job.state_bytes = resident.bytes
-        self._changed.set()
+        if new:
+            self._touch(None)  # a group to place waiting jobs on
+        self._touch(beat.worker_id)
         return new
 
     def on_tail_released(self, event: TailReleased) -> bool:
@@ -239,7 +332,7 @@ class ClusterState:
             return False
         del self.inflight[event.worker_id]
         self.tails[run.dispatch_id] = run
-        self._changed.set()
+        self._touch(event.worker_id)
         return True
 
     def apply_preempt(self, worker_id: str) -> str | None:
@@ -255,13 +348,14 @@ class ClusterState:
         job = self.jobs.get(job_id)
         if job is not None:
             job.idle_until = self._clock() + seconds
-            self._changed.set()
+            self._touch(job.home)
 
     # Record decisions --------------------------------------------------------
 
     def apply_admit(self, job_id: str, worker_id: str, epoch: int = 0) -> None:
         job = self.jobs[job_id]
         job.home = worker_id
+        self._homed.setdefault(worker_id, set()).add(job_id)
         job.epoch = epoch
         # Its duty cycle counts from its first home: waiting for admission is not the
         # job's idleness. A re-home (its worker died) keeps the span, which the busy
@@ -273,7 +367,10 @@ class ClusterState:
         self.jobs[job_id].epoch = epoch
 
     def take_pending(self, request_ids: tuple[str, ...]) -> list[Pending]:
-        return [self.pending.pop(rid) for rid in request_ids if rid in self.pending]
+        taken = [self.pending.pop(rid) for rid in request_ids if rid in self.pending]
+        for p in taken:
+            self._unqueue(p.request.job_id, p.request.request_id)
+        return taken
 
     def apply_run(
         self,
@@ -296,6 +393,7 @@ class ClusterState:
                 started.last_started = now
         for p in taken:
             self._inflight_requests[p.request.request_id] = (worker_id, p.delivery)
+            self._count(p.request.job_id, 1)
 
     # Liveness -----------------------------------------------------------------
 
@@ -320,6 +418,7 @@ class ClusterState:
         else:
             self._never_seen_lost.add(worker_id)
         unhomed = []
+        self._touch(None)
         for job in self.jobs.values():
             if job.home == worker_id:
                 job.home = None
@@ -364,9 +463,13 @@ class ClusterState:
             return []
         back = [p for r in runs for p in r.calls if p.request.request_id in r.remaining]
         for p in back:
-            self._inflight_requests.pop(p.request.request_id, None)
+            if self._inflight_requests.pop(p.request.request_id, None) is not None:
+                self._count(p.request.job_id, -1)
+        for p in reversed(back):  # each to the front: they keep their order there
+            if p.request.request_id not in self.pending:
+                self._queue(p.request.job_id, p.request.request_id, back=False)
         self.pending = {p.request.request_id: p for p in back} | self.pending
-        self._changed.set()
+        self._touch(None)
         return [p.request.request_id for p in back]
 
     # Decide ------------------------------------------------------------------
@@ -376,12 +479,21 @@ class ClusterState:
             await asyncio.wait_for(self._changed.wait(), timeout_s)
         self._changed.clear()
 
-    def dormant(self, now: float) -> set[str]:
-        """Jobs taken to have stopped (`_DORMANT_S`)."""
-        active = self._busy_jobs()
+    def _homed_on(self, worker_id: str) -> list[JobState]:
+        homed = self._homed.get(worker_id)
+        if not homed:
+            return []
+        jobs = [j for jid in homed if (j := self.jobs.get(jid)) is not None and j.home == worker_id]
+        if len(jobs) < len(homed):  # left, or homed elsewhere since
+            self._homed[worker_id] = {j.job_id for j in jobs}
+        return jobs
+
+    def dormant(self, now: float, jobs: dict[str, JobState] | None = None) -> set[str]:
+        """Jobs (of `jobs`, or all) taken to have stopped (`_DORMANT_S`)."""
+        active = self._open
         return {
             jid
-            for jid, job in self.jobs.items()
+            for jid, job in (self.jobs if jobs is None else jobs).items()
             if jid not in active
             and job.home is not None
             and job.idle_until <= now
@@ -431,14 +543,29 @@ class ClusterState:
         state = self.workers.get(worker_id)
         return state is not None and self._clock() - state.seen_at < self._worker_timeout_s
 
-    def snapshot(self) -> ClusterSnapshot:
+    def snapshot(self, groups: Collection[str] | None = None) -> ClusterSnapshot:
+        """The cluster for the policy; with `groups`, only those groups, the jobs homed
+        there and their calls (and, per tenant among them, the job it was served last
+        by, which tenants' turns read), for a decision on those groups alone: groups
+        share no jobs, so the policy decides each one from these alone. The kinds'
+        figures (`priors`) are those of the last whole snapshot then."""
         now = self._clock()
-        dormant = self.dormant(now)
-        learned = priors(
-            ((j.kind, j.history) for jid, j in self.jobs.items() if jid not in dormant),
-            now,
-            _MIN_HISTORY_S,
-        )
+        if groups is None:
+            chosen = self.jobs
+        else:
+            chosen = {j.job_id: j for g in groups for j in self._homed_on(g)}
+            for tenant in {j.tenant for j in chosen.values()}:
+                served = self._served.get(tenant)
+                if served is not None and self.jobs.get(served.job_id) is served:
+                    chosen.setdefault(served.job_id, served)
+        dormant = self.dormant(now, chosen)
+        if groups is None or not self._learned:
+            self._learned = priors(
+                ((j.kind, j.history) for jid, j in self.jobs.items() if jid not in dormant),
+                now,
+                _MIN_HISTORY_S,
+            )
+        learned = self._learned
         pinned = {
             p.request.job_id
             for tail in self.tails.values()
@@ -447,12 +574,23 @@ class ClusterState:
         }
         jobs = {
             jid: self._view(j, now, learned, jid in pinned, jid in dormant)
-            for jid, j in self.jobs.items()
+            for jid, j in chosen.items()
         }
-        workers = {wid: self._worker_view(wid, w, jobs) for wid, w in self.workers.items()}
+        workers = {
+            wid: self._worker_view(wid, w, jobs)
+            for wid, w in self.workers.items()
+            if groups is None or wid in groups
+        }
+        if groups is None:
+            queue: Iterable[Pending] = self.pending.values()
+        else:
+            ids = [rid for jid in jobs for rid in self._queued.get(jid, ())]
+            queue = [self.pending[rid] for rid in sorted(ids, key=self._place.__getitem__)]
         pending = tuple(
-            PendingCall(rid, p.request.job_id, p.request.function, p.request.arrival_time)
-            for rid, p in self.pending.items()
+            PendingCall(
+                p.request.request_id, p.request.job_id, p.request.function, p.request.arrival_time
+            )
+            for p in queue
             if p.request.job_id in jobs
         )
         return ClusterSnapshot(

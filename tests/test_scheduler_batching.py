@@ -1,0 +1,222 @@
+"""The scheduler at many calls a second: decisions on the groups events touched, usage
+written once per poll, and passes that skip clock-paced steps. Fake clock, no Kafka."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiokafka import TopicPartition
+from opentelemetry.context import Context
+
+from plexrl.kafka import Delivery
+from plexrl.messages import (
+    CompletionStatus,
+    Function,
+    JobSpec,
+    NoopInput,
+    PhaseCompletion,
+    PhaseRequest,
+    Timings,
+    WorkerHeartbeat,
+)
+from plexrl.policy import PolicyConfig, Run, decide_holding
+from plexrl_scheduler.loop import ControlLoop, Step
+from plexrl_scheduler.main import Pace
+from plexrl_scheduler.offsets import OffsetTracker
+from plexrl_scheduler.receiver import Receiver
+from plexrl_scheduler.state import ClusterState
+
+SPEC = JobSpec(base_model="m", state_bytes=10)
+POLICY = PolicyConfig(name="plexrl", pack=False)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def beat(worker: str) -> WorkerHeartbeat:
+    return WorkerHeartbeat(
+        worker_id=worker,
+        device="cpu",
+        device_bytes=100,
+        host_bytes=100,
+        base_models=["m"],
+        resident=[],
+        busy=False,
+        started_at=0.0,
+        sent_at=0.0,
+    )
+
+
+def req(rid: str, job: str, tenant: str = "t") -> PhaseRequest:
+    return PhaseRequest(
+        request_id=rid,
+        job_id=job,
+        tenant=tenant,
+        function=Function.NOOP,
+        payload=NoopInput(),
+        arrival_time=1.0,
+    )
+
+
+def done(rid: str, job: str, compute_s: float, finished_at: float) -> PhaseCompletion:
+    return PhaseCompletion(
+        request_id=rid,
+        job_id=job,
+        tenant="t",
+        worker_id="w0",
+        function=Function.NOOP,
+        status=CompletionStatus.OK,
+        timings=Timings(queue_s=0.5, swap_s=0.25, compute_s=compute_s),
+        finished_at=finished_at,
+    )
+
+
+def two_groups(clock: Clock) -> ClusterState:
+    state = ClusterState(clock=clock)
+    for w in ("w0", "w1"):
+        state.on_heartbeat(beat(w))
+    for j, w in (("a", "w0"), ("b", "w0"), ("c", "w1")):
+        state.add_job(j, "t", SPEC, w)
+    return state
+
+
+def runs(plan: Any) -> list[tuple[str, str, tuple[str, ...]]]:
+    return sorted((a.worker_id, a.job_id, a.request_ids) for a in plan if isinstance(a, Run))
+
+
+def test_an_event_touches_only_its_group_and_its_decision_matches_the_whole_one() -> None:
+    clock = Clock()
+    state = two_groups(clock)
+    assert state.take_touched(False) == {"w0", "w1"} and state.everything_due
+    assert state.take_touched(True) is None and not state.everything_due
+    state.on_request(req("r1", "c"), None)
+    state.on_request(req("r2", "a"), None)
+    state.on_request(req("r3", "c"), None)
+    groups = state.take_touched(False)
+    assert groups == {"w0", "w1"} and not state.take_touched(False)
+
+    part = state.snapshot({"w1"})
+    assert set(part.workers) == {"w1"} and set(part.jobs) == {"c"}
+    assert [c.request_id for c in part.pending] == ["r1", "r3"]  # in the queue's order
+    whole, _ = decide_holding(state.snapshot(), POLICY)
+    one, _ = decide_holding(part, POLICY)
+    assert runs(one) == [r for r in runs(whole) if r[0] == "w1"] == [("w1", "c", ("r1", "r3"))]
+
+
+def test_a_job_without_a_home_asks_for_a_whole_decision() -> None:
+    state = two_groups(Clock())
+    state.take_touched(True)
+    state.add_job("new", "t", SPEC, None)
+    state.on_request(req("r1", "new"), None)
+    assert state.everything_due
+    assert state.take_touched(False) == set()  # nothing a group's own decision could admit
+
+
+def test_requeued_calls_go_to_the_front_of_a_groups_queue() -> None:
+    clock = Clock()
+    state = two_groups(clock)
+    state.on_request(req("r1", "a"), None)
+    state.on_request(req("r2", "a"), None)
+    taken = state.take_pending(("r1",))
+    state.apply_run("d1", "w0", "a", taken, ())
+    state.on_request(req("r3", "a"), None)
+    state.requeue("w0")
+    assert [c.request_id for c in state.snapshot({"w0"}).pending] == ["r1", "r2", "r3"]
+    assert list(state.pending) == ["r1", "r2", "r3"]
+
+
+def test_tenants_turns_read_the_tenants_last_served_job_elsewhere() -> None:
+    clock = Clock()
+    state = two_groups(clock)
+    state.on_request(req("r1", "c"), None)
+    state.apply_run("d1", "w1", "c", state.take_pending(("r1",)), ())
+    clock.t += 1
+    state.on_completion(done("r1", "c", 0.1, clock.t))
+    state.on_request(req("r2", "a"), None)
+    part = state.snapshot({"w0"})
+    assert set(part.workers) == {"w0"}
+    assert set(part.jobs) == {"a", "b", "c"} and part.jobs["c"].last_active == clock.t
+
+
+async def test_completions_of_one_poll_are_written_as_one_usage_transaction() -> None:
+    class Usage:
+        def __init__(self) -> None:
+            self.writes: list[dict[str, tuple[dict[str, float], float, float]]] = []
+
+        async def add_usages(
+            self, usages: dict[str, tuple[dict[str, float], float, float]]
+        ) -> None:
+            self.writes.append(usages)
+
+    clock = Clock()
+    state = two_groups(clock)
+    usage = Usage()
+    receiver = Receiver(state, jobs=None, usage=usage)  # type: ignore[arg-type]
+    for offset, rid in enumerate(("r1", "r2")):
+        state.on_request(req(rid, "a"), Delivery("requests", 0, offset, Context()))
+    state.apply_run("d1", "w0", "a", state.take_pending(("r1", "r2")), ())
+    delivery = Delivery("completions", 0, 0, Context())
+    await receiver.on_completion(done("r1", "a", 1.0, 10.0), delivery)
+    await receiver.on_completion(done("r2", "a", 2.0, 12.0), delivery)
+    assert not usage.writes and "w0" not in state.inflight  # the state took both at once
+    await receiver.flush_usage()
+    await receiver.flush_usage()  # nothing new: no write
+    assert len(usage.writes) == 1
+    fields, first, last = usage.writes[0]["a"]
+    assert (first, last) == (10.0, 12.0)
+    assert fields == {
+        "calls": 2.0,
+        "queue_s": 1.0,
+        "swap_s": 0.5,
+        "compute_s": 3.0,
+        "device_s": 3.5,
+    }
+
+
+async def test_a_clock_paced_step_runs_at_most_once_per_interval() -> None:
+    clock = Clock()
+    ran: list[str] = []
+
+    async def reap() -> None:
+        ran.append("reap")
+
+    async def decide() -> None:
+        ran.append("decide")
+
+    loop = ControlLoop([Step("reap", reap, every_s=0.1), Step("decide", decide)], clock=clock)
+    await loop.run_pass()
+    clock.t += 0.05
+    await loop.run_pass()
+    clock.t += 0.06
+    await loop.run_pass()
+    assert ran == ["reap", "decide", "decide", "reap", "decide"]
+
+
+def test_offsets_commit_past_the_lowest_open_one_out_of_order() -> None:
+    tp = TopicPartition("requests", 0)
+    offsets = OffsetTracker()
+    for o in range(10, 15):
+        offsets.seen(tp, o)
+    assert offsets.finished(tp, 12) is None
+    assert offsets.finished(tp, 10) == 11
+    assert offsets.finished(tp, 11) == 13  # 12 was finished already
+    assert offsets.finished(tp, 14) is None
+    assert offsets.finished(tp, 13) == 15
+
+
+def test_whole_decisions_take_at_most_their_share_of_the_time() -> None:
+    clock = Clock()
+    pace = Pace(idle_s=0.5, whole_share=0.05, clock=clock)
+    assert pace.whole_now()
+    pace.decided(True, 0.010)  # a whole decision of 10 ms: the next one 200 ms on
+    clock.t += 0.1
+    assert not pace.whole_now()
+    assert pace.wait_s() == 0.5 and abs(pace.wait_s(whole_due=True) - 0.1) < 1e-9
+    pace.decided(False, 0.001)  # decisions on touched groups do not move it
+    clock.t += 0.1
+    assert pace.whole_now() and pace.wait_s(whole_due=True) == 0.0
