@@ -26,7 +26,7 @@ OPTIM = "optim."
 ADAM_KEYS = ("exp_avg", "exp_avg_sq", "step")
 
 _FORMAT = "plexrl.job_state/1"
-_META_KEY = "plexrl"
+META_KEY = "plexrl"
 
 NamedParams = Sequence[tuple[str, torch.nn.Parameter]]
 
@@ -62,7 +62,7 @@ def make_metadata(spec: JobSpec, steps: int) -> dict[str, Any]:
 def state_to_bytes(state: JobTensors) -> bytes:
     """Safetensors bytes; the metadata travels as one JSON string in the header."""
     tensors = {k: t.detach().to("cpu").contiguous() for k, t in state.tensors.items()}
-    return st_save(tensors, metadata={_META_KEY: json.dumps(state.metadata)})
+    return st_save(tensors, metadata={META_KEY: json.dumps(state.metadata)})
 
 
 _ST_DTYPES = {
@@ -121,7 +121,7 @@ def state_stream(state: JobTensors) -> StateStream:
     reads back with any safetensors reader and hashes as `state_to_bytes` does."""
     tensors = {k: t.detach().to("cpu").contiguous() for k, t in state.tensors.items()}
     order = _safetensors_order(tensors)
-    entries: dict[str, Any] = {"__metadata__": {_META_KEY: json.dumps(state.metadata)}}
+    entries: dict[str, Any] = {"__metadata__": {META_KEY: json.dumps(state.metadata)}}
     offset = 0
     for name in order:
         t = tensors[name]
@@ -172,7 +172,7 @@ def _header(data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], dict[
     header_len = int.from_bytes(bytes(data[:8]), "little") if len(data) >= 8 else 0
     try:
         header = json.loads(bytes(data[8 : 8 + header_len]))
-        meta = json.loads(header["__metadata__"][_META_KEY])
+        meta = json.loads(header["__metadata__"][META_KEY])
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError("these bytes are not a PlexRL job state (no plexrl metadata)") from exc
     if meta.get("format") != _FORMAT:
@@ -184,9 +184,9 @@ def export_params(params: NamedParams, *, gradients: bool) -> dict[str, torch.Te
     """Weights (and accumulated gradients, where there are any) as CPU copies."""
     out: dict[str, torch.Tensor] = {}
     for name, p in params:
-        out[WEIGHTS + name] = _cpu_copy(p.detach())
+        out[WEIGHTS + name] = host_copy(p.detach())
         if gradients and p.grad is not None:
-            out[GRADS + name] = _cpu_copy(p.grad)
+            out[GRADS + name] = host_copy(p.grad)
     return out
 
 
@@ -196,7 +196,7 @@ def export_adam(params: NamedParams, optimizer: torch.optim.Optimizer) -> dict[s
     for name, p in params:
         for key, value in optimizer.state.get(p, {}).items():
             if key in ADAM_KEYS:
-                out[f"{OPTIM}{name}.{key}"] = _cpu_copy(value)
+                out[f"{OPTIM}{name}.{key}"] = host_copy(value)
     return out
 
 
@@ -272,7 +272,7 @@ def refill_params(
     import_adam(params, optimizer, tensors)
 
 
-def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
+def host_copy(t: torch.Tensor) -> torch.Tensor:
     """A CPU copy that aliases nothing live (a copy even on the CPU: training goes on).
 
     From a CUDA device it lands in pinned host memory, asynchronously (call
@@ -288,6 +288,6 @@ def _cpu_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def wait_for_copies(device: torch.device) -> None:
-    """Block until the asynchronous device-to-host copies of `_cpu_copy` have landed."""
+    """Block until the asynchronous device-to-host copies of `host_copy` have landed."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

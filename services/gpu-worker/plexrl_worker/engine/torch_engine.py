@@ -181,7 +181,7 @@ class TorchEngine:
         """One AdamW step over the accumulated gradients, which it then clears."""
         job = self._trainable(job_id)
         adam = inp.adam
-        _check_adam(adam)
+        check_adam(adam)
         assert job.optimizer is not None  # _trainable guarantees it
         params = [p for _, p in job.weights.params()]
         grads = [p.grad for p in params if p.grad is not None]
@@ -508,7 +508,7 @@ def _state_bytes(job: _WeightSet) -> int:
     return 4 * sum(p.numel() * p.element_size() for _, p in job.weights.params())
 
 
-def _check_adam(adam: AdamParams) -> None:
+def check_adam(adam: AdamParams) -> None:
     problems = []
     if not adam.learning_rate >= 0:
         problems.append(f"learning_rate {adam.learning_rate} must be >= 0")

@@ -55,8 +55,8 @@ from plexrl_worker.engine.errors import (
     UnknownJobError,
 )
 from plexrl_worker.engine.losses import elementwise_loss, loss_config
-from plexrl_worker.engine.state import JobTensors, NamedParams
-from plexrl_worker.engine.torch_engine import _check_adam
+from plexrl_worker.engine.state import JobTensors, NamedParams, host_copy
+from plexrl_worker.engine.torch_engine import check_adam
 from plexrl_worker.engine.weights import (
     FullWeights,
     LoraWeights,
@@ -205,7 +205,7 @@ class RankEngine:
         """One AdamW step, each rank on its shard (full) or on the replicated adapter."""
         job = self._job(job_id)
         adam = inp.adam
-        _check_adam(adam)
+        check_adam(adam)
         params = [p for _, p in job.weights.params()]
         grads = [p.grad for p in params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
@@ -242,7 +242,7 @@ class RankEngine:
 
         def put(key: str, t: torch.Tensor) -> None:
             shapes[key] = list(t.shape)
-            tensors[key] = _host_copy(self._local(t))
+            tensors[key] = host_copy(self._local(t))
 
         for name, p in params:
             put(state.WEIGHTS + name, p.detach())
@@ -479,16 +479,6 @@ def _take_grads(params: NamedParams) -> dict[int, torch.Tensor | None]:
         out[id(p)] = p.grad
         p.grad = None
     return out
-
-
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A host copy aliasing nothing live; from CUDA, asynchronous into pinned memory
-    (`state.wait_for_copies` before reading it)."""
-    if t.is_cuda:
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        out.copy_(t.detach(), non_blocking=True)
-        return out
-    return t.detach().to("cpu", copy=True).contiguous()
 
 
 def _local_bytes(params: NamedParams, rank: int, world_size: int) -> int:

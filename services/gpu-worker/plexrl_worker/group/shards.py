@@ -23,10 +23,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from plexrl_worker.engine.state import JobTensors, state_to_bytes
+from plexrl_worker.engine.state import META_KEY, JobTensors, state_to_bytes
 
 MANIFEST = "manifest.json"
-_META_KEY = "plexrl"
 """Where `state_to_bytes` puts a state's metadata in the safetensors header."""
 _FORMAT = "plexrl.group_snapshot/1"
 
@@ -87,7 +86,7 @@ def write_manifest(directory: Path, files: list[tuple[str, int, str]]) -> None:
     and the whole tensors' shapes come from the first file's header."""
     with safe_open(str(directory / files[0][0]), framework="pt") as handle:
         header = handle.metadata()
-    metadata: dict[str, Any] = json.loads(header[_META_KEY])
+    metadata: dict[str, Any] = json.loads(header[META_KEY])
     place = metadata.pop("shard")
     manifest = {
         "format": _FORMAT,
