@@ -11,13 +11,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from plexrl import limits as rules
 from plexrl.limits import DEFAULT_LIMITS, CallLimits, InputError, ModelLimits
-from plexrl.messages import Datum, LossFn
-from plexrl_worker.engine.arrays import to_tensor
+from plexrl.messages import Datum, LossFn, TensorArray
+from plexrl_worker.engine.arrays import to_array, to_tensor
 from plexrl_worker.engine.errors import EngineInputError
-from plexrl_worker.engine.losses import LOSS_INPUTS
+from plexrl_worker.engine.losses import LOSS_INPUTS, elementwise_loss, loss_config
 
 __all__ = ["MicroBatch", "ModelLimits", "engine_rules", "prepare"]
 
@@ -122,3 +123,63 @@ def _pad(first: int, rows: list[_Checked]) -> MicroBatch:
         for k in keys:
             inputs[k][j, :n] = row.inputs[k]
     return MicroBatch(first=first, lengths=lengths, tokens=tokens, mask=mask, inputs=inputs)
+
+
+def checked_loss(loss_fn: str, given: dict[str, float] | None) -> tuple[LossFn, dict[str, float]]:
+    """A call's loss and its config with defaults filled in; EngineInputError otherwise."""
+    try:
+        fn = LossFn(loss_fn)
+    except ValueError as exc:
+        known = [f.value for f in LossFn]
+        raise EngineInputError(f"unknown loss_fn {loss_fn!r}; use one of {known}") from exc
+    try:
+        return fn, loss_config(fn, given)
+    except ValueError as exc:
+        raise EngineInputError(str(exc)) from exc
+
+
+@dataclass(frozen=True)
+class BatchLoss:
+    """One micro-batch run through the model: the target tokens' logprobs, the loss
+    terms (zero on padding) and their sum."""
+
+    logprobs: torch.Tensor
+    terms: torch.Tensor
+    loss: torch.Tensor
+    mask: torch.Tensor
+
+    def outputs(self, mb: MicroBatch) -> list[dict[str, TensorArray]]:
+        """Each datum's `logprobs` and `elementwise_loss`, unpadded, in order."""
+        return [
+            {
+                "logprobs": to_array(self.logprobs[j, :n]),
+                "elementwise_loss": to_array(self.terms[j, :n]),
+            }
+            for j, n in enumerate(mb.lengths)
+        ]
+
+
+def batch_loss(
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    loss_fn: LossFn,
+    config: dict[str, float],
+    device: torch.device,
+    backward: bool,
+) -> BatchLoss:
+    """The micro-batch's loss on `model`; with `backward`, its gradients added to the
+    parameters' own."""
+    inputs = {k: v.to(device) for k, v in mb.inputs.items()}
+    mask = mb.mask.to(device)
+    with torch.set_grad_enabled(backward):
+        logits = model(input_ids=mb.tokens.to(device)).logits.float()
+        logprobs = -F.cross_entropy(
+            logits.flatten(0, 1), inputs["target_tokens"].flatten(), reduction="none"
+        ).view_as(mask)
+        terms = elementwise_loss(loss_fn, logprobs, inputs, config)
+        # where(), not a product: a padded term may be inf or nan.
+        terms = torch.where(mask, terms, torch.zeros_like(terms))
+        loss = terms.sum()
+        if backward:
+            loss.backward()
+    return BatchLoss(logprobs, terms, loss, mask)

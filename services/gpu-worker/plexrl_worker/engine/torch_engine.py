@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import AutoTokenizer
 
@@ -30,7 +29,6 @@ from plexrl.messages import (
     ForwardBackwardInput,
     ForwardBackwardOutput,
     JobSpec,
-    LossFn,
     OptimStepInput,
     OptimStepOutput,
     SampleInput,
@@ -39,8 +37,7 @@ from plexrl.messages import (
 )
 from plexrl.models import BaseModelInfo, ModelRegistry, UnknownModelError
 from plexrl_worker.engine import cobatch, sampling, state
-from plexrl_worker.engine.arrays import to_array
-from plexrl_worker.engine.batch import ModelLimits, prepare
+from plexrl_worker.engine.batch import ModelLimits, batch_loss, checked_loss, prepare
 from plexrl_worker.engine.cobatch import SampleCall
 from plexrl_worker.engine.config import EngineConfig
 from plexrl_worker.engine.errors import (
@@ -49,7 +46,6 @@ from plexrl_worker.engine.errors import (
     NotFoundError,
     UnknownJobError,
 )
-from plexrl_worker.engine.losses import elementwise_loss, loss_config
 from plexrl_worker.engine.state import JobTensors
 from plexrl_worker.engine.weights import (
     FullWeights,
@@ -135,43 +131,18 @@ class TorchEngine:
         """Summed loss and per-token outputs; with `inp.backward`, gradients that add up
         across calls until `optim_step`."""
         job = self._trainable(job_id)
-        try:
-            loss_fn = LossFn(inp.loss_fn)
-        except ValueError as exc:
-            known = [f.value for f in LossFn]
-            raise EngineInputError(f"unknown loss_fn {inp.loss_fn!r}; use one of {known}") from exc
-        try:
-            config = loss_config(loss_fn, inp.loss_fn_config)
-        except ValueError as exc:
-            raise EngineInputError(str(exc)) from exc
+        loss_fn, config = checked_loss(inp.loss_fn, inp.loss_fn_config)
         limits = ModelLimits(job.info.vocab_size, job.info.max_positions)
         batches = prepare(inp.data, loss_fn, limits, self._config.max_batch_tokens)
         model = job.weights.module()
-        device = self._config.torch_device
         outputs: list[dict[str, TensorArray]] = [{} for _ in inp.data]
         total = 0.0
         tokens = 0
         for mb in batches:
-            inputs = {k: v.to(device) for k, v in mb.inputs.items()}
-            mask = mb.mask.to(device)
-            with torch.set_grad_enabled(inp.backward):
-                logits = model(input_ids=mb.tokens.to(device)).logits.float()
-                logprobs = -F.cross_entropy(
-                    logits.flatten(0, 1), inputs["target_tokens"].flatten(), reduction="none"
-                ).view_as(mask)
-                terms = elementwise_loss(loss_fn, logprobs, inputs, config)
-                # where(), not a product: a padded term may be inf or nan.
-                terms = torch.where(mask, terms, torch.zeros_like(terms))
-                loss = terms.sum()
-                if inp.backward:
-                    loss.backward()
-            total += float(loss.detach())
-            tokens += int(mask.sum())
-            for j, n in enumerate(mb.lengths):
-                outputs[mb.first + j] = {
-                    "logprobs": to_array(logprobs[j, :n]),
-                    "elementwise_loss": to_array(terms[j, :n]),
-                }
+            run = batch_loss(model, mb, loss_fn, config, self._config.torch_device, inp.backward)
+            total += float(run.loss.detach())
+            tokens += int(run.mask.sum())
+            outputs[mb.first : mb.first + len(mb.lengths)] = run.outputs(mb)
         return ForwardBackwardOutput(
             loss_fn_outputs=outputs, metrics={"loss:sum": total, "tokens:sum": float(tokens)}
         )

@@ -30,7 +30,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -39,13 +38,11 @@ from torch.distributed.tensor import DTensor, Shard
 from plexrl.messages import (
     ForwardBackwardInput,
     JobSpec,
-    LossFn,
     OptimStepInput,
 )
 from plexrl.models import BaseModelInfo, ModelRegistry, UnknownModelError
 from plexrl_worker.engine import state
-from plexrl_worker.engine.arrays import to_array
-from plexrl_worker.engine.batch import MicroBatch, ModelLimits, prepare
+from plexrl_worker.engine.batch import MicroBatch, ModelLimits, batch_loss, checked_loss, prepare
 from plexrl_worker.engine.config import EngineConfig
 from plexrl_worker.engine.errors import (
     EngineError,
@@ -54,7 +51,6 @@ from plexrl_worker.engine.errors import (
     NotFoundError,
     UnknownJobError,
 )
-from plexrl_worker.engine.losses import elementwise_loss, loss_config
 from plexrl_worker.engine.state import JobTensors, NamedParams, host_copy
 from plexrl_worker.engine.torch_engine import check_adam
 from plexrl_worker.engine.weights import (
@@ -152,11 +148,7 @@ class RankEngine:
     ) -> calls.ForwardBackwardReply:
         """This rank's contiguous slice of the data; gradients summed over every rank."""
         job = self._job(job_id)
-        try:
-            loss_fn = LossFn(inp.loss_fn)
-            config = loss_config(loss_fn, inp.loss_fn_config)
-        except ValueError as exc:
-            raise EngineInputError(str(exc)) from exc
+        loss_fn, config = checked_loss(inp.loss_fn, inp.loss_fn_config)
         limits = ModelLimits(job.info.vocab_size, job.info.max_positions)
         batch_tokens = self._config.max_batch_tokens
         # The whole input is checked on every rank, so all refuse it alike.
@@ -176,27 +168,12 @@ class RankEngine:
         total, tokens = 0.0, 0
         for i in range(int(count)):
             mb = mine[i] if i < len(mine) else idle
-            inputs = {k: v.to(device) for k, v in mb.inputs.items()}
-            mask = mb.mask.to(device)
-            with torch.set_grad_enabled(inp.backward):
-                logits = model(input_ids=mb.tokens.to(device)).logits.float()
-                logprobs = -F.cross_entropy(
-                    logits.flatten(0, 1), inputs["target_tokens"].flatten(), reduction="none"
-                ).view_as(mask)
-                terms = elementwise_loss(loss_fn, logprobs, inputs, config)
-                terms = torch.where(mask, terms, torch.zeros_like(terms))
-                loss = terms.sum()
-                if inp.backward:
-                    loss.backward()
+            run = batch_loss(model, mb, loss_fn, config, device, inp.backward)
             if i >= len(mine):
                 continue
-            total += float(loss.detach())
-            tokens += int(mask.sum())
-            for j, n in enumerate(mb.lengths):
-                outputs[mb.first + j] = {
-                    "logprobs": to_array(logprobs[j, :n]),
-                    "elementwise_loss": to_array(terms[j, :n]),
-                }
+            total += float(run.loss.detach())
+            tokens += int(run.mask.sum())
+            outputs[mb.first : mb.first + len(mb.lengths)] = run.outputs(mb)
         if trained:
             self._sum_replicated_grads(job.weights.params(), carried)
         return calls.ForwardBackwardReply(first=lo, outputs=outputs, loss=total, tokens=tokens)
