@@ -347,6 +347,7 @@ class MessageConsumer(Generic[T]):
         """
         self._stop = stop
         self._running = True
+        self._last_poll = self._clock()  # idle time counts from the loop's start
         committer = asyncio.create_task(self._commit_periodically(stop))
         try:
             await self._consume(stop)
