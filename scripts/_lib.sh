@@ -48,3 +48,15 @@ ensure_java() {
   [[ ${major:-0} -ge 17 ]] ||
     die "java on PATH is version ${version:-unknown}; Kafka needs 17 or newer (apt-get install openjdk-17-jre-headless, then put it first on PATH)"
 }
+
+# go_cmd — print the Go toolchain's path (for the tools built from the Go module proxy:
+# scripts/helm.sh, scripts/seaweedfs.sh).
+go_cmd() {
+  if command -v go >/dev/null; then
+    command -v go
+  elif [[ -x /usr/local/go/bin/go ]]; then
+    echo /usr/local/go/bin/go
+  else
+    die "go is not on PATH (nor /usr/local/go/bin/go); install Go 1.26+ (https://go.dev/dl/) to build the tools under .plexrl/bin"
+  fi
+}

@@ -34,16 +34,6 @@ SCHEMA_DIR=$ROOT/.plexrl/kube-schemas
 
 stamped() { [[ -f $1 && $(<"$1") == "$2" ]]; }
 
-go_cmd() {
-  if command -v go >/dev/null; then
-    command -v go
-  elif [[ -x /usr/local/go/bin/go ]]; then
-    echo /usr/local/go/bin/go
-  else
-    die "go is not on PATH (nor /usr/local/go/bin/go); install Go 1.24+ to build Helm and kubeconform"
-  fi
-}
-
 # go_install NAME PACKAGE VERSION [LDFLAGS] — build PACKAGE@VERSION into $BIN_DIR/NAME, once.
 go_install() {
   local name=$1 package=$2 version=$3 ldflags=${4:-} stamp=$BIN_DIR/$1.version

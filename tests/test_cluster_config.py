@@ -28,3 +28,8 @@ def test_each_worker_of_a_free_port_cluster_has_its_own_picked_port(tmp_path: Pa
 def test_a_fixed_port_cluster_still_counts_up_from_its_base(tmp_path: Path) -> None:
     config = ClusterConfig(tmp_path, tmp_path, worker_port_base=9100, workers=2)
     assert [config.worker_port(0), config.worker_port(1)] == [9100, 9101]
+
+
+def test_a_cluster_on_another_address_is_reached_there(tmp_path: Path) -> None:
+    config = ClusterConfig(tmp_path, tmp_path, host="10.77.0.4", gateway_port=9000)
+    assert config.gateway_url == "http://10.77.0.4:9000"

@@ -33,6 +33,9 @@ class ClusterConfig:
     """Blobs and service logs go under here."""
     cluster_id: str = "plexrl"
     """Prefix of Kafka topics, consumer groups and Redis keys."""
+    host: str = "127.0.0.1"
+    """The address every service binds (`PLEXRL_*_HOST`) and the others reach it at
+    (`PLEXRL_STATE_STORE_URL`, `PLEXRL_SCHEDULER_URL`): loopback on one machine."""
     workers: int = 1
     """Worker groups to start (`worker-0`, `worker-1`, ...)."""
     gateway_port: int = 8000
@@ -57,7 +60,7 @@ class ClusterConfig:
 
     @property
     def gateway_url(self) -> str:
-        return f"http://127.0.0.1:{self.gateway_port}"
+        return f"http://{self.host}:{self.gateway_port}"
 
     def worker_port(self, i: int) -> int:
         return self.worker_ports[i] if i < len(self.worker_ports) else self.worker_port_base + i
@@ -140,8 +143,12 @@ class LocalCluster:
             **os.environ,
             "PLEXRL_CLUSTER_ID": c.cluster_id,
             "PLEXRL_MODEL_REGISTRY": str(c.model_registry),
-            "PLEXRL_STATE_STORE_URL": f"http://127.0.0.1:{c.state_store_port}",
-            "PLEXRL_SCHEDULER_URL": f"http://127.0.0.1:{c.scheduler_port}",
+            "PLEXRL_STATE_STORE_URL": f"http://{c.host}:{c.state_store_port}",
+            "PLEXRL_SCHEDULER_URL": f"http://{c.host}:{c.scheduler_port}",
+            "PLEXRL_GATEWAY_HOST": c.host,
+            "PLEXRL_SCHEDULER_HOST": c.host,
+            "PLEXRL_WORKER_HOST": c.host,
+            "PLEXRL_STATE_STORE_HOST": c.host,
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "PLEXRL_SERVICE_TOKEN": self.service_token,
@@ -163,7 +170,9 @@ class LocalCluster:
                 stdin=subprocess.DEVNULL,
             )
         self._procs.append(
-            _Proc(name, process, f"http://127.0.0.1:{port}/healthz", log, module, port, extra)
+            _Proc(
+                name, process, f"http://{self.config.host}:{port}/healthz", log, module, port, extra
+            )
         )
 
     def start(self, timeout_s: float = 600.0) -> None:
@@ -238,7 +247,7 @@ class LocalCluster:
     def wait_workers_known(self, timeout_s: float) -> None:
         """Until the scheduler has heard every worker's heartbeat (so jobs can be placed)."""
         deadline = time.monotonic() + timeout_s
-        url = f"http://127.0.0.1:{self.config.scheduler_port}/healthz"
+        url = f"http://{self.config.host}:{self.config.scheduler_port}/healthz"
         with httpx.Client(timeout=2.0) as http:
             while True:
                 workers = http.get(url).json().get("workers", {})

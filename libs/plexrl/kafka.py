@@ -29,6 +29,7 @@ from opentelemetry.context import Context
 from prometheus_client import Counter
 
 from plexrl import tracing
+from plexrl.kafka_replication import TopicReplication
 from plexrl.messages import DeadLetter, DeadLetterReason, MessageError, decode, encode
 from plexrl.retry import Backoff, is_transient, retrying
 
@@ -91,23 +92,81 @@ async def wait_for_kafka(bootstrap: str, timeout_s: float = 60.0) -> None:
             await admin.close()
 
 
-async def ensure_topics(bootstrap: str, wanted: dict[str, int]) -> None:
-    """Create the topics that do not exist yet (idempotent, safe to race)."""
+_TOPIC_EXISTS = 36
+"""Kafka's TOPIC_ALREADY_EXISTS error code: another service created it first."""
+
+
+async def ensure_topics(
+    bootstrap: str, wanted: dict[str, int], replication: TopicReplication | None = None
+) -> None:
+    """Create the topics that do not exist yet (idempotent, safe to race), replicated as
+    `replication` says; raises saying what to change when the brokers refuse them."""
+    replication = replication or TopicReplication()
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
         existing = set(await admin.list_topics())
         missing = [
-            NewTopic(name=name, num_partitions=parts, replication_factor=1)
+            NewTopic(
+                name=name,
+                num_partitions=parts,
+                replication_factor=replication.factor,
+                topic_configs={"min.insync.replicas": str(replication.min_insync)},
+            )
             for name, parts in wanted.items()
             if name not in existing
         ]
         if missing:
             with contextlib.suppress(TopicAlreadyExistsError):
-                await admin.create_topics(missing)
+                response = await admin.create_topics(missing)
+                refused = [
+                    (name, code, message)
+                    for name, code, message in _topic_errors(response)
+                    if code not in (0, _TOPIC_EXISTS)
+                ]
+                if refused:
+                    brokers = len((await admin.describe_cluster()).get("brokers", []))
+                    raise RuntimeError(
+                        f"Kafka at {bootstrap} ({brokers} brokers) refused to create topics "
+                        f"with replication factor {replication.factor} and "
+                        f"min.insync.replicas {replication.min_insync}: {refused}; the factor "
+                        "must not exceed the brokers (PLEXRL_KAFKA_REPLICATION_FACTOR)"
+                    )
             log.info("created topics %s", [t.name for t in missing])
+        if replication.factor > 1:
+            await _warn_underreplicated(admin, sorted(set(wanted) & existing), replication)
     finally:
         await admin.close()
+
+
+def _topic_errors(response: Any) -> list[tuple[str, int, str]]:
+    """(topic, error code, message) of a CreateTopics response, whatever its version."""
+    out = []
+    for entry in getattr(response, "topic_errors", None) or getattr(response, "topics", []):
+        name, code = entry[0], entry[1]
+        message = entry[2] if len(entry) > 2 and isinstance(entry[2], str) else ""
+        out.append((str(name), int(code), message or ""))
+    return out
+
+
+async def _warn_underreplicated(
+    admin: AIOKafkaAdminClient, names: list[str], replication: TopicReplication
+) -> None:
+    """Topics made before replication was raised keep their old factor: say so, since a
+    broker lost then loses their messages."""
+    if not names:
+        return
+    for topic in await admin.describe_topics(names):
+        factors = {len(p["replicas"]) for p in topic.get("partitions", [])}
+        if factors and min(factors) < replication.factor:
+            log.warning(
+                "topic %s has %d replicas, fewer than PLEXRL_KAFKA_REPLICATION_FACTOR=%d: it "
+                "was created before; reassign its partitions (kafka-reassign-partitions) "
+                "or recreate it",
+                topic["topic"],
+                min(factors),
+                replication.factor,
+            )
 
 
 def _key_bytes(key: str | bytes | None) -> bytes | None:
@@ -539,6 +598,7 @@ __all__ = [
     "MessageConsumer",
     "Publisher",
     "TopicPartition",
+    "TopicReplication",
     "ensure_topics",
     "wait_for_kafka",
 ]

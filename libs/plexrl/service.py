@@ -30,7 +30,11 @@ async def join_cluster(
     tracing.setup_tracing(name)
     topics = Topics(settings.cluster_id)
     await wait_for_kafka(settings.kafka_bootstrap)
-    await ensure_topics(settings.kafka_bootstrap, {**core_topics(topics), **(extra_topics or {})})
+    await ensure_topics(
+        settings.kafka_bootstrap,
+        {**core_topics(topics), **(extra_topics or {})},
+        settings.topic_replication(),
+    )
     stores = Stores.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
     return ClusterLink(topics, stores, Publisher(settings.kafka_bootstrap, name))
 

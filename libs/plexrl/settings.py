@@ -10,9 +10,10 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from plexrl.kafka_replication import TopicReplication
 from plexrl.quotas import DEFAULT_QUOTAS, RecordQuotas
 
 
@@ -23,6 +24,16 @@ class CommonSettings(BaseSettings):
 
     # Kafka bootstrap servers, comma separated.
     kafka_bootstrap: str = "127.0.0.1:9092"
+    # Copies of each partition of the topics the services create: 1 on one broker; 3 on
+    # a cluster of three or more brokers on separate hosts (docs/deploy.md), so losing a
+    # broker's host loses no message. Topics made earlier keep their factor (a warning
+    # says so).
+    kafka_replication_factor: int = Field(default=1, ge=1)
+    # The topics' `min.insync.replicas`: copies that must hold a message before a send
+    # (every producer uses acks=all, idempotent) succeeds. 1 with one copy; 2 with three,
+    # so one broker can be down without refusing sends and an acknowledged message is on
+    # two brokers. At most kafka_replication_factor.
+    kafka_min_insync_replicas: int = Field(default=1, ge=1)
     # Redis URL of the metadata store (no tensors live there).
     redis_url: str = "redis://127.0.0.1:6379/0"
     # Base URL of the state-store service (checkpoints, disk tier).
@@ -58,6 +69,14 @@ class CommonSettings(BaseSettings):
     http_keep_alive_s: int = Field(default=5, ge=1)
     # Largest request line plus headers, bytes; a longer head is answered 400.
     http_max_head_bytes: int = Field(default=64 * 1024, ge=1024)
+
+    @model_validator(mode="after")
+    def _replication_fits(self) -> CommonSettings:
+        self.topic_replication()  # raises saying what to change
+        return self
+
+    def topic_replication(self) -> TopicReplication:
+        return TopicReplication(self.kafka_replication_factor, self.kafka_min_insync_replicas)
 
 
 class GatewaySettings(CommonSettings):

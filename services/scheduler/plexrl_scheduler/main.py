@@ -214,7 +214,7 @@ async def ensure_worker_topics(
     if receiver.new_workers:
         wanted = {topics.dispatch(w): 1 for w in receiver.new_workers}
         wanted |= {topics.control(w): 1 for w in receiver.new_workers}
-        await ensure_topics(settings.kafka_bootstrap, wanted)
+        await ensure_topics(settings.kafka_bootstrap, wanted, settings.topic_replication())
         receiver.new_workers.clear()  # only once created: a failure is retried next pass
 
 
