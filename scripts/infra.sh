@@ -6,7 +6,13 @@
 #   scripts/infra.sh status   what answers where, and whether `up` started it
 #   scripts/infra.sh env      `export` lines for PLEXRL_KAFKA_BOOTSTRAP and PLEXRL_REDIS_URL
 #
-# PLEXRL_INFRA_PARTS="redis" (or "kafka") limits up, down and status to that part.
+# PLEXRL_INFRA_PARTS="redis" (or "kafka") limits up, down and status to that part;
+# "sentinel" is a Redis Sentinel (not started by default).
+#
+# The host bed (scripts/hosts.sh) runs the same parts on other addresses: one broker of
+# a three-node KRaft quorum (PLEXRL_KAFKA_NODE_ID, PLEXRL_KAFKA_VOTERS), a Redis replica
+# (PLEXRL_REDIS_REPLICA_OF) or a Sentinel, each bound to its host's address
+# (PLEXRL_INFRA_HOST) with its state under PLEXRL_INFRA_DIR. docs/infra.md lists them.
 #
 # State (jars, data, pid files, logs, generated configs) lives under the git-ignored
 # .plexrl/infra/. Reset: scripts/infra.sh down && rm -rf .plexrl/infra. See docs/infra.md.
@@ -17,21 +23,36 @@ PLEXRL_LOG_TAG=infra
 # shellcheck source=scripts/_lib.sh
 source "$ROOT/scripts/_lib.sh"
 
-HOST=127.0.0.1
+HOST=${PLEXRL_INFRA_HOST:-127.0.0.1}
 KAFKA_PORT=${PLEXRL_KAFKA_PORT:-9092}
 KAFKA_CONTROLLER_PORT=${PLEXRL_KAFKA_CONTROLLER_PORT:-$((KAFKA_PORT + 1))}
 KAFKA_HEAP=${PLEXRL_KAFKA_HEAP:-512m}
 REDIS_PORT=${PLEXRL_REDIS_PORT:-6379}
+# "HOST PORT" of the primary this Redis replicates; empty: a primary.
+REDIS_REPLICA_OF=${PLEXRL_REDIS_REPLICA_OF:-}
+SENTINEL_PORT=${PLEXRL_SENTINEL_PORT:-26379}
+# "NAME HOST PORT QUORUM": the primary a Sentinel watches, and how many Sentinels must
+# agree it is down before one fails it over.
+SENTINEL_MONITOR=${PLEXRL_SENTINEL_MONITOR:-plexrl 127.0.0.1 6379 2}
+# How long the primary may be silent before a Sentinel calls it down (ms).
+SENTINEL_DOWN_MS=${PLEXRL_SENTINEL_DOWN_MS:-5000}
+# One broker of a KRaft quorum of several: its node id, and every controller as
+# "id@host:port,..." (empty: one node, formatted --standalone, as on one machine).
+KAFKA_NODE_ID=${PLEXRL_KAFKA_NODE_ID:-1}
+KAFKA_VOTERS=${PLEXRL_KAFKA_VOTERS:-}
+# The quorum's cluster id, the same for every node (empty: a fresh random one).
+KAFKA_CLUSTER_ID=${PLEXRL_KAFKA_CLUSTER_ID:-}
 TIMEOUT=${PLEXRL_INFRA_TIMEOUT:-120}
 PARTS=" ${PLEXRL_INFRA_PARTS:-kafka redis} "
 for part in $PARTS; do
-  [[ $part == kafka || $part == redis ]] || { echo "[infra] PLEXRL_INFRA_PARTS: unknown part '$part'; use kafka, redis or both" >&2; exit 2; }
+  [[ $part == kafka || $part == redis || $part == sentinel ]] || { echo "[infra] PLEXRL_INFRA_PARTS: unknown part '$part'; use kafka, redis, sentinel" >&2; exit 2; }
 done
 wanted() { [[ $PARTS == *" $1 "* ]]; }
 
-STATE=$ROOT/.plexrl/infra
+# Data, pid files and logs; the broker jars stay in .plexrl/infra (one copy per checkout).
+STATE=${PLEXRL_INFRA_DIR:-$ROOT/.plexrl/infra}
 POM=$ROOT/scripts/kafka/pom.xml
-KAFKA_LIBS=$STATE/kafka-libs
+KAFKA_LIBS=$ROOT/.plexrl/infra/kafka-libs
 # Data is per port: a KRaft log formatted for one listener set stays with it.
 KAFKA_DIR=$STATE/kafka-$KAFKA_PORT
 KAFKA_PID=$KAFKA_DIR/kafka.pid
@@ -41,6 +62,9 @@ KAFKA_OUT=$KAFKA_DIR/logs/kafka.out
 REDIS_DIR=$STATE/redis-$REDIS_PORT
 REDIS_PID=$REDIS_DIR/redis.pid
 REDIS_LOG=$REDIS_DIR/redis.log
+SENTINEL_DIR=$STATE/sentinel-$SENTINEL_PORT
+SENTINEL_PID=$SENTINEL_DIR/sentinel.pid
+SENTINEL_LOG=$SENTINEL_DIR/sentinel.log
 # Pinned, so a new plugin release on Maven Central cannot change what `up` does.
 DEPENDENCY_PLUGIN=org.apache.maven.plugins:maven-dependency-plugin:3.8.1
 
@@ -164,19 +188,54 @@ kafka_fetch_jars() {
   [[ -f $KAFKA_LIBS/.pom-sha256 && $(<"$KAFKA_LIBS/.pom-sha256") == "$want" ]] && return 0
   ensure_cmd mvn maven
   log "kafka: fetching broker jars from Maven Central (scripts/kafka/pom.xml) into $KAFKA_LIBS"
-  mkdir -p "$STATE"
-  tmp=$(mktemp -d "$STATE/kafka-libs.tmp.XXXXXX")
+  local libs_parent=${KAFKA_LIBS%/*}
+  mkdir -p "$libs_parent"
+  tmp=$(mktemp -d "$libs_parent/kafka-libs.tmp.XXXXXX")
   if ! mvn -B -q -Dstyle.color=never -f "$POM" "$DEPENDENCY_PLUGIN:copy-dependencies" \
-    -DoutputDirectory="$tmp" -DincludeScope=runtime >"$STATE/mvn.log" 2>&1; then
-    cat "$STATE/mvn.log" >&2
+    -DoutputDirectory="$tmp" -DincludeScope=runtime >"$libs_parent/mvn.log" 2>&1; then
+    cat "$libs_parent/mvn.log" >&2
     rm -rf "$tmp"
-    die "mvn could not fetch the Kafka jars (its output is above and in $STATE/mvn.log). Check access to https://repo.maven.apache.org (a proxy goes in ~/.m2/settings.xml)"
+    die "mvn could not fetch the Kafka jars (its output is above and in $libs_parent/mvn.log). Check access to https://repo.maven.apache.org (a proxy goes in ~/.m2/settings.xml)"
   fi
-  ls "$tmp"/kafka_2.13-*.jar >/dev/null 2>&1 || die "mvn succeeded but fetched no kafka_2.13 jar; see $STATE/mvn.log"
+  ls "$tmp"/kafka_2.13-*.jar >/dev/null 2>&1 || die "mvn succeeded but fetched no kafka_2.13 jar; see $libs_parent/mvn.log"
   # Swap in whole, so an interrupted fetch never leaves a half-filled classpath.
   echo "$want" >"$tmp/.pom-sha256"
   rm -rf "$KAFKA_LIBS"
   mv "$tmp" "$KAFKA_LIBS"
+}
+
+# kafka_quorum — the lines that differ between one node and a quorum of several.
+kafka_quorum() {
+  if [[ -z $KAFKA_VOTERS ]]; then
+    cat <<EOF
+# Dynamic quorum (formatted with --standalone): controller.quorum.voters would conflict.
+controller.quorum.bootstrap.servers=$HOST:$KAFKA_CONTROLLER_PORT
+# One node: every internal topic has one replica.
+offsets.topic.replication.factor=1
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+EOF
+    return
+  fi
+  local voters
+  voters=$(tr ',' '\n' <<<"$KAFKA_VOTERS" | grep -c .)
+  local factor=$((voters < 3 ? voters : 3)) isr=$((voters < 3 ? 1 : 2))
+  cat <<EOF
+# One of a static quorum of $voters controllers (each node also a broker). Every
+# internal topic, and any topic made without a factor, has $factor replicas, $isr in sync
+# for a write: one broker's host can be lost without losing a message or a write.
+controller.quorum.voters=$KAFKA_VOTERS
+offsets.topic.replication.factor=$factor
+transaction.state.log.replication.factor=$factor
+transaction.state.log.min.isr=$isr
+share.coordinator.state.topic.replication.factor=$factor
+share.coordinator.state.topic.min.isr=$isr
+default.replication.factor=$factor
+min.insync.replicas=$isr
+unclean.leader.election.enable=false
+EOF
 }
 
 kafka_write_config() {
@@ -184,9 +243,7 @@ kafka_write_config() {
   cat >"$KAFKA_DIR/server.properties" <<EOF
 # Generated by scripts/infra.sh on every \`up\`; edits here are overwritten.
 process.roles=broker,controller
-node.id=1
-# Dynamic quorum (formatted with --standalone): controller.quorum.voters would conflict.
-controller.quorum.bootstrap.servers=$HOST:$KAFKA_CONTROLLER_PORT
+node.id=$KAFKA_NODE_ID
 listeners=PLAINTEXT://$HOST:$KAFKA_PORT,CONTROLLER://$HOST:$KAFKA_CONTROLLER_PORT
 advertised.listeners=PLAINTEXT://$HOST:$KAFKA_PORT
 controller.listener.names=CONTROLLER
@@ -195,12 +252,7 @@ listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
 log.dirs=$KAFKA_DIR/data
 num.partitions=1
 auto.create.topics.enable=true
-# One node: every internal topic has one replica.
-offsets.topic.replication.factor=1
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
-share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
+$(kafka_quorum)
 # Fewer internal partitions than the default 50: the first consumer group and the first
 # transaction then load in well under a second on a small machine.
 offsets.topic.num.partitions=8
@@ -265,12 +317,18 @@ kafka_format() {
   # No meta.properties means no usable log: clear leftovers of an interrupted format.
   rm -rf "$KAFKA_DIR/data"
   mkdir -p "$KAFKA_DIR/data"
-  id=$(kafka_tool kafka.tools.StorageTool random-uuid 2>>"$KAFKA_OUT") ||
-    die "kafka: StorageTool random-uuid failed; see $KAFKA_OUT"
+  id=$KAFKA_CLUSTER_ID
+  if [[ -z $id ]]; then
+    id=$(kafka_tool kafka.tools.StorageTool random-uuid 2>>"$KAFKA_OUT") ||
+      die "kafka: StorageTool random-uuid failed; see $KAFKA_OUT"
+  fi
   log "kafka: formatting KRaft storage in $KAFKA_DIR/data (cluster id $id)"
   echo "$id" >"$KAFKA_DIR/cluster.id"
+  local -a quorum=(--standalone)
+  # A static quorum (controller.quorum.voters) is formatted without it.
+  [[ -z $KAFKA_VOTERS ]] || quorum=()
   kafka_tool kafka.tools.StorageTool format -t "$id" -c "$KAFKA_DIR/server.properties" \
-    --standalone >>"$KAFKA_OUT" 2>&1 ||
+    "${quorum[@]}" >>"$KAFKA_OUT" 2>&1 ||
     { tail -n 20 "$KAFKA_OUT" >&2; die "kafka: formatting storage failed; see $KAFKA_OUT"; }
 }
 
@@ -350,9 +408,15 @@ redis_up() {
     # Redis is the only record of sessions, jobs, futures, results and checkpoint
     # records: an append-only file in data/, fsynced every second (a crash loses at
     # most ~1 s; what workers and blobs can re-announce is rebuilt from them).
+    local -a replica=()
+    if [[ -n $REDIS_REPLICA_OF ]]; then
+      # shellcheck disable=SC2206 # "HOST PORT": two words on purpose
+      replica=(--replicaof $REDIS_REPLICA_OF)
+      log "redis: a replica of $REDIS_REPLICA_OF"
+    fi
     redis-server --bind "$HOST" --port "$REDIS_PORT" --daemonize yes \
       --pidfile "$REDIS_PID" --dir "$REDIS_DIR/data" --logfile "$REDIS_LOG" \
-      --save '' --appendonly yes --appendfsync everysec \
+      --save '' --appendonly yes --appendfsync everysec "${replica[@]}" \
       </dev/null >"$REDIS_DIR/redis.out" 2>&1 9>&- ||
       {
         cat "$REDIS_DIR/redis.out" >&2
@@ -362,7 +426,83 @@ redis_up() {
   # The daemon writes its pid file after forking; without it, only the timeout applies.
   [[ -n $started ]] || started=$(redis_pid) || started=
   wait_ready redis redis_probe "$started" "$REDIS_LOG"
+  [[ -z $REDIS_REPLICA_OF ]] || wait_ready "redis (replica)" redis_synced "$started" "$REDIS_LOG"
   log "redis: ready at $REDIS_URL"
+}
+
+# redis_synced — 0 once a replica holds its primary's data (its link is up).
+redis_synced() {
+  local info
+  info=$(timeout 5 redis-cli -h "$HOST" -p "$REDIS_PORT" info replication 2>&1) || true
+  if [[ $info == *master_link_status:up* ]]; then
+    return 0
+  fi
+  echo "not yet in sync with its primary ($REDIS_REPLICA_OF)"
+  return 1
+}
+
+# ---------------------------------------------------------------- sentinel
+
+sentinel_probe() {
+  local reply
+  reply=$(timeout 5 redis-cli -h "$HOST" -p "$SENTINEL_PORT" ping 2>&1) || true
+  if [[ $reply == PONG ]]; then
+    echo "sentinel at $HOST:$SENTINEL_PORT answers PING"
+    return 0
+  fi
+  if tcp_open "$SENTINEL_PORT"; then
+    echo "$HOST:$SENTINEL_PORT accepts connections but does not answer PING: ${reply:-no reply}"
+    return 2
+  fi
+  echo "no connection to $HOST:$SENTINEL_PORT"
+  return 1
+}
+
+sentinel_pid() { managed_pid "$SENTINEL_PID" redis-sentinel ":$SENTINEL_PORT"; }
+
+sentinel_up() {
+  local pid msg rc=0 started=
+  msg=$(sentinel_probe) || rc=$?
+  if pid=$(sentinel_pid); then
+    ((rc == 0)) && { log "sentinel: already running (pid $pid)"; return 0; }
+    started=$pid
+  elif ((rc == 0)); then
+    log "sentinel: $msg; not started by infra.sh, using it as is"
+    return 0
+  elif ((rc == 2)); then
+    die "port $SENTINEL_PORT is held by something that is not a Sentinel ($msg); choose another with PLEXRL_SENTINEL_PORT"
+  else
+    ensure_cmd redis-sentinel redis-sentinel
+    mkdir -p "$SENTINEL_DIR"
+    # Written once: a Sentinel rewrites its own file with what it learns (the current
+    # primary, the other Sentinels, the config epoch), which a restart must keep.
+    if [[ ! -s $SENTINEL_DIR/sentinel.conf ]]; then
+      local name primary port quorum
+      read -r name primary port quorum <<<"$SENTINEL_MONITOR"
+      cat >"$SENTINEL_DIR/sentinel.conf" <<EOF
+# Written by scripts/infra.sh once; Sentinel itself rewrites it from then on.
+bind $HOST
+port $SENTINEL_PORT
+dir $SENTINEL_DIR
+sentinel announce-ip $HOST
+sentinel monitor $name $primary $port $quorum
+sentinel down-after-milliseconds $name $SENTINEL_DOWN_MS
+sentinel failover-timeout $name $((SENTINEL_DOWN_MS * 4))
+sentinel parallel-syncs $name 1
+EOF
+    fi
+    rm -f "$SENTINEL_PID"
+    log "sentinel: starting on $HOST:$SENTINEL_PORT watching '$SENTINEL_MONITOR' (log $SENTINEL_LOG)"
+    redis-sentinel "$SENTINEL_DIR/sentinel.conf" --daemonize yes --pidfile "$SENTINEL_PID" \
+      --logfile "$SENTINEL_LOG" </dev/null >"$SENTINEL_DIR/sentinel.out" 2>&1 9>&- ||
+      {
+        cat "$SENTINEL_DIR/sentinel.out" >&2
+        die "redis-sentinel failed to start (its output is above; log: $SENTINEL_LOG)"
+      }
+  fi
+  [[ -n $started ]] || started=$(sentinel_pid) || started=
+  wait_ready sentinel sentinel_probe "$started" "$SENTINEL_LOG"
+  log "sentinel: ready at $HOST:$SENTINEL_PORT"
 }
 
 # ---------------------------------------------------------------- commands
@@ -380,7 +520,8 @@ take_lock() {
 
 cmd_up() {
   # Fast path: both answer, so there is nothing to start and no lock to take.
-  if { ! wanted kafka || kafka_probe >/dev/null; } && { ! wanted redis || redis_probe >/dev/null; }; then
+  if { ! wanted kafka || kafka_probe >/dev/null; } && { ! wanted redis || redis_probe >/dev/null; } &&
+    { ! wanted sentinel || sentinel_probe >/dev/null; }; then
     log "kafka and redis already answer (PLEXRL_KAFKA_BOOTSTRAP=$KAFKA_BOOTSTRAP PLEXRL_REDIS_URL=$REDIS_URL)"
     return 0
   fi
@@ -390,6 +531,7 @@ cmd_up() {
   if wanted kafka; then kafka_start; fi
   # Redis starts while the JVM boots.
   if wanted redis; then redis_up; fi
+  if wanted sentinel; then sentinel_up; fi
   if ((KAFKA_WAIT)); then
     wait_ready kafka kafka_probe "$KAFKA_WAIT_PID" "$KAFKA_LOG" "$KAFKA_OUT"
     log "kafka: ready at $KAFKA_BOOTSTRAP"
@@ -427,6 +569,7 @@ cmd_down() {
   take_lock
   if wanted kafka; then stop kafka kafka_pid "$KAFKA_PID" kafka_probe; fi
   if wanted redis; then stop redis redis_pid "$REDIS_PID" redis_probe; fi
+  if wanted sentinel; then stop sentinel sentinel_pid "$SENTINEL_PID" sentinel_probe; fi
 }
 
 # status_line NAME PROBE PIDFN ADDRESS LOG — one line per service; fails if it is down.
@@ -448,6 +591,7 @@ cmd_status() {
   local rc=0
   if wanted kafka; then status_line kafka kafka_probe kafka_pid "$KAFKA_BOOTSTRAP" "$KAFKA_LOG" || rc=1; fi
   if wanted redis; then status_line redis redis_probe redis_pid "$HOST:$REDIS_PORT" "$REDIS_LOG" || rc=1; fi
+  if wanted sentinel; then status_line sentinel sentinel_probe sentinel_pid "$HOST:$SENTINEL_PORT" "$SENTINEL_LOG" || rc=1; fi
   print_env
   return "$rc"
 }

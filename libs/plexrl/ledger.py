@@ -33,6 +33,7 @@ blob keys scored by the last seq each holds.
 from __future__ import annotations
 
 import enum
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -211,9 +212,19 @@ return 1
 class Ledger:
     """The Redis store of job ledgers (narrow: the scheduler and workers hold only this)."""
 
-    def __init__(self, redis: aioredis.Redis, cluster_id: str) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        cluster_id: str,
+        replicated: Callable[[], Awaitable[object]] | None = None,
+    ) -> None:
+        """`replicated`: waits until Redis's replicas hold what was written
+        (`RedisKeys.replicated`): the scheduler's numbers and epochs wait for it before a
+        dispatch carries them, and a snapshot's record before the blobs it replaced are
+        deleted (a worker's commit waits with its completion's record)."""
         self._redis = redis
         self._p = cluster_id
+        self._replicated = replicated
         self._assign = redis.register_script(_ASSIGN)
         self._commit = redis.register_script(_COMMIT)
         self._snapshot = redis.register_script(_SNAPSHOT)
@@ -234,6 +245,9 @@ class Ledger:
         seqs: Any = await self._assign(
             keys=[self._k(job_id), self._k(job_id, "ids")], args=request_ids
         )
+        # A number lost in a failover would be handed again to another call, which a
+        # worker would then answer with the first one's result.
+        await self._wait_replicas()
         return [int(s) for s in seqs]
 
     async def bump_epoch(self, job_id: str, owner: str) -> int:
@@ -242,7 +256,12 @@ class Ledger:
             pipe.hincrby(self._k(job_id), "epoch", 1)
             pipe.hset(self._k(job_id), "owner", owner)
             epoch, _ = await pipe.execute()
+        await self._wait_replicas()  # an epoch lost in a failover unfences the old owner
         return int(epoch)
+
+    async def _wait_replicas(self) -> None:
+        if self._replicated is not None:
+            await self._replicated()
 
     # Workers ------------------------------------------------------------------
 
@@ -358,7 +377,12 @@ class Ledger:
             raw_epoch, book = await pipe.execute()
         epoch = int(_text(raw_epoch)) if raw_epoch is not None else 0
         marks = {_text(k): _text(v) for k, v in book.items()}
-        return {k: v for k, v in sorted(marks.items()) if blob_unreferenced(v, epoch)}
+        doomed = {k: v for k, v in sorted(marks.items()) if blob_unreferenced(v, epoch)}
+        if doomed:
+            # What replaced them (a newer snapshot, an archive) must outlive a failover
+            # before they go: a ledger rolled back to a deleted snapshot loses the job.
+            await self._wait_replicas()
+        return doomed
 
     async def deleted(self, job_id: str, entries: dict[str, str]) -> None:
         """The blobs of `entries` (from `unreferenced`) are deleted: out of the book, each

@@ -1,9 +1,12 @@
-"""A Kafka broker and a Redis of their own, for runs that kill them.
+"""Infrastructure of its own, for runs that kill it: a Kafka broker and a Redis
+(`PrivateInfra`), or a Redis primary with a replica and three Sentinels (`RedisGroup`).
 
 `scripts/infra.sh` on other ports (its state under `.plexrl/infra/kafka-PORT` and
-`redis-PORT`): the broker and Redis are configured exactly as the shared pair is, and
-the shared pair other runs use is never touched. Used by the fault suite and
-`bench/chaos.py` to kill -9 the broker or Redis in the middle of a run.
+`redis-PORT`, or a directory of the caller's): configured exactly as the shared pair is,
+and the shared pair other runs use is never touched. Used by the fault suite and
+`bench/chaos.py` to kill -9 the broker or Redis in the middle of a run, and by the
+Sentinel tests to fail a primary over; the host bed (`plexrl.hostbed`) runs the same
+script inside its hosts.
 """
 
 from __future__ import annotations
@@ -14,16 +17,57 @@ import signal
 import socket
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
-from plexrl.cluster import free_port
+from plexrl.cluster import free_port, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "scripts" / "infra.sh"
 STATE = ROOT / ".plexrl" / "infra"
 
 Part = Literal["broker", "redis"]
+
+
+def infra_sh(
+    command: str,
+    env: dict[str, str],
+    timeout_s: float,
+    prefix: tuple[str, ...] = (),
+) -> None:
+    """Run `scripts/infra.sh command` with `env` added (`prefix`: a command to run it
+    under, e.g. `ip netns exec HOST`); raises with its error output when it fails."""
+    done = subprocess.run(
+        [*prefix, str(INFRA), command],
+        env={**os.environ, "PLEXRL_INFRA_TIMEOUT": str(int(timeout_s)), **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s + 60,
+    )
+    if done.returncode != 0:
+        shown = " ".join(f"{k}={v}" for k, v in env.items())
+        raise RuntimeError(
+            f"scripts/infra.sh {command} ({shown}) failed with {done.returncode}:\n"
+            f"{done.stderr[-3000:]}"
+        )
+
+
+def pid_alive(file: Path) -> int | None:
+    """The pid in `file` if that process lives."""
+    try:
+        pid = int(file.read_text().strip())
+    except (OSError, ValueError):
+        return None
+    return pid if Path(f"/proc/{pid}").exists() else None
+
+
+def kill_and_wait(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGKILL `pid` (a crash: no clean shutdown) and wait until it is gone."""
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _port_pair() -> int:
@@ -77,10 +121,7 @@ class PrivateInfra:
         pid = self.pid(part)
         if pid is None:
             raise RuntimeError(f"the private {part} is not running (no live pid file)")
-        os.kill(pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30.0
-        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        kill_and_wait(pid)
 
     def wipe_redis(self) -> None:
         """Lose Redis's data on disk (a run without persistence, or a lost volume); with
@@ -95,28 +136,107 @@ class PrivateInfra:
 
     def pid(self, part: Part) -> int | None:
         if part == "broker":
-            file = STATE / f"kafka-{self.kafka_port}" / "kafka.pid"
-        else:
-            file = STATE / f"redis-{self.redis_port}" / "redis.pid"
-        try:
-            pid = int(file.read_text().strip())
-        except (OSError, ValueError):
-            return None
-        return pid if Path(f"/proc/{pid}").exists() else None
+            return pid_alive(STATE / f"kafka-{self.kafka_port}" / "kafka.pid")
+        return pid_alive(STATE / f"redis-{self.redis_port}" / "redis.pid")
 
     def _infra(self, command: str, timeout_s: float) -> None:
         env = {
-            **os.environ,
             "PLEXRL_KAFKA_PORT": str(self.kafka_port),
             "PLEXRL_REDIS_PORT": str(self.redis_port),
-            "PLEXRL_INFRA_TIMEOUT": str(int(timeout_s)),
             "PLEXRL_INFRA_PARTS": " ".join("kafka" if p == "broker" else p for p in self.parts),
         }
-        done = subprocess.run(
-            [str(INFRA), command], env=env, capture_output=True, text=True, timeout=timeout_s + 60
-        )
-        if done.returncode != 0:
-            raise RuntimeError(
-                f"scripts/infra.sh {command} (kafka {self.kafka_port}, redis {self.redis_port})"
-                f" failed with {done.returncode}:\n{done.stderr[-3000:]}"
-            )
+        infra_sh(command, env, timeout_s)
+
+
+class RedisGroup:
+    """A Redis primary, one replica and three Sentinels on loopback ports of their own,
+    with state under `root`: `up`, `kill_primary` (SIGKILL; the Sentinels promote the
+    replica), `primary` (where the Sentinels say it is), `down`."""
+
+    MASTER = "plexrl"
+
+    def __init__(self, root: Path, down_after_ms: int = 1000) -> None:
+        self.root = root
+        self.down_after_ms = down_after_ms
+        ports = free_ports(5)
+        self.redis_ports = (ports[0], ports[1])
+        self.sentinel_ports = tuple(ports[2:])
+
+    @property
+    def sentinels(self) -> str:
+        """PLEXRL_REDIS_SENTINELS for this group."""
+        return ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+
+    def env(self) -> dict[str, str]:
+        """What a service needs to use this group (with one replica to wait for)."""
+        return {
+            "PLEXRL_REDIS_SENTINELS": self.sentinels,
+            "PLEXRL_REDIS_SENTINEL_MASTER": self.MASTER,
+            "PLEXRL_REDIS_WAIT_REPLICAS": "1",
+        }
+
+    def _dir(self, port: int) -> Path:
+        """Each process's own state directory: infra.sh locks one per run, and the five
+        start and stop at once."""
+        return self.root / f"node-{port}"
+
+    def _redis(self, command: str, port: int, replica_of: str = "") -> None:
+        env = {
+            "PLEXRL_INFRA_DIR": str(self._dir(port)),
+            "PLEXRL_INFRA_PARTS": "redis",
+            "PLEXRL_REDIS_PORT": str(port),
+            "PLEXRL_REDIS_REPLICA_OF": replica_of,
+        }
+        infra_sh(command, env, 120.0)
+
+    def _sentinel(self, command: str, port: int) -> None:
+        env = {
+            "PLEXRL_INFRA_DIR": str(self._dir(port)),
+            "PLEXRL_INFRA_PARTS": "sentinel",
+            "PLEXRL_SENTINEL_PORT": str(port),
+            "PLEXRL_SENTINEL_MONITOR": f"{self.MASTER} 127.0.0.1 {self.redis_ports[0]} 2",
+            "PLEXRL_SENTINEL_DOWN_MS": str(self.down_after_ms),
+        }
+        infra_sh(command, env, 120.0)
+
+    def up(self) -> None:
+        primary, replica = self.redis_ports
+        self._redis("up", primary)
+        with ThreadPoolExecutor() as pool:  # the replica syncs while the Sentinels start
+            started = [pool.submit(self._redis, "up", replica, f"127.0.0.1 {primary}")]
+            started += [pool.submit(self._sentinel, "up", p) for p in self.sentinel_ports]
+            for future in started:
+                future.result()
+
+    def down(self) -> None:
+        with ThreadPoolExecutor() as pool:
+            stopped = [pool.submit(self._sentinel, "down", p) for p in self.sentinel_ports]
+            stopped += [pool.submit(self._redis, "down", p) for p in self.redis_ports]
+            for future in stopped:
+                future.result()
+
+    def primary(self) -> int:
+        """The port the Sentinels name as the primary now."""
+        import redis
+
+        for port in self.sentinel_ports:
+            try:
+                with redis.Redis(port=port, socket_timeout=2) as sentinel:
+                    _, primary = sentinel.sentinel_get_master_addr_by_name(self.MASTER)
+                    return int(primary)
+            except redis.exceptions.ConnectionError:
+                continue
+        raise RuntimeError(f"no Sentinel of {self.sentinel_ports} answers")
+
+    def kill_primary(self) -> int:
+        """SIGKILL the primary; returns its port."""
+        port = self.primary()
+        pid = pid_alive(self._dir(port) / f"redis-{port}" / "redis.pid")
+        if pid is None:
+            raise RuntimeError(f"the primary on {port} is not running")
+        kill_and_wait(pid)
+        return port
+
+    def revive(self, port: int) -> None:
+        """Start a killed Redis again, as a replica of the primary now."""
+        self._redis("up", port, f"127.0.0.1 {self.primary()}")

@@ -35,7 +35,7 @@ async def join_cluster(
         {**core_topics(topics), **(extra_topics or {})},
         settings.topic_replication(),
     )
-    stores = Stores.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
+    stores = Stores.from_settings(settings)
     return ClusterLink(topics, stores, Publisher(settings.kafka_bootstrap, name))
 
 

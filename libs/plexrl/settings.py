@@ -34,8 +34,27 @@ class CommonSettings(BaseSettings):
     # so one broker can be down without refusing sends and an acknowledged message is on
     # two brokers. At most kafka_replication_factor.
     kafka_min_insync_replicas: int = Field(default=1, ge=1)
-    # Redis URL of the metadata store (no tensors live there).
+    # Redis URL of the metadata store (no tensors live there). With Sentinels (below),
+    # only its database number, user, password and scheme (rediss:// for TLS) count.
     redis_url: str = "redis://127.0.0.1:6379/0"
+    # Sentinels that watch a Redis primary and its replicas, "host:port,host:port":
+    # the services ask them where the primary is, and follow a failover by themselves.
+    # Unset: PLEXRL_REDIS_URL is the server (one machine).
+    redis_sentinels: str | None = None
+    # The name the Sentinels monitor the primary under (`sentinel monitor <name> ...`).
+    redis_sentinel_master: str = "plexrl"
+    # Replicas a write must reach before it is shown outside Redis (an accepted call, a
+    # recorded result, a call number, a lease), so that a failover cannot lose it (Redis
+    # WAIT; docs/deploy.md says which writes wait). 0 on one machine; 1 with a replica.
+    redis_wait_replicas: int = Field(default=0, ge=0)
+    # Longest such a write waits, milliseconds; past it the write stands on the primary
+    # alone (logged, and counted in plexrl_redis_unreplicated_writes_total).
+    redis_wait_timeout_ms: int = Field(default=1000, ge=1)
+    # A Redis command unanswered this long fails and is sent again on a new connection
+    # (a primary whose host vanished is given up on); 0: wait forever.
+    redis_socket_timeout_s: float = Field(default=10.0, ge=0)
+    # Opening a connection to Redis or a Sentinel fails after this long, seconds.
+    redis_connect_timeout_s: float = Field(default=2.0, gt=0)
     # Base URL of the state-store service (checkpoints, disk tier).
     state_store_url: str = "http://127.0.0.1:8300"
     # Names this cluster: prefixes Kafka topics, consumer groups and Redis keys.
@@ -73,7 +92,12 @@ class CommonSettings(BaseSettings):
     @model_validator(mode="after")
     def _replication_fits(self) -> CommonSettings:
         self.topic_replication()  # raises saying what to change
+        self.sentinel_nodes()
         return self
+
+    def sentinel_nodes(self) -> tuple[tuple[str, int], ...]:
+        """PLEXRL_REDIS_SENTINELS as (host, port) pairs (none: no Sentinels)."""
+        return parse_sentinels(self.redis_sentinels or "")
 
     def topic_replication(self) -> TopicReplication:
         return TopicReplication(self.kafka_replication_factor, self.kafka_min_insync_replicas)
@@ -258,3 +282,17 @@ def parse_api_keys(spec: str) -> dict[str, str]:
             )
         keys[key.strip()] = tenant
     return keys
+
+
+def parse_sentinels(spec: str) -> tuple[tuple[str, int], ...]:
+    """`"host:port,host:port"` → ((host, port), ...); raises saying which entry is wrong."""
+    out: list[tuple[str, int]] = []
+    for entry in filter(None, (e.strip() for e in spec.split(","))):
+        host, sep, port = entry.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"PLEXRL_REDIS_SENTINELS entry {entry!r} is not host:port "
+                "(e.g. PLEXRL_REDIS_SENTINELS='10.0.0.1:26379,10.0.0.2:26379,10.0.0.3:26379')"
+            )
+        out.append((host.strip("[]"), int(port)))
+    return tuple(out)

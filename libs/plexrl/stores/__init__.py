@@ -9,7 +9,9 @@ they were split from, so data written by an older version reads the same.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from plexrl.redis_target import RedisTarget
 from plexrl.stores.calls import CallStore, FutureRecord, PayloadStore
 from plexrl.stores.checkpoints import (
     CheckpointFile,
@@ -25,6 +27,9 @@ from plexrl.stores.sessions import SessionRecord, SessionStore
 from plexrl.stores.timeline import TimelineEntry, TimelineStore
 from plexrl.stores.usage import UsageStore
 from plexrl.stores.workers import WorkerStore
+
+if TYPE_CHECKING:
+    from plexrl.settings import CommonSettings
 
 __all__ = [
     "CallStore",
@@ -85,7 +90,15 @@ class Stores:
 
     @classmethod
     def from_url(cls, url: str, cluster_id: str, ttl_s: int) -> Stores:
+        """Over one Redis at `url` (tools, tests)."""
         return cls.over(RedisKeys.from_url(url, cluster_id, ttl_s))
+
+    @classmethod
+    def from_settings(cls, settings: CommonSettings) -> Stores:
+        """A service's stores: its Redis as the settings say (a URL, or Sentinels), the
+        replicas its durable writes wait for, its cluster's keys and record TTL."""
+        target = RedisTarget.from_settings(settings)
+        return cls.over(RedisKeys.connect(target, settings.cluster_id, settings.record_ttl_s))
 
     async def close(self) -> None:
         await self.keys.close()

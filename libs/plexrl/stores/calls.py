@@ -41,11 +41,18 @@ class CallStore(RedisStore):
         return await self._get(self._k("future", request_id), FutureRecord)
 
     async def record_completion(self, completion: PhaseCompletion) -> PhaseCompletion:
-        """Record a call's completion once; returns the record that stands (first wins)."""
+        """Record a call's completion once; returns the record that stands (first wins).
+
+        Returns once the Redis replicas asked for (PLEXRL_REDIS_WAIT_REPLICAS) hold it, and
+        with it everything written before (the call's ledger commit, its payload): the
+        completion is published next, and a failover must not take back what a client
+        or the scheduler was told."""
         key = self._k("done", completion.request_id)
         if await self._redis.set(key, encode(completion), ex=self._keys.ttl_s, nx=True):
+            await self._keys.replicated()
             return completion
         existing = await self.get_completion(completion.request_id)
+        await self._keys.replicated()  # its first writer may have died before waiting
         return existing if existing is not None else completion
 
     async def get_completion(self, request_id: str) -> PhaseCompletion | None:

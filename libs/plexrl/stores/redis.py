@@ -10,11 +10,9 @@ from __future__ import annotations
 from typing import TypeVar
 
 import redis.asyncio as aioredis
-import redis.exceptions
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialWithJitterBackoff
 
 from plexrl.messages import decode
+from plexrl.redis_target import RedisTarget, ReplicaWait
 
 T = TypeVar("T")
 
@@ -22,30 +20,42 @@ T = TypeVar("T")
 class RedisKeys:
     """The client, the cluster's key prefix and how long short-lived records live."""
 
-    def __init__(self, redis: aioredis.Redis, cluster_id: str, ttl_s: int) -> None:
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        cluster_id: str,
+        ttl_s: int,
+        replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+    ) -> None:
         self.redis = redis
         self._prefix = cluster_id
         self._ttl = ttl_s
+        self._wait = ReplicaWait(redis, self.key("replicated"), replicas, wait_timeout_ms)
 
     @classmethod
     def from_url(cls, url: str, cluster_id: str, ttl_s: int) -> RedisKeys:
-        # A pooled connection that died with its server (Redis restarted) is reopened
-        # and the command sent again, with backoff while Redis loads its append-only
-        # file; without this, from_url's connections never retry and the first command
-        # on each stale connection fails.
-        retry = Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=8)
-        client = aioredis.Redis.from_url(
-            url,
-            retry=retry,
-            retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
+        """One Redis at `url`, no replica waited for (tools, tests)."""
+        return cls.connect(RedisTarget(url=url), cluster_id, ttl_s)
+
+    @classmethod
+    def connect(cls, target: RedisTarget, cluster_id: str, ttl_s: int) -> RedisKeys:
+        """The services' connection: one URL, or the primary the Sentinels name."""
+        return cls(
+            target.connect(), cluster_id, ttl_s, target.wait_replicas, target.wait_timeout_ms
         )
-        return cls(client, cluster_id, ttl_s)
 
     async def close(self) -> None:
         await self.redis.aclose()
 
     async def ping(self) -> bool:
         return bool(await self.redis.ping())
+
+    async def replicated(self) -> int:
+        """Wait until the replicas hold every write this process made so far (none asked:
+        returns at once); see plexrl.redis_target.ReplicaWait. Called where a write is
+        about to be shown outside Redis, so that a failover cannot take it back."""
+        return await self._wait()
 
     def key(self, *parts: str) -> str:
         """The Redis key of a record: `key("future", request_id)` is

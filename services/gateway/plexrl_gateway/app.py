@@ -24,6 +24,7 @@ from plexrl_gateway.body_limit import BodyBudget, BodyParser, BodySizeLimit
 from plexrl_gateway.components import Gateway
 from plexrl_gateway.errors import install_error_handlers
 from plexrl_gateway.metrics import observe_request
+from plexrl_gateway.replicas import WaitForReplicas
 from plexrl_gateway.schemas import JSON_BODY_COMPONENTS
 from plexrl_gateway.seq_release import ReleaseRefused
 
@@ -57,6 +58,8 @@ def build_app(gateway: Gateway) -> FastAPI:
     app.add_middleware(BodySizeLimit, limits=gateway.limits, budget=BodyBudget(gateway.limits))
     # Outside the body limits, so the calls they refuse use up their seq_ids too.
     app.add_middleware(ReleaseRefused, gateway=gateway)
+    # Outside the seq_id release, whose cursor write is then covered too.
+    app.add_middleware(WaitForReplicas, replicated=gateway.replicated)
     app.add_middleware(ObserveRequests, observe=observe_request)
     # The one server span of each request (the root of an API call's trace).
     tracing.instrument_app(app)

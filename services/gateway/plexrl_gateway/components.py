@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from plexrl.dead_letters import DeadLetters
@@ -25,6 +26,10 @@ from plexrl_gateway.registry import Registry
 from plexrl_gateway.sequencer import Sequencer
 from plexrl_gateway.signing import UrlSigner, signing_secret
 from plexrl_gateway.submitter import RequestPublisher, Submitter
+
+
+async def _no_replicas() -> int:
+    return 0
 
 
 @dataclass(frozen=True)
@@ -69,6 +74,9 @@ class Gateway:
     """Per-call admission caps (plexrl.limits)."""
     pending: PendingCalls = field(default_factory=lambda: PendingCalls(DEFAULT_LIMITS))
     """Each tenant's published, unanswered calls; the 429 quota."""
+    replicated: Callable[[], Awaitable[int]] = field(default=_no_replicas)
+    """Waits until Redis's replicas hold this process's writes (`RedisKeys.replicated`):
+    a request that wrote is answered only then (plexrl_gateway.replicas)."""
 
     def watch(self, consumer: Watched) -> None:
         self.watched.append(consumer)
@@ -135,6 +143,7 @@ class Gateway:
             ),
             limits=limits,
             pending=pending,
+            replicated=stores.keys.replicated,
         )
 
     async def close(self) -> None:

@@ -359,7 +359,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         publisher=publisher,
         events_topic=topics.events,
     )
-    ledger = Ledger(stores.keys.redis, settings.cluster_id)
+    ledger = Ledger(stores.keys.redis, settings.cluster_id, stores.keys.replicated)
     recovery = JobRecovery(
         worker_id=settings.worker_id,
         ledger=ledger,

@@ -42,7 +42,7 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
         fair_share=settings.fair_share,
     )
     receiver = Receiver(state, stores.jobs, stores.usage)
-    ledger = Ledger(stores.keys.redis, settings.cluster_id)
+    ledger = Ledger(stores.keys.redis, settings.cluster_id, stores.keys.replicated)
     actuator = Actuator(
         state,
         publisher,

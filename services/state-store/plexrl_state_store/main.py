@@ -45,7 +45,7 @@ def check_exposure(settings: StateStoreSettings) -> None:
 async def serve(settings: StateStoreSettings, stop: asyncio.Event) -> None:
     check_exposure(settings)
     tracing.setup_tracing("plexrl-state-store")
-    stores = Stores.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
+    stores = Stores.from_settings(settings)
     blobs = BlobDir(settings.state_store_dir)
     # Only this process writes here: a temp file now is a write that died with the last.
     blobs.sweep_temp(0.0)

@@ -1,0 +1,209 @@
+"""Where the services' Redis is, and how long a write waits for its replicas.
+
+On one machine Redis is one URL (`PLEXRL_REDIS_URL`). Across hosts it is a primary and
+its replicas watched by Sentinels (`PLEXRL_REDIS_SENTINELS`, `PLEXRL_REDIS_SENTINEL_MASTER`):
+every new connection asks the Sentinels which server is the primary now, so after a
+failover the clients reconnect to the promoted replica by themselves (a connection to a
+demoted primary fails its first write with READONLY and is reopened).
+
+Replication is asynchronous: a write the primary acknowledged can be lost if it dies
+before its replica copied it. `ReplicaWait` (Redis `WAIT`) holds the moments where a
+write becomes visible outside Redis, so that what a client or another service was told
+survives a failover; docs/deploy.md lists which writes wait and why the others need not.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import unquote, urlparse
+
+import redis
+import redis.asyncio as aioredis
+import redis.exceptions
+from prometheus_client import Counter
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.retry import Retry as SyncRetry
+from redis.sentinel import Sentinel as SyncSentinel
+
+if TYPE_CHECKING:
+    from plexrl.settings import CommonSettings
+
+log = logging.getLogger(__name__)
+
+UNREPLICATED = Counter(
+    "plexrl_redis_unreplicated_writes_total",
+    "Writes that waited for Redis replicas (WAIT) and were acknowledged by fewer than asked",
+)
+
+_RETRIED = [redis.exceptions.ConnectionError, redis.exceptions.TimeoutError]
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """One Redis, or the primary a set of Sentinels names; how clients talk to it."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    """The server (without Sentinels); with them, only its database number, user,
+    password and scheme (`rediss://` for TLS) count."""
+    sentinels: tuple[tuple[str, int], ...] = ()
+    """Sentinels to ask for the primary; empty: `url` is the server."""
+    master: str = "plexrl"
+    """The name the Sentinels monitor the primary under."""
+    wait_replicas: int = 0
+    """Replicas a write that must survive a failover waits for (0: none, one machine)."""
+    wait_timeout_ms: int = 1000
+    """Longest such a write waits for them; past it the write stands on the primary
+    alone (counted in plexrl_redis_unreplicated_writes_total and logged)."""
+    socket_timeout_s: float | None = 10.0
+    """A command unanswered this long fails (and is retried on a new connection): a
+    primary whose host vanished is given up on instead of waited for forever."""
+    connect_timeout_s: float = 2.0
+    """Opening a connection (to Redis or a Sentinel) fails after this long."""
+
+    @classmethod
+    def from_settings(cls, settings: CommonSettings) -> RedisTarget:
+        return cls(
+            url=settings.redis_url,
+            sentinels=settings.sentinel_nodes(),
+            master=settings.redis_sentinel_master,
+            wait_replicas=settings.redis_wait_replicas,
+            wait_timeout_ms=settings.redis_wait_timeout_ms,
+            socket_timeout_s=settings.redis_socket_timeout_s or None,
+            connect_timeout_s=settings.redis_connect_timeout_s,
+        )
+
+    def describe(self) -> str:
+        """Where it is, for messages."""
+        if not self.sentinels:
+            return self.url
+        nodes = ",".join(f"{h}:{p}" for h, p in self.sentinels)
+        return f"primary {self.master!r} of Sentinels {nodes}"
+
+    def _common(self) -> dict[str, Any]:
+        return {
+            "socket_timeout": self.socket_timeout_s,
+            "socket_connect_timeout": self.connect_timeout_s,
+            "socket_keepalive": True,
+        }
+
+    def _server_kwargs(self) -> dict[str, Any]:
+        """Database, credentials and TLS from the URL (for a Sentinel-found primary)."""
+        parsed = urlparse(self.url)
+        db = parsed.path.strip("/") or "0"
+        if not db.isdigit():
+            raise ValueError(
+                f"PLEXRL_REDIS_URL {self.url!r} names database {db!r}; use a number "
+                "(redis://host:6379/0)"
+            )
+        kwargs: dict[str, Any] = {"db": int(db)}
+        if parsed.username:
+            kwargs["username"] = unquote(parsed.username)
+        if parsed.password:
+            kwargs["password"] = unquote(parsed.password)
+        if parsed.scheme == "rediss":
+            kwargs["ssl"] = True
+        return kwargs
+
+    def connect(self) -> aioredis.Redis:
+        """An asyncio client. A pooled connection that died with its server (a restart,
+        a failover) is reopened and the command sent again, with backoff while Redis
+        loads its append-only file or the Sentinels promote a replica; without this, the
+        first command on each stale connection would fail."""
+        retry = Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=8)
+        options = {**self._common(), "retry": retry, "retry_on_error": list(_RETRIED)}
+        if not self.sentinels:
+            return aioredis.Redis.from_url(self.url, **options)
+        sentinel = Sentinel(
+            list(self.sentinels),
+            sentinel_kwargs=self._common(),
+        )
+        client: aioredis.Redis = sentinel.master_for(
+            self.master, redis_class=aioredis.Redis, **options, **self._server_kwargs()
+        )
+        return client
+
+    def connect_sync(self) -> redis.Redis:
+        """A blocking client (tools and tests), found the same way."""
+        retry = SyncRetry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=8)
+        options = {**self._common(), "retry": retry, "retry_on_error": list(_RETRIED)}
+        if not self.sentinels:
+            return redis.Redis.from_url(self.url, **options)
+        sentinel = SyncSentinel(list(self.sentinels), sentinel_kwargs=self._common())
+        client: redis.Redis = sentinel.master_for(
+            self.master, redis_class=redis.Redis, **options, **self._server_kwargs()
+        )
+        return client
+
+
+class ReplicaWait:
+    """Waits until the replicas hold every write this process made so far (`WAIT`).
+
+    `WAIT` counts the replicas that acknowledged the connection's own last write, and
+    the pool hands out any connection: so the wait first writes a mark (one `INCR` on the
+    cluster's `replicated` key) on the connection it then waits on. Replication is one
+    ordered stream, so the replicas holding the mark hold everything written before it,
+    by any client. With no replica to wait for, a write goes on after `timeout_ms`
+    (the cluster keeps running on its primary alone, at that cost per write): then, for
+    `recheck_s`, waits only look (a few milliseconds) until a replica is back.
+    """
+
+    def __init__(
+        self,
+        redis_client: aioredis.Redis,
+        mark_key: str,
+        replicas: int,
+        timeout_ms: int,
+        recheck_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._redis = redis_client
+        self._mark_key = mark_key
+        self._replicas = replicas
+        self._timeout_ms = timeout_ms
+        self._recheck_s = recheck_s
+        self._clock = clock
+        self._short_until = 0.0
+        self.waits = 0
+        self.short = 0
+
+    @property
+    def replicas(self) -> int:
+        return self._replicas
+
+    async def __call__(self) -> int:
+        """The replicas that hold this process's writes now (`replicas` asked; 0 asked:
+        nothing is waited for and 0 is returned at once)."""
+        if self._replicas <= 0:
+            return 0
+        degraded = self._clock() < self._short_until
+        timeout = 10 if degraded else self._timeout_ms
+        async with self._redis.pipeline(transaction=False) as pipe:
+            pipe.incr(self._mark_key)
+            pipe.execute_command("WAIT", self._replicas, timeout)
+            _, acked = await pipe.execute()
+        acked = int(acked)
+        self.waits += 1
+        if acked >= self._replicas:
+            if degraded:
+                log.info("Redis replicas acknowledge writes again (%d)", acked)
+            self._short_until = 0.0
+            return acked
+        UNREPLICATED.inc()
+        self.short += 1
+        if not degraded:
+            log.warning(
+                "a write waited %d ms for %d Redis replica(s) and got %d: it stands on the "
+                "primary alone (a failover now would lose it); checking again for %.0fs",
+                timeout,
+                self._replicas,
+                acked,
+                self._recheck_s,
+            )
+        self._short_until = self._clock() + self._recheck_s
+        return acked

@@ -1,0 +1,142 @@
+"""Redis through Sentinel: the services find the primary by asking three Sentinels,
+follow a failover to the replica by themselves, and a write that waited for the replica
+(Redis WAIT) survives the primary's death.
+
+A primary, a replica and three Sentinels of the module's own (scripts/infra.sh on free
+loopback ports, Debian's redis-sentinel), never the shared Redis. The Sentinels call a
+primary down after one second of silence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from plexrl.private_infra import RedisGroup
+from plexrl.redis_target import UNREPLICATED, RedisTarget, ReplicaWait
+from plexrl.settings import CommonSettings, parse_sentinels
+from plexrl.stores import Stores
+from plexrl_gateway.replicas import WaitForReplicas
+
+
+def test_sentinels_are_parsed_and_a_bad_entry_is_named() -> None:
+    assert parse_sentinels(" 10.0.0.1:26379,10.0.0.2:26380 ") == (
+        ("10.0.0.1", 26379),
+        ("10.0.0.2", 26380),
+    )
+    with pytest.raises(ValueError, match=r"'10\.0\.0\.3' is not host:port"):
+        parse_sentinels("10.0.0.1:26379,10.0.0.3")
+    with pytest.raises(ValueError, match="PLEXRL_REDIS_SENTINELS"):
+        CommonSettings(redis_sentinels="nowhere:port")
+
+
+def test_without_sentinels_the_url_is_the_server_and_nothing_is_waited_for() -> None:
+    target = RedisTarget.from_settings(CommonSettings(redis_url="redis://10.0.0.9:6400/3"))
+    assert target.sentinels == () and target.describe() == "redis://10.0.0.9:6400/3"
+    assert target.wait_replicas == 0
+
+
+def test_a_request_that_may_write_is_answered_once_the_replicas_hold_it() -> None:
+    waited: list[str] = []
+
+    async def replicated() -> int:
+        waited.append("wait")
+        return 1
+
+    async def echo(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(request.method)
+
+    app = Starlette(routes=[Route("/x", echo, methods=["GET", "POST", "DELETE"])])
+    client = TestClient(WaitForReplicas(app, replicated))
+    assert client.get("/x").text == "GET" and waited == []
+    assert client.post("/x").text == "POST" and waited == ["wait"]
+    assert client.delete("/x").status_code == 200 and waited == ["wait", "wait"]
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisGroup]:
+    redis_group = RedisGroup(tmp_path_factory.mktemp("redis-group"), down_after_ms=1000)
+    redis_group.up()
+    try:
+        yield redis_group
+    finally:
+        redis_group.down()
+
+
+def _stores(group: RedisGroup, wait_timeout_ms: int = 1000) -> Stores:
+    settings = CommonSettings(
+        redis_sentinels=group.sentinels,
+        redis_sentinel_master=group.MASTER,
+        redis_wait_replicas=1,
+        redis_wait_timeout_ms=wait_timeout_ms,
+        redis_socket_timeout_s=3.0,
+        cluster_id="sentinel",
+    )
+    return Stores.from_settings(settings)
+
+
+@pytest.mark.integration
+async def test_a_waited_write_survives_the_primary_killed_and_clients_follow_the_failover(
+    group: RedisGroup, tmp_path: Path
+) -> None:
+    stores = _stores(group)
+    redis = stores.keys.redis
+    try:
+        await redis.set("sentinel:before", "kept")
+        assert await stores.keys.replicated() == 1
+        old = group.kill_primary()
+        started = time.monotonic()
+        # The same client writes again as soon as the Sentinels promoted the replica.
+        while True:
+            try:
+                await redis.set("sentinel:after", "written")
+                break
+            except Exception:
+                assert time.monotonic() - started < 30, "no primary within 30 s"
+                await asyncio.sleep(0.2)
+        assert group.primary() != old
+        assert await redis.get("sentinel:before") == b"kept"
+        # The promoted replica has no replica of its own: a wait goes on without one
+        # after its timeout, counted, and later waits only look.
+        before = UNREPLICATED._value.get()
+        assert await stores.keys.replicated() == 0
+        assert UNREPLICATED._value.get() == before + 1
+        looked = time.monotonic()
+        assert await stores.keys.replicated() == 0
+        assert time.monotonic() - looked < 0.5
+        # The old primary comes back as a replica of the new one: waits are whole again.
+        group.revive(old)
+        deadline = time.monotonic() + 30
+        while await stores.keys.replicated() < 1:
+            assert time.monotonic() < deadline, "the revived Redis never caught up"
+            await asyncio.sleep(0.5)
+        assert await redis.get("sentinel:after") == b"written"
+    finally:
+        await stores.close()
+
+
+@pytest.mark.integration
+def test_the_blocking_client_finds_the_same_primary(group: RedisGroup) -> None:
+    target = RedisTarget(sentinels=parse_sentinels(group.sentinels), master=group.MASTER)
+    with target.connect_sync() as client:
+        client.set("sentinel:sync", "1")
+        info = client.info("server")
+    assert int(info["tcp_port"]) == group.primary()
+
+
+async def test_no_replica_asked_sends_nothing() -> None:
+    class Unreachable:
+        def pipeline(self, transaction: bool) -> None:
+            raise AssertionError("nothing may be sent when no replica is asked for")
+
+    wait = ReplicaWait(Unreachable(), "k", replicas=0, timeout_ms=10)  # type: ignore[arg-type]
+    assert await wait() == 0
