@@ -24,6 +24,10 @@ scripts/chromium.sh >/dev/null || exit  # headless Chromium for the dashboard te
 # Helm, kubeconform and the Kubernetes schemas for the chart's test (tests/test_helm.py):
 # always under CI, else on request; the first build takes about 5 minutes.
 if [[ ${CI:-} == true || ${PLEXRL_HELM_TOOLS:-0} == 1 ]]; then scripts/helm.sh >/dev/null || exit; fi
+# SeaweedFS, the object store of the disk tier's S3 tests and of the host bed
+# (tests/test_object_store.py, tests/test_hosts.py): always under CI, else on request; the
+# first build takes about 30 minutes on 2 cores (docs/infra.md), later runs none.
+if [[ ${CI:-} == true || ${PLEXRL_SEAWEEDFS:-0} == 1 ]]; then scripts/seaweedfs.sh build >/dev/null || exit; fi
 
 lint_status=0
 if [[ ${PLEXRL_LINT:-0} == 1 || ${CI:-} == true ]]; then

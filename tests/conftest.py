@@ -18,6 +18,7 @@ from plexrl.cluster import free_port as free_port  # re-exported to the tests
 from plexrl.stores import Stores
 
 if TYPE_CHECKING:
+    from plexrl.private_infra import SeaweedFs
     from plexrl_worker.sglang import SGLangSampler
 
 # No model hub is reachable: every Hugging Face lookup must stay local (read at import).
@@ -134,6 +135,26 @@ def shared_cluster(
         yield config
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFs]:
+    """SeaweedFS with its S3 gateway on loopback, for the object-store disk tier (the
+    binary scripts/seaweedfs.sh builds; skipped without it, except under CI=true)."""
+    from plexrl.private_infra import SeaweedFs, seaweedfs_binary
+
+    binary = seaweedfs_binary()
+    if binary is None:
+        reason = "no SeaweedFS binary; build it with scripts/seaweedfs.sh build"
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"{reason} (CI must run the object-store tests, not skip them)")
+        pytest.skip(reason)
+    store = SeaweedFs(binary, tmp_path_factory.mktemp("seaweedfs"))
+    store.up()
+    try:
+        yield store
+    finally:
+        store.down()
 
 
 def require_sglang() -> Path:

@@ -16,9 +16,9 @@ import tinker
 from gateway_harness import ALICE, BOB, Gw, gateway
 
 from plexrl.stores import CheckpointRecord, Stores
-from plexrl_state_store.blobs import BlobDir
+from plexrl_state_store.blobs import RECORDS_DIR, BlobDir
 from plexrl_state_store.expiry import ExpirySweeper
-from plexrl_state_store.records import RECORDS_DIR, CheckpointRecords
+from plexrl_state_store.records import CheckpointRecords
 
 TINY = "plexrl/tiny-qwen3"
 

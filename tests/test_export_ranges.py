@@ -1,6 +1,7 @@
 """Range reads: the state-store's of a blob, which exported files are served from (only
-the bytes asked for, to the blob's tenant only; a range past the end refused), and the
-one range of a file a resumed download may ask the gateway for."""
+the bytes asked for, to the blob's tenant only; a range past the end refused), over a
+directory and over an S3 object store, and the one range of a file a resumed download
+may ask the gateway for."""
 
 from __future__ import annotations
 
@@ -11,22 +12,38 @@ from pathlib import Path
 import httpx
 import pytest
 import pytest_asyncio
+from fastapi import HTTPException
 
 from plexrl.stores import Stores
 from plexrl_gateway.errors import ApiError
 from plexrl_gateway.exports import requested_range
-from plexrl_state_store.app import build_app, range_bytes
-from plexrl_state_store.blobs import BlobDir
+from plexrl_state_store.app import build_app, one_range
+from plexrl_state_store.blobs import BlobDir, BlobStore
 
 KEY = "/v1/blobs/ckpt/t/j/external_weights/final@e0-abc"
 DATA = os.urandom(3 << 20)  # past one 1 MiB piece of the file response
 
 
-@pytest_asyncio.fixture
-async def store(stores: Stores, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
-    transport = httpx.ASGITransport(
-        app=build_app(BlobDir(tmp_path), stores.checkpoints, stores.residency)
-    )
+@pytest_asyncio.fixture(params=["dir", "s3"])
+async def store(
+    request: pytest.FixtureRequest, stores: Stores, tmp_path: Path
+) -> AsyncIterator[httpx.AsyncClient]:
+    blobs: BlobStore = BlobDir(tmp_path)
+    if request.param == "s3":
+        from plexrl_state_store.s3 import S3Blobs, S3Config
+
+        seaweedfs = request.getfixturevalue("seaweedfs")
+        blobs = S3Blobs(
+            S3Config(
+                seaweedfs.endpoint,
+                bucket="ranges",
+                prefix=f"{tmp_path.name}/",
+                access_key=seaweedfs.access_key,
+                secret_key=seaweedfs.secret_key,
+            )
+        )
+        blobs.ensure_bucket()
+    transport = httpx.ASGITransport(app=build_app(blobs, stores.checkpoints, stores.residency))
     async with httpx.AsyncClient(transport=transport, base_url="http://store") as http:
         stored = await http.put(KEY, content=DATA, headers={"x-plexrl-tenant": "t"})
         assert stored.status_code == 200
@@ -58,10 +75,24 @@ async def test_a_range_is_served_to_the_blobs_tenant_only_and_within_it(
     assert missing.status_code == 404
 
 
-def test_range_bytes_counts_a_single_closed_range() -> None:
-    assert range_bytes("bytes=10-19") == 10
-    assert range_bytes("bytes=10-") == 0
-    assert range_bytes("bytes=0-1,5-9") == 0
+@pytest.mark.parametrize(
+    ("header", "span"),
+    [
+        ("bytes=10-19", (10, 19)),
+        ("bytes=10-", (10, 99)),
+        ("bytes=-5", (95, 99)),
+        ("bytes=90-200", (90, 99)),
+    ],
+)
+def test_one_range_of_a_blob_is_read_as_asked(header: str, span: tuple[int, int]) -> None:
+    assert one_range(header, 100) == span
+
+
+@pytest.mark.parametrize("header", ["bytes=100-101", "bytes=0-1,5-9", "items=0-1", "bytes=5-2"])
+def test_a_range_outside_a_blob_or_of_several_parts_is_refused(header: str) -> None:
+    with pytest.raises(HTTPException) as refused:
+        one_range(header, 100)
+    assert refused.value.status_code == 416
 
 
 @pytest.mark.parametrize(

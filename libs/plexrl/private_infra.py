@@ -240,3 +240,125 @@ class RedisGroup:
     def revive(self, port: int) -> None:
         """Start a killed Redis again, as a replica of the primary now."""
         self._redis("up", port, f"127.0.0.1 {self.primary()}")
+
+
+SEAWEEDFS = ROOT / "scripts" / "seaweedfs.sh"
+
+
+def seaweedfs_binary() -> Path | None:
+    """The `weed` binary scripts/seaweedfs.sh built, if it did."""
+    done = subprocess.run([str(SEAWEEDFS), "path"], capture_output=True, text=True)
+    path = Path(done.stdout.strip())
+    return path if done.returncode == 0 and path.is_file() else None
+
+
+class SeaweedFs:
+    """SeaweedFS in one process (`weed server -s3`: master, volume server, filer and the
+    S3 gateway) with its data under `root`, bound to `host`; `prefix` runs it under
+    another command (`ip netns exec HOST` on the host bed). `up` returns once the S3
+    gateway answers; `kill` is SIGKILL, `down` a clean stop."""
+
+    def __init__(
+        self,
+        binary: Path,
+        root: Path,
+        host: str = "127.0.0.1",
+        prefix: tuple[str, ...] = (),
+        s3_port: int | None = None,
+    ) -> None:
+        self.binary = binary
+        self.root = root
+        self.host = host
+        self.prefix = prefix
+        # Each of master, volume, filer and S3 has an HTTP and a gRPC port.
+        ports = free_ports(8)
+        self.s3_port = s3_port if s3_port is not None else ports[0]
+        self._ports = ports[1:]
+        self.access_key = "plexrl-" + os.urandom(4).hex()
+        self.secret_key = os.urandom(16).hex()
+        self._process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.s3_port}"
+
+    def env(self, bucket: str = "plexrl") -> dict[str, str]:
+        """What a state-store needs to keep its blobs here."""
+        return {
+            "PLEXRL_STATE_STORE_S3_ENDPOINT": self.endpoint,
+            "PLEXRL_STATE_STORE_S3_BUCKET": bucket,
+            "PLEXRL_STATE_STORE_S3_ACCESS_KEY": self.access_key,
+            "PLEXRL_STATE_STORE_S3_SECRET_KEY": self.secret_key,
+        }
+
+    def up(self, timeout_s: float = 120.0) -> None:
+        import json
+
+        import httpx
+
+        data = self.root / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        config = self.root / "s3.json"
+        identity = {
+            "name": "plexrl",
+            "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }
+        config.write_text(json.dumps({"identities": [identity]}))
+        master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3_grpc = self._ports
+        command = [
+            *self.prefix,
+            str(self.binary),
+            "server",
+            f"-ip={self.host}",
+            f"-ip.bind={self.host}",
+            f"-dir={data}",
+            f"-master.port={master}",
+            f"-master.port.grpc={master_grpc}",
+            # Small volumes: a test's blobs are megabytes, and each volume is a file.
+            "-master.volumeSizeLimitMB=256",
+            f"-volume.port={volume}",
+            f"-volume.port.grpc={volume_grpc}",
+            "-volume.max=0",
+            "-filer",
+            f"-filer.port={filer}",
+            f"-filer.port.grpc={filer_grpc}",
+            "-s3",
+            f"-s3.port={self.s3_port}",
+            f"-s3.port.grpc={s3_grpc}",
+            f"-s3.config={config}",
+        ]
+        log = (self.root / "weed.log").open("ab")
+        self._process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self._process.poll() is not None:
+                tail = (self.root / "weed.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"SeaweedFS exited with {self._process.returncode}:\n{tail}")
+            try:
+                # Unauthenticated: a 403 says the S3 gateway is up.
+                if httpx.get(self.endpoint, timeout=2.0).status_code in (200, 403):
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"SeaweedFS's S3 gateway did not answer within {timeout_s}s")
+            time.sleep(0.3)
+
+    def kill(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.kill()
+            self._process.wait()
+
+    def down(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM, then SIGKILL after `timeout_s` (its shutdown can take half a minute)."""
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()

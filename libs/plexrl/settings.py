@@ -250,8 +250,25 @@ class WorkerSettings(CommonSettings):
 class StateStoreSettings(CommonSettings):
     state_store_host: str = "127.0.0.1"
     state_store_port: int = 8300
-    # Directory of the disk tier: checkpoints and offloaded states as safetensors.
+    # Directory of the disk tier: checkpoints and offloaded states as safetensors (one
+    # machine: one state-store over one disk). Unused with an object store (below).
     state_store_dir: Path = Path(".plexrl/blobs")
+    # An S3-compatible object store for the disk tier instead (its endpoint URL, e.g.
+    # http://10.0.0.6:8333 for SeaweedFS's S3 gateway): state-store replicas on several
+    # hosts share it (docs/deploy.md). Unset: state_store_dir.
+    state_store_s3_endpoint: str | None = None
+    # Its bucket (created if missing) and a prefix before every key, so that several
+    # clusters can share a bucket ("cluster-a/").
+    state_store_s3_bucket: str = "plexrl"
+    state_store_s3_prefix: str = ""
+    state_store_s3_region: str = "us-east-1"
+    # Credentials; unset: boto3's own chain (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY,
+    # a profile, an instance or pod role).
+    state_store_s3_access_key: str | None = None
+    state_store_s3_secret_key: str | None = None
+    # This replica's name, for the lease its background rounds run under (one replica
+    # sweeps at a time; every replica serves). Unset: <host name>:<port>.
+    state_store_id: str | None = None
     # Seconds between checks that every checkpoint record kept beside its blob is in
     # Redis (records Redis lost are put back; also done at start).
     state_store_rebuild_s: float = 30.0

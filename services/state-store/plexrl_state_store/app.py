@@ -25,7 +25,7 @@ from typing import Annotated, Any
 import msgspec
 import redis.exceptions
 from fastapi import APIRouter, Depends, FastAPI, Header, HTTPException, Request, Response
-from fastapi.responses import FileResponse, JSONResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from plexrl import tracing
@@ -40,11 +40,12 @@ from plexrl.state_store_client import (
 )
 from plexrl.stores import CheckpointRecord, CheckpointStore, FencedWriteError, ResidencyStore
 from plexrl_state_store import metrics
-from plexrl_state_store.blobs import BadKeyError, BlobDir, DiskFullError
+from plexrl_state_store.blobs import BadKeyError, BlobStore, DiskFullError
 from plexrl_state_store.records import CheckpointRecords
+from plexrl_state_store.s3 import ObjectStoreAway
 
 
-def get_blobs(request: Request) -> BlobDir:
+def get_blobs(request: Request) -> BlobStore:
     return request.app.state.blobs
 
 
@@ -68,7 +69,7 @@ def authenticate(request: Request, authorization: Annotated[str | None, Header()
         )
 
 
-Blobs = Annotated[BlobDir, Depends(get_blobs)]
+Blobs = Annotated[BlobStore, Depends(get_blobs)]
 Checkpoints = Annotated[CheckpointStore, Depends(get_checkpoints)]
 Residencies = Annotated[ResidencyStore, Depends(get_residency)]
 ActingFor = Annotated[str | None, Header(alias="x-plexrl-tenant")]
@@ -103,11 +104,23 @@ def _fenced_off(fence: Fence, doing: str) -> HTTPException:
     )
 
 
-class BlobFileResponse(FileResponse):
-    """A blob file sent (or a range of it: Starlette's own Range handling) in pieces of
-    1 MiB, each read in a worker thread."""
-
-    chunk_size = 1 << 20
+def one_range(header: str, size: int) -> tuple[int, int]:
+    """(first, last) byte of a single `bytes=a-b`, `bytes=a-` or `bytes=-n` range of a
+    blob of `size` bytes; 416 for one outside it, several, or another form."""
+    first, sep, last = header.strip().removeprefix("bytes=").partition("-")
+    span: tuple[int, int] | None = None
+    if sep and "," not in header:
+        if first.isdigit() and (last.isdigit() or not last):
+            span = (int(first), min(int(last), size - 1) if last else size - 1)
+        elif not first and last.isdigit() and int(last) > 0:
+            span = (max(0, size - int(last)), size - 1)
+    if span is None or span[0] > span[1] or span[0] >= size:
+        raise HTTPException(
+            416,
+            f"range {header!r} asks for no bytes of this {size}-byte blob (one range, within it)",
+            headers={"content-range": f"bytes */{size}"},
+        )
+    return span
 
 
 def range_bytes(header: str) -> int:
@@ -125,7 +138,7 @@ def _visible(key: str, acting_for: str | None) -> bool:
 
 
 def build_app(
-    blobs: BlobDir,
+    blobs: BlobStore,
     checkpoints: CheckpointStore,
     residency: ResidencyStore,
     token: str | None = None,
@@ -157,9 +170,20 @@ def build_app(
         metrics.DISK_FULL.inc()
         return JSONResponse({"detail": exc.strerror}, status_code=507)
 
+    @app.exception_handler(ObjectStoreAway)
+    async def object_store_away(_: Request, exc: ObjectStoreAway) -> JSONResponse:
+        # Transient, as Redis away is: the caller retries.
+        return JSONResponse({"detail": str(exc)}, status_code=503, headers={"retry-after": "1"})
+
     @app.get("/healthz")
-    async def healthz(c: Checkpoints) -> dict[str, Any]:
-        return {"service": "state-store", "ok": await c.ping()}
+    async def healthz(c: Checkpoints, request: Request) -> dict[str, Any]:
+        rounds = getattr(request.app.state, "rounds", None)
+        return {
+            "service": "state-store",
+            "ok": await c.ping(),
+            # Whether this replica runs the background rounds (one replica does).
+            "sweeping": rounds is not None and rounds.leading,
+        }
 
     @app.get("/metrics")
     def prometheus_metrics() -> Response:
@@ -174,7 +198,7 @@ def build_app(
         fence: Fenced,
         acting_for: ActingFor = None,
     ) -> dict[str, Any]:
-        b.path(key)  # a bad key is refused before the body is read
+        b.validate(key)  # a bad key is refused before the body is read
         if not _visible(key, acting_for):
             raise HTTPException(
                 403,
@@ -204,11 +228,22 @@ def build_app(
         """The blob; with `Range: bytes=<first>-<last>`, only those bytes (206), read
         from the file as they are sent (an exported file of a large checkpoint)."""
         if range_ is not None:
-            target = b.existing(key) if _visible(key, acting_for) else None
-            if target is None:
+            size = b.size(key) if _visible(key, acting_for) else None
+            if size is None:
                 raise HTTPException(404, f"no blob {key!r}")
-            metrics.BLOB_READ_BYTES.inc(range_bytes(range_))
-            return BlobFileResponse(target, media_type="application/octet-stream")
+            first, last = one_range(range_, size)
+            metrics.BLOB_READ_BYTES.inc(last - first + 1)
+            # Sent as it is read, a piece at a time (a sync iterator: read in a thread).
+            return StreamingResponse(
+                b.read_range(key, first, last),
+                status_code=206,
+                media_type="application/octet-stream",
+                headers={
+                    "content-range": f"bytes {first}-{last}/{size}",
+                    "content-length": str(last - first + 1),
+                    "accept-ranges": "bytes",
+                },
+            )
         data = b.read(key) if _visible(key, acting_for) else None
         if data is None:
             raise HTTPException(404, f"no blob {key!r}")

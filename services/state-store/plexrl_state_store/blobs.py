@@ -1,7 +1,15 @@
-"""A directory of blobs addressed by key; writes are atomic (temp file, then rename).
+"""Where the state-store keeps its blobs: a directory (`BlobDir`, one machine), or an
+S3-compatible object store that state-store replicas on several hosts share
+(`plexrl_state_store.s3.S3Blobs`). Both are a `BlobStore`.
 
-A write that dies half way (the process killed, the disk full) leaves at most a
-`.tmp-*` file, never a partial blob; `sweep_temp` removes those left behind.
+Blobs are addressed by key (`snapshot/<job>/...`, `ckpt/<tenant>/...`). Beside them the
+store keeps a copy of each checkpoint's record (`records`, under `#records/`, a name no
+blob key can take), so that Redis can lose the record and get it back.
+
+A directory's writes are atomic (temp file, then rename): a write that dies half way
+(the process killed, the disk full) leaves at most a `.tmp-*` file, never a partial
+blob; `sweep_temp` removes those left behind. An object store's writes are atomic by
+themselves.
 """
 
 from __future__ import annotations
@@ -13,11 +21,18 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 log = logging.getLogger(__name__)
 
 TEMP_PREFIX = ".tmp-"
+RECORDS_DIR = "#records"
+"""Where the copies of checkpoint records go: `#` is not in the key alphabet, so no blob
+key can name them."""
+CHUNK_BYTES = 1 << 20
+"""A range of a blob is sent in pieces of this size."""
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 
 _KEY = re.compile(r"^[A-Za-z0-9._:@=+-]+(/[A-Za-z0-9._:@=+-]+)*$")
@@ -31,6 +46,51 @@ class DiskFullError(OSError):
     """The blob directory's file system has no room (or the quota is spent) for a write."""
 
 
+class BlobStore(Protocol):
+    """What the state-store needs of the place its blobs live. Calls block (file or
+    network I/O): the app runs them in worker threads."""
+
+    def validate(self, key: str) -> None:
+        """Raise BadKeyError when `key` is not a blob key."""
+
+    def write(self, key: str, data: bytes) -> int:
+        """Store the blob whole (atomically), replacing any; returns its size."""
+
+    def read(self, key: str) -> bytes | None: ...
+
+    def size(self, key: str) -> int | None: ...
+
+    def delete(self, key: str) -> bool:
+        """Delete the blob; False when there was none."""
+
+    def read_range(self, key: str, first: int, last: int) -> Iterator[bytes]:
+        """Bytes `first`..`last` (inclusive) of the blob, in pieces; the caller checked
+        they lie within it."""
+
+    def put_record(self, name: str, data: bytes) -> None:
+        """Keep a checkpoint record's copy under `name` (`<blob key>.json`)."""
+
+    def records(self) -> Iterator[tuple[str, bytes]]:
+        """Every record copy kept: (name, bytes)."""
+
+    def delete_record(self, name: str) -> None: ...
+
+    def sweep_temp(self, older_than_s: float) -> int:
+        """Remove what writes that died left behind; returns how many."""
+
+    def describe(self) -> str:
+        """Where the blobs are, for logs."""
+
+
+def check_key(key: str) -> None:
+    """Refuse keys outside the blob alphabet or that could climb out of their folder."""
+    if not _KEY.match(key) or any(part in (".", "..") for part in key.split("/")):
+        raise BadKeyError(
+            f"blob key {key!r} is not valid: use letters, digits and ._:@=+- in "
+            "'/'-separated parts, without '.' or '..' parts"
+        )
+
+
 class BlobDir:
     def __init__(self, root: Path) -> None:
         self.root = root.resolve()
@@ -38,12 +98,14 @@ class BlobDir:
 
     def path(self, key: str) -> Path:
         """The file of `key`; refuses keys that could leave the directory."""
-        if not _KEY.match(key) or any(part in (".", "..") for part in key.split("/")):
-            raise BadKeyError(
-                f"blob key {key!r} is not valid: use letters, digits and ._:@=+- in "
-                "'/'-separated parts, without '.' or '..' parts"
-            )
+        check_key(key)
         return self.root / key
+
+    def validate(self, key: str) -> None:
+        check_key(key)
+
+    def describe(self) -> str:
+        return str(self.root)
 
     def write(self, key: str, data: bytes) -> int:
         return self.write_file(self.path(key), data, f"blob {key!r}")
@@ -83,6 +145,35 @@ class BlobDir:
             target.unlink()
             return True
         return False
+
+    def read_range(self, key: str, first: int, last: int) -> Iterator[bytes]:
+        with self.path(key).open("rb") as f:
+            f.seek(first)
+            left = last - first + 1
+            while left > 0:
+                chunk = f.read(min(CHUNK_BYTES, left))
+                if not chunk:
+                    return
+                left -= len(chunk)
+                yield chunk
+
+    def _record(self, name: str) -> Path:
+        check_key(name)  # `<blob key>.json`: in the alphabet too
+        return self.root / RECORDS_DIR / name
+
+    def put_record(self, name: str, data: bytes) -> None:
+        self.write_file(self._record(name), data, f"the record copy {name!r}")
+
+    def records(self) -> Iterator[tuple[str, bytes]]:
+        base = self.root / RECORDS_DIR
+        for path in sorted(base.rglob("*.json")) if base.is_dir() else []:
+            try:
+                yield path.relative_to(base).as_posix(), path.read_bytes()
+            except OSError:  # deleted meanwhile
+                continue
+
+    def delete_record(self, name: str) -> None:
+        self._record(name).unlink(missing_ok=True)
 
     def sweep_temp(self, older_than_s: float) -> int:
         """Remove temp files of writes that died (older than `older_than_s`); returns how

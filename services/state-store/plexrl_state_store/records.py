@@ -16,47 +16,43 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from pathlib import Path
 
 import msgspec
 
 from plexrl.stores import CheckpointRecord, CheckpointStore, FencedWriteError
-from plexrl_state_store.blobs import BlobDir
+from plexrl_state_store.blobs import BlobStore
 
 log = logging.getLogger(__name__)
 
-RECORDS_DIR = "#records"
-
 
 class CheckpointRecords:
-    def __init__(self, blobs: BlobDir, store: CheckpointStore) -> None:
+    def __init__(self, blobs: BlobStore, store: CheckpointStore) -> None:
         self._blobs = blobs
         self._store = store
-        self._root = blobs.root / RECORDS_DIR
 
-    def _file(self, blob_key: str) -> Path:
-        self._blobs.path(blob_key)  # refuses keys that could leave the directory
-        return self._root / f"{blob_key}.json"
+    def _name(self, blob_key: str) -> str:
+        self._blobs.validate(blob_key)  # refuses keys that could name something else
+        return f"{blob_key}.json"
 
     def keep(self, record: CheckpointRecord) -> None:
         """Write the record beside its blob (atomically: a crash leaves old or new);
         DiskFullError when there is no room for it."""
-        self._blobs.write_file(self._file(record.blob_key), msgspec.json.encode(record))
+        self._blobs.put_record(self._name(record.blob_key), msgspec.json.encode(record))
 
     def forget(self, blob_key: str) -> None:
         """Delete a checkpoint's blob and the copy of its record (the copy first: a copy
         without its blob is never restored)."""
-        self._file(blob_key).unlink(missing_ok=True)
+        self._blobs.delete_record(self._name(blob_key))
         self._blobs.delete(blob_key)
 
     def kept(self) -> list[CheckpointRecord]:
         """Every record kept whose blob is still there."""
         records: list[CheckpointRecord] = []
-        for path in sorted(self._root.rglob("*.json")) if self._root.is_dir() else []:
+        for name, data in self._blobs.records():
             try:
-                record = msgspec.json.decode(path.read_bytes(), type=CheckpointRecord)
-            except (OSError, msgspec.DecodeError, msgspec.ValidationError):
-                log.warning("skipping unreadable checkpoint record %s", path)
+                record = msgspec.json.decode(data, type=CheckpointRecord)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                log.warning("skipping unreadable checkpoint record %s", name)
                 continue
             if self._blobs.size(record.blob_key) is not None:
                 records.append(record)
