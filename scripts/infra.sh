@@ -5,6 +5,9 @@
 #   scripts/infra.sh down     stop what `up` started (by pid file); leave anything else alone
 #   scripts/infra.sh status   what answers where, and whether `up` started it
 #   scripts/infra.sh env      `export` lines for PLEXRL_KAFKA_BOOTSTRAP and PLEXRL_REDIS_URL
+#   scripts/infra.sh prepare  install and fetch what `up` needs for the parts, start nothing
+#                             (before several `up`s run at once: they would race the
+#                             installs and the jar fetch)
 #
 # PLEXRL_INFRA_PARTS="redis" (or "kafka") limits up, down and status to that part;
 # "sentinel" is a Redis Sentinel (not started by default).
@@ -235,6 +238,12 @@ share.coordinator.state.topic.min.isr=$isr
 default.replication.factor=$factor
 min.insync.replicas=$isr
 unclean.leader.election.enable=false
+# A broker whose host vanished is fenced by the controllers after 6 s without a
+# heartbeat (9 s by default), and its partitions get new leaders; a follower silent for
+# 6 s leaves the in-sync set (30 s by default), so acks=all writes stop waiting for it.
+broker.heartbeat.interval.ms=1000
+broker.session.timeout.ms=6000
+replica.lag.time.max.ms=6000
 EOF
 }
 
@@ -408,7 +417,11 @@ redis_up() {
     # Redis is the only record of sessions, jobs, futures, results and checkpoint
     # records: an append-only file in data/, fsynced every second (a crash loses at
     # most ~1 s; what workers and blobs can re-announce is rebuilt from them).
-    local -a replica=()
+    local -a replica=() exposed=()
+    # On an address other than loopback (a host of the bed, a private network) Redis
+    # refuses everyone without a password unless told not to: the network is the trust
+    # boundary here (docs/deploy.md says how to add a password and TLS).
+    [[ $HOST == 127.* ]] || exposed=(--protected-mode no)
     if [[ -n $REDIS_REPLICA_OF ]]; then
       # shellcheck disable=SC2206 # "HOST PORT": two words on purpose
       replica=(--replicaof $REDIS_REPLICA_OF)
@@ -416,7 +429,7 @@ redis_up() {
     fi
     redis-server --bind "$HOST" --port "$REDIS_PORT" --daemonize yes \
       --pidfile "$REDIS_PID" --dir "$REDIS_DIR/data" --logfile "$REDIS_LOG" \
-      --save '' --appendonly yes --appendfsync everysec "${replica[@]}" \
+      --save '' --appendonly yes --appendfsync everysec "${replica[@]}" "${exposed[@]}" \
       </dev/null >"$REDIS_DIR/redis.out" 2>&1 9>&- ||
       {
         cat "$REDIS_DIR/redis.out" >&2
@@ -483,6 +496,7 @@ sentinel_up() {
 # Written by scripts/infra.sh once; Sentinel itself rewrites it from then on.
 bind $HOST
 port $SENTINEL_PORT
+protected-mode no
 dir $SENTINEL_DIR
 sentinel announce-ip $HOST
 sentinel monitor $name $primary $port $quorum
@@ -596,13 +610,25 @@ cmd_status() {
   return "$rc"
 }
 
+cmd_prepare() {
+  take_lock
+  if wanted kafka; then
+    ensure_java
+    kafka_fetch_jars
+  fi
+  if wanted redis; then ensure_cmd redis-server redis-server; fi
+  if wanted sentinel; then ensure_cmd redis-sentinel redis-sentinel; fi
+  log "prepared:$PARTS"
+}
+
 case ${1:-} in
   up) cmd_up ;;
+  prepare) cmd_prepare ;;
   down) cmd_down ;;
   status) cmd_status ;;
   env) print_env ;;
   *)
-    echo "usage: scripts/infra.sh up|down|status|env   (see docs/infra.md)" >&2
+    echo "usage: scripts/infra.sh up|down|status|env|prepare   (see docs/infra.md)" >&2
     exit 2
     ;;
 esac

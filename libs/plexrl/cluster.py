@@ -113,6 +113,8 @@ class _Proc:
     module: str
     port: int
     extra: dict[str, str]
+    host: str
+    prefix: tuple[str, ...]
 
 
 class LocalCluster:
@@ -157,23 +159,32 @@ class LocalCluster:
         }
         return env
 
-    def _spawn(self, name: str, module: str, port: int, extra: dict[str, str]) -> None:
+    def _spawn(
+        self,
+        name: str,
+        module: str,
+        port: int,
+        extra: dict[str, str],
+        host: str | None = None,
+        prefix: tuple[str, ...] = (),
+    ) -> None:
+        """Start one service; `host`: the address it answers at (the cluster's by
+        default), `prefix`: a command to run it under (`ip netns exec HOST` on the
+        host bed)."""
+        host = host or self.config.host
         logs = self.config.state_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log = logs / f"{name}.log"
         with log.open("ab") as out:
             process = subprocess.Popen(
-                [self._python, "-m", module],
+                [*prefix, self._python, "-m", module],
                 env=self._env({"OTEL_SERVICE_NAME": f"plexrl-{name}", **extra}),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
             )
-        self._procs.append(
-            _Proc(
-                name, process, f"http://{self.config.host}:{port}/healthz", log, module, port, extra
-            )
-        )
+        health = f"http://{host}:{port}/healthz"
+        self._procs.append(_Proc(name, process, health, log, module, port, extra, host, prefix))
 
     def start(self, timeout_s: float = 600.0) -> None:
         c = self.config
@@ -300,7 +311,8 @@ class LocalCluster:
         if proc.process.poll() is None:
             raise RuntimeError(f"{name} is still running; kill it first")
         self._procs.remove(proc)
-        self._spawn(proc.name, proc.module, proc.port, {**proc.extra, **(env or {})})
+        extra = {**proc.extra, **(env or {})}
+        self._spawn(proc.name, proc.module, proc.port, extra, proc.host, proc.prefix)
         self.wait_healthy(timeout_s)
 
     def _proc(self, name: str) -> _Proc:

@@ -78,9 +78,46 @@ def batch(seed: int, step: int) -> list[Any]:
     return data
 
 
-def checkpoint_sha256(blobs: Path, tenant: str, model_id: str, name: str) -> str:
-    """The sha256 of a `save_state(name)` checkpoint's bytes in the state-store's directory
-    (found through the copy of its record the state-store keeps beside the blobs)."""
+class StoreCheckpoints:
+    """A tenant's checkpoint bytes read through the state-store's API, whatever keeps its
+    blobs (a directory, or the object store of the host bed); `urls` are tried in turn."""
+
+    def __init__(self, urls: list[str], token: str) -> None:
+        self._urls = urls
+        self._headers = {"authorization": f"Bearer {token}"}
+
+    def sha256(self, tenant: str, model_id: str, name: str) -> str:
+        import httpx
+
+        path = f"tinker://{model_id.replace('tinker://', '')}/weights/{name}"
+        headers = {**self._headers, "x-plexrl-tenant": tenant}
+        for url in self._urls:
+            try:
+                listed = httpx.get(f"{url}/v1/checkpoints", headers=headers, timeout=30)
+                listed.raise_for_status()
+                for record in listed.json():
+                    if record["path"] == path:
+                        blob = httpx.get(
+                            f"{url}/v1/blobs/{record['blob_key']}", headers=headers, timeout=60
+                        )
+                        blob.raise_for_status()
+                        return hashlib.sha256(blob.content).hexdigest()
+                return ""
+            except httpx.HTTPError:
+                continue  # that replica is away: the next
+        return ""
+
+
+Checkpoints = Path | StoreCheckpoints
+"""Where a run's checkpoints are read: the state-store's blob directory, or its API."""
+
+
+def checkpoint_sha256(blobs: Checkpoints, tenant: str, model_id: str, name: str) -> str:
+    """The sha256 of a `save_state(name)` checkpoint's bytes: read through the
+    state-store's API, or in its directory (found through the copy of its record the
+    state-store keeps beside the blobs)."""
+    if isinstance(blobs, StoreCheckpoints):
+        return blobs.sha256(tenant, model_id, name)
     path = f"tinker://{model_id.replace('tinker://', '')}/weights/{name}"
     for copy in sorted((blobs / "#records" / "ckpt" / tenant).rglob("*.json")):
         record = json.loads(copy.read_bytes())
@@ -94,7 +131,7 @@ def run_job(
     service: Any,
     workload: Workload,
     seed: int,
-    blobs: Path,
+    blobs: Checkpoints,
     tenant: str,
     on_step: Callable[[JobOutcome, int], None] | None = None,
 ) -> JobOutcome:
@@ -127,7 +164,7 @@ def run_job(
 def run_workload(
     service: Any,
     workload: Workload,
-    blobs: Path,
+    blobs: Checkpoints,
     tenant: str,
     on_step: Callable[[JobOutcome, int], None] | None = None,
 ) -> list[JobOutcome]:

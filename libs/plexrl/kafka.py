@@ -173,13 +173,23 @@ def _key_bytes(key: str | bytes | None) -> bytes | None:
     return key.encode() if isinstance(key, str) else key
 
 
+REQUEST_TIMEOUT_MS = 8000
+"""A request to a broker (or a connection to it) unanswered this long fails and is tried
+again, on the partition's new leader if it moved. aiokafka's 40 s default would hold
+every send and fetch for that long when a broker's host vanishes (no reset, only
+silence), while the brokers elect new leaders in a few seconds."""
+
+
 class Publisher:
     """One producer per service; every message carries the current trace context."""
 
-    def __init__(self, bootstrap: str, client_id: str) -> None:
+    def __init__(
+        self, bootstrap: str, client_id: str, request_timeout_ms: int = REQUEST_TIMEOUT_MS
+    ) -> None:
         self._producer = AIOKafkaProducer(
             bootstrap_servers=bootstrap,
             client_id=client_id,
+            request_timeout_ms=request_timeout_ms,
             # Idempotent: a send the producer retries after a lost acknowledgement is
             # written once, in order (acks=all is what idempotence requires).
             acks="all",
@@ -272,6 +282,9 @@ class ConsumerTuning:
     stuck_after_s: float = 30.0
     """`health()` reports the consumer stuck once one message has failed transiently for
     this long, or the loop has not polled Kafka for this long outside a handler."""
+    request_timeout_ms: int = REQUEST_TIMEOUT_MS
+    """A fetch, heartbeat or commit unanswered this long fails and is retried (on a new
+    leader or coordinator once the brokers moved them); see REQUEST_TIMEOUT_MS."""
 
     def __post_init__(self) -> None:
         if self.handler_attempts < 1:
@@ -337,6 +350,7 @@ class MessageConsumer(Generic[T]):
             fetch_max_bytes=64 * 1024 * 1024,
             session_timeout_ms=10000,
             heartbeat_interval_ms=1000,
+            request_timeout_ms=self._tuning.request_timeout_ms,
         )
         self.handled = 0
         self.dead_lettered = 0
