@@ -9,8 +9,8 @@
 #   scripts/hosts.sh prepare  install and build what a bed needs, start nothing (CI runs it)
 #
 # Needs root (network namespaces, veth pairs, a bridge, iptables inside the namespaces; the
-# root namespace's own rules are never touched). Installs Debian's iptables and
-# redis-sentinel when missing, Java and the Kafka jars (scripts/infra.sh), and builds
+# root namespace's own rules are never touched). Installs Debian's iptables, haproxy (the
+# one address in front of the gateways) and redis-sentinel when missing, Java and the Kafka jars (scripts/infra.sh), and builds
 # SeaweedFS once (scripts/seaweedfs.sh: about 30 minutes the first time).
 set -euo pipefail
 
@@ -24,6 +24,7 @@ prepare() {
   [[ $(id -u) -eq 0 ]] || die "the host bed needs root: network namespaces, veth pairs, a bridge"
   command -v ip >/dev/null || apt_install iproute2
   ensure_cmd iptables iptables
+  ensure_cmd haproxy haproxy
   PLEXRL_INFRA_PARTS="kafka redis sentinel" scripts/infra.sh prepare
   scripts/seaweedfs.sh build >/dev/null
   [[ -x .venv/bin/python ]] || scripts/bootstrap.sh

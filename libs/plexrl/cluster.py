@@ -234,9 +234,10 @@ class LocalCluster:
             self.stop()
             raise
 
-    def wait_healthy(self, timeout_s: float) -> None:
+    def wait_healthy(self, timeout_s: float, names: list[str] | None = None) -> None:
+        """Until every service (or those `names`) answers its health check."""
         deadline = time.monotonic() + timeout_s
-        waiting = list(self._procs)
+        waiting = [p for p in self._procs if names is None or p.name in names]
         with httpx.Client(timeout=2.0) as http:
             while waiting:
                 for proc in list(waiting):
@@ -251,8 +252,8 @@ class LocalCluster:
                     except httpx.HTTPError:
                         pass
                 if waiting and time.monotonic() > deadline:
-                    names = ", ".join(p.name for p in waiting)
-                    raise TimeoutError(f"not healthy after {timeout_s:.0f}s: {names}")
+                    late = ", ".join(p.name for p in waiting)
+                    raise TimeoutError(f"not healthy after {timeout_s:.0f}s: {late}")
                 time.sleep(0.2)
 
     def wait_workers_known(self, timeout_s: float) -> None:
@@ -313,7 +314,7 @@ class LocalCluster:
         self._procs.remove(proc)
         extra = {**proc.extra, **(env or {})}
         self._spawn(proc.name, proc.module, proc.port, extra, proc.host, proc.prefix)
-        self.wait_healthy(timeout_s)
+        self.wait_healthy(timeout_s, [name])
 
     def _proc(self, name: str) -> _Proc:
         for proc in self._procs:

@@ -28,6 +28,7 @@ import json
 import os
 import secrets
 import shutil
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -70,13 +71,17 @@ class BedLayout:
     object_store: str = "h6"
     services: tuple[tuple[str, str], ...] = (
         ("state-store-a", "h1"),
+        ("state-store-b", "h3"),
         ("scheduler-a", "h2"),
+        ("scheduler-b", "h3"),
         ("worker-0", "h4"),
         ("worker-1", "h5"),
         ("gateway-a", "h1"),
+        ("gateway-b", "h2"),
     )
-    """(service, host), started in this order: `<kind>-<suffix>` names the kind. One
-    scheduler, gateway and state-store: a second scheduler needs leader election."""
+    """(service, host), started in this order: `<kind>-<suffix>` names the kind. Two of
+    every kind, on different hosts: no host's loss stops the cluster (but the object
+    store's, h6, which stands for an external S3)."""
 
     def of_kind(self, kind: str) -> list[tuple[str, str]]:
         return [(name, host) for name, host in self.services if kind_of(name) == kind]
@@ -136,6 +141,7 @@ class HostCluster(LocalCluster):
                 extra["PLEXRL_API_KEYS"] = c.api_keys
             elif kind == "scheduler":
                 extra["PLEXRL_POLICY"] = c.policy
+                extra["PLEXRL_SCHEDULER_ID"] = name
             elif kind == "state-store":
                 extra["PLEXRL_STATE_STORE_ID"] = name
                 extra["PLEXRL_STATE_STORE_DIR"] = str(c.state_dir / "blobs" / name)
@@ -164,6 +170,83 @@ class HostCluster(LocalCluster):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"no scheduler knew {workers} workers after {timeout_s}s")
                 time.sleep(0.3)
+
+
+class Balancer:
+    """HAProxy (Debian's) at one address of the root namespace (the bridge's), in front of
+    every gateway: clients send every call there, and it spreads them over the gateways
+    that answer their health check (every second; two misses take one out). A gateway
+    lost mid-request costs that request a 502/503, which the SDK sends again."""
+
+    def __init__(self, root: Path, host: str, port: int, backends: list[tuple[str, str]]) -> None:
+        self.root = root
+        self.url = f"http://{host}:{port}"
+        self._host, self._port = host, port
+        self._backends = backends
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def config(self) -> str:
+        servers = "\n".join(
+            f"  server {name} {url.removeprefix('http://')} check" for name, url in self._backends
+        )
+        return f"""# Written by plexrl.hostbed.Balancer.
+global
+  maxconn 4096
+defaults
+  mode http
+  timeout connect 2s
+  # retrieve_future holds a request up to PLEXRL_FUTURE_WAIT_S (25 s) before answering.
+  timeout client 120s
+  timeout server 120s
+  # A connection refused or timed out is tried on the next gateway (nothing was sent).
+  retries 2
+  option redispatch
+frontend gateways
+  bind {self._host}:{self._port}
+  default_backend gateways
+backend gateways
+  balance roundrobin
+  option httpchk GET /healthz
+  http-check expect status 200
+  # A gateway marked down (its host lost: nothing answers, nothing is refused) has its
+  # open requests cut at once, so the SDK sends them again instead of waiting them out.
+  default-server inter 1s fall 2 rise 2 on-marked-down shutdown-sessions
+{servers}
+"""
+
+    def up(self, timeout_s: float = 30.0) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        config = self.root / "haproxy.cfg"
+        config.write_text(self.config())
+        with (self.root / "haproxy.log").open("ab") as log:
+            self._process = subprocess.Popen(
+                ["haproxy", "-db", "-f", str(config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+            )
+        deadline = time.monotonic() + timeout_s
+        with httpx.Client(timeout=2.0) as http:
+            while True:
+                if self._process.poll() is not None:
+                    raise RuntimeError(f"haproxy exited; see {self.root / 'haproxy.log'}")
+                try:
+                    if http.get(f"{self.url}/healthz").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"no gateway answered through {self.url}")
+                time.sleep(0.2)
+
+    def down(self) -> None:
+        if self._process is not None and self._process.poll() is None:
+            self._process.terminate()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
 
 
 @dataclass
@@ -197,6 +280,12 @@ class HostBed:
             prefix=store_host.prefix(),
             s3_port=S3_PORT,
         )
+        self.balancer = Balancer(
+            self.root / "balancer",
+            self.net.gateway,
+            PORTS["gateway"],
+            [(name, self.url_of(name)) for name, _ in self.layout.of_kind("gateway")],
+        )
         self.cluster = HostCluster(
             ClusterConfig(
                 model_registry=self.model_registry,
@@ -228,8 +317,8 @@ class HostBed:
 
     @property
     def gateway_url(self) -> str:
-        """Where clients send calls (the first gateway)."""
-        return self.urls("gateway")[0]
+        """Where clients send calls: the balancer in front of every gateway."""
+        return self.balancer.url
 
     @property
     def bootstrap(self) -> str:
@@ -249,9 +338,10 @@ class HostBed:
             "PLEXRL_REDIS_SENTINELS": self.sentinels,
             "PLEXRL_REDIS_SENTINEL_MASTER": MASTER,
             "PLEXRL_REDIS_WAIT_REPLICAS": "1",
-            "PLEXRL_REDIS_SOCKET_TIMEOUT_S": "3",
+            "PLEXRL_REDIS_SOCKET_TIMEOUT_S": "2",
             "PLEXRL_REDIS_CONNECT_TIMEOUT_S": "1",
             "PLEXRL_STATE_STORE_URL": ",".join(self.urls("state-store")),
+            "PLEXRL_STATE_STORE_TIMEOUT_S": "10",
             "PLEXRL_SCHEDULER_URL": ",".join(self.scheduler_urls()),
             **self.object_store.env(bucket=self.cluster_id),
         }
@@ -340,6 +430,7 @@ class HostBed:
             self._describe()
             self._infra_up()
             self.cluster.start(timeout_s)
+            self.balancer.up()
         except BaseException:
             self.down()
             raise
@@ -365,6 +456,7 @@ class HostBed:
     def down(self) -> None:
         """Stop the services, then kill whatever else runs on the hosts and remove them."""
         try:
+            self.balancer.down()
             self.cluster.stop(timeout_s=20.0)
         finally:
             self.net.destroy()
@@ -418,12 +510,18 @@ class HostBed:
     def redis_primary(self) -> str:
         """The host of the Redis primary, as the Sentinels that answer say."""
         import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
 
         by_address = {h.address: name for name, h in self.net.hosts.items()}
         for host in self.layout.sentinels:
             try:
                 with redis.Redis(
-                    host=self.address(host), port=SENTINEL_PORT, socket_timeout=1
+                    host=self.address(host),
+                    port=SENTINEL_PORT,
+                    socket_timeout=1,
+                    socket_connect_timeout=0.5,
+                    retry=Retry(NoBackoff(), 0),
                 ) as sentinel:
                     address, _ = sentinel.sentinel_get_master_addr_by_name(MASTER)
                     text = address.decode() if isinstance(address, bytes) else str(address)

@@ -54,7 +54,7 @@ def can_build() -> str | None:
     """Why namespaces cannot be built here (None: they can): root, `ip`, `iptables`."""
     if os.geteuid() != 0:
         return "building network namespaces needs root"
-    for tool in ("ip", "iptables"):
+    for tool in ("ip", "iptables", "haproxy"):
         if _run("sh", "-c", f"command -v {tool}", check=False).returncode != 0:
             return f"`{tool}` is missing (scripts/hosts.sh installs it)"
     return None
@@ -136,9 +136,9 @@ class HostNetwork:
         _run(*inside, "ip", "link", "set", "eth0", "up")
 
     def pids(self, name: str) -> list[int]:
-        """Every process running on a host."""
+        """Every process running on a host (not those dead and waiting to be reaped)."""
         done = _run("ip", "netns", "pids", self.hosts[name].netns, check=False)
-        return [int(p) for p in done.stdout.split() if p.isdigit()]
+        return [int(p) for p in done.stdout.split() if p.isdigit() and not _zombie(int(p))]
 
     def kill_all(self, name: str, timeout_s: float = 30.0) -> int:
         """SIGKILL every process on a host (a host lost at once); returns how many."""
@@ -212,6 +212,16 @@ class HostNetwork:
         for name in self.hosts:
             self.kill_all(name, timeout_s=10.0)
         remove(self.bed)
+
+
+def _zombie(pid: int) -> bool:
+    """A process that died and whose parent has not reaped it yet (a killed service is a
+    child of the test that started it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rpartition(")")[2].split()[0] == "Z"
 
 
 def remove(bed: str) -> None:

@@ -173,7 +173,7 @@ def _key_bytes(key: str | bytes | None) -> bytes | None:
     return key.encode() if isinstance(key, str) else key
 
 
-REQUEST_TIMEOUT_MS = 8000
+REQUEST_TIMEOUT_MS = 5000
 """A request to a broker (or a connection to it) unanswered this long fails and is tried
 again, on the partition's new leader if it moved. aiokafka's 40 s default would hold
 every send and fetch for that long when a broker's host vanishes (no reset, only
@@ -198,9 +198,18 @@ class Publisher:
             max_request_size=8 * 1024 * 1024,
         )
         self._retry: tuple[asyncio.Event, Backoff] | None = None
+        self._stamp: Callable[[Any], Any] | None = None
 
     async def start(self) -> None:
         await self._producer.start()
+
+    def stamp_with(self, stamp: Callable[[Any], Any] | None) -> None:
+        """From now on every message passes through `stamp` before it is encoded (the
+        leading scheduler puts its term's token on its dispatches); None: no stamp."""
+        self._stamp = stamp
+
+    def _encoded(self, message: Any) -> bytes:
+        return encode(message if self._stamp is None else self._stamp(message))
 
     async def stop(self) -> None:
         await self._producer.stop()
@@ -227,12 +236,12 @@ class Publisher:
 
     async def _send(self, topic: str, key: str | bytes | None, message: Any) -> None:
         # The aiokafka instrumentation (plexrl.tracing) adds the trace context header.
-        await self._producer.send_and_wait(topic, encode(message), key=_key_bytes(key))
+        await self._producer.send_and_wait(topic, self._encoded(message), key=_key_bytes(key))
 
     async def publish_soon(self, topic: str, key: str | bytes | None, message: Any) -> None:
         """Queue a message without waiting for the broker: for announcements whose loss
         a later one repairs (heartbeats, residency changes). Failures are logged."""
-        delivery = await self._producer.send(topic, encode(message), key=_key_bytes(key))
+        delivery = await self._producer.send(topic, self._encoded(message), key=_key_bytes(key))
         delivery.add_done_callback(_log_failure)
 
     async def publish_deferred(
@@ -244,7 +253,7 @@ class Publisher:
         producer is idempotent), so a caller with several messages to send queues them
         all and waits once, instead of one broker round trip each. Awaiting the result
         raises what the send met; the caller decides how to retry (see `publish`)."""
-        return await self._producer.send(topic, encode(message), key=_key_bytes(key))
+        return await self._producer.send(topic, self._encoded(message), key=_key_bytes(key))
 
     async def publish_raw(self, topic: str, key: bytes | None, value: bytes) -> None:
         await self._producer.send_and_wait(topic, value, key=key)
@@ -285,6 +294,9 @@ class ConsumerTuning:
     request_timeout_ms: int = REQUEST_TIMEOUT_MS
     """A fetch, heartbeat or commit unanswered this long fails and is retried (on a new
     leader or coordinator once the brokers moved them); see REQUEST_TIMEOUT_MS."""
+    session_timeout_ms: int = 10000
+    """A group member silent this long is dropped and its partitions go to the others
+    (brokers accept 6000 at least, by default)."""
 
     def __post_init__(self) -> None:
         if self.handler_attempts < 1:
@@ -348,7 +360,7 @@ class MessageConsumer(Generic[T]):
             fetch_max_wait_ms=500,
             max_partition_fetch_bytes=16 * 1024 * 1024,
             fetch_max_bytes=64 * 1024 * 1024,
-            session_timeout_ms=10000,
+            session_timeout_ms=self._tuning.session_timeout_ms,
             heartbeat_interval_ms=1000,
             request_timeout_ms=self._tuning.request_timeout_ms,
         )

@@ -36,6 +36,18 @@ import redis.asyncio as aioredis
 
 log = logging.getLogger(__name__)
 
+SCHEDULER = "scheduler"
+"""The lease the leading scheduler holds."""
+SEEK_TIMEOUT_S = 5.0
+"""Longest one attempt to take a lease may take before it is given up and made again."""
+STATE_STORE = "state-store"
+"""The lease of the state-store replica that runs the background rounds."""
+
+
+def lease_key(cluster_key: Callable[..., str], name: str) -> str:
+    """A lease's Redis key (`RedisKeys.key` as `cluster_key`); its token is at `:token`."""
+    return cluster_key("lease", name)
+
 
 @dataclass(frozen=True)
 class LeaseConfig:
@@ -223,6 +235,8 @@ class Leadership:
         self._clock = clock
         self.term: Term | None = None
         self.terms = 0
+        self.seen: Holder | None = None
+        """Who held the lease at this process's last attempt to take it."""
 
     @property
     def leading(self) -> bool:
@@ -243,7 +257,11 @@ class Leadership:
     async def _seek(self, stop: asyncio.Event) -> Term | None:
         while not stop.is_set():
             try:
-                term = await self._lease.try_acquire()
+                # Bounded: during a Redis failover a command can hang on the old primary
+                # through all its retries; the next attempt asks the Sentinels afresh.
+                term = await asyncio.wait_for(self._lease.try_acquire(), SEEK_TIMEOUT_S)
+                if term is None:
+                    self.seen = await asyncio.wait_for(self._lease.current(), SEEK_TIMEOUT_S)
             except Exception as exc:  # Redis away: a standby just keeps asking
                 log.debug("seeking lease %s failed: %r", self._lease.key, exc)
                 term = None

@@ -38,7 +38,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
+import redis.exceptions
 
+from plexrl.lease import FENCE_CHECK, Fence, FencedError
 from plexrl.messages import Function, PhaseCompletion, PhaseRequest, decode, encode
 
 SEQUENCED = frozenset(
@@ -116,19 +118,37 @@ class RecoveryPoint:
     """Mutating calls with seq in (snap_seq, applied], in seq order."""
 
 
-# KEYS: head, ids. ARGV: request ids. Returns their seqs, numbering new ones in order.
-_ASSIGN = """
+# KEYS: head, ids, the scheduler lease's token key. ARGV: the writer's token ('' for
+# none), request ids. Returns their seqs, numbering new ones in order; an error when the
+# token is not the lease's latest (a deposed scheduler numbers nothing).
+_ASSIGN = (
+    FENCE_CHECK
+    + """
+if fenced_by(KEYS[3], ARGV[1]) then return redis.error_reply('FENCED') end
 local out = {}
-for i, rid in ipairs(ARGV) do
+for i = 2, #ARGV do
+  local rid = ARGV[i]
   local s = redis.call('HGET', KEYS[2], rid)
   if not s then
     s = redis.call('HINCRBY', KEYS[1], 'next', 1)
     redis.call('HSET', KEYS[2], rid, s)
   end
-  out[i] = tonumber(s)
+  out[i - 1] = tonumber(s)
 end
 return out
 """
+)
+
+# KEYS: head, the scheduler lease's token key. ARGV: the writer's token, owner.
+_BUMP = (
+    FENCE_CHECK
+    + """
+if fenced_by(KEYS[2], ARGV[1]) then return redis.error_reply('FENCED') end
+local epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+redis.call('HSET', KEYS[1], 'owner', ARGV[2])
+return epoch
+"""
+)
 
 # KEYS: head, log, results. ARGV: epoch, seq, completion, log entry ('' for none).
 _COMMIT = """
@@ -217,14 +237,19 @@ class Ledger:
         redis: aioredis.Redis,
         cluster_id: str,
         replicated: Callable[[], Awaitable[object]] | None = None,
+        fence: Fence | None = None,
     ) -> None:
         """`replicated`: waits until Redis's replicas hold what was written
         (`RedisKeys.replicated`): the scheduler's numbers and epochs wait for it before a
         dispatch carries them, and a snapshot's record before the blobs it replaced are
-        deleted (a worker's commit waits with its completion's record)."""
+        deleted (a worker's commit waits with its completion's record). `fence`: the
+        leading scheduler's term; its numbers and epochs are written only while no newer
+        scheduler took the lease (`FencedError` otherwise)."""
         self._redis = redis
         self._p = cluster_id
         self._replicated = replicated
+        self._fence = fence
+        self._bump = redis.register_script(_BUMP)
         self._assign = redis.register_script(_ASSIGN)
         self._commit = redis.register_script(_COMMIT)
         self._snapshot = redis.register_script(_SNAPSHOT)
@@ -242,9 +267,13 @@ class Ledger:
         """The seq of each call, numbering the ones seen for the first time in order."""
         if not request_ids:
             return []
-        seqs: Any = await self._assign(
-            keys=[self._k(job_id), self._k(job_id, "ids")], args=request_ids
-        )
+        try:
+            seqs: Any = await self._assign(
+                keys=[self._k(job_id), self._k(job_id, "ids"), self._fence_key],
+                args=[self._fence_arg, *request_ids],
+            )
+        except redis.exceptions.ResponseError as exc:
+            raise _fenced(exc, f"numbering calls of {job_id}") from None
         # A number lost in a failover would be handed again to another call, which a
         # worker would then answer with the first one's result.
         await self._wait_replicas()
@@ -252,12 +281,23 @@ class Ledger:
 
     async def bump_epoch(self, job_id: str, owner: str) -> int:
         """A new lease on the job for `owner` ('' while it has none): fences the old one."""
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.hincrby(self._k(job_id), "epoch", 1)
-            pipe.hset(self._k(job_id), "owner", owner)
-            epoch, _ = await pipe.execute()
+        try:
+            epoch: Any = await self._bump(
+                keys=[self._k(job_id), self._fence_key], args=[self._fence_arg, owner]
+            )
+        except redis.exceptions.ResponseError as exc:
+            raise _fenced(exc, f"giving {job_id} a new lease") from None
         await self._wait_replicas()  # an epoch lost in a failover unfences the old owner
         return int(epoch)
+
+    @property
+    def _fence_key(self) -> str:
+        # Without a fence the script is handed a key it never reads (and no token).
+        return self._fence.token_key if self._fence else f"{self._p}:unfenced"
+
+    @property
+    def _fence_arg(self) -> str:
+        return self._fence.arg if self._fence else ""
 
     async def _wait_replicas(self) -> None:
         if self._replicated is not None:
@@ -393,6 +433,15 @@ class Ledger:
                 keys=[self._k(job_id, "blobs")],
                 args=[x for kv in entries.items() for x in kv],
             )
+
+
+def _fenced(exc: redis.exceptions.ResponseError, doing: str) -> Exception:
+    if "FENCED" in str(exc):
+        return FencedError(
+            f"{doing} refused: this scheduler's term ended, another leads now (a newer "
+            "token holds the scheduler lease)"
+        )
+    return exc
 
 
 def blob_unreferenced(mark: str, epoch: int) -> bool:

@@ -27,7 +27,7 @@ import redis.exceptions
 from prometheus_client import Counter
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry as SyncRetry
 from redis.sentinel import Sentinel as SyncSentinel
 
@@ -85,12 +85,27 @@ class RedisTarget:
         nodes = ",".join(f"{h}:{p}" for h, p in self.sentinels)
         return f"primary {self.master!r} of Sentinels {nodes}"
 
+    @property
+    def _retries(self) -> int:
+        """Attempts of one command on a new connection. One Redis restarting (loading its
+        append-only file) is waited out in place; with Sentinels a connection that fails
+        is more likely a primary gone, and each attempt's wait is a timeout: fewer, and
+        the caller's own retry asks the Sentinels afresh."""
+        return 3 if self.sentinels else 8
+
     def _common(self) -> dict[str, Any]:
         return {
             "socket_timeout": self.socket_timeout_s,
             "socket_connect_timeout": self.connect_timeout_s,
             "socket_keepalive": True,
         }
+
+    def _sentinel_kwargs(self, sync: bool) -> dict[str, Any]:
+        """How a Sentinel is asked: once, no retry. A Sentinel that does not answer is
+        skipped for the next (redis-py asks them in turn, the last that answered first);
+        retrying a dead one would hold every new connection for its timeouts."""
+        retry = SyncRetry(NoBackoff(), 0) if sync else Retry(NoBackoff(), 0)
+        return {**self._common(), "retry": retry}
 
     def _server_kwargs(self) -> dict[str, Any]:
         """Database, credentials and TLS from the URL (for a Sentinel-found primary)."""
@@ -115,14 +130,11 @@ class RedisTarget:
         a failover) is reopened and the command sent again, with backoff while Redis
         loads its append-only file or the Sentinels promote a replica; without this, the
         first command on each stale connection would fail."""
-        retry = Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=8)
+        retry = Retry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=self._retries)
         options = {**self._common(), "retry": retry, "retry_on_error": list(_RETRIED)}
         if not self.sentinels:
             return aioredis.Redis.from_url(self.url, **options)
-        sentinel = Sentinel(
-            list(self.sentinels),
-            sentinel_kwargs=self._common(),
-        )
+        sentinel = Sentinel(list(self.sentinels), sentinel_kwargs=self._sentinel_kwargs(False))
         client: aioredis.Redis = sentinel.master_for(
             self.master, redis_class=aioredis.Redis, **options, **self._server_kwargs()
         )
@@ -130,11 +142,11 @@ class RedisTarget:
 
     def connect_sync(self) -> redis.Redis:
         """A blocking client (tools and tests), found the same way."""
-        retry = SyncRetry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=8)
+        retry = SyncRetry(ExponentialWithJitterBackoff(base=0.05, cap=1.0), retries=self._retries)
         options = {**self._common(), "retry": retry, "retry_on_error": list(_RETRIED)}
         if not self.sentinels:
             return redis.Redis.from_url(self.url, **options)
-        sentinel = SyncSentinel(list(self.sentinels), sentinel_kwargs=self._common())
+        sentinel = SyncSentinel(list(self.sentinels), sentinel_kwargs=self._sentinel_kwargs(True))
         client: redis.Redis = sentinel.master_for(
             self.master, redis_class=redis.Redis, **options, **self._server_kwargs()
         )

@@ -55,8 +55,12 @@ class CommonSettings(BaseSettings):
     redis_socket_timeout_s: float = Field(default=10.0, ge=0)
     # Opening a connection to Redis or a Sentinel fails after this long, seconds.
     redis_connect_timeout_s: float = Field(default=2.0, gt=0)
-    # Base URL of the state-store service (checkpoints, disk tier).
+    # Base URL of the state-store service (checkpoints, disk tier); several replicas over
+    # one object store may be listed, comma separated (plexrl.endpoints).
     state_store_url: str = "http://127.0.0.1:8300"
+    # Seconds a state-store may stay silent in the middle of a request (between bytes)
+    # before it is given up on (and the next replica tried next time).
+    state_store_timeout_s: float = Field(default=30.0, gt=0)
     # Names this cluster: prefixes Kafka topics, consumer groups and Redis keys.
     # The default gives the design's topic names (`plexrl.requests`, ...).
     cluster_id: str = "plexrl"
@@ -116,7 +120,8 @@ class GatewaySettings(CommonSettings):
     future_wait_s: float = 25.0
     # Longest a training call waits for a lower seq_id of its model before failing.
     sequence_gap_timeout_s: float = 30.0
-    # Base URL of the scheduler's health endpoint (queue depths for /plexrl/v1/cluster).
+    # Base URL of the scheduler's health endpoint (queue depths for /plexrl/v1/cluster);
+    # several schedulers may be listed, comma separated: the one that leads answers.
     scheduler_url: str = "http://127.0.0.1:8100"
     # Per-tenant quotas on records and their user metadata (plexrl.quotas.RecordQuotas
     # says what each counts); a record past one is refused with a 400 naming it.
@@ -194,6 +199,15 @@ class SchedulerSettings(CommonSettings):
     # A dispatch whose worker reports idle this long after it was sent was lost: its
     # calls are requeued (see plexrl_scheduler.liveness.LivenessConfig).
     lease_grace_s: float = 5.0
+    # This scheduler's name in the leader lease. Several schedulers run, one leads at a
+    # time (docs/deploy.md); unset: <host name>@<its advertised address>.
+    scheduler_id: str | None = None
+    # The URL others reach this scheduler's /status at while it leads, advertised in the
+    # lease; unset: http://<scheduler_host>:<scheduler_port> (set it when binding 0.0.0.0).
+    scheduler_advertise_url: str | None = None
+    # Seconds a leader's lease lasts without a renewal (renewed every second): a leader
+    # killed or cut off is replaced after about this long plus the new leader's start.
+    leader_lease_s: float = Field(default=4.0, gt=2.0)
 
 
 class WorkerSettings(CommonSettings):
@@ -267,7 +281,7 @@ class StateStoreSettings(CommonSettings):
     state_store_s3_access_key: str | None = None
     state_store_s3_secret_key: str | None = None
     # This replica's name, for the lease its background rounds run under (one replica
-    # sweeps at a time; every replica serves). Unset: <host name>:<port>.
+    # sweeps at a time; every replica serves). Unset: <host name>@<host>:<port>.
     state_store_id: str | None = None
     # Seconds between checks that every checkpoint record kept beside its blob is in
     # Redis (records Redis lost are put back; also done at start).

@@ -20,6 +20,7 @@ import msgspec
 import numpy as np
 
 from plexrl import tracing
+from plexrl.endpoints import failover_client
 from plexrl.service_auth import auth_headers
 from plexrl.stores import CheckpointRecord
 
@@ -105,8 +106,9 @@ class StateStoreClient:
         # Every request carries the cluster's service token (PLEXRL_SERVICE_TOKEN).
         # `timeout_s` bounds each read or write of the socket, not a whole transfer: a
         # large blob keeps going while bytes move, a hung store is given up on.
-        self._http = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"),
+        # `base_url` may list several replicas (comma separated): see plexrl.endpoints.
+        self._http = failover_client(
+            base_url,
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
             headers=auth_headers(token),
         )

@@ -46,6 +46,11 @@ class Dispatch(msgspec.Struct, frozen=True):
     issued_at: float = 0.0
     lease: Lease | None = None
     """None (an older scheduler): the calls run unnumbered and unfenced."""
+    leader_token: int = 0
+    """The fencing token of the scheduler's term that sent it (`plexrl.lease`): a worker
+    skips a dispatch whose token is below the latest leader's (its sender was deposed;
+    the new leader dispatches those calls again). 0: no leader election (one scheduler,
+    or an older one), never skipped."""
     schema_version: int = SCHEMA_VERSION
 
 

@@ -7,6 +7,7 @@ import logging
 import httpx
 
 from plexrl import tracing
+from plexrl.endpoints import failover_client
 from plexrl.service_auth import auth_headers
 from plexrl.stores import CheckpointRecord, CheckpointStore
 
@@ -18,7 +19,8 @@ class CheckpointRemover:
         self, records: CheckpointStore, state_store_url: str, token: str | None = None
     ) -> None:
         self._records = records
-        self._http = httpx.AsyncClient(base_url=state_store_url.rstrip("/"), timeout=10.0)
+        # Several replicas may be listed (comma separated): plexrl.endpoints.
+        self._http = failover_client(state_store_url, timeout=10.0)
         # A delete_checkpoint call's state-store hop stays in the call's trace.
         tracing.instrument_client(self._http)
         self._token = token

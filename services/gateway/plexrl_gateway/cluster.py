@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from plexrl.endpoints import failover_client
 from plexrl.messages import MessageError, WorkerHeartbeat, decode
 from plexrl.service_auth import auth_headers
 from plexrl.stores import (
@@ -45,8 +46,10 @@ class ClusterView:
         self._workers = workers
         self._residency = residency
         self._usage = usage
-        self._http = httpx.AsyncClient(
-            base_url=scheduler_url.rstrip("/"), timeout=1.0, headers=auth_headers(service_token)
+        # Several schedulers may be listed: a standby answers /status with 503, and the
+        # client moves on to the one that leads (plexrl.endpoints).
+        self._http = failover_client(
+            scheduler_url, timeout=1.0, headers=auth_headers(service_token)
         )
         self._clock = clock
 

@@ -136,7 +136,11 @@ class Gateway:
             dead_letters=DeadLetters(stores.calls, stores.keys, publisher, topics.completions),
             exports=ExportFiles(
                 stores.checkpoints,
-                StateStoreClient(settings.state_store_url, token=settings.service_token),
+                StateStoreClient(
+                    settings.state_store_url,
+                    timeout_s=settings.state_store_timeout_s,
+                    token=settings.service_token,
+                ),
                 UrlSigner(signing_secret(settings.url_signing_secret, settings.service_token)),
                 settings.export_url_ttl_s,
                 settings.public_url,

@@ -10,8 +10,13 @@ The cursor (the next seq_id to publish) is kept in Redis, so a restarted gateway
 resumes where it stopped. The submitter moves it in the same Redis transaction that
 accepts the call (and settles the turn as stored), so no crash can leave a call
 accepted with the cursor behind it; the sequencer itself writes it only for a seq_id
-used up by a refusal. Buffering is in-process: one model's calls must reach one
-gateway instance (route by model id when running several).
+used up by a refusal.
+
+Several gateways may take one model's calls (any gateway answers any call): a call that
+waits for a lower seq_id also reads the cursor in Redis every `poll_s`, so a lower call
+accepted by another gateway lets it go. The order on Kafka still follows seq_id, since
+a call is accepted only once the cursor reached it, and the job's outbox (a Redis list
+every gateway publishes from its head) keeps that order.
 """
 
 from __future__ import annotations
@@ -62,7 +67,9 @@ class _Line:
 
 
 class Sequencer:
-    def __init__(self, cursors: CursorStore, gap_timeout_s: float) -> None:
+    def __init__(self, cursors: CursorStore, gap_timeout_s: float, poll_s: float = 0.05) -> None:
+        """`poll_s`: how often a waiting call reads the cursor in Redis (another gateway
+        may have moved it)."""
         if gap_timeout_s <= 0:
             raise ValueError(
                 f"gap_timeout_s is {gap_timeout_s}; it must be positive "
@@ -70,6 +77,7 @@ class Sequencer:
             )
         self._cursors = cursors
         self._gap_timeout_s = gap_timeout_s
+        self._poll_s = poll_s
         self._lines: dict[str, _Line] = {}
 
     @contextlib.asynccontextmanager
@@ -120,9 +128,7 @@ class Sequencer:
                 if not line.loaded:
                     line.next_seq = await self._cursors.get_next_seq(job_id)
                     line.loaded = True
-                try:
-                    await asyncio.wait_for(line.cond.wait_for(lambda: _ready(line, seq_id)), wait_s)
-                except TimeoutError:
+                if not await self._until_ready(line, job_id, seq_id, wait_s):
                     return False
                 await self._advance(line, job_id, seq_id, store=True)
                 line.cond.notify_all()
@@ -146,15 +152,33 @@ class Sequencer:
             return
         metrics.SEQUENCER_WAITING.inc()
         try:
-            await asyncio.wait_for(line.cond.wait_for(ready), self._gap_timeout_s)
-        except TimeoutError:
+            if await self._until_ready(line, job_id, seq_id, self._gap_timeout_s):
+                return
             raise SequenceGapError(
                 f"model {job_id}: call seq_id {seq_id} waited {self._gap_timeout_s:g}s for "
                 f"seq_id {line.next_seq}, which never arrived; calls of one model must all be "
                 "sent (seq_ids without gaps), so this call was not run"
-            ) from None
+            )
         finally:
             metrics.SEQUENCER_WAITING.dec()
+
+    async def _until_ready(self, line: _Line, job_id: str, seq_id: int, wait_s: float) -> bool:
+        """Wait (holding the line's condition) until every lower seq_id is settled, here or
+        by another gateway (the cursor in Redis moved); False after `wait_s`."""
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while not _ready(line, seq_id):
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    line.cond.wait_for(lambda: _ready(line, seq_id)), min(left, self._poll_s)
+                )
+            if not _ready(line, seq_id):
+                stored = await self._cursors.get_next_seq(job_id)
+                if stored is not None and (line.next_seq is None or stored > line.next_seq):
+                    line.next_seq = stored
+        return True
 
 
 def _ready(line: _Line, seq_id: int) -> bool:

@@ -18,6 +18,7 @@ from plexrl import tracing
 from plexrl.dead_letters import DeadLetters
 from plexrl.health import HttpServer, health_app
 from plexrl.kafka import Delivery, MessageConsumer
+from plexrl.lease import SCHEDULER, lease_key
 from plexrl.ledger import Ledger
 from plexrl.messages import (
     Dispatch,
@@ -38,6 +39,7 @@ from plexrl_worker import metrics
 from plexrl_worker.engine import EngineConfig, TorchEngine
 from plexrl_worker.engine_thread import EngineThread
 from plexrl_worker.heartbeat import Heartbeat
+from plexrl_worker.leader import LeaderFence
 from plexrl_worker.preemption import Preemption
 from plexrl_worker.recorder import ResultRecorder
 from plexrl_worker.recovery import JobRecovery, NumberedCalls, SnapshotConfig
@@ -79,8 +81,10 @@ class DispatchHandler:
         numbered: NumberedCalls,
         tail: TailRelease,
         preemption: Preemption | None = None,
+        leader: LeaderFence | None = None,
     ) -> None:
         self._preemption = preemption or Preemption()
+        self._leader = leader
         self._states = states
         self._runner = runner
         self._recorder = recorder
@@ -92,6 +96,8 @@ class DispatchHandler:
         """Sample batches left to finish their tails in the background."""
 
     async def __call__(self, dispatch: Dispatch, delivery: Delivery) -> None:
+        if self._leader is not None and await self._leader.deposed(dispatch):
+            return
         self._heartbeat.busy = True
         # A batch preempted for this dispatch stays paused until it lets go (below).
         claimed = self._preemption.claim() if dispatch.calls else None
@@ -299,7 +305,11 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
     topics, stores, publisher = await join_cluster(
         settings, name, {own.dispatch(settings.worker_id): 1, own.control(settings.worker_id): 1}
     )
-    store = StateStoreClient(settings.state_store_url, token=settings.service_token)
+    store = StateStoreClient(
+        settings.state_store_url,
+        timeout_s=settings.state_store_timeout_s,
+        token=settings.service_token,
+    )
     registry = ModelRegistry(settings.model_registry)
     engine = TorchEngine(
         registry,
@@ -386,7 +396,10 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         if sglang is not None
         else Preemption()
     )
-    handler = DispatchHandler(states, runner, recorder, heartbeat, numbered, tail, preemption)
+    leader = LeaderFence(stores.keys.redis, lease_key(stores.keys.key, SCHEDULER) + ":token")
+    handler = DispatchHandler(
+        states, runner, recorder, heartbeat, numbered, tail, preemption, leader
+    )
     metrics.watch(states, lambda: len(engine.installed_samplers()))
     dispatches: MessageConsumer[Dispatch] = MessageConsumer(
         bootstrap=settings.kafka_bootstrap,
@@ -417,7 +430,7 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
     health = HttpServer(
         health_app(
             f"worker-{settings.worker_id}",
-            lambda: status(states, handler, engine),
+            lambda: status(states, handler, engine) | fencing(numbered, leader),
             [dispatches, control],
         ),
         settings.worker_host,
@@ -457,6 +470,12 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         await stores.close()
         thread.shutdown()
         log.info("worker %s stopped", settings.worker_id)
+
+
+def fencing(numbered: NumberedCalls, leader: LeaderFence) -> dict[str, Any]:
+    """How often this worker found itself fenced off: calls of jobs re-homed while it was
+    away (their commits refused), and dispatches of a deposed scheduler it skipped."""
+    return {"fenced_calls": numbered.fenced, "deposed_dispatches": leader.skipped}
 
 
 def status(states: StateManager, handler: DispatchHandler, engine: TorchEngine) -> dict[str, Any]:

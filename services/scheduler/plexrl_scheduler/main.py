@@ -4,23 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+from fastapi import HTTPException
+
 from plexrl.dead_letters import DeadLetters
 from plexrl.health import HttpServer, health_app
-from plexrl.kafka import MessageConsumer, ensure_topics
+from plexrl.kafka import ConsumerTuning, MessageConsumer, Publisher, ensure_topics
+from plexrl.lease import Fence, Term
 from plexrl.ledger import Ledger
-from plexrl.messages import Event, PhaseCompletion, PhaseRequest
+from plexrl.messages import Dispatch, Event, PhaseCompletion, PhaseRequest
 from plexrl.policy import PolicyConfig, decide_holding
 from plexrl.service import join_cluster
 from plexrl.settings import SchedulerSettings
-from plexrl.stores import JobStore
+from plexrl.stores import JobStore, Stores
 from plexrl.topics import Topics
 from plexrl_scheduler import metrics
 from plexrl_scheduler.actuator import Actuator
+from plexrl_scheduler.leadership import SchedulerLeadership
 from plexrl_scheduler.liveness import Liveness, LivenessConfig
 from plexrl_scheduler.loop import ControlLoop, Step
 from plexrl_scheduler.receiver import Receiver
@@ -30,7 +36,72 @@ log = logging.getLogger("plexrl.scheduler")
 
 
 async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
+    """Join the cluster, then lead whenever this scheduler holds the lease (a standby
+    meanwhile): each term is `lead`, from a fresh state."""
     topics, stores, publisher = await join_cluster(settings, "plexrl-scheduler")
+    leadership = SchedulerLeadership(stores.keys, settings)
+    # The leading term's view: counts for /healthz, which job runs where for /status.
+    term_status: dict[str, Any] = {}
+    term_inflight: dict[str, Any] = {}
+    watched: list[Any] = []  # the leading term's consumers, for /healthz
+
+    def role_status() -> dict[str, Any]:
+        return {"ok": True, **leadership.status(), **term_status}
+
+    def role_detail() -> dict[str, Any]:
+        if not term_status:  # a standby: the leader has the state
+            raise HTTPException(503, f"a standby scheduler; {leadership.status()}")
+        return role_status() | term_inflight
+
+    health = HttpServer(
+        health_app(
+            "scheduler", role_status, watched, detail=role_detail, token=settings.service_token
+        ),
+        settings.scheduler_host,
+        settings.scheduler_port,
+    )
+    await publisher.start()
+    await health.start()
+    log.info("scheduler %s up (standby until it holds the lease)", leadership.name)
+
+    async def term(held: Term, ended: asyncio.Event) -> None:
+        await lead(
+            settings,
+            topics,
+            stores,
+            publisher,
+            leadership.fence(held),
+            held,
+            ended,
+            (term_status, term_inflight),
+            watched,
+        )
+
+    try:
+        await leadership.run(stop, term)
+    finally:
+        await health.stop()
+        await publisher.stop()
+        await stores.close()
+        log.info("scheduler stopped")
+
+
+async def lead(
+    settings: SchedulerSettings,
+    topics: Topics,
+    stores: Stores,
+    publisher: Publisher,
+    fence: Fence,
+    held: Term,
+    stop: asyncio.Event,
+    shown: tuple[dict[str, Any], dict[str, Any]],
+    watched: list[Any],
+) -> None:
+    """One term as leader: ingest → decide → act, until `stop` (the term ended)."""
+    # The Kafka clients connect first: with a broker's host gone that takes seconds, and
+    # the term's state (whose clock decides when a silent worker is dead) starts after.
+    inbox = Inbox(settings, topics, publisher, stores)
+    await inbox.start()
     state = ClusterState(worker_timeout_s=settings.worker_timeout_s, burst_gap_s=settings.hold_s)
     await restore(state, stores.jobs)
     policy = PolicyConfig(
@@ -42,7 +113,8 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
         fair_share=settings.fair_share,
     )
     receiver = Receiver(state, stores.jobs, stores.usage)
-    ledger = Ledger(stores.keys.redis, settings.cluster_id, stores.keys.replicated)
+    # Fenced: once a newer scheduler took the lease, this one numbers and fences nothing.
+    ledger = Ledger(stores.keys.redis, settings.cluster_id, stores.keys.replicated, fence)
     actuator = Actuator(
         state,
         publisher,
@@ -54,43 +126,12 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
     )
     liveness = Liveness(state, ledger, LivenessConfig(lease_grace_s=settings.lease_grace_s))
     receiver.use(actuator)
-    # Dispatches and answers must go out: wait out a broker that is away.
+    # Dispatches and answers must go out: wait out a broker that is away (for this term).
     publisher.retry_until(stop)
-
-    dead_letters = DeadLetters(stores.calls, stores.keys, publisher, topics.completions)
-
-    def consumer(topic: str, group: str | None, type_: Any, handler: Any, **kw: Any) -> Any:
-        return MessageConsumer(
-            bootstrap=settings.kafka_bootstrap,
-            topics=[topic],
-            group=group,
-            message_type=type_,
-            handler=handler,
-            dlq=(publisher, topics.dlq),
-            name=f"scheduler-{topic}",
-            answer=dead_letters,
-            **kw,
-        )
-
-    consumers = [
-        requests := consumer(
-            topics.requests,
-            topics.group("scheduler-requests"),
-            PhaseRequest,
-            receiver.on_request,
-            commit_after_handler=False,
-            skipped=receiver.finished,
-        ),
-        consumer(
-            topics.completions,
-            topics.group("scheduler-completions"),
-            PhaseCompletion,
-            receiver.on_completion,
-            after_batch=receiver.flush_usage,  # one Redis round trip per poll
-        ),
-        consumer(topics.events, None, Event, receiver.on_event, from_latest=True),
-    ]
-    receiver.attach(requests)
+    # Every dispatch of this term carries its token: a worker skips a deposed leader's.
+    publisher.stamp_with(functools.partial(stamp_dispatch, token=held.token))
+    inbox.deliver_to(receiver)
+    consumers = inbox.consumers
 
     pace = Pace()
 
@@ -106,36 +147,122 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
             Step("record", record, every_s=0.5),
         ]
     )
-    health = HttpServer(
-        health_app(
-            "scheduler",
-            lambda: status(state, actuator, liveness, loop),
-            consumers,
-            detail=lambda: status(state, actuator, liveness, loop) | inflight(state),
-            token=settings.service_token,
-        ),
-        settings.scheduler_host,
-        settings.scheduler_port,
-    )
-    await publisher.start()
-    for c in consumers:
-        await c.start()
-    await health.start()
+    watched[:] = consumers
     tasks = [asyncio.create_task(c.run(stop)) for c in consumers]
-    log.info("scheduler up: policy=%s cluster=%s", policy.name, settings.cluster_id)
+
+    status_out, inflight_out = shown
+
+    def refresh() -> None:
+        status_out.update(status(state, actuator, liveness, loop))
+        inflight_out.update(inflight(state))
+
+    refresh()
+    log.info(
+        "scheduler leads (token %d): policy=%s cluster=%s",
+        held.token,
+        policy.name,
+        settings.cluster_id,
+    )
     try:
         # ingest: the consumers, in their tasks; a pass when they changed something
-        await loop.run(stop, lambda: state.wait_changed(pace.wait_s(state.everything_due)))
+        await loop.run(stop, lambda: waited(state, pace, refresh))
     finally:
         stop.set()
+        watched.clear()
+        status_out.clear()
+        inflight_out.clear()
+        publisher.stamp_with(None)
+        # Out of the groups at once, all together: a consumer of a deposed leader left
+        # running would rejoin once its host is reachable again and take partitions.
         await asyncio.gather(*tasks, return_exceptions=True)
-        for c in consumers:
-            with contextlib.suppress(Exception):
-                await c.stop()
-        await health.stop()
-        await publisher.stop()
-        await stores.close()
-        log.info("scheduler stopped")
+        await asyncio.gather(*(_stopped(c) for c in consumers))
+        log.info("scheduler's term (token %d) ended", held.token)
+
+
+async def _stopped(consumer: MessageConsumer[Any], within_s: float = 10.0) -> None:
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(consumer.stop(), within_s)
+
+
+class Inbox:
+    """A term's three input topics (requests, completions, events), whose messages go to
+    the receiver the term sets once its state exists (`deliver_to`)."""
+
+    def __init__(
+        self, settings: SchedulerSettings, topics: Topics, publisher: Publisher, stores: Stores
+    ) -> None:
+        self._receiver: Receiver | None = None
+        dead_letters = DeadLetters(stores.calls, stores.keys, publisher, topics.completions)
+        # A leader cut off stays in the groups until its session times out: the new
+        # leader gets the partitions then. The brokers' least (6 s), not 10 s.
+        tuning = ConsumerTuning(session_timeout_ms=6000)
+
+        def consumer(topic: str, group: str | None, type_: Any, handler: Any, **kw: Any) -> Any:
+            return MessageConsumer(
+                bootstrap=settings.kafka_bootstrap,
+                topics=[topic],
+                group=group,
+                message_type=type_,
+                handler=handler,
+                dlq=(publisher, topics.dlq),
+                name=f"scheduler-{topic}",
+                answer=dead_letters,
+                tuning=tuning,
+                **kw,
+            )
+
+        self.requests: MessageConsumer[PhaseRequest] = consumer(
+            topics.requests,
+            topics.group("scheduler-requests"),
+            PhaseRequest,
+            lambda m, d: self.receiver.on_request(m, d),
+            commit_after_handler=False,
+            skipped=lambda d: self.receiver.finished(d),
+        )
+        self.consumers: list[MessageConsumer[Any]] = [
+            self.requests,
+            consumer(
+                topics.completions,
+                topics.group("scheduler-completions"),
+                PhaseCompletion,
+                lambda m, d: self.receiver.on_completion(m, d),
+                # One Redis round trip per poll.
+                after_batch=lambda: self.receiver.flush_usage(),
+            ),
+            consumer(
+                topics.events,
+                None,
+                Event,
+                lambda m, d: self.receiver.on_event(m, d),
+                from_latest=True,
+            ),
+        ]
+
+    @property
+    def receiver(self) -> Receiver:
+        assert self._receiver is not None, "Inbox.deliver_to(receiver) was not called"
+        return self._receiver
+
+    async def start(self) -> None:
+        """Connect every consumer at once (no message is handled before `run`)."""
+        await asyncio.gather(*(c.start() for c in self.consumers))
+
+    def deliver_to(self, receiver: Receiver) -> None:
+        self._receiver = receiver
+        receiver.attach(self.requests)
+
+
+async def waited(state: ClusterState, pace: Pace, refresh: Callable[[], None]) -> None:
+    """Wait for news (or the pace's deadline); the health body is refreshed each pass."""
+    refresh()
+    await state.wait_changed(pace.wait_s(state.everything_due))
+
+
+def stamp_dispatch(message: Any, token: int) -> Any:
+    """A dispatch leaves with its leader's term token; other messages as they are."""
+    if isinstance(message, Dispatch):
+        return msgspec.structs.replace(message, leader_token=token)
+    return message
 
 
 class Pace:

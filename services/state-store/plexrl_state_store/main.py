@@ -8,7 +8,7 @@ import socket
 
 from plexrl import tracing
 from plexrl.health import HttpLimits, HttpServer
-from plexrl.lease import Leadership, Lease, Term
+from plexrl.lease import STATE_STORE, Leadership, Lease, Term, lease_key
 from plexrl.service_auth import is_loopback
 from plexrl.settings import StateStoreSettings
 from plexrl.stores import Stores
@@ -75,13 +75,15 @@ async def serve(settings: StateStoreSettings, stop: asyncio.Event) -> None:
     limits = HttpLimits.from_settings(settings)
     server = HttpServer(app, settings.state_store_host, settings.state_store_port, limits)
     records: CheckpointRecords = app.state.records
-    replica = settings.state_store_id or f"{socket.gethostname()}:{settings.state_store_port}"
+    replica = settings.state_store_id or (
+        f"{socket.gethostname()}@{settings.state_store_host}:{settings.state_store_port}"
+    )
     # Every replica serves; one at a time runs the background rounds (two rebuilding and
     # sweeping the same bucket would only race each other).
     rounds = Leadership(
         Lease(
             stores.keys.redis,
-            stores.keys.key("lease", "state-store"),
+            lease_key(stores.keys.key, STATE_STORE),
             holder=replica,
             replicated=stores.keys.replicated,
         )
