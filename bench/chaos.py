@@ -23,6 +23,19 @@ duration — the stall a job saw. Ends with one JSON line.
 
     .venv/bin/python bench/chaos.py --injections 3 \
         --kinds worker,scheduler,gateway,state-store,broker,redis,hung-worker,store-outage-delete
+
+With `--hosts` (root) it runs on the host bed instead (plexrl.hostbed: six network
+namespaces, three Kafka brokers, Redis with Sentinels, SeaweedFS, two of every service)
+and injects host and link faults (plexrl.host_faults: a worker's host cut off, the
+leading scheduler's host cut off, a lossy slow link for `--lossy-s`, a broker's host
+killed, the Redis primary's host killed) `--injections` times each, in a random order at
+random points of the run; per kind it reports the stall and the failover time. Before
+that, unless `--no-main`, the main job (examples/rlvr.py's RLVR jobs, as scripts/demo.sh
+runs them) runs once on one host (a LocalCluster over its own broker and Redis) and once
+across the bed's hosts, with the same workers, policy and device budget: makespan,
+device-seconds, savings and whether every job learned the same, side by side.
+
+    sudo .venv/bin/python bench/chaos.py --hosts --injections 2 --lossy-s 60
 """
 
 from __future__ import annotations
@@ -37,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +62,8 @@ from plexrl.models import init_tiny
 from plexrl.private_infra import Part, PrivateInfra
 
 KEY, TENANT = "tml-chaos", "chaos"
+MAIN_KEY = "tml-main"
+ROOT = Path(__file__).resolve().parent.parent
 KINDS = {
     "worker": "worker-0",
     "scheduler": "scheduler",
@@ -166,6 +182,169 @@ def cluster_home(cluster: LocalCluster, model_id: str) -> str | None:
     return None if raw is None else raw.decode() if isinstance(raw, bytes) else str(raw)
 
 
+def main_job(args: argparse.Namespace, gateway_url: str, which: int) -> dict[str, Any]:
+    """The main job's RLVR jobs at once through `gateway_url`: their results and accounting."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    import httpx
+    from rlvr import RlvrConfig, RlvrJob
+
+    def one(i: int) -> Any:
+        config = RlvrConfig(
+            sft_steps=args.main_sft_steps, rl_steps=args.main_rl_steps, reward_stall_s=1.0, seed=i
+        )
+        with tinker.ServiceClient(base_url=gateway_url, api_key=MAIN_KEY) as service:
+            return RlvrJob(service, config).run()
+
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=which) as pool:
+        results = list(pool.map(one, range(which)))
+    makespan = time.monotonic() - start
+    device_s = dedicated_s = 0.0
+    with httpx.Client(base_url=gateway_url, headers={"X-API-Key": MAIN_KEY}, timeout=60) as http:
+        for r in results:
+            acct = http.get(f"/plexrl/v1/jobs/{r.model_id}").json()["accounting"]
+            device_s += acct["device_s"]
+            dedicated_s += acct["dedicated_device_s"]
+    return {
+        "makespan_s": round(makespan, 2),
+        "mean_job_wall_s": round(statistics.mean(r.wall_s for r in results), 2),
+        "device_s": round(device_s, 2),
+        "savings_fraction": round(1 - device_s / dedicated_s, 4) if dedicated_s else None,
+        "rewards": [r.rewards for r in results],
+        "sft_losses": [r.sft_losses for r in results],
+    }
+
+
+def main_hosts(args: argparse.Namespace, rng: random.Random, seed: int) -> dict[str, Any]:
+    """The host bed: the main job on one host and across hosts, then the host faults."""
+    from plexrl.faults import StoreCheckpoints
+    from plexrl.host_faults import KINDS as HOST_KINDS
+    from plexrl.host_faults import FaultConfig, HostFaults
+    from plexrl.hostbed import HostBed
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from rlvr_demo import ensure_model
+
+    from plexrl.models import ModelRegistry
+
+    kinds = [k for k in args.host_kinds.split(",") if k]
+    unknown = [k for k in kinds if k not in HOST_KINDS]
+    if unknown:
+        sys.exit(f"unknown host fault kinds {unknown}; choose from {list(HOST_KINDS)}")
+    registry = args.registry
+    ensure_model(registry)
+    job_bytes = ModelRegistry(registry).info("plexrl/tiny-qwen3").state_bytes(16)
+    device = {"PLEXRL_WORKER_DEVICE_BYTES": str(int(job_bytes * 1.5))}
+    line: dict[str, Any] = {"benchmark": "chaos-hosts", "seed": seed, "steps": args.steps}
+    keys = f"{KEY}={TENANT},{MAIN_KEY}=main"
+    with tempfile.TemporaryDirectory(prefix="plexrl-chaos-hosts-") as tmp:
+        root = Path(tmp)
+        one_host = None
+        if not args.no_main:
+            infra = PrivateInfra()
+            print("the main job on one host: starting its own broker and Redis", flush=True)
+            infra.up()
+            config = ClusterConfig.on_free_ports(
+                registry,
+                root / "one-host",
+                "mainone",
+                workers=2,
+                api_keys=keys,
+                worker_threads=1,
+                env={**infra.env(), **device},
+            )
+            try:
+                with LocalCluster(config) as cluster:
+                    one_host = main_job(args, cluster.config.gateway_url, args.main_jobs)
+            finally:
+                infra.down()
+                infra.remove()
+            print(f"one host: {summary(one_host)}", flush=True)
+        env = {"PLEXRL_WORKER_TIMEOUT_S": str(args.worker_timeout_s), **device}
+        bed = HostBed(root / "bed", registry, api_keys=keys, env=env)
+        print(f"the host bed {bed.bed_id}: starting (minutes)", flush=True)
+        started = time.monotonic()
+        bed.up(START_TIMEOUT_S)
+        line["bed_start_s"] = round(time.monotonic() - started, 1)
+        try:
+            if one_host is not None:
+                hosts = main_job(args, bed.gateway_url, args.main_jobs)
+                print(f"across hosts: {summary(hosts)}", flush=True)
+                line["main"] = {
+                    "jobs": args.main_jobs,
+                    "one_host": {
+                        k: v for k, v in one_host.items() if k not in ("rewards", "sft_losses")
+                    },
+                    "hosts": {k: v for k, v in hosts.items() if k not in ("rewards", "sft_losses")},
+                    "makespan_ratio": round(hosts["makespan_s"] / one_host["makespan_s"], 3),
+                    "same_learning": hosts["rewards"] == one_host["rewards"]
+                    and hosts["sft_losses"] == one_host["sft_losses"],
+                }
+            service = tinker.ServiceClient(base_url=bed.gateway_url, api_key=KEY)
+            checkpoints = StoreCheckpoints(bed.urls("state-store"), bed.cluster.service_token)
+            workload = Workload(steps=args.steps)
+            reference = run_workload(service, workload, checkpoints, TENANT)
+            if any(o.errors for o in reference):
+                sys.exit(f"the undisturbed run failed: {[o.errors for o in reference]}")
+            faults = HostFaults(
+                bed,
+                service,
+                checkpoints,
+                TENANT,
+                workload,
+                reference,
+                FaultConfig(hold_s=2 * args.worker_timeout_s + 2, lossy_s=args.lossy_s),
+            )
+            plan = [k for k in kinds for _ in range(args.injections)]
+            rng.shuffle(plan)
+            runs: dict[str, list[Any]] = {k: [] for k in kinds}
+            for n, kind in enumerate(plan):
+                run = faults.run(
+                    kind,
+                    at_step=rng.randrange(1, args.steps),
+                    delay_s=rng.uniform(0.0, faults.step_s),
+                    revive=n < len(plan) - 1,
+                )
+                runs[kind].append(run)
+                print(
+                    f"{kind} #{len(runs[kind])} on {run.host}: {run.comparison}, stall "
+                    f"{run.stall_s:.1f}s, failover {run.failover_s}, {run.notes}",
+                    flush=True,
+                )
+        finally:
+            bed.down()
+    line["kinds"] = {k: host_figures(v) for k, v in runs.items()}
+    for total in ("lost", "duplicated", "not_identical"):
+        line[total] = sum(r[total] for r in line["kinds"].values())
+    return line
+
+
+def host_figures(runs: list[Any]) -> dict[str, Any]:
+    stalls = [r.stall_s for r in runs]
+    failovers = [r.failover_s for r in runs if r.failover_s is not None]
+    return {
+        "injections": len(runs),
+        "lost": sum(r.comparison.lost for r in runs),
+        "duplicated": sum(r.comparison.duplicated for r in runs),
+        "not_identical": sum(r.comparison.not_identical for r in runs),
+        "stall_p50_s": round(statistics.median(stalls), 2),
+        "stall_max_s": round(max(stalls), 2),
+        "failover_p50_s": round(statistics.median(failovers), 2) if failovers else None,
+        "failover_max_s": round(max(failovers), 2) if failovers else None,
+    }
+
+
+def figures_of(run: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in run.items() if k not in ("rewards", "sft_losses")}
+
+
+def summary(run: dict[str, Any]) -> str:
+    return (
+        f"makespan {run['makespan_s']}s, mean job {run['mean_job_wall_s']}s, device "
+        f"{run['device_s']}s, saved {run['savings_fraction']}"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--injections", type=int, default=3, help="kills per process kind")
@@ -176,7 +355,28 @@ def main() -> None:
     parser.add_argument(
         "--hang-s", type=float, default=None, help="hung-worker pause (2x the timeout)"
     )
+    parser.add_argument("--hosts", action="store_true", help="host and link faults on the bed")
+    parser.add_argument(
+        "--host-kinds",
+        default="worker-partition,leader-partition,lossy-link,"
+        "broker-host-kill,redis-primary-host-kill",
+    )
+    parser.add_argument("--lossy-s", type=float, default=60.0, help="how long a link is lossy")
+    parser.add_argument("--no-main", action="store_true", help="skip the main job's runs")
+    parser.add_argument("--main-jobs", type=int, default=4)
+    parser.add_argument("--main-sft-steps", type=int, default=10)
+    parser.add_argument("--main-rl-steps", type=int, default=8)
+    parser.add_argument(
+        "--registry",
+        type=Path,
+        default=Path(__file__).resolve().parent.parent / ".plexrl" / "models",
+    )
     args = parser.parse_args()
+    if args.hosts:
+        seed = args.seed if args.seed is not None else random.randrange(2**31)
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        print(json.dumps(main_hosts(args, random.Random(seed), seed)))
+        return
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = [k for k in kinds if k not in KINDS]
     if unknown:

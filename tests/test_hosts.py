@@ -1,10 +1,17 @@
 """The host bed: the cluster across hosts that are network namespaces on a bridge, each
 with its own address (plexrl.hostbed). Kafka is three brokers on three hosts (every
 topic three copies, two in sync), Redis a primary and a replica watched by three
-Sentinels, the disk tier SeaweedFS's S3 on a host of its own, the workers on two more.
+Sentinels, the disk tier SeaweedFS's S3 on a host of its own, the workers on two more,
+two schedulers (one leading), two gateways behind one address, two state-stores.
 
-The bed starts once for the module (its start is most of its cost); the tests run on it
-one after another. Needs root; skipped without it, except under CI=true.
+Then host and link faults, one after another on the same bed, each run compared with
+the undisturbed one (no call lost, no step applied twice, losses and checkpoint bytes
+bit-identical): a worker's host cut off past the heartbeat timeout, the leading
+scheduler's host cut off, a lossy slow link, a broker's host killed, the Redis primary's
+host killed (plexrl.host_faults; `bench/chaos.py --hosts` runs them longer and at random).
+
+The bed starts once for the module (its start is most of its cost). Needs root;
+skipped without it, except under CI=true.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ import tinker
 from aiokafka.admin import AIOKafkaAdminClient
 
 from plexrl.faults import JobOutcome, StoreCheckpoints, Workload, run_workload
+from plexrl.host_faults import KINDS, FaultConfig, HostFaults
 from plexrl.hostbed import KAFKA_PORT, HostBed
 from plexrl.hostnet import can_build
 
@@ -28,6 +36,9 @@ pytestmark = pytest.mark.integration
 KEY, TENANT = "tml-hosts", "hosts"
 WORKLOAD = Workload(seeds=(1, 2), steps=3)
 START_TIMEOUT_S = 900.0
+HANDOVER_TARGET_S = 10.0
+"""A leader cut off is replaced within this: its lease's 4 s, half a second to ask, the
+new leader's start."""
 
 
 @pytest.fixture(scope="module")
@@ -100,10 +111,11 @@ def test_each_part_runs_on_its_own_host_and_every_topic_has_three_copies(
     assert replication["role"] == "master" and replication["connected_slaves"] == 1
     # Every service answers at its own host's address, and nowhere else.
     with httpx.Client(timeout=3.0) as http:
-        for name, host in host_bed.layout.services:
+        for name, _ in host_bed.layout.services:
             assert http.get(f"{host_bed.url_of(name)}/healthz").status_code == 200, name
-            elsewhere = next(h for h in host_bed.layout.hosts if h != host)
             port = host_bed.url_of(name).rsplit(":", 1)[1]
+            busy = {h for n, h in host_bed.layout.services if host_bed.url_of(n).endswith(port)}
+            elsewhere = next(h for h in host_bed.layout.hosts if h not in busy)
             with pytest.raises(httpx.ConnectError):
                 http.get(f"http://{host_bed.address(elsewhere)}:{port}/healthz")
 
@@ -116,3 +128,28 @@ def test_a_job_across_the_hosts_keeps_its_checkpoints_in_the_object_store(
     assert all(o.checkpoint_sha256 for o in reference)
     local = host_bed.cluster.config.state_dir / "blobs"
     assert not local.exists() or not any(p.is_file() for p in local.rglob("*"))
+
+
+@pytest.fixture(scope="module")
+def faults(
+    host_bed: HostBed, checkpoints: StoreCheckpoints, reference: list[JobOutcome]
+) -> HostFaults:
+    service = tinker.ServiceClient(base_url=host_bed.gateway_url, api_key=KEY)
+    # The link stays lossy for 20 s here (a minute in bench/chaos.py --hosts).
+    config = FaultConfig(hold_s=8.0, lossy_s=20.0)
+    return HostFaults(host_bed, service, checkpoints, TENANT, WORKLOAD, reference, config)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_host_or_link_fault_changes_nothing_a_job_learns(kind: str, faults: HostFaults) -> None:
+    # The last fault's host is not brought back: the module ends with it.
+    run = faults.run(kind, at_step=1, delay_s=0.3, revive=kind != KINDS[-1])
+    where = f"{kind} on {run.host}: stall {run.stall_s:.1f}s, failover {run.failover_s}"
+    print(where, run.notes)
+    assert run.comparison.lost == 0, where
+    assert run.comparison.duplicated == 0, where
+    assert run.comparison.not_identical == 0, where
+    if kind == "leader-partition":
+        assert run.failover_s is not None and run.failover_s <= HANDOVER_TARGET_S, where
+    if kind in ("worker-partition", "redis-primary-host-kill"):
+        assert run.failover_s is not None, f"{where}: never failed over"
