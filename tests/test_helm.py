@@ -1,7 +1,8 @@
 """deploy/helm/plexrl, rendered by the real `helm template`: `helm lint` passes, kubeconform
 accepts every manifest against the strict Kubernetes schemas of the pinned versions,
 every PLEXRL_* name a container sets is a setting its service reads, and the chart keeps
-what docs/deploy.md promises (one scheduler, GPU groups, probes, scraping, secrets).
+what docs/deploy.md promises (schedulers and gateways several, the state-store several
+only over an object store, GPU groups, probes, scraping, secrets).
 
 Helm, kubeconform and the schemas come from scripts/helm.sh (.plexrl/bin,
 .plexrl/kube-schemas). Without them the tests are skipped, except under CI=true, where
@@ -43,6 +44,7 @@ FOREIGN_ENV = {
     "OTEL_SERVICE_NAME": "OpenTelemetry SDK",
     "OTEL_EXPORTER_OTLP_ENDPOINT": "OpenTelemetry SDK",
     "HF_HOME": "huggingface_hub (the tokenizers' cache)",
+    "POD_IP": "the chart (PLEXRL_SCHEDULER_ADVERTISE_URL is built from it)",
 }
 # The values every render needs (the chart refuses to render without a token and keys).
 REQUIRED = ["--set", "secrets.serviceToken=test-token", "--set", "secrets.apiKeys=tml-test=t"]
@@ -272,21 +274,63 @@ def test_refuses_to_render_without_a_token_or_keys(helm: Path) -> None:
     assert result.returncode != 0 and "secrets.apiKeys is required" in result.stderr
 
 
-def test_one_scheduler_and_never_two_at_once(helm: Path, manifests: list[dict[str, Any]]) -> None:
-    scheduler = find(manifests, "Deployment", "scheduler")
-    assert scheduler["spec"]["replicas"] == 1
-    assert scheduler["spec"]["strategy"] == {"type": "Recreate"}
+def test_several_schedulers_each_advertising_its_pod_for_the_lease(helm: Path) -> None:
+    defaults = find(render(helm, *REQUIRED), "Deployment", "scheduler")
+    assert defaults["spec"]["replicas"] == 2
+    assert defaults["spec"]["strategy"] == {"type": "RollingUpdate"}
+    full = find(render(helm, *CASES["full"]), "Deployment", "scheduler")
+    assert full["spec"]["replicas"] == 3
+    env = env_of(main_container(full))
+    assert env["PLEXRL_SCHEDULER_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["PLEXRL_SCHEDULER_ADVERTISE_URL"]["value"] == "http://$(POD_IP):8100"
+    assert env["PLEXRL_LEADER_LEASE_S"]["value"] == "6"
+    # The variable it is built from comes first (Kubernetes expands only earlier ones).
+    names = [e["name"] for e in main_container(full)["env"]]
+    assert names.index("POD_IP") < names.index("PLEXRL_SCHEDULER_ADVERTISE_URL")
+    budget = find(render(helm, *REQUIRED), "PodDisruptionBudget", "scheduler")
+    assert budget["spec"]["maxUnavailable"] == 1
     result = run_helm(
-        helm, "template", "plexrl", str(CHART), *REQUIRED, "--set", "scheduler.replicas=2"
+        helm, "template", "plexrl", str(CHART), *REQUIRED, "--set", "scheduler.replicas=0"
     )
-    assert result.returncode != 0 and "no leader election" in result.stderr
+    assert result.returncode != 0 and "one leads" in result.stderr
 
 
-def test_several_gateways_pin_each_client_to_one(helm: Path) -> None:
-    one = find(render(helm, *REQUIRED), "Service", "gateway")
-    assert "sessionAffinity" not in one["spec"]
-    several = find(render(helm, *CASES["full"]), "Service", "gateway")
-    assert several["spec"]["sessionAffinity"] == "ClientIP"
+def test_gateways_are_interchangeable_behind_their_service(
+    manifests: list[dict[str, Any]],
+) -> None:
+    service = find(manifests, "Service", "gateway")
+    assert "sessionAffinity" not in service["spec"]
+    assert find(manifests, "Deployment", "gateway")["spec"]["replicas"] >= 2
+
+
+def test_replication_and_sentinels_reach_every_service(helm: Path) -> None:
+    for doc in workloads(render(helm, *CASES["full"])):
+        env = env_of(main_container(doc))
+        assert env["PLEXRL_KAFKA_REPLICATION_FACTOR"]["value"] == "3"
+        assert env["PLEXRL_KAFKA_MIN_INSYNC_REPLICAS"]["value"] == "2"
+        assert env["PLEXRL_REDIS_SENTINELS"]["value"].count(":26379") == 3
+        assert env["PLEXRL_REDIS_WAIT_REPLICAS"]["value"] == "1"
+    for doc in workloads(render(helm, *REQUIRED)):
+        env = env_of(main_container(doc))
+        assert env["PLEXRL_KAFKA_REPLICATION_FACTOR"]["value"] == "1"
+        assert "PLEXRL_REDIS_SENTINELS" not in env
+
+
+def test_state_store_replicas_share_an_object_store_and_need_one(helm: Path) -> None:
+    store = find(render(helm, *CASES["full"]), "StatefulSet", "state-store")
+    assert store["spec"]["replicas"] == 2 and "volumeClaimTemplates" not in store["spec"]
+    env = env_of(main_container(store))
+    assert env["PLEXRL_STATE_STORE_S3_ENDPOINT"]["value"].startswith("https://")
+    assert env["PLEXRL_STATE_STORE_S3_PREFIX"]["value"] == "cluster-a/"
+    for key in ("PLEXRL_STATE_STORE_S3_ACCESS_KEY", "PLEXRL_STATE_STORE_S3_SECRET_KEY"):
+        assert env[key]["valueFrom"]["secretKeyRef"]["name"] == "plexrl-s3"
+    assert env["PLEXRL_STATE_STORE_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert "PLEXRL_STATE_STORE_DIR" not in env
+    result = run_helm(
+        helm, "template", "plexrl", str(CHART), *REQUIRED, "--set", "stateStore.replicas=2"
+    )
+    assert result.returncode != 0 and "needs stateStore.objectStore.endpoint" in result.stderr
 
 
 def test_worker_groups_are_a_statefulset_of_gpu_pods(helm: Path) -> None:
@@ -316,8 +360,9 @@ def test_multi_rank_groups_are_refused_until_built(helm: Path) -> None:
     assert result.returncode != 0 and "multi-rank worker groups are not built" in result.stderr
 
 
-def test_state_store_keeps_its_blobs_on_a_claim(manifests: list[dict[str, Any]]) -> None:
-    store = find(manifests, "StatefulSet", "state-store")
+def test_state_store_keeps_its_blobs_on_a_claim(helm: Path) -> None:
+    store = find(render(helm, *REQUIRED), "StatefulSet", "state-store")
+    assert store["spec"]["replicas"] == 1
     container = main_container(store)
     blob_dir = env_of(container)["PLEXRL_STATE_STORE_DIR"]["value"]
     (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == blob_dir]

@@ -198,3 +198,31 @@ def _roles(ports: list[int], until: object, timeout_s: float = 180.0) -> list[st
                 return roles
             time.sleep(0.1)
     raise AssertionError(f"roles stayed {roles}")
+
+
+async def test_the_gateway_asks_the_scheduler_its_lease_names_first(
+    replica: tuple[str, list[str]], stores: Stores
+) -> None:
+    from plexrl.lease import Lease
+    from plexrl_gateway.cluster import ClusterView
+    from plexrl_gateway.components import advertised_leader
+
+    live, got = replica
+    key = lease_key(stores.keys.key, SCHEDULER)
+    lease = Lease(stores.keys.redis, key, "s1", advertised=live)
+    assert await lease.try_acquire() is not None
+    assert await advertised_leader(stores.keys) == live
+    view = ClusterView(
+        jobs=stores.jobs,
+        workers=stores.workers,
+        residency=stores.residency,
+        usage=stores.usage,
+        # Behind this one name no scheduler answers (a Service over standbys, say).
+        scheduler_url=f"http://127.0.0.1:{free_port()}",
+        leader_url=lambda: advertised_leader(stores.keys),
+    )
+    try:
+        assert await view.scheduler() == {"path": "status"}
+    finally:
+        await view.close()
+    assert got == ["status"]

@@ -206,11 +206,16 @@ class Lease:
         await self._release(keys=[self.key], args=[term.holder, term.token])
 
     async def current(self) -> Holder | None:
-        raw: dict[Any, Any] = await self._redis.hgetall(self.key)
-        fields = {_text(k): _text(v) for k, v in raw.items()}
-        if "holder" not in fields:
-            return None
-        return Holder(fields["holder"], int(fields.get("token", 0)), fields.get("advertised", ""))
+        return await holder_of(self._redis, self.key)
+
+
+async def holder_of(redis: aioredis.Redis, key: str) -> Holder | None:
+    """Who holds the lease at `key` now (None: nobody)."""
+    raw: dict[Any, Any] = await redis.hgetall(key)
+    fields = {_text(k): _text(v) for k, v in raw.items()}
+    if "holder" not in fields:
+        return None
+    return Holder(fields["holder"], int(fields.get("token", 0)), fields.get("advertised", ""))
 
 
 Lead = Callable[[Term, asyncio.Event], Coroutine[Any, Any, None]]

@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 import msgspec
+from redis.exceptions import RedisError
 
 from plexrl.endpoints import failover_client
 from plexrl.messages import MessageError, WorkerHeartbeat, decode
@@ -40,8 +41,12 @@ class ClusterView:
         usage: UsageStore,
         scheduler_url: str,
         service_token: str | None = None,
+        leader_url: Callable[[], Awaitable[str | None]] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """`leader_url`: the URL the leading scheduler advertises in its lease (read from
+        Redis), asked before `scheduler_url`: behind one Service name several schedulers
+        would answer, only one of them leading."""
         self._jobs = jobs
         self._workers = workers
         self._residency = residency
@@ -51,10 +56,13 @@ class ClusterView:
         self._http = failover_client(
             scheduler_url, timeout=1.0, headers=auth_headers(service_token)
         )
+        self._direct = httpx.AsyncClient(timeout=1.0, headers=auth_headers(service_token))
+        self._leader_url = leader_url
         self._clock = clock
 
     async def close(self) -> None:
         await self._http.aclose()
+        await self._direct.aclose()
 
     async def workers(self) -> list[dict[str, Any]]:
         """Every worker with a live heartbeat record, as it last described itself."""
@@ -78,9 +86,14 @@ class ClusterView:
         """The scheduler's status (pending and in-flight calls, which job each worker
         runs), from its token-guarded /status, if it answers."""
         try:
+            leader = await self._leader_url() if self._leader_url else None
+            if leader:
+                response = await self._direct.get(f"{leader.rstrip('/')}/status")
+                if response.status_code < 400:
+                    return dict(response.json())
             response = await self._http.get("/status")
             return dict(response.json()) if response.status_code < 400 else None
-        except (httpx.HTTPError, ValueError):
+        except (httpx.HTTPError, ValueError, RedisError):
             return None
 
     async def job(self, job: JobRecord) -> dict[str, Any]:

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from plexrl.dead_letters import DeadLetters
 from plexrl.health import Watched
+from plexrl.lease import SCHEDULER, holder_of, lease_key
 from plexrl.limits import DEFAULT_LIMITS, CallLimits
 from plexrl.models import ModelRegistry
 from plexrl.settings import GatewaySettings
 from plexrl.state_store_client import StateStoreClient
-from plexrl.stores import CallStore, PayloadStore, Stores, TimelineStore, UsageStore
+from plexrl.stores import CallStore, PayloadStore, RedisKeys, Stores, TimelineStore, UsageStore
 from plexrl.stores.tenant_records import TenantRecords
 from plexrl.topics import Topics
 from plexrl_gateway.admission import CountingPublisher, PendingCalls
@@ -30,6 +32,12 @@ from plexrl_gateway.submitter import RequestPublisher, Submitter
 
 async def _no_replicas() -> int:
     return 0
+
+
+async def advertised_leader(keys: RedisKeys) -> str | None:
+    """The URL the leading scheduler advertises in its lease (None: nobody leads)."""
+    holder = await holder_of(keys.redis, lease_key(keys.key, SCHEDULER))
+    return holder.advertised if holder else None
 
 
 @dataclass(frozen=True)
@@ -128,6 +136,7 @@ class Gateway:
                 usage=stores.usage,
                 scheduler_url=settings.scheduler_url,
                 service_token=settings.service_token,
+                leader_url=functools.partial(advertised_leader, stores.keys),
             ),
             checkpoints=CheckpointRemover(
                 stores.checkpoints, settings.state_store_url, settings.service_token

@@ -61,6 +61,10 @@ prometheus.io/path: /metrics
 {{- $root := .root -}}
 - name: PLEXRL_KAFKA_BOOTSTRAP
   value: {{ required "kafka.bootstrap is required: the bootstrap servers of an external Kafka" $root.Values.kafka.bootstrap | quote }}
+- name: PLEXRL_KAFKA_REPLICATION_FACTOR
+  value: {{ $root.Values.kafka.replicationFactor | int | toString | quote }}
+- name: PLEXRL_KAFKA_MIN_INSYNC_REPLICAS
+  value: {{ $root.Values.kafka.minInsyncReplicas | int | toString | quote }}
 - name: PLEXRL_REDIS_URL
 {{- if $root.Values.redis.existingSecret }}
   valueFrom:
@@ -70,6 +74,14 @@ prometheus.io/path: /metrics
 {{- else }}
   value: {{ required "redis.url is required: the URL of an external Redis" $root.Values.redis.url | quote }}
 {{- end }}
+{{- with $root.Values.redis.sentinels }}
+- name: PLEXRL_REDIS_SENTINELS
+  value: {{ . | quote }}
+- name: PLEXRL_REDIS_SENTINEL_MASTER
+  value: {{ $root.Values.redis.sentinelMaster | quote }}
+{{- end }}
+- name: PLEXRL_REDIS_WAIT_REPLICAS
+  value: {{ $root.Values.redis.waitReplicas | int | toString | quote }}
 - name: PLEXRL_STATE_STORE_URL
   value: {{ include "plexrl.stateStoreUrl" $root | quote }}
 - name: PLEXRL_CLUSTER_ID
