@@ -20,8 +20,11 @@ PLEXRL_LOG_TAG=hosts
 source "$ROOT/scripts/_lib.sh"
 cd "$ROOT"
 
-prepare() {
+need_root() {
   [[ $(id -u) -eq 0 ]] || die "the host bed needs root: network namespaces, veth pairs, a bridge"
+}
+
+prepare() {
   command -v ip >/dev/null || apt_install iproute2
   ensure_cmd iptables iptables
   ensure_cmd haproxy haproxy
@@ -33,10 +36,14 @@ prepare() {
 case ${1:-} in
   prepare) prepare ;;
   up)
+    need_root
     prepare
     exec .venv/bin/python -m plexrl.hostbed up "${@:2}"
     ;;
   status) exec .venv/bin/python -m plexrl.hostbed status ;;
-  down) exec .venv/bin/python -m plexrl.hostbed down ;;
+  down)
+    need_root
+    exec .venv/bin/python -m plexrl.hostbed down
+    ;;
   *) die "usage: scripts/hosts.sh up|status|down|prepare   (see docs/deploy.md)" ;;
 esac

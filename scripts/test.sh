@@ -28,6 +28,10 @@ if [[ ${CI:-} == true || ${PLEXRL_HELM_TOOLS:-0} == 1 ]]; then scripts/helm.sh >
 # (tests/test_object_store.py, tests/test_hosts.py): always under CI, else on request; the
 # first build takes about 30 minutes on 2 cores (docs/infra.md), later runs none.
 if [[ ${CI:-} == true || ${PLEXRL_SEAWEEDFS:-0} == 1 ]]; then scripts/seaweedfs.sh build >/dev/null || exit; fi
+# The host bed's tools (iptables, haproxy, redis-sentinel, Java, the Kafka jars) for
+# tests/test_hosts.py and the Sentinel tests: always under CI, else on request. The bed
+# itself needs root; without it the test fails under CI, and is skipped otherwise.
+if [[ ${CI:-} == true || ${PLEXRL_HOST_BED:-0} == 1 ]]; then scripts/hosts.sh prepare || exit; fi
 
 lint_status=0
 if [[ ${PLEXRL_LINT:-0} == 1 || ${CI:-} == true ]]; then

@@ -4,11 +4,14 @@ topic three copies, two in sync), Redis a primary and a replica watched by three
 Sentinels, the disk tier SeaweedFS's S3 on a host of its own, the workers on two more,
 two schedulers (one leading), two gateways behind one address, two state-stores.
 
-Then host and link faults, one after another on the same bed, each run compared with
-the undisturbed one (no call lost, no step applied twice, losses and checkpoint bytes
+Then host faults, one after another on the same bed, each run compared with the
+undisturbed one (no call lost, no step applied twice, losses and checkpoint bytes
 bit-identical): a worker's host cut off past the heartbeat timeout, the leading
-scheduler's host cut off, a lossy slow link, a broker's host killed, the Redis primary's
-host killed (plexrl.host_faults; `bench/chaos.py --hosts` runs them longer and at random).
+scheduler's host cut off, and the Redis primary's host killed, which is also a Kafka
+broker's host (every process on it: a broker, a Sentinel, a gateway, a state-store).
+plexrl.host_faults has two more kinds, a lossy slow link and a broker's host killed and
+revived; `bench/chaos.py --hosts` runs every kind, at random, with the link lossy for a
+minute (the suite's time budget holds three).
 
 The bed starts once for the module (its start is most of its cost). Needs root;
 skipped without it, except under CI=true.
@@ -27,7 +30,7 @@ import tinker
 from aiokafka.admin import AIOKafkaAdminClient
 
 from plexrl.faults import JobOutcome, StoreCheckpoints, Workload, run_workload
-from plexrl.host_faults import KINDS, FaultConfig, HostFaults
+from plexrl.host_faults import FaultConfig, HostFaults
 from plexrl.hostbed import KAFKA_PORT, HostBed
 from plexrl.hostnet import can_build
 
@@ -36,6 +39,8 @@ pytestmark = pytest.mark.integration
 KEY, TENANT = "tml-hosts", "hosts"
 WORKLOAD = Workload(seeds=(1, 2), steps=3)
 START_TIMEOUT_S = 900.0
+FAULTS = ("worker-partition", "leader-partition", "redis-primary-host-kill")
+"""The bounded set, in this order; the last host is not brought back."""
 HANDOVER_TARGET_S = 10.0
 """A leader cut off is replaced within this: its lease's 4 s, half a second to ask, the
 new leader's start."""
@@ -135,15 +140,14 @@ def faults(
     host_bed: HostBed, checkpoints: StoreCheckpoints, reference: list[JobOutcome]
 ) -> HostFaults:
     service = tinker.ServiceClient(base_url=host_bed.gateway_url, api_key=KEY)
-    # The link stays lossy for 20 s here (a minute in bench/chaos.py --hosts).
-    config = FaultConfig(hold_s=8.0, lossy_s=20.0)
+    config = FaultConfig(hold_s=8.0)
     return HostFaults(host_bed, service, checkpoints, TENANT, WORKLOAD, reference, config)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_a_host_or_link_fault_changes_nothing_a_job_learns(kind: str, faults: HostFaults) -> None:
+@pytest.mark.parametrize("kind", FAULTS)
+def test_a_host_fault_changes_nothing_a_job_learns(kind: str, faults: HostFaults) -> None:
     # The last fault's host is not brought back: the module ends with it.
-    run = faults.run(kind, at_step=1, delay_s=0.3, revive=kind != KINDS[-1])
+    run = faults.run(kind, at_step=1, delay_s=0.3, revive=kind != FAULTS[-1])
     where = f"{kind} on {run.host}: stall {run.stall_s:.1f}s, failover {run.failover_s}"
     print(where, run.notes)
     assert run.comparison.lost == 0, where

@@ -201,6 +201,8 @@ class RedisGroup:
 
     def up(self) -> None:
         primary, replica = self.redis_ports
+        # Installs once, before five starts at once would race them.
+        infra_sh("prepare", {"PLEXRL_INFRA_PARTS": "redis sentinel"}, 900.0)
         self._redis("up", primary)
         with ThreadPoolExecutor() as pool:  # the replica syncs while the Sentinels start
             started = [pool.submit(self._redis, "up", replica, f"127.0.0.1 {primary}")]
