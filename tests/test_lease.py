@@ -119,3 +119,23 @@ async def test_a_leader_cut_off_steps_down_before_another_can_take_over(
         stop_a.set()
         stop_b.set()
         await asyncio.gather(run_a, run_b)
+
+
+async def test_a_leader_whose_work_ends_cancelled_seeks_the_lease_again(stores: Stores) -> None:
+    leadership = Leadership(lease_of(stores, "a"))
+    terms: list[int] = []
+
+    async def work(term: Term, ended: asyncio.Event) -> None:
+        terms.append(term.token)
+        if len(terms) == 1:  # cancelled from within (a library's task, say)
+            raise asyncio.CancelledError
+        await ended.wait()
+
+    stop = asyncio.Event()
+    running = asyncio.create_task(leadership.run(stop, work))
+    deadline = time.monotonic() + 5
+    while len(terms) < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    stop.set()
+    await running  # the process's own loop never ended early
+    assert len(terms) == 2 and terms[1] > terms[0]

@@ -196,25 +196,39 @@ class HostFaults:
         return max(0.0, max(stalls, default=0.0) - self.step_s)
 
     def _inject(self, kind: str, model_id: str) -> dict[str, Any]:
+        """Begin the fault; a partition is also healed here, after its hold (the run may
+        need the host back to finish); a killed host is revived after the run."""
         bed, config = self.bed, self.config
         if kind == "worker-partition":
             worker = home_of(bed, model_id) or "worker-0"
             host = bed.host_of(worker)
             epoch = epoch_of(bed, model_id)
             bed.partition(host)
-            failover = wait_until(lambda: epoch_of(bed, model_id) > epoch, config.hold_s)
-            time.sleep(max(0.0, config.hold_s - (failover or config.hold_s)))
-            return {"host": host, "worker": worker, "failover_s": failover}
+            try:
+                failover = wait_until(lambda: epoch_of(bed, model_id) > epoch, config.hold_s)
+                time.sleep(max(0.0, config.hold_s - (failover or config.hold_s)))
+            finally:
+                bed.heal(host)
+            url = bed.url_of(worker)
+            # Back: the worker answers again, and finds (by the ledger) its jobs moved.
+            wait_until(lambda: bool(health(url)), 60.0)
+            fenced = health(url).get("fenced_calls")
+            return {"host": host, "worker": worker, "failover_s": failover, "fenced": fenced}
         if kind == "leader-partition":
             leader = bed.scheduler_leader() or "scheduler-a"
             host = bed.host_of(leader)
             others = [n for n, _ in bed.layout.of_kind("scheduler") if n != leader]
             bed.partition(host)
-            failover = wait_until(
-                lambda: any(health(bed.url_of(n)).get("role") == "leader" for n in others),
-                config.failover_limit_s,
-            )
-            time.sleep(config.leader_grace_s)
+            try:
+                failover = wait_until(
+                    lambda: any(health(bed.url_of(n)).get("role") == "leader" for n in others),
+                    config.failover_limit_s,
+                )
+                time.sleep(config.leader_grace_s)
+            finally:
+                bed.heal(host)
+            url = bed.url_of(leader)
+            wait_until(lambda: health(url).get("role") == "standby", 60.0)
             return {"host": host, "leader": leader, "failover_s": failover}
         if kind == "broker-host-kill":
             host = next(
@@ -231,24 +245,12 @@ class HostFaults:
         return {"host": host, "failover_s": failover, "primary": host}
 
     def _undo(self, kind: str, injected: dict[str, Any], revive: bool) -> None:
+        """After the run: a killed host revived (unless `revive` is False)."""
         host = injected.get("host")
-        if not host or kind == "lossy-link":
-            return
-        if kind.endswith("-host-kill"):
-            if revive:
-                started = time.monotonic()
-                self.bed.revive_host(host)
-                injected["revive_s"] = time.monotonic() - started
-            return
-        self.bed.heal(host)
-        if kind == "worker-partition":
-            url = self.bed.url_of(injected["worker"])
-            # Back: the worker answers again, and is told (by the ledger) its jobs moved.
-            wait_until(lambda: bool(health(url)), 60.0)
-            injected["fenced"] = health(url).get("fenced_calls")
-        if kind == "leader-partition":
-            url = self.bed.url_of(injected["leader"])
-            wait_until(lambda: health(url).get("role") == "standby", 60.0)
+        if host and kind.endswith("-host-kill") and revive:
+            started = time.monotonic()
+            self.bed.revive_host(host)
+            injected["revive_s"] = time.monotonic() - started
 
 
 def _primary_or_none(bed: HostBed) -> str | None:

@@ -173,6 +173,10 @@ def _key_bytes(key: str | bytes | None) -> bytes | None:
     return key.encode() if isinstance(key, str) else key
 
 
+METADATA_MAX_AGE_MS = 5000
+"""Every client refreshes its view of the brokers this often (aiokafka's default is five
+minutes): a client that sent nothing for a while still knows which brokers are gone and
+who leads each partition now, instead of finding out by a request timeout each."""
 REQUEST_TIMEOUT_MS = 5000
 """A request to a broker (or a connection to it) unanswered this long fails and is tried
 again, on the partition's new leader if it moved. aiokafka's 40 s default would hold
@@ -190,6 +194,7 @@ class Publisher:
             bootstrap_servers=bootstrap,
             client_id=client_id,
             request_timeout_ms=request_timeout_ms,
+            metadata_max_age_ms=METADATA_MAX_AGE_MS,
             # Idempotent: a send the producer retries after a lost acknowledgement is
             # written once, in order (acks=all is what idempotence requires).
             acks="all",
@@ -363,6 +368,7 @@ class MessageConsumer(Generic[T]):
             session_timeout_ms=self._tuning.session_timeout_ms,
             heartbeat_interval_ms=1000,
             request_timeout_ms=self._tuning.request_timeout_ms,
+            metadata_max_age_ms=METADATA_MAX_AGE_MS,
         )
         self.handled = 0
         self.dead_lettered = 0

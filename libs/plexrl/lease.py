@@ -320,12 +320,20 @@ class Leadership:
             valid_until = sent + config.ttl_s - config.margin_s
 
     async def _step_down(self, leading: asyncio.Task[None]) -> None:
+        """Wait for the leader's work to return; whatever it ended with (an error, its own
+        cancellation), this process stays and seeks the lease again. Only a cancellation
+        of this process's own task goes on up."""
         try:
             await asyncio.wait_for(asyncio.shield(leading), self._step_down_s)
         except TimeoutError:
             leading.cancel()
             with contextlib.suppress(BaseException):
                 await leading
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+            log.warning("the leader's work ended cancelled")
         except Exception:
             log.exception("the leader's work failed")
 
