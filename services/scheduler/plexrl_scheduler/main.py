@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
@@ -180,8 +179,16 @@ async def lead(
 
 
 async def _stopped(consumer: MessageConsumer[Any], within_s: float = 10.0) -> None:
-    with contextlib.suppress(Exception):
+    """Stop a consumer, whatever its stop raises: aiokafka can end it with a cancellation
+    of its own tasks, which must not end the scheduler (only its own cancellation does)."""
+    try:
         await asyncio.wait_for(consumer.stop(), within_s)
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise
+    except Exception:
+        log.warning("stopping %s failed", consumer.name, exc_info=True)
 
 
 class Inbox:
