@@ -280,11 +280,11 @@ def test_no_hold_for_a_tenant_that_had_its_turn_while_another_waits() -> None:
     b = job("b", "tb", last_active=100.0, last_started=99.0, last_gap_s=0.02, estimates=LIGHT)
     a = job("a", "ta", last_active=50.0, estimates=LIGHT)
     s = snap([a, b], [call("a", 98.0)], now=100.01)
-    assert [r.job_id for r in runs(decide(s, held))] == ["a"]
-    assert runs(decide(s, replace(held, fair_share=False))) == []  # held for b
+    assert [r.job_id for r in runs(decide(s, held).plan)] == ["a"]
+    assert runs(decide(s, replace(held, fair_share=False)).plan) == []  # held for b
     # The same tenant's waiting call: b's burst is held for as before.
     mine = replace(a, tenant="tb")
-    assert runs(decide(snap([mine, b], [call("a", 98.0)], now=100.01), held)) == []
+    assert runs(decide(snap([mine, b], [call("a", 98.0)], now=100.01), held).plan) == []
 
 
 def test_recent_use_halves_every_half_life() -> None:

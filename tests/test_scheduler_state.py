@@ -329,6 +329,16 @@ def test_a_tail_release_frees_the_worker_and_pins_the_straggling_jobs() -> None:
     assert not state.tails and not state.snapshot().jobs["a"].pinned
 
 
+def test_a_co_sampled_job_is_pinned_while_its_call_runs_in_another_jobs_dispatch() -> None:
+    state = ClusterState(clock=Clock())
+    _sampling(state)  # b's sample rides in a's dispatch
+    snap = state.snapshot()
+    assert snap.workers["w0"].running == "a" and snap.jobs["b"].pinned
+    assert not snap.jobs["a"].pinned and not snap.jobs["c"].pinned
+    state.on_completion(done("b1", "b", fn=Function.SAMPLE))
+    assert not state.snapshot().jobs["b"].pinned
+
+
 def test_a_late_tail_event_is_ignored_and_a_lost_worker_requeues_its_tails() -> None:
     state = ClusterState(clock=Clock())
     _sampling(state)

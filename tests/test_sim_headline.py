@@ -76,12 +76,13 @@ def test_own_policy_headline(headline):
 PINNED: dict = {
     "split_vs_isolated": {"7B": -0.1099, "30B": -0.1774, "235B": -0.1},
     "own": {
-        "occupied_vs_split_async": {"7B": -0.329, "30B": -0.1591, "235B": -0.4881},
+        "occupied_vs_split_async": {"7B": -0.329, "30B": -0.1593, "235B": -0.4881},
         "alone_billed_vs_split_async": {"7B": -0.7815, "30B": -0.6967, "235B": -0.8114},
-        "mean_slowdown": 0.089,
-        "mean_slowdown_vs_split_async": 0.267,
+        "mean_slowdown": 0.0889,
+        "mean_slowdown_vs_split_async": 0.2669,
         "makespan_vs_isolated": 0.7379,
     },
 }
-"""Seed 0 of the slice, at the commit that added this test (a small, short-job slice:
-its figures are not the trace's; docs/simulator.md has those)."""
+"""Seed 0 of the slice, with the live scheduler's rules (`plexrl.policy.decide`) in the
+simulator (a small, short-job slice: its figures are not the trace's; docs/simulator.md
+has those)."""

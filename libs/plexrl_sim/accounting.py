@@ -48,6 +48,7 @@ class Accounting:
         events: int,
         plans: int,
         plan_s: float,
+        counts: dict[str, int] | None = None,
     ) -> DeploymentResult:
         """Release every group still held at `now` and share each group's held time among
         its jobs in proportion to their use."""
@@ -74,4 +75,5 @@ class Accounting:
             events=events,
             plans=plans,
             plan_s=plan_s,
+            counts=counts or {},
         )

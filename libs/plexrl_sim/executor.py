@@ -8,20 +8,34 @@ Swap seconds come from `SwapCosts.move_s` with the group's bandwidths. The invar
 (raised as `SimulationError`): one Run per group at a time; a Run takes a prefix of its
 job's pending calls, in order; no eviction of a running or pinned job; the device and
 host tiers never over capacity; a job only runs on its home group.
+
+What the live worker does with a Run, the executor does too:
+
+- **Co-sampling** (`plexrl.policy.cosample`): a Run of sample calls may carry other
+  jobs' leading sample calls on the same group (their states on the device). They
+  decode as one batch: the batch's dense part lasts as long as its longest member's
+  alone, or as its members' useful work together if that is more (the group decodes
+  at most a full batch at full speed), each job's stragglers then in the background.
+  Each call is charged and observed its share of the batch by useful work (the
+  worker's rows).
+- **Preemption** (`plexrl.policy.Preempt`): a running sample batch yields to the next
+  Run on its group and is paused while that Run runs, then resumes where it was and
+  holds the group to its end; it is asked once.
 """
 
 from __future__ import annotations
 
+from copy import copy
 from dataclasses import dataclass, field
 
-from plexrl.messages import Tier
-from plexrl.policy import Admit, Move, PendingCall, Prefetch, Run, WorkerView
+from plexrl.messages import Function, Tier
+from plexrl.policy import Admit, Move, PendingCall, Preempt, Prefetch, Run, WorkerView
 from plexrl_sim.accounting import Accounting
 from plexrl_sim.events import Attention, Event, EventQueue
 from plexrl_sim.replay import SimJob
 from plexrl_sim.workload import CoLocation, GroupSpec
 
-_DEVICE, _RUN_DONE = Tier.DEVICE, Event.RUN_DONE
+_DEVICE, _RUN_DONE, _SAMPLE = Tier.DEVICE, Event.RUN_DONE, Function.SAMPLE
 """(Module constants: an enum member read off its class costs an attribute lookup.)"""
 
 
@@ -35,12 +49,20 @@ class SimGroup:
     homed: dict[str, SimJob] = field(default_factory=dict)
     running: str | None = None
     busy_until: float = 0.0
+    """When the Run in flight is expected to end by the policy's own estimates (what the
+    live scheduler believes, `WorkerView.busy_until`), not when it will."""
+    inflight: RunInFlight | None = None
+    """The Run in flight."""
+    paused: RunInFlight | None = None
+    """A preempted sample batch waiting for the Run that preempted it to end."""
     tails: list[tuple[float, float]] = field(default_factory=list)
     """(end, fraction of the group) of straggler tails decoding in the background."""
     last_job: str | None = None
     """The job of its previous Run: a Run of another job pays the engine switch."""
     link_free: float = 0.0
     """When the host link is free for the next prefetch."""
+    wake_at: float = -1.0
+    """When a wake-up is due (a hold on the group ends); -1: none."""
     view: WorkerView | None = None
 
     @property
@@ -49,6 +71,10 @@ class SimGroup:
 
     def as_view(self) -> WorkerView:
         if self.view is None:
+            run = self.inflight
+            preemptible = None
+            if run is not None and run.samples_only and not run.preempted:
+                preemptible = run.issued
             self.view = WorkerView(
                 worker_id=self.spec.group_id,
                 device_bytes=self.spec.device_bytes,
@@ -56,11 +82,22 @@ class SimGroup:
                 devices=self.spec.devices,
                 running=self.running,
                 busy_until=self.busy_until,
+                preemptible_since=preemptible,
             )
         return self.view
 
     def bytes_in(self, tier: Tier) -> int:
         return sum(j.state_bytes for j in self.homed.values() if j.tier == tier)
+
+
+@dataclass(slots=True)
+class Rider:
+    """A co-sampled job's part of a Run: its calls and each call's planned seconds."""
+
+    job: SimJob
+    calls: list[PendingCall]
+    planned_s: list[float]
+    queue_s: float
 
 
 @dataclass(slots=True)
@@ -74,6 +111,20 @@ class RunInFlight:
     """Each call's seconds on the whole group (before any stragglers stretched them)."""
     queue_s: float
     """How long the job was ready before the Run started."""
+    due: float = 0.0
+    """When it ends; a RUN_DONE event at another time is stale (the Run was paused)."""
+    issued: float = 0.0
+    """When the Run was started (its swaps included): the live dispatch's issue time."""
+    riders: list[Rider] | None = None
+    """Other jobs' co-sampled calls in the batch."""
+    samples_only: bool = False
+    preempted: bool = False
+    """Asked to yield once already (never again)."""
+    paused_s: float = 0.0
+    """Seconds it spent paused for the Run that preempted it."""
+    left_s: float = 0.0
+    """While paused: the seconds it still had to run."""
+    paused_at: float = 0.0
 
 
 class GroupExecutor:
@@ -92,6 +143,10 @@ class GroupExecutor:
         self.events = events
         self.attention = attention
         self.accounting = accounting
+        self.preempted = 0
+        """Sample batches that yielded to another job's Run."""
+        self.cosampled = 0
+        """Calls that rode along in another job's sample batch."""
 
     # Admission ---------------------------------------------------------------------------
 
@@ -146,6 +201,52 @@ class GroupExecutor:
         if group.bytes_in(Tier.HOST) > group.spec.host_bytes:
             raise SimulationError(f"{group.group_id}: host tier over capacity")
 
+    def _take(self, job: SimJob, ids: tuple[str, ...] | list[str]) -> list[PendingCall]:
+        """The job's calls `ids`, which must be a prefix of its pending calls, in order."""
+        pending = job.pending
+        n = len(ids)
+        if n == 0 or n > len(pending):
+            raise SimulationError(f"run of {job.job_id} skips or reorders its calls")
+        calls = pending[:n]
+        if [c.request_id for c in calls] != list(ids):
+            raise SimulationError(f"run of {job.job_id} skips or reorders its calls")
+        job.pending = pending[n:]
+        return calls
+
+    def _riders(self, group: SimGroup, job: SimJob, ids: tuple[str, ...]) -> list[Rider]:
+        """The co-sampled calls of a Run (`ids` past the leading job's own): other jobs'
+        leading sample calls, their states on the group's device."""
+        owner: dict[str, SimJob] = {}
+        for other in group.homed.values():
+            if other is not job:
+                for call in other.pending:
+                    if call.function != _SAMPLE:
+                        break
+                    owner[call.request_id] = other
+        by_job: dict[str, list[str]] = {}
+        for rid in ids:
+            rider = owner.get(rid)
+            if rider is None:
+                raise SimulationError(
+                    f"co-sampled call {rid}: no pending sample on {group.group_id}"
+                )
+            by_job.setdefault(rider.job_id, []).append(rid)
+        riders = []
+        now = self.events.now
+        for jid, rids in by_job.items():
+            other = owner[rids[0]]
+            if other.tier != _DEVICE:
+                raise SimulationError(f"co-sampled job {jid} is not on {group.group_id}'s device")
+            calls = self._take(other, rids)
+            seconds_of = other.figures()[0]
+            r = other.result
+            ready = max(calls[0].arrival_time, r.start_s, other.last_active)
+            queued = max(0.0, now - ready)
+            r.call_queue_s += queued
+            riders.append(Rider(other, calls, [seconds_of[c.function] for c in calls], queued))
+        self.cosampled += len(ids)
+        return riders
+
     def start_run(self, run: Run) -> None:
         group = self.groups[run.worker_id]
         job = group.homed.get(run.job_id)
@@ -153,14 +254,21 @@ class GroupExecutor:
             raise SimulationError(f"run of {run.job_id} on {run.worker_id}, not its home")
         if group.running is not None:
             raise SimulationError(f"run on {run.worker_id} while {group.running} runs there")
-        ids, pending = run.request_ids, job.pending
+        ids = run.request_ids
+        pending = job.pending
         n = len(ids)
-        if n == 0 or n > len(pending):
-            raise SimulationError(f"run of {run.job_id} skips or reorders its calls")
-        calls = pending[:n]
-        if [c.request_id for c in calls] != list(ids):
-            raise SimulationError(f"run of {run.job_id} skips or reorders its calls")
-        job.pending = pending[n:]
+        riders: list[Rider] | None = None
+        if n <= len(pending) and [c.request_id for c in pending[:n]] == list(ids):
+            calls = pending[:n]
+            job.pending = pending[n:]
+        else:  # co-sampled: the leading job's own calls first, then other jobs' samples
+            own = 0
+            for call in pending[:n]:
+                if call.request_id != ids[own]:
+                    break
+                own += 1
+            calls = self._take(job, ids[:own])
+            riders = self._riders(group, job, ids[own:])
         now = self.events.now
         swap = self._evict(group, job.job_id, run.evict) if run.evict else 0.0
         moved = bool(run.evict)
@@ -180,47 +288,175 @@ class GroupExecutor:
             planned = [seconds_of[c.function] for c in calls]
         except KeyError as err:
             raise ValueError(f"unexpected call {err.args[0]}") from None
-        work = sum(planned)
+        useful = sum([useful_of.get(c.function, 0.0) for c in calls])
+        if riders is None:
+            work = sum(planned)
+        else:
+            # One batch: as long as its longest member alone, or as its members' useful
+            # work together where that is more (the group decodes one full batch at a time).
+            shares = [useful]
+            work = max(planned)
+            for rider in riders:
+                rider_useful = rider.job.figures()[1]
+                u = sum([rider_useful.get(c.function, 0.0) for c in rider.calls])
+                shares.append(u)
+                useful += u
+                work = max(work, *rider.planned_s)
+            work = max(work, useful)
         start = now + swap
         end = self._stretched_end(group, start, work) if group.tails else start + work
         group.running = job.job_id
-        group.busy_until = end
+        group.busy_until = now + run.expected_swap_s + run.expected_compute_s
         group.view = None
         job.idle_until = 0.0
         job.view = None
+        job.running += 1
         r = job.result
         # Time the job was ready but the group was not: from its oldest call's arrival
         # (or its home, or the end of its own previous Run, whichever is later) to now.
         ready = max(calls[0].arrival_time, r.start_s, job.last_active)
         queued = max(0.0, now - ready)
         r.call_queue_s += queued
-        r.swap_s += swap
-        r.compute_s += end - start
         devices = group.spec.devices
-        self.accounting.charge(r, group.spec.group_id, devices * (swap + work))
-        useful = sum([useful_of.get(c.function, 0.0) for c in calls]) * devices
-        self.accounting.busy(start, end, useful)
-        self.events.push(end, _RUN_DONE, RunInFlight(job, calls, swap, start, planned, queued))
+        flight = RunInFlight(job, calls, swap, start, planned, queued, end, now)
+        if riders is None:
+            r.swap_s += swap
+            r.compute_s += end - start
+            self.accounting.charge(r, group.spec.group_id, devices * (swap + work))
+        else:
+            flight.riders = riders
+            total = sum(shares) or 1.0
+            r.swap_s += swap
+            r.compute_s += (end - start) * shares[0] / total
+            self.accounting.charge(
+                r, group.spec.group_id, devices * (swap + work * shares[0] / total)
+            )
+            for rider, share in zip(riders, shares[1:], strict=True):
+                other = rider.job
+                other.result.compute_s += (end - start) * share / total
+                self.accounting.charge(
+                    other.result, group.spec.group_id, devices * work * share / total
+                )
+                other.running += 1
+                other.idle_until = 0.0
+                other.view = None
+                # As the live scheduler expects a batch to last: each call's expected
+                # seconds (a co-batched call's are its share of the batch), summed.
+                durations = other.history.durations
+                group.busy_until += sum([durations.get(c.function, 0.0) for c in rider.calls])
+        flight.samples_only = riders is not None or all(c.function == _SAMPLE for c in calls)
+        group.inflight = flight
+        self.accounting.busy(start, end, useful * devices)
+        self.events.push(end, _RUN_DONE, flight)
 
-    def run_done(self, done: RunInFlight) -> None:
-        """The Run's calls ended: the group is free; the scheduler sees each call's compute
-        seconds (the Run's, stretched by any stragglers beside it, split in proportion)
-        and its swaps."""
+    def run_done(self, done: RunInFlight) -> bool:
+        """The Run's calls ended: the group is free (or back to the batch a preemption
+        paused); the scheduler sees each call's compute seconds (the Run's, stretched by
+        any stragglers beside it, split in proportion) and its swaps. False for a stale
+        event (the Run was paused since and ends later)."""
         job, now = done.job, self.events.now
+        if done.due != now:
+            return False
         group = self.groups[job.home or ""]
         group.running = None
+        group.inflight = None
         group.view = None
-        job.last_active = now
-        job.view = None
         self.attention.groups.add(group.spec.group_id)
-        planned, calls = done.planned_s, done.calls
+        self._observe(job, done.calls, done.planned_s, done, done.swap_s, done.queue_s)
+        if done.riders is not None:
+            for rider in done.riders:
+                self._observe(rider.job, rider.calls, rider.planned_s, done, 0.0, rider.queue_s)
+        paused = group.paused
+        if paused is not None:
+            self._resume(group, paused)
+        return True
+
+    def _observe(
+        self,
+        job: SimJob,
+        calls: list[PendingCall],
+        planned: list[float],
+        done: RunInFlight,
+        swap_s: float,
+        queue_s: float,
+    ) -> None:
+        now = self.events.now
+        job.last_active = now
+        job.running -= 1
+        job.view = None
         work = sum(planned)
-        stretch = (now - done.started) / work if work > 0 else 1.0
+        ran = now - done.started - done.paused_s
+        whole = sum(done.planned_s) + sum(sum(r.planned_s) for r in done.riders or ())
+        if done.riders is not None:
+            # A batch's seconds split by the calls' planned seconds (the worker's rows).
+            stretch = ran / whole if whole > 0 else 1.0
+        else:
+            stretch = ran / work if work > 0 else 1.0
         observe = job.history.observe
         # The first call carries the Run's swaps and queueing; the rest only compute.
-        observe(calls[0].function, planned[0] * stretch, done.swap_s, done.queue_s)
+        observe(calls[0].function, planned[0] * stretch, swap_s, queue_s)
         for i in range(1, len(calls)):
             observe(calls[i].function, planned[i] * stretch, 0.0, 0.0)
+
+    # Preemption --------------------------------------------------------------------------
+
+    def preempt(self, action: Preempt) -> bool:
+        """The group's sample batch yields: paused, its jobs pinned, the group free for
+        the next Run. False when nothing preemptible runs there (it ended first)."""
+        group = self.groups[action.worker_id]
+        run = group.inflight
+        if run is None or run.job.job_id != action.job_id or not run.samples_only:
+            return False
+        if run.preempted:
+            raise SimulationError(f"{action.worker_id}: a batch preempted twice")
+        now = self.events.now
+        run.preempted = True
+        run.left_s = max(0.0, run.due - now)
+        run.paused_at = now
+        run.due = -1.0  # its RUN_DONE is stale now
+        group.paused = run
+        group.inflight = None
+        group.running = None
+        group.view = None
+        for job in self._jobs_of(run):
+            job.pins += 1
+            job.view = None
+        self.preempted += 1
+        self.attention.groups.add(group.spec.group_id)
+        return True
+
+    def resume_unused(self, group: SimGroup) -> None:
+        """The policy started nothing on the group after its batch yielded: the pause
+        lifts at once (the worker's grace ends)."""
+        paused = group.paused
+        if paused is not None and group.running is None:
+            self._resume(group, paused)
+
+    def _resume(self, group: SimGroup, paused: RunInFlight) -> None:
+        now = self.events.now
+        group.paused = None
+        # A new record for its new end: the event of the old one (its `due` left at -1)
+        # is stale, however soon the pause ended.
+        run = copy(paused)
+        run.paused_s += now - paused.paused_at
+        run.due = now + paused.left_s
+        for job in self._jobs_of(run):
+            job.pins -= 1
+            job.view = None
+        group.running = run.job.job_id
+        group.inflight = run
+        group.busy_until = run.due
+        group.view = None
+        self.events.push(run.due, _RUN_DONE, run)
+
+    @staticmethod
+    def _jobs_of(run: RunInFlight) -> list[SimJob]:
+        jobs = [run.job]
+        if run.riders is not None:
+            jobs += [r.job for r in run.riders]
+        return jobs
+
+    # Prefetch ----------------------------------------------------------------------------
 
     def prefetch(self, action: Prefetch) -> None:
         group = self.groups[action.worker_id]

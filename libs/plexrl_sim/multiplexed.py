@@ -1,6 +1,7 @@
 """The shared-cluster deployments: a discrete-event simulation in which every placement,
-dispatch, eviction and prefetch is decided by `plexrl.policy.plan` — the live
-scheduler's own policy functions — on `ClusterSnapshot`s built from simulator state.
+dispatch, eviction, prefetch, hold and preemption is decided by `plexrl.policy.decide`
+— the live scheduler's own entry point, anticipation, co-sampling and preemption
+included — on `ClusterSnapshot`s built from simulator state.
 
 Three parts, one job each: the workload replay (`replay.py`: each job's client loop and
 what the scheduler learns of it), the group executor (`executor.py`: the policy's
@@ -30,10 +31,11 @@ from plexrl.policy import (
     JobView,
     PendingCall,
     PolicyConfig,
+    Preempt,
     Prefetch,
     Reject,
     Run,
-    plan,
+    decide,
 )
 from plexrl.policy.history import Prior, priors
 from plexrl_sim.accounting import Accounting
@@ -78,12 +80,14 @@ class MultiplexedSim:
             {g.group_id: GroupUsage(g.group_id, g.devices) for g in groups}
         )
         self.executor = GroupExecutor(groups, costs, self.clock, self.attention, self.accounting)
-        self.replay = JobReplay(self.clock, self.attention, self.executor)
+        self.replay = JobReplay(self.clock, self.attention, self.executor, config.hold_s)
         self.jobs: dict[str, SimJob] = {}
         self.waiting: dict[str, SimJob] = {}
         self._priors: dict[str, Prior] = {}
         self.plans = 0
         self.plan_s = 0.0
+        self.held = 0
+        """Holds decided for a bursting job (`plexrl.policy.anticipate`)."""
         self.events = 0
         profiles = factory.workload.profiles
         for spec in jobs:
@@ -114,6 +118,7 @@ class MultiplexedSim:
             Event.NEXT_STEP: self.replay.begin_step,
             Event.FINISH: self.replay.finish,
             Event.ARRIVE: self._arrive,
+            Event.WAKE: self._woken,
         }
         # Indexed by the kind's number: one index per event instead of comparing the kind
         # with each `Event.X`, every one of which is an attribute lookup on the enum class.
@@ -138,11 +143,25 @@ class MultiplexedSim:
             self.events,
             self.plans,
             self.plan_s,
+            {
+                "preempted": self.executor.preempted,
+                "cosampled": self.executor.cosampled,
+                "held": self.held,
+            },
         )
 
     def _run_done(self, done: RunInFlight) -> None:
-        self.executor.run_done(done)
+        if not self.executor.run_done(done):
+            return  # paused by a preemption: it ends later
         self.replay.calls_done(done.job, done.calls)
+        if done.riders is not None:
+            for rider in done.riders:
+                self.replay.calls_done(rider.job, rider.calls)
+
+    def _woken(self, group: SimGroup) -> None:
+        if group.wake_at == self.now:
+            group.wake_at = -1.0
+        self.attention.groups.add(group.group_id)
 
     def _arrive(self, job: SimJob) -> None:
         self.waiting[job.job_id] = job
@@ -163,13 +182,19 @@ class MultiplexedSim:
                 group = groups[dirty.pop()]
                 if wants_plan(group):
                     self._carry_out(snapshot(group))
+                    if group.paused is not None and group.group_id not in dirty:
+                        self.executor.resume_unused(group)
 
     @staticmethod
     def _wants_plan(group: SimGroup) -> bool:
         if group.running is None:
             return any(j.pending for j in group.homed.values())
-        # Busy: only a prefetch could be decided, and only for a job off the device.
-        return any(j.tier in _OFF_DEVICE for j in group.homed.values())
+        # Busy: only a prefetch (a job off the device) or a preemption (a sample batch
+        # that may yield to a job with calls waiting) could be decided.
+        run = group.inflight
+        preemptible = run is not None and run.samples_only and not run.preempted
+        homed = group.homed.values()
+        return any(j.tier in _OFF_DEVICE or (preemptible and j.pending) for j in homed)
 
     def group_snapshot(self, group: SimGroup) -> ClusterSnapshot:
         """What the policy sees when something happens on one group."""
@@ -177,11 +202,13 @@ class MultiplexedSim:
         jobs: dict[str, JobView] = {}
         calls: list[PendingCall] = []
         calling = 0
+        hold_s = self.config.hold_s
         for jid, j in group.homed.items():
             view = j.view
-            jobs[jid] = (
-                view if view is not None else j.as_view(now, self._priors, self.min_history_s)
-            )
+            if view is None or (hold_s > 0 and j.bursting(hold_s)):
+                j.view = None
+                view = j.as_view(now, self._priors, self.min_history_s)
+            jobs[jid] = view
             if j.pending:
                 calls += j.pending
                 calling += 1
@@ -215,24 +242,52 @@ class MultiplexedSim:
 
     def _carry_out(self, snapshot: ClusterSnapshot) -> None:
         t0 = time.perf_counter()
-        actions = plan(snapshot, self.config)
+        decision = decide(snapshot, self.config)
         self.plan_s += time.perf_counter() - t0
         self.plans += 1
-        for action in actions:
+        executor = self.executor
+        for action in decision.plan:
             if isinstance(action, Run):  # most plans are one Run
-                self.executor.start_run(action)
+                executor.start_run(action)
+                self._wake_for_preemption(action)
             elif isinstance(action, Admit):
                 job = self.waiting.pop(action.job_id, None)
                 if job is None:
                     raise SimulationError(f"admit of {action.job_id}, which is not waiting")
-                self.executor.admit(job, action)
+                executor.admit(job, action)
             elif isinstance(action, Reject):
                 rejected = self.waiting.pop(action.job_id, None)
                 if rejected is not None:
                     rejected.result.rejected = f"{action.reason}: {action.detail}"
                     rejected.pending.clear()
             elif isinstance(action, Prefetch):
-                self.executor.prefetch(action)
+                executor.prefetch(action)
+            elif isinstance(action, Preempt):
+                executor.preempt(action)
+        for worker_id, (_, until) in decision.held.items():
+            self.held += 1
+            self._wake_at(worker_id, until)
+
+    def _wake_at(self, worker_id: str, at: float) -> None:
+        """Decide on the group again at `at` (once per time)."""
+        group = self.groups[worker_id]
+        if group.wake_at != at:
+            group.wake_at = at
+            self.clock.push(at, Event.WAKE, group)
+
+    def _wake_for_preemption(self, run: Run) -> None:
+        """A sample batch may be preempted once it has run `preempt_after_s`: the live
+        scheduler's next pass sees that, whatever arrives; the simulator wakes the group
+        then, when a neighbour's calls wait (an arrival would wake it anyway)."""
+        config = self.config
+        if config.name != "plexrl" or config.preempt_ratio <= 0:
+            return
+        group = self.groups[run.worker_id]
+        flight = group.inflight
+        if flight is None or not flight.samples_only:
+            return
+        if any(j.pending for j in group.homed.values()):
+            self._wake_at(run.worker_id, self.now + config.preempt_after_s)
 
     def trails(self) -> dict[str, list[tuple[int, Function]]]:
         return {jid: list(j.trail or []) for jid, j in self.jobs.items()}

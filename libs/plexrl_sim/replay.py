@@ -47,9 +47,17 @@ class SimJob:
     tier: Tier | None = None
     last_active: float = 0.0
     idle_until: float = 0.0
-    pinned: bool = False
-    """Its stragglers are decoding on the device (the worker reports it, as it reports a
-    running job): its state must stay there."""
+    pins: int = 0
+    """Reasons its state must stay on the device outside a Run of its own: its
+    stragglers decoding there, a sample batch of it paused or co-sampled in another
+    job's Run (the worker reports them, as it reports a running job)."""
+    running: int = 0
+    """Runs with calls of it in flight."""
+    last_gap_s: float = 0.0
+    """Seconds from the end of its calls to its next call, the last time it had none
+    queued or running (`JobView.last_gap_s`)."""
+    burst_since: float = 0.0
+    """When its current burst of calls began (0: none seen)."""
     ready_at: float = 0.0
     """When a prefetch in flight lands on the device."""
     step: int = 0
@@ -86,8 +94,17 @@ class SimJob:
         )
         return cls(spec=spec, steps=steps, devices=devices, state_bytes=state_bytes, result=result)
 
+    @property
+    def pinned(self) -> bool:
+        return self.pins > 0
+
     def touch(self) -> None:
         self.view = None
+
+    def bursting(self, hold_s: float) -> bool:
+        """Whether its last gap between calls was within `hold_s` (its view's `burst_s`
+        then moves with the clock: not cached)."""
+        return 0 < self.last_gap_s <= hold_s
 
     def as_view(self, now: float, learned: dict[str, Prior], min_history_s: float) -> JobView:
         """The job as the live scheduler would describe it: its measured figures, or its
@@ -114,8 +131,10 @@ class SimJob:
                 idle_until=self.idle_until,
                 estimates=cached[2],
                 duty_cycle=duty,
-                pinned=self.pinned,
+                pinned=self.pins > 0,
                 step_calls=cached[3],
+                last_gap_s=self.last_gap_s,
+                burst_s=now - self.burst_since if self.burst_since else 0.0,
             )
         return self.view
 
@@ -161,13 +180,23 @@ class Tails(Protocol):
 class JobReplay:
     """Issues each job's calls as its client would, at the times its steps say."""
 
-    def __init__(self, events: EventQueue, attention: Attention, tails: Tails) -> None:
+    def __init__(
+        self, events: EventQueue, attention: Attention, tails: Tails, burst_gap_s: float = 0.0
+    ) -> None:
         self.events = events
         self.attention = attention
         self.tails = tails
+        self.burst_gap_s = burst_gap_s
+        """A gap between a job's calls longer than this ends its burst (the policy's
+        `hold_s`, as the live scheduler's `ClusterState` counts it)."""
 
     def _issue(self, job: SimJob, function: Function, index: int = 0) -> None:
         job.history.arrived(function)
+        if job.last_active > 0 and not job.pending and not job.running:
+            now = self.events.now
+            job.last_gap_s = max(now - job.last_active, 1e-6)
+            if job.last_gap_s > self.burst_gap_s or not job.burst_since:
+                job.burst_since = now
         job.pending.append(
             PendingCall(
                 f"{job.spec.job_id}/{job.step}/{_NAMES[function]}{index}",
@@ -206,15 +235,19 @@ class JobReplay:
         s, k = job.steps, job.step
         tail_s = float(s.tail_s[k])
         if tail_s <= 0:
-            self.tail_done(job)
+            self._stall(job)
             return
         took = self.tails.start_tail(job, tail_s, float(s.tail_work[k]) / tail_s)
-        job.pinned = True
+        job.pins += 1
         job.touch()
         self.events.push(self.events.now + took, Event.TAIL_DONE, job)
 
     def tail_done(self, job: SimJob) -> None:
-        job.pinned = False
+        job.pins -= 1
+        self._stall(job)
+
+    def _stall(self, job: SimJob) -> None:
+        """The rollout is done: its reward / tool stall begins."""
         # The job's idle hint, "reward / tool stall for about this long": the mean of its
         # own stalls so far (no hint before its first).
         job.idle_until = self.events.now + job.stalls_s / job.step if job.step else 0.0

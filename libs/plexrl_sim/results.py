@@ -132,6 +132,9 @@ class DeploymentResult:
     """Policy calls (multiplexed only)."""
     plan_s: float = 0.0
     """Seconds spent inside the policy."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """What the live scheduler's extras did (multiplexed only): `preempted` sample batches,
+    `cosampled` calls that rode in another job's batch, `held` groups (a hold decided)."""
 
     @property
     def finished(self) -> list[JobResult]:

@@ -32,7 +32,7 @@ MULTIPLEXED = (
     "spread-backfill+tail",
     "plexrl+tail",
 )
-"""Deployments decided by `plexrl.policy.plan`, in report order. `<policy>+tail` runs
+"""Deployments decided by `plexrl.policy.decide`, in report order. `<policy>+tail` runs
 the policy on an engine that releases the group early in a rollout's straggler tail
 (`workload.TAIL_RELEASE`); every registered policy can be named, with or without it."""
 DEPLOYMENTS = (*DEDICATED, *MULTIPLEXED)

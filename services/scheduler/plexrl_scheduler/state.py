@@ -572,6 +572,12 @@ class ClusterState:
             for p in tail.calls
             if p.request.request_id in tail.remaining
         }
+        # A co-sampled job's sample runs in another job's dispatch: its state is in use
+        # there, though the worker runs "the other job" (never evicted for a prefetch).
+        for run in self.inflight.values():
+            for p in run.calls:
+                if p.request.job_id != run.job_id and p.request.request_id in run.remaining:
+                    pinned.add(p.request.job_id)
         jobs = {
             jid: self._view(j, now, learned, jid in pinned, jid in dormant)
             for jid, j in chosen.items()
