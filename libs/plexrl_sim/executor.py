@@ -21,6 +21,12 @@ What the live worker does with a Run, the executor does too:
 - **Preemption** (`plexrl.policy.Preempt`): a running sample batch yields to the next
   Run on its group and is paused while that Run runs, then resumes where it was and
   holds the group to its end; it is asked once.
+
+Straggler tails decode in the background on their group and pay the costs of sharing
+(`plexrl.policy.costs.SharingCosts`, the definition the policy predicts with): while a
+Run is in flight on the group each tail decodes `tail_contention` times slower and holds
+at least `tail_min_share` of it, which the Run computes without. A tail's end therefore
+moves whenever a Run starts or ends on its group.
 """
 
 from __future__ import annotations
@@ -30,12 +36,14 @@ from dataclasses import dataclass, field
 
 from plexrl.messages import Function, Tier
 from plexrl.policy import Admit, Move, PendingCall, Preempt, Prefetch, Run, WorkerView
+from plexrl.policy.costs import SharingCosts
 from plexrl_sim.accounting import Accounting
 from plexrl_sim.events import Attention, Event, EventQueue
 from plexrl_sim.replay import SimJob
-from plexrl_sim.workload import CoLocation, GroupSpec
+from plexrl_sim.workload import GroupSpec
 
-_DEVICE, _RUN_DONE, _SAMPLE = Tier.DEVICE, Event.RUN_DONE, Function.SAMPLE
+_DEVICE, _RUN_DONE, _TAIL_DONE = Tier.DEVICE, Event.RUN_DONE, Event.TAIL_DONE
+_SAMPLE = Function.SAMPLE
 """(Module constants: an enum member read off its class costs an attribute lookup.)"""
 
 
@@ -55,8 +63,8 @@ class SimGroup:
     """The Run in flight."""
     paused: RunInFlight | None = None
     """A preempted sample batch waiting for the Run that preempted it to end."""
-    tails: list[tuple[float, float]] = field(default_factory=list)
-    """(end, fraction of the group) of straggler tails decoding in the background."""
+    tails: list[Tail] = field(default_factory=list)
+    """Straggler tails decoding in the background."""
     last_job: str | None = None
     """The job of its previous Run: a Run of another job pays the engine switch."""
     link_free: float = 0.0
@@ -88,6 +96,30 @@ class SimGroup:
 
     def bytes_in(self, tier: Tier) -> int:
         return sum(j.state_bytes for j in self.homed.values() if j.tier == tier)
+
+
+@dataclass(slots=True)
+class Tail:
+    """A rollout's stragglers decoding in the background on their group."""
+
+    job: SimJob
+    util: float
+    """Fraction of the group its stragglers keep busy alone (their share of the batch)."""
+    left_s: float
+    """Seconds of decoding left, at full speed."""
+    at: float
+    """When `left_s` was brought up to date."""
+    slowed: bool
+    """Decoding beside a Run (at 1 / `tail_contention` of its speed, holding at least
+    `tail_min_share` of the group)."""
+    due: float = 0.0
+    """When it ends at its present pace; its TAIL_DONE events at other times are stale."""
+    started: float = 0.0
+    useful_s: float = 0.0
+    """Group-seconds of useful work (its util times its seconds alone)."""
+    beside_s: float = 0.0
+    """Seconds it decoded beside a Run."""
+    done: bool = False
 
 
 @dataclass(slots=True)
@@ -133,13 +165,14 @@ class GroupExecutor:
     def __init__(
         self,
         groups: list[GroupSpec],
-        costs: CoLocation,
+        costs: SharingCosts,
         events: EventQueue,
         attention: Attention,
         accounting: Accounting,
     ) -> None:
         self.groups = {g.group_id: SimGroup(g) for g in groups}
         self.costs = costs
+        self._whole_tail = costs.contention_while == "shared"
         self.events = events
         self.attention = attention
         self.accounting = accounting
@@ -304,7 +337,11 @@ class GroupExecutor:
                 work = max(work, *rider.planned_s)
             work = max(work, useful)
         start = now + swap
-        end = self._stretched_end(group, start, work) if group.tails else start + work
+        if group.tails:
+            self._pace_tails(group, True)
+            end = self._stretched_end(group, start, work)
+        else:
+            end = start + work
         group.running = job.job_id
         group.busy_until = now + run.expected_swap_s + run.expected_compute_s
         group.view = None
@@ -361,6 +398,7 @@ class GroupExecutor:
         group.running = None
         group.inflight = None
         group.view = None
+        self._pace_tails(group, False)
         self.attention.groups.add(group.spec.group_id)
         self._observe(job, done.calls, done.planned_s, done, done.swap_s, done.queue_s)
         if done.riders is not None:
@@ -418,6 +456,7 @@ class GroupExecutor:
         group.inflight = None
         group.running = None
         group.view = None
+        self._pace_tails(group, False)
         for job in self._jobs_of(run):
             job.pins += 1
             job.view = None
@@ -447,6 +486,7 @@ class GroupExecutor:
         group.inflight = run
         group.busy_until = run.due
         group.view = None
+        self._pace_tails(group, True)
         self.events.push(run.due, _RUN_DONE, run)
 
     @staticmethod
@@ -478,37 +518,79 @@ class GroupExecutor:
 
     # Stragglers --------------------------------------------------------------------------
 
-    def start_tail(self, job: SimJob, tail_s: float, util: float) -> float:
+    def start_tail(self, job: SimJob, tail_s: float, util: float) -> None:
         """The job's stragglers decode in the background on its group, `util` of it, for
-        `tail_s` alone; beside other jobs they keep at least `tail_min_share` (their KV
-        cache's memory) and take `tail_contention` times longer. Returns their seconds."""
+        `tail_s` alone; their TAIL_DONE comes when they end (`tail_end`)."""
         group = self.groups[job.home or ""]
         now = self.events.now
-        useful = group.spec.devices * util * tail_s
-        if len(group.homed) > 1:
-            util = max(util, self.costs.tail_min_share)
-            tail_s *= self.costs.tail_contention
-        group.tails.append((now + tail_s, util))
-        self.accounting.charge(job.result, group.group_id, group.spec.devices * util * tail_s)
-        self.accounting.busy(now, now + tail_s, useful)
-        return tail_s
+        # Slowed now: beside a Run in flight (or, scoped `shared`, beside any homed job).
+        slowed = len(group.homed) > 1 if self._whole_tail else group.inflight is not None
+        tail = Tail(job, util, tail_s, now, slowed, started=now, useful_s=util * tail_s)
+        tail.due = now + tail_s * (self.costs.tail_contention if slowed else 1.0)
+        group.tails.append(tail)
+        self.events.push(tail.due, _TAIL_DONE, tail)
+
+    def tail_end(self, tail: Tail) -> bool:
+        """A tail's TAIL_DONE: True when it ended now (False: stale, it was slowed or
+        sped up since). Its job is charged its share of the group for its seconds."""
+        now = self.events.now
+        if tail.done or tail.due != now:
+            return False
+        job = tail.job
+        group = self.groups[job.home or ""]
+        self._bring_up_to_date(tail, now)
+        tail.done = True
+        group.tails.remove(tail)
+        wall = now - tail.started
+        beside = wall if self._whole_tail and tail.slowed else tail.beside_s
+        seconds = tail.util * (wall - beside) + self.costs.tail_share(tail.util) * beside
+        devices = group.spec.devices
+        self.accounting.charge(job.result, group.group_id, devices * seconds)
+        self.accounting.busy(tail.started, now, devices * tail.useful_s)
+        return True
+
+    def _bring_up_to_date(self, tail: Tail, now: float) -> None:
+        elapsed = now - tail.at
+        if tail.slowed:
+            tail.left_s -= elapsed / self.costs.tail_contention
+            tail.beside_s += elapsed
+        else:
+            tail.left_s -= elapsed
+        if tail.left_s < 0.0:
+            tail.left_s = 0.0
+        tail.at = now
+
+    def _pace_tails(self, group: SimGroup, slowed: bool) -> None:
+        """A Run started (`slowed`) or ended on the group: its tails change pace."""
+        if self._whole_tail or not group.tails:
+            return
+        now = self.events.now
+        contention = self.costs.tail_contention
+        for tail in group.tails:
+            if tail.slowed == slowed:
+                continue
+            self._bring_up_to_date(tail, now)
+            tail.slowed = slowed
+            tail.due = now + tail.left_s * (contention if slowed else 1.0)
+            self.events.push(tail.due, _TAIL_DONE, tail)
 
     def _stretched_end(self, group: SimGroup, start: float, work: float) -> float:
         """When `work` seconds of full-group compute end, given the stragglers decoding in
-        the background take their share of the group until each tail ends."""
-        tails = [t for t in group.tails if t[0] > start]
-        group.tails = tails
+        the background hold their share of the group until each tail ends."""
+        costs = self.costs
+        tails = sorted(
+            [(t.due, costs.tail_share(t.util) if t.slowed else t.util) for t in group.tails]
+        )
+        tails = [t for t in tails if t[0] > start]
         if not tails:
             return start + work
-        if len(tails) > 1:
-            tails.sort()
-        share = min(sum([u for _, u in tails]), 0.9)
+        shares = sum([u for _, u in tails])
         t, left = start, work
-        for end, util in tails:
-            speed = 1.0 - share
+        for end, share in tails:
+            speed = costs.run_speed(shares)
             if speed * (end - t) >= left:
                 return t + left / speed
             left -= speed * (end - t)
             t = end
-            share = max(share - util, 0.0)
-        return t + left / (1.0 - share)
+            shares = max(shares - share, 0.0)
+        return t + left / costs.run_speed(shares)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from plexrl.messages import Function, Tier
@@ -40,7 +41,7 @@ from plexrl.policy import (
 from plexrl.policy.history import Prior, priors
 from plexrl_sim.accounting import Accounting
 from plexrl_sim.events import Attention, Event, EventQueue
-from plexrl_sim.executor import GroupExecutor, RunInFlight, SimGroup, SimulationError
+from plexrl_sim.executor import GroupExecutor, RunInFlight, SimGroup, SimulationError, Tail
 from plexrl_sim.replay import JobReplay, SimJob
 from plexrl_sim.results import DeploymentResult, GroupUsage
 from plexrl_sim.workload import CoLocation, GroupSpec, JobFactory, JobSpec, nbytes
@@ -69,11 +70,14 @@ class MultiplexedSim:
         name: str | None = None,
         colocation: CoLocation | None = None,
     ) -> None:
-        self.config = config
+        chosen = colocation if colocation is not None else factory.workload.cluster.colocation
+        costs = chosen.costs()
+        # One definition of the costs of sharing: the executor charges them, the policy
+        # predicts with them.
+        self.config = config = replace(config, sharing=costs)
         self.name = name or config.name
         self.gpus = gpus
         self.min_history_s = factory.workload.estimates.min_history_s
-        costs = colocation if colocation is not None else factory.workload.cluster.colocation
         self.clock = EventQueue()
         self.attention = Attention()
         self.accounting = Accounting(
@@ -113,7 +117,7 @@ class MultiplexedSim:
         decide = self._decide
         by_kind: dict[Event, Callable[[Any], None]] = {
             Event.RUN_DONE: self._run_done,
-            Event.TAIL_DONE: self.replay.tail_done,
+            Event.TAIL_DONE: self._tail_done,
             Event.TRAIN_CALLS: self.replay.issue_train,
             Event.NEXT_STEP: self.replay.begin_step,
             Event.FINISH: self.replay.finish,
@@ -157,6 +161,10 @@ class MultiplexedSim:
         if done.riders is not None:
             for rider in done.riders:
                 self.replay.calls_done(rider.job, rider.calls)
+
+    def _tail_done(self, tail: Tail) -> None:
+        if self.executor.tail_end(tail):
+            self.replay.tail_done(tail.job, self.now - tail.started)
 
     def _woken(self, group: SimGroup) -> None:
         if group.wake_at == self.now:

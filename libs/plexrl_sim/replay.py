@@ -65,7 +65,7 @@ class SimJob:
     pending: list[PendingCall] = field(default_factory=list)
     view: JobView | None = None
     trail: list[tuple[int, Function]] | None = None
-    _described: tuple[int, Prior | None, CallEstimates, tuple[Function, ...]] | None = None
+    _described: tuple[int, Prior | None, CallEstimates, tuple[Function, ...], float] | None = None
     """(history version, prior, estimates, step calls) of the last view: rebuilt only when
     the history or the kind's figures changed."""
     _figures_of_step: int = -1
@@ -114,7 +114,13 @@ class SimJob:
             cached = self._described
             if cached is None or cached[0] != h.version or cached[1] is not prior:
                 seen = describe(h, prior, now, min_history_s)
-                cached = (h.version, prior, CallEstimates(seen.durations), seen.step_calls)
+                cached = (
+                    h.version,
+                    prior,
+                    CallEstimates(seen.durations),
+                    seen.step_calls,
+                    seen.tail_s,
+                )
                 self._described = cached
                 duty = seen.duty_cycle
             elif prior is None or h.has_history(now, min_history_s):
@@ -135,6 +141,7 @@ class SimJob:
                 step_calls=cached[3],
                 last_gap_s=self.last_gap_s,
                 burst_s=now - self.burst_since if self.burst_since else 0.0,
+                tail_s=cached[4],
             )
         return self.view
 
@@ -168,8 +175,9 @@ class SimJob:
 class Tails(Protocol):
     """Where a job's stragglers decode: its home group (the executor)."""
 
-    def start_tail(self, job: SimJob, tail_s: float, util: float) -> float:
-        """Start the stragglers on the job's group; returns how long they take there."""
+    def start_tail(self, job: SimJob, tail_s: float, util: float) -> None:
+        """Start the stragglers on the job's group (`tail_s` seconds alone, `util` of it);
+        the job's `tail_done` follows when they end there."""
         ...
 
     def unhome(self, job: SimJob) -> None:
@@ -237,13 +245,15 @@ class JobReplay:
         if tail_s <= 0:
             self._stall(job)
             return
-        took = self.tails.start_tail(job, tail_s, float(s.tail_work[k]) / tail_s)
+        self.tails.start_tail(job, tail_s, float(s.tail_work[k]) / tail_s)
         job.pins += 1
         job.touch()
-        self.events.push(self.events.now + took, Event.TAIL_DONE, job)
 
-    def tail_done(self, job: SimJob) -> None:
+    def tail_done(self, job: SimJob, seconds: float) -> None:
+        """The job's stragglers ended `seconds` after the release (what the scheduler
+        sees: the release, then the call's answer)."""
         job.pins -= 1
+        job.history.tail(seconds)
         self._stall(job)
 
     def _stall(self, job: SimJob) -> None:

@@ -26,6 +26,7 @@ import numpy as np
 import yaml
 
 from plexrl.policy import SwapCosts
+from plexrl.policy.costs import SharingCosts
 
 # Sizes ------------------------------------------------------------------------------------
 
@@ -202,41 +203,32 @@ class SwapSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class CoLocation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What sharing a group costs beyond the swaps (`SwapCosts`): each figure can be set
-    from a measurement of the live worker, and `bench/sim_tail_sensitivity.py` sweeps
-    the two that the tail release rests on."""
+    """What sharing a group costs beyond the swaps (`SwapCosts`), as the workload sets it:
+    the figures of `plexrl.policy.costs.SharingCosts` (see there what each means), which
+    the executor charges and the policy predicts with. `bench/sim_tail_sensitivity.py`
+    sweeps the two that the tail release rests on."""
 
     switch_s: float = 1.0
     """Seconds a group spends when a Run's job is not the job of its previous Run, with
-    both states already on the device: the inference engine's sleep / wake (SGLang's
-    `release_memory_occupation` / `resume_memory_occupation`), the KV cache handed to
-    the other job, communicators and CUDA graphs re-bound. Calibrate from the live
-    worker's timeline (the gap between two jobs' calls on one worker, swaps excluded);
-    `bench/swap_bandwidth.py` measures the swaps themselves."""
+    both states already on the device (engine sleep / wake, KV cache handed over)."""
     tail_min_share: float = 0.25
-    """The least share of the group a rollout's stragglers take while they decode beside
-    another job's Run, however few sequences are left: their KV cache stays allocated
-    and the engine keeps its batch's memory, so the other job's training runs with that
-    much less memory and bandwidth. Calibrate from the engine's KV cache reservation
-    against the group's memory."""
+    """The least share of the group a rollout's stragglers hold beside a Run."""
     tail_contention: float = 1.25
-    """How much longer a straggler tail decodes on a group where another job may run
-    beside it (its decode steps co-batched with, or interleaved between, the other job's
-    kernels); 1.0: no contention. Calibrate from `bench/sampling.py` (a rollout's tail
-    decoded alone and beside a training step) when it exists."""
+    """How many times slower a straggler tail decodes beside a Run; 1.0: none."""
+    contention_while: str = "run"
+    """`run`: the tail costs apply while a Run is in flight on the group; `shared`: for
+    the whole tail whenever another job is homed there (a pessimistic bound)."""
+
+    def costs(self) -> SharingCosts:
+        return SharingCosts(
+            self.switch_s, self.tail_min_share, self.tail_contention, self.contention_while
+        )
 
     def validate(self) -> None:
-        if self.switch_s < 0:
-            raise ValueError(f"cluster.colocation.switch_s is {self.switch_s}; use 0 or more")
-        if not 0 <= self.tail_min_share < 0.9:
-            raise ValueError(
-                f"cluster.colocation.tail_min_share is {self.tail_min_share}; use 0 to 0.9"
-            )
-        if self.tail_contention < 1:
-            raise ValueError(
-                f"cluster.colocation.tail_contention is {self.tail_contention}; use 1.0 (none) "
-                f"or more"
-            )
+        try:
+            self.costs()
+        except ValueError as err:
+            raise ValueError(f"cluster.colocation: {err}") from None
 
 
 class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

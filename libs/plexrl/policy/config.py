@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from plexrl.policy.costs import SharingCosts
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,11 @@ class PolicyConfig:
     preempt_after_s: float = 0.05
     """A batch is never preempted before it has run this long (its own prompts and first
     steps go first, and a batch about to be released anyway is not asked twice)."""
+
+    sharing: SharingCosts = field(default_factory=SharingCosts)
+    """What sharing a group costs beyond swaps (engine switches, stragglers' memory and
+    contention): the plexrl policy's interference model predicts with these; the
+    simulator sets them to the workload's, which its executor charges."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.preempt_ratio <= 1:

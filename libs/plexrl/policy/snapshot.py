@@ -147,6 +147,10 @@ class JobView:
     last_started: float = 0.0
     """When its latest Run began (snapshot clock; 0: none seen): one turn of its tenant
     on its group (`policy.share`)."""
+    tail_s: float = 0.0
+    """Seconds its rollouts' stragglers go on decoding after the group is released to
+    others (`TailReleased` to the last answer), as observed; 0: none seen. The plexrl
+    policy predicts the costs of sharing from it (`plexrl.policy.costs`)."""
 
 
 @quick_init

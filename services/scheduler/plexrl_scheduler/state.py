@@ -99,6 +99,9 @@ class InFlight:
     """The dispatched calls, in order: requeued as they were if the lease is lost."""
     preempt_asked: bool = False
     """A Preempt was sent for it (asked once; the worker's TailReleased answers it)."""
+    released_at: float = 0.0
+    """When the worker released it at its tail (0: not released): its sample calls'
+    answers after that time its stragglers (`CallHistory.tail`)."""
 
     @property
     def samples_only(self) -> bool:
@@ -279,7 +282,11 @@ class ClusterState:
             if not run.remaining:
                 del self.inflight[worker_id]
         for dispatch_id, tail in list(self.tails.items()):
+            if completion.request_id not in tail.remaining:
+                continue
             tail.remaining.discard(completion.request_id)
+            if job is not None and completion.function == Function.SAMPLE:
+                job.history.tail(self._clock() - tail.released_at)
             if not tail.remaining:
                 del self.tails[dispatch_id]
         self._touch(worker_id)
@@ -331,6 +338,7 @@ class ClusterState:
         if run is None or run.dispatch_id != event.dispatch_id:
             return False
         del self.inflight[event.worker_id]
+        run.released_at = self._clock()
         self.tails[run.dispatch_id] = run
         self._touch(event.worker_id)
         return True
@@ -522,6 +530,7 @@ class ClusterState:
             burst_s=now - job.burst_since if job.burst_since else 0.0,
             used_s=job.used.as_of(now),
             last_started=job.last_started,
+            tail_s=seen.tail_s,
         )
 
     def _worker_view(self, wid: str, w: WorkerState, jobs: dict[str, JobView]) -> WorkerView:
