@@ -83,7 +83,7 @@ def forced_group(
         "policy": {"slowdown_budget": 100.0, "pack": False},
     }
     if staleness:
-        doc["profiles"][profile] = {**p, "client": {"staleness": staleness}}
+        doc["profiles"][profile] = {**p, "staleness": staleness}
     return doc
 
 

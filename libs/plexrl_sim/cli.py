@@ -131,6 +131,14 @@ def sim(
             "same layout for every deployment), shared, or auto.",
         ),
     ] = None,
+    staleness: Annotated[
+        int | None,
+        typer.Option(
+            help="Every job's loop: 0 synchronous, k asynchronous with sampler weights at "
+            "most k steps old (and Split-Async at the same staleness); default: the "
+            "workload's.",
+        ),
+    ] = None,
     charts: Annotated[bool, typer.Option(help="Write the PNG charts.")] = True,
 ) -> None:
     """Simulate RLVR jobs on a cluster under the scheduler's own policy code."""
@@ -143,7 +151,15 @@ def sim(
 
     started = time.perf_counter()
     try:
-        setup = prepare(workload, seed=seed, gpus=gpus, days=days, jobs=jobs, partition=partition)
+        setup = prepare(
+            workload,
+            seed=seed,
+            gpus=gpus,
+            days=days,
+            jobs=jobs,
+            partition=partition,
+            staleness=staleness,
+        )
     except (OSError, ValueError) as err:
         typer.echo(f"plexrl sim: {err}", err=True)
         raise typer.Exit(2) from None

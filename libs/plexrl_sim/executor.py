@@ -81,8 +81,17 @@ class SimGroup:
         if self.view is None:
             run = self.inflight
             preemptible = None
-            if run is not None and run.samples_only and not run.preempted:
+            # (A roaming sample never yields: its job's state is not this group's.)
+            if (
+                run is not None
+                and run.samples_only
+                and not run.preempted
+                and run.job.home == self.spec.group_id
+            ):
                 preemptible = run.issued
+            tail_until = 0.0
+            for tail in self.tails:  # as the scheduler expects them: its jobs' mean tails
+                tail_until = max(tail_until, tail.started + tail.job.history.tail_s, 1e-9)
             self.view = WorkerView(
                 worker_id=self.spec.group_id,
                 device_bytes=self.spec.device_bytes,
@@ -90,6 +99,7 @@ class SimGroup:
                 devices=self.spec.devices,
                 running=self.running,
                 busy_until=self.busy_until,
+                tail_until=tail_until,
                 preemptible_since=preemptible,
             )
         return self.view
@@ -103,6 +113,7 @@ class Tail:
     """A rollout's stragglers decoding in the background on their group."""
 
     job: SimJob
+    group: SimGroup
     util: float
     """Fraction of the group its stragglers keep busy alone (their share of the batch)."""
     left_s: float
@@ -157,6 +168,8 @@ class RunInFlight:
     left_s: float = 0.0
     """While paused: the seconds it still had to run."""
     paused_at: float = 0.0
+    group: SimGroup | None = None
+    """The group it runs on (its job's home, or the group a roaming sample borrowed)."""
 
 
 class GroupExecutor:
@@ -178,6 +191,10 @@ class GroupExecutor:
         self.accounting = accounting
         self.preempted = 0
         """Sample batches that yielded to another job's Run."""
+        self.roamed = 0
+        """Calls that ran on a group other than their job's home."""
+        self.jobs: dict[str, SimJob] = {}
+        """Every job, by id (a roaming Run's job is not homed on its group)."""
         self.cosampled = 0
         """Calls that rode along in another job's sample batch."""
 
@@ -246,6 +263,69 @@ class GroupExecutor:
         job.pending = pending[n:]
         return calls
 
+    def _take_portable(self, job: SimJob, ids: tuple[str, ...]) -> list[PendingCall]:
+        """The job's portable calls `ids`: the first of its portable pending calls, in
+        order (they may go before its other calls)."""
+        portable = [c for c in job.pending if c.portable]
+        n = len(ids)
+        if n == 0 or [c.request_id for c in portable[:n]] != list(ids):
+            raise SimulationError(f"run of {job.job_id} skips or reorders its portable calls")
+        taken = set(ids)
+        job.pending = [c for c in job.pending if c.request_id not in taken]
+        return portable[:n]
+
+    def _start_guest(self, group: SimGroup, run: Run) -> None:
+        """A roaming Run (`plexrl.policy.roam`): a job's portable calls on a group other
+        than its home. It loads the job's sampler weights from the disk tier into the
+        group's sampling engine (outside the device tier of homed states) and pays the
+        engine switch; the job's own state stays at home."""
+        job = self.jobs.get(run.job_id)
+        if job is None or job.home is None:
+            raise SimulationError(f"run of {run.job_id} on {run.worker_id}: no such homed job")
+        if run.evict or group.spec.devices != job.devices:
+            raise SimulationError(
+                f"roaming run of {run.job_id} on {run.worker_id} evicts or misfits"
+            )
+        calls = self._take_portable(job, run.request_ids)
+        now = self.events.now
+        swap = group.spec.swap.move_s(job.sampler_bytes, Tier.DISK, _DEVICE)
+        if group.last_job != job.job_id:
+            swap += self.costs.switch_s
+        group.last_job = job.job_id
+        seconds_of, useful_of = job.figures()
+        planned = [seconds_of[c.function] for c in calls]
+        work = sum(planned)
+        start = now + swap
+        if group.tails:
+            self._pace_tails(group, True)
+            end = self._stretched_end(group, start, work)
+        else:
+            end = start + work
+        group.running = job.job_id
+        group.busy_until = now + run.expected_swap_s + run.expected_compute_s
+        group.view = None
+        job.idle_until = 0.0
+        job.view = None
+        job.running += 1
+        job.sample_group = group.group_id
+        r = job.result
+        ready = max(calls[0].arrival_time, r.start_s)
+        queued = max(0.0, now - ready)
+        r.call_queue_s += queued
+        r.swap_s += swap
+        r.compute_s += end - start
+        r.roamed += len(calls)
+        devices = group.spec.devices
+        self.accounting.charge(r, group.spec.group_id, devices * (swap + work))
+        useful = sum([useful_of.get(c.function, 0.0) for c in calls])
+        self.accounting.busy(start, end, useful * devices)
+        flight = RunInFlight(job, calls, swap, start, planned, queued, end, now)
+        flight.samples_only = True
+        flight.group = group
+        group.inflight = flight
+        self.roamed += len(calls)
+        self.events.push(end, _RUN_DONE, flight)
+
     def _riders(self, group: SimGroup, job: SimJob, ids: tuple[str, ...]) -> list[Rider]:
         """The co-sampled calls of a Run (`ids` past the leading job's own): other jobs'
         leading sample calls, their states on the group's device."""
@@ -282,11 +362,12 @@ class GroupExecutor:
 
     def start_run(self, run: Run) -> None:
         group = self.groups[run.worker_id]
-        job = group.homed.get(run.job_id)
-        if job is None:
-            raise SimulationError(f"run of {run.job_id} on {run.worker_id}, not its home")
         if group.running is not None:
             raise SimulationError(f"run on {run.worker_id} while {group.running} runs there")
+        job = group.homed.get(run.job_id)
+        if job is None:
+            self._start_guest(group, run)
+            return
         ids = run.request_ids
         pending = job.pending
         n = len(ids)
@@ -294,6 +375,8 @@ class GroupExecutor:
         if n <= len(pending) and [c.request_id for c in pending[:n]] == list(ids):
             calls = pending[:n]
             job.pending = pending[n:]
+        elif pending and pending[0].request_id != ids[0]:
+            calls = self._take_portable(job, ids)  # a sample of saved weights goes first
         else:  # co-sampled: the leading job's own calls first, then other jobs' samples
             own = 0
             for call in pending[:n]:
@@ -356,6 +439,7 @@ class GroupExecutor:
         r.call_queue_s += queued
         devices = group.spec.devices
         flight = RunInFlight(job, calls, swap, start, planned, queued, end, now)
+        flight.group = group
         if riders is None:
             r.swap_s += swap
             r.compute_s += end - start
@@ -382,6 +466,10 @@ class GroupExecutor:
                 durations = other.history.durations
                 group.busy_until += sum([durations.get(c.function, 0.0) for c in rider.calls])
         flight.samples_only = riders is not None or all(c.function == _SAMPLE for c in calls)
+        if flight.samples_only:
+            job.sample_group = group.group_id
+            for rider in riders or ():
+                rider.job.sample_group = group.group_id
         group.inflight = flight
         self.accounting.busy(start, end, useful * devices)
         self.events.push(end, _RUN_DONE, flight)
@@ -394,7 +482,7 @@ class GroupExecutor:
         job, now = done.job, self.events.now
         if done.due != now:
             return False
-        group = self.groups[job.home or ""]
+        group = done.group or self.groups[job.home or ""]
         group.running = None
         group.inflight = None
         group.view = None
@@ -440,10 +528,13 @@ class GroupExecutor:
 
     def preempt(self, action: Preempt) -> bool:
         """The group's sample batch yields: paused, its jobs pinned, the group free for
-        the next Run. False when nothing preemptible runs there (it ended first)."""
+        the next Run. False when nothing preemptible runs there (it ended first, or it is
+        a roaming sample, whose state is not the group's to pin)."""
         group = self.groups[action.worker_id]
         run = group.inflight
         if run is None or run.job.job_id != action.job_id or not run.samples_only:
+            return False
+        if run.job.home != group.group_id:
             return False
         if run.preempted:
             raise SimulationError(f"{action.worker_id}: a batch preempted twice")
@@ -519,15 +610,19 @@ class GroupExecutor:
     # Stragglers --------------------------------------------------------------------------
 
     def start_tail(self, job: SimJob, tail_s: float, util: float) -> None:
-        """The job's stragglers decode in the background on its group, `util` of it, for
-        `tail_s` alone; their TAIL_DONE comes when they end (`tail_end`)."""
-        group = self.groups[job.home or ""]
+        """The job's stragglers decode in the background on the group its sample ran on,
+        `util` of it, for `tail_s` alone; their TAIL_DONE comes when they end
+        (`tail_end`). On its home group they pin its state there."""
+        group = self.groups[job.sample_group or job.home or ""]
         now = self.events.now
+        if group.group_id == job.home:
+            job.pins += 1
         # Slowed now: beside a Run in flight (or, scoped `shared`, beside any homed job).
         slowed = len(group.homed) > 1 if self._whole_tail else group.inflight is not None
-        tail = Tail(job, util, tail_s, now, slowed, started=now, useful_s=util * tail_s)
+        tail = Tail(job, group, util, tail_s, now, slowed, started=now, useful_s=util * tail_s)
         tail.due = now + tail_s * (self.costs.tail_contention if slowed else 1.0)
         group.tails.append(tail)
+        group.view = None
         self.events.push(tail.due, _TAIL_DONE, tail)
 
     def tail_end(self, tail: Tail) -> bool:
@@ -536,11 +631,15 @@ class GroupExecutor:
         now = self.events.now
         if tail.done or tail.due != now:
             return False
-        job = tail.job
-        group = self.groups[job.home or ""]
+        job, group = tail.job, tail.group
+        if group.group_id == job.home:
+            job.pins -= 1
+            job.view = None
         self._bring_up_to_date(tail, now)
         tail.done = True
         group.tails.remove(tail)
+        group.view = None
+        self.attention.groups.add(group.group_id)
         wall = now - tail.started
         beside = wall if self._whole_tail and tail.slowed else tail.beside_s
         seconds = tail.util * (wall - beside) + self.costs.tail_share(tail.util) * beside

@@ -40,6 +40,7 @@ from plexrl.policy import (
 )
 from plexrl.policy.history import Prior, priors
 from plexrl_sim.accounting import Accounting
+from plexrl_sim.dedicated import alone_reference_s
 from plexrl_sim.events import Attention, Event, EventQueue
 from plexrl_sim.executor import GroupExecutor, RunInFlight, SimGroup, SimulationError, Tail
 from plexrl_sim.replay import JobReplay, SimJob
@@ -86,17 +87,28 @@ class MultiplexedSim:
         self.executor = GroupExecutor(groups, costs, self.clock, self.attention, self.accounting)
         self.replay = JobReplay(self.clock, self.attention, self.executor, config.hold_s)
         self.jobs: dict[str, SimJob] = {}
+        self.executor.jobs = self.jobs
         self.waiting: dict[str, SimJob] = {}
         self._priors: dict[str, Prior] = {}
         self.plans = 0
         self.plan_s = 0.0
         self.held = 0
         """Holds decided for a bursting job (`plexrl.policy.anticipate`)."""
+        self._roaming = config.name == "plexrl" and config.roam
+        self._roamers: dict[str, SimJob] = {}
+        """Jobs whose portable calls wait while their home group is busy."""
+        self._idle: dict[int, set[str]] = {}
+        """Per group size, the groups that hold jobs and have nothing to run."""
+        self._roam_due: set[int] = set()
+        """Group sizes where a roamer or an idle group came up since the last ask."""
         self.events = 0
         profiles = factory.workload.profiles
         for spec in jobs:
             p = profiles[spec.profile]
-            job = SimJob.of(spec, factory.steps(spec), p.devices, int(nbytes(p.state_bytes)))
+            state = int(nbytes(p.state_bytes))
+            sampler = int(nbytes(p.sampler_bytes)) if p.sampler_bytes is not None else state // 8
+            alone = alone_reference_s(factory, spec, costs)  # its slowdown reference
+            job = SimJob.of(spec, factory.steps(spec), p.devices, state, sampler, alone)
             if record_trail:
                 job.trail = []
             self.jobs[spec.job_id] = job
@@ -119,7 +131,7 @@ class MultiplexedSim:
             Event.RUN_DONE: self._run_done,
             Event.TAIL_DONE: self._tail_done,
             Event.TRAIN_CALLS: self.replay.issue_train,
-            Event.NEXT_STEP: self.replay.begin_step,
+            Event.NEXT_STEP: self.replay.next_step,
             Event.FINISH: self.replay.finish,
             Event.ARRIVE: self._arrive,
             Event.WAKE: self._woken,
@@ -150,6 +162,7 @@ class MultiplexedSim:
             {
                 "preempted": self.executor.preempted,
                 "cosampled": self.executor.cosampled,
+                "roamed": self.executor.roamed,
                 "held": self.held,
             },
         )
@@ -186,12 +199,60 @@ class MultiplexedSim:
         dirty = attention.groups
         if dirty:
             groups, wants_plan, snapshot = self.groups, self._wants_plan, self.group_snapshot
+            roaming = self._roaming
             while dirty:
                 group = groups[dirty.pop()]
                 if wants_plan(group):
                     self._carry_out(snapshot(group))
                     if group.paused is not None and group.group_id not in dirty:
                         self.executor.resume_unused(group)
+                if roaming:
+                    self._note_roaming(group)
+            if self._roam_due:
+                self._roam()
+
+    def _note_roaming(self, group: SimGroup) -> None:
+        """After a decision on `group`: its jobs whose portable calls wait while it is
+        busy may roam; if it is idle (jobs homed, none calling, nothing running), it may
+        take such a call. Either is news for the next roaming decision (`_roam`)."""
+        size = group.spec.devices
+        if group.running is not None:
+            self._idle.get(size, set()).discard(group.group_id)
+            for job in group.homed.values():
+                if job.job_id not in self._roamers and any(c.portable for c in job.pending):
+                    self._roamers[job.job_id] = job
+                    self._roam_due.add(size)
+        elif group.homed and not any(j.pending for j in group.homed.values()):
+            idle = self._idle.setdefault(size, set())
+            if group.group_id not in idle:
+                idle.add(group.group_id)
+                self._roam_due.add(size)
+        else:
+            self._idle.get(size, set()).discard(group.group_id)
+
+    def _roam(self) -> None:
+        """Ask the policy about the groups of a size where a portable call waits at a busy
+        home and another group is idle: those homes and the idle groups together (the
+        policy decides whether and where it roams, `plexrl.policy.roam`)."""
+        due, self._roam_due = self._roam_due, set()
+        for job_id, job in list(self._roamers.items()):
+            home = self.groups[job.home] if job.home is not None else None
+            if home is None or home.running is None or not any(c.portable for c in job.pending):
+                del self._roamers[job_id]
+        for size in due:
+            idle = [g for g in self._idle.get(size, ()) if self.groups[g].running is None]
+            homes = {
+                job.home
+                for job in self._roamers.values()
+                if job.devices == size and job.home is not None
+            }
+            if not idle or not homes:
+                continue
+            chosen = [self.groups[g] for g in sorted({*idle, *homes})]
+            self._carry_out(self.groups_snapshot(chosen))
+            for group in chosen:
+                if group.running is not None:
+                    self._idle.get(size, set()).discard(group.group_id)
 
     @staticmethod
     def _wants_plan(group: SimGroup) -> bool:
@@ -224,6 +285,24 @@ class MultiplexedSim:
             calls.sort(key=_arrival)
         return ClusterSnapshot(
             now, {group.spec.group_id: group.as_view()}, jobs, tuple(calls), group.spec.swap
+        )
+
+    def groups_snapshot(self, groups: list[SimGroup]) -> ClusterSnapshot:
+        """What the policy sees about several groups (a roaming decision)."""
+        now = self.clock.now
+        jobs: dict[str, JobView] = {}
+        calls: list[PendingCall] = []
+        for group in groups:
+            for jid, j in group.homed.items():
+                jobs[jid] = j.as_view(now, self._priors, self.min_history_s)
+                calls += j.pending
+        calls.sort(key=_arrival)
+        return ClusterSnapshot(
+            now,
+            {g.spec.group_id: g.as_view() for g in groups},
+            jobs,
+            tuple(calls),
+            groups[0].spec.swap,
         )
 
     def full_snapshot(self) -> ClusterSnapshot:

@@ -43,6 +43,8 @@ class JobResult:
     swapped_bytes: float = 0.0
     group: str = ""
     rejected: str = ""
+    roamed: int = 0
+    """Calls of it that ran on a group other than its home (`plexrl.policy.roam`)."""
     rollout_share: float = math.nan
     """Split-Async only: the share of its pool the job's rollouts got (searched per job)."""
 

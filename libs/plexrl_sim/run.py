@@ -20,6 +20,7 @@ from plexrl_sim.workload import (
     JobFactory,
     JobSpec,
     Workload,
+    at_staleness,
     build_groups,
     load_workload,
 )
@@ -71,6 +72,8 @@ class Setup:
     groups: list[GroupSpec]
     """The dedicated split (or the named workers): what the dedicated deployments use."""
     partition: str = "dedicated"
+    staleness: int | None = None
+    """The jobs' loop, when the command line set it (`prepare`)."""
 
     def groups_for(self, name: str, factory: JobFactory) -> list[GroupSpec]:
         """The groups a deployment runs on (see `ClusterSpec.partition`)."""
@@ -91,8 +94,13 @@ def prepare(
     days: float | None = None,
     jobs: int | None = None,
     partition: str | None = None,
+    staleness: int | None = None,
 ) -> Setup:
+    """One seed of a workload; `staleness` replaces every job's declared loop (and
+    Split-Async's staleness from 1 on: `workload.at_staleness`)."""
     workload = load_workload(workload_path)
+    if staleness is not None:
+        workload = at_staleness(workload, staleness)
     split = partition or workload.cluster.partition
     if split not in ("auto", "dedicated", "shared"):
         raise ValueError(f"partition {split!r}: use auto, dedicated or shared")
@@ -105,7 +113,17 @@ def prepare(
         else (sum(g.devices for g in groups) if workload.workers else workload.cluster.gpus)
     )
     return Setup(
-        str(workload_path), workload, seed, total, days, jobs, factory, specs, groups, split
+        str(workload_path),
+        workload,
+        seed,
+        total,
+        days,
+        jobs,
+        factory,
+        specs,
+        groups,
+        split,
+        staleness,
     )
 
 
@@ -155,13 +173,21 @@ def run_deployment(
 
 
 _ChildArgs = tuple[
-    str, int, int | None, float | None, int | None, str, str, dict[str, float | int | bool]
+    str,
+    int,
+    int | None,
+    float | None,
+    int | None,
+    str,
+    int | None,
+    str,
+    dict[str, float | int | bool],
 ]
 
 
 def _run_in_child(args: _ChildArgs) -> DeploymentResult:
-    path, seed, gpus, days, jobs, partition, name, overrides = args
-    setup = prepare(path, seed, gpus, days, jobs, partition)
+    path, seed, gpus, days, jobs, partition, staleness, name, overrides = args
+    setup = prepare(path, seed, gpus, days, jobs, partition, staleness)
     return run_deployment(setup, name, None, overrides)
 
 
@@ -192,6 +218,7 @@ def run_many(
             setup.days,
             setup.job_count,
             setup.partition,
+            setup.staleness,
             n,
             overrides or {},
         )

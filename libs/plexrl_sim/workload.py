@@ -186,6 +186,16 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Host-side gap per step: data loading, logging, evaluation."""
     create_s: float = 0.0
     """Creating the job's state on its group (loading the base checkpoint)."""
+    staleness: int = 0
+    """The job's own loop (its client), on a shared group and on its own (Isolated): 0,
+    synchronous (each step samples with the weights the previous step saved); k >= 1,
+    asynchronous: the next rollout is sampled as soon as the last one is scored, with
+    sampler weights at most k steps older than the newest, while the job trains on the
+    rollout before it (the rollout waits for its scores, as Split-Async's pool does)."""
+    sampler_bytes: Size | None = None
+    """Bytes a sampling engine loads to sample the job's saved weights on another group
+    (`plexrl.policy.roam`); default: an eighth of `state_bytes` (bf16 weights of a
+    16-byte-per-parameter training state)."""
     split: SplitAsync = SplitAsync()
     colocated: Colocated = Colocated()
 
@@ -387,8 +397,24 @@ class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(
                     f"profile {name!r}: split.staleness is {p.split.staleness}; use 0 to 8 steps"
                 )
+            if not 0 <= p.staleness <= 8:
+                raise ValueError(
+                    f"profile {name!r}: staleness is {p.staleness}; use 0 (synchronous) to 8 steps"
+                )
             if p.devices < 1 or p.fb_calls < 1:
                 raise ValueError(f"profile {name!r}: devices and fb_calls must be at least 1")
+
+
+def at_staleness(workload: Workload, staleness: int) -> Workload:
+    """The workload with every job running its loop at `staleness` (0: synchronous) and,
+    from 1 on, Split-Async at the same staleness: the comparison like for like."""
+    if not 0 <= staleness <= 8:
+        raise ValueError(f"staleness is {staleness}; use 0 (synchronous) to 8 steps")
+    profiles = {}
+    for name, p in workload.profiles.items():
+        split = msgspec.structs.replace(p.split, staleness=staleness) if staleness else p.split
+        profiles[name] = msgspec.structs.replace(p, staleness=staleness, split=split)
+    return msgspec.structs.replace(workload, profiles=profiles)
 
 
 def load_workload(path: str | Path) -> Workload:
@@ -451,6 +477,8 @@ class Steps:
     train_util: float
     save_util: float
     fb_calls: int
+    staleness: int = 0
+    """The job's loop (`Profile.staleness`): 0 synchronous, k asynchronous."""
 
     @property
     def n(self) -> int:
@@ -608,6 +636,7 @@ class JobFactory:
             train_util=p.train_util,
             save_util=p.save_util,
             fb_calls=p.fb_calls,
+            staleness=p.staleness,
         )
 
     def expected_isolated_step_s(self, name: str) -> float:

@@ -76,6 +76,11 @@ class PolicyConfig:
     """A batch is never preempted before it has run this long (its own prompts and first
     steps go first, and a batch about to be released anyway is not asked twice)."""
 
+    roam: bool = True
+    """The plexrl policy's roaming samples (`plexrl.policy.roam`): a job's sample call on
+    saved sampler weights, waiting while its home group is busy, runs on an idle group of
+    the same size whose jobs all expect to stay idle that long. False: every call on its
+    home group."""
     sharing: SharingCosts = field(default_factory=SharingCosts)
     """What sharing a group costs beyond swaps (engine switches, stragglers' memory and
     contention): the plexrl policy's interference model predicts with these; the

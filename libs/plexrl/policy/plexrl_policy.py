@@ -69,13 +69,16 @@ from plexrl.policy.common import (
 )
 from plexrl.policy.config import PolicyConfig
 from plexrl.policy.costs import SharingCosts
+from plexrl.policy.defer import not_passed_over
 from plexrl.policy.fifo import last_served
 from plexrl.policy.frozen import quick_init
+from plexrl.policy.roam import roaming_runs, with_roaming
 from plexrl.policy.share import tenant_order
 from plexrl.policy.snapshot import ClusterSnapshot, JobView, WorkerView
 
 _TRAIN = (Function.FORWARD_BACKWARD, Function.OPTIM_STEP, Function.SAVE)
 _UNBOUNDED = float("inf")
+_SAMPLE = Function.SAMPLE
 _DEVICE = Tier.DEVICE
 
 
@@ -136,6 +139,11 @@ class Figures:
     """Seconds its rollouts' stragglers decode in the background after the release."""
     sample: float = 0.0
     """Seconds of its sample phase (the call its stragglers follow)."""
+    critical: tuple[float, ...] = ()
+    """Its phases on its step's critical path, whose waits and costs lengthen its steps:
+    all of them for a synchronous job; an asynchronous one's sample alone (its training
+    waits within its slack, `plexrl.policy.defer`), and they are also the phases it runs
+    beside a neighbour's stragglers (its training waits them out)."""
     shape: int = 0
     """Which (phases, residual, tail), to 1%, this is among the jobs one `InterferenceFit`
     has seen: jobs of one shape meet a neighbour alike, so a meeting of two shapes is
@@ -150,8 +158,12 @@ def figures_of(job: JobView) -> Figures:
     phases = step_phases(job)
     busy = sum(phases)
     period = busy / job.duty_cycle if job.duty_cycle > 0 and busy > 0 else 0.0
-    sample = job.estimates.expected_s(Function.SAMPLE) if job.tail_s > 0 else 0.0
-    return Figures(phases, period, call_residual_s(job), job.duty_cycle, job.tail_s, sample)
+    sampled = job.estimates.expected_s(Function.SAMPLE)
+    sample = sampled if job.tail_s > 0 else 0.0
+    critical = phases if job.staleness <= 0 else tuple(s for s in (sampled,) if s > 0)
+    return Figures(
+        phases, period, call_residual_s(job), job.duty_cycle, job.tail_s, sample, critical
+    )
 
 
 def _to_1pct(seconds: float) -> int:
@@ -173,30 +185,33 @@ def sharing_cost_s(me: Figures, neighbour: Figures, costs: SharingCosts) -> floa
     """Seconds per step `me` loses to the costs of sharing beside `neighbour` (besides
     waiting for it; `plexrl.policy.costs`):
 
-    - engine switches: one per phase of `me` that follows a Run of the neighbour, at
-      most one per phase: `switch_s * min(n_me, n_k * p_me / p_k)`;
-    - its Runs beside the neighbour's stragglers, at `1 - tail_min_share` of the group:
-      the fraction of its busy seconds inside the neighbour's tail is about
+    - engine switches: one per critical phase of `me` that follows a Run of the
+      neighbour, at most one per phase: `switch_s * min(n_me, n_k * p_me / p_k)`;
+    - its critical Runs beside the neighbour's stragglers, at `1 - tail_min_share` of
+      the group: the fraction of its busy seconds inside the neighbour's tail is about
       `(tail_k + sample_k) / p_k` (a phase that waited for the neighbour's sample
       starts with its tail), each second of it costing `share / (1 - share)`;
     - its own stragglers slowed beside the neighbour's Runs: the neighbour's busy
-      seconds fall in its tail about `tail / p_k` of the time, and the phases queued
-      behind its sample (`sample / p_k` each) run at its tail's start; each second of
-      overlap delays the tail by `1 - 1 / tail_contention`."""
+      seconds (those it runs beside stragglers: `critical`) fall in its tail about
+      `tail / p_k` of the time, and the phases queued behind its sample (`sample / p_k`
+      each) run at its tail's start; each second of overlap delays the tail by
+      `1 - 1 / tail_contention`."""
     pk = neighbour.period
     if pk <= 0:
         return 0.0
     cost = 0.0
-    if costs.switch_s > 0:
-        n_me, n_k = len(me.phases), len(neighbour.phases)
+    mine = me.critical
+    if costs.switch_s > 0 and mine:
+        n_me, n_k = len(mine), len(neighbour.phases)
         follows = n_k * me.period / pk if me.period > 0 else float(n_me)
         cost += costs.switch_s * min(float(n_me), follows)
     if neighbour.tail > 0 and costs.tail_min_share > 0:
         inside = min(1.0, (neighbour.tail + neighbour.sample) / pk)
-        cost += me.busy * inside * costs.stretch()
+        cost += sum(mine) * inside * costs.stretch()
     if me.tail > 0 and costs.tail_contention > 1:
-        queued = sum(min(x, me.tail) for x in neighbour.phases) * me.sample / pk
-        overlap = min(me.tail, me.tail * neighbour.busy / pk + queued)
+        beside = neighbour.critical
+        queued = sum(min(x, me.tail) for x in beside) * me.sample / pk
+        overlap = min(me.tail, me.tail * sum(beside) / pk + queued)
         cost += overlap * (1.0 - 1.0 / costs.tail_contention)
     return cost
 
@@ -286,7 +301,7 @@ class InterferenceFit:
         self.fair_share = fair_share
         self.max_load = max_load
         self._figures: dict[str, Figures] = {}
-        self._shapes: dict[tuple[tuple[int, ...], int, int, int], int] = {}
+        self._shapes: dict[tuple[tuple[int, ...], int, int, int, int], int] = {}
         self._representatives: list[Figures] = []
         self._meetings: dict[tuple[int, int], float] = {}
         self._groups: dict[str, _Group] = {}
@@ -309,12 +324,20 @@ class InterferenceFit:
                 _to_1pct(fig.residual),
                 _to_1pct(fig.tail),
                 _to_1pct(fig.sample),
+                len(fig.critical),
             )
             shape = self._shapes.setdefault(key, len(self._shapes))
             if shape == len(self._representatives):
                 self._representatives.append(fig)
             cached = Figures(
-                fig.phases, fig.period, fig.residual, fig.duty, fig.tail, fig.sample, shape
+                fig.phases,
+                fig.period,
+                fig.residual,
+                fig.duty,
+                fig.tail,
+                fig.sample,
+                fig.critical,
+                shape,
             )
             self._figures[job.job_id] = cached
         return cached
@@ -328,7 +351,9 @@ class InterferenceFit:
         meeting = self._meetings.get(key)
         if meeting is None:
             mine, theirs = self._representatives[me.shape], self._representatives[neighbour.shape]
-            meeting = self._meetings[key] = _meeting_s(mine.phases, theirs.phases, theirs.residual)
+            meeting = self._meetings[key] = _meeting_s(
+                mine.critical, theirs.phases, theirs.residual
+            )
         return meeting / neighbour.period
 
     def cost(self, me: Figures, neighbour: Figures) -> float:
@@ -521,7 +546,15 @@ def shortest_remaining_first(
     def key(job: JobView) -> tuple[float, int, float, str]:
         calls = snapshot.calls_view(job.job_id)
         seconds_of, default_s = job.estimates.seconds, job.estimates.default_s
-        service = sum([seconds_of.get(c.function, default_s) for c in calls])  # expected_s
+        # The work of its next Run: its calls up to where samples and others change
+        # (`common.run_of`), so an asynchronous job's sample is not weighed with the
+        # training queued behind it on its other lane.
+        sampling = calls[0].function == _SAMPLE
+        service = 0.0
+        for c in calls:
+            if (c.function == _SAMPLE) != sampling:
+                break
+            service += seconds_of.get(c.function, default_s)  # expected_s
         switch = switch_s(snapshot, job, ()) if job.tier != _DEVICE else 0.0
         resident = 0 if job.tier == _DEVICE else 1
         return (service + switch_weight * switch, resident, calls[0].arrival_time, job.job_id)
@@ -588,12 +621,16 @@ def plan_plexrl(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
         )
         admitted, snapshot = admit_waiting(snapshot, place, backfill=True)
         actions.extend(admitted)
-    order = partial(
+    srf = partial(
         shortest_remaining_first,
         switch_weight=config.switch_weight,
         burst=(config.hold_s, config.quantum_s),
         fair_share=config.fair_share,
     )
+
+    def order(snap: ClusterSnapshot, worker: WorkerView, jobs: list[JobView]) -> Sequence[JobView]:
+        return srf(snap, worker, not_passed_over(snap, worker, jobs))
+
     prefetch = config.prefetch and _off_device(snapshot)
     runs, snapshot = dispatch(
         snapshot,
@@ -605,6 +642,11 @@ def plan_plexrl(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
         tenant_quantum_s=config.tenant_quantum_s if config.fair_share else None,
     )
     actions.extend(runs)
+    roaming = roaming_runs(snapshot, config, runs)
+    if roaming:
+        actions.extend(roaming)
+        if prefetch:
+            snapshot = with_roaming(snapshot, roaming)
     if prefetch:
         actions.extend(prefetches(snapshot, config, runs))
     return tuple(actions)

@@ -536,6 +536,14 @@ class ClusterState:
     def _worker_view(self, wid: str, w: WorkerState, jobs: dict[str, JobView]) -> WorkerView:
         run = self.inflight.get(wid)
         preemptible = run is not None and run.samples_only and not run.preempt_asked
+        tail_until = 0.0
+        for tail in self.tails.values():  # released batches: their jobs' mean tails
+            if tail.worker_id == wid:
+                for p in tail.calls:
+                    job = self.jobs.get(p.request.job_id)
+                    if job is not None and p.request.request_id in tail.remaining:
+                        ends = tail.released_at + job.history.tail_s
+                        tail_until = max(tail_until, ends, 1e-9)
         return WorkerView(
             worker_id=wid,
             device_bytes=w.heartbeat.device_bytes,
@@ -544,6 +552,7 @@ class ClusterState:
             base_models=frozenset(w.heartbeat.base_models),
             running=run.job_id if run is not None else None,
             busy_until=_expected_end(run, jobs) if run is not None else 0.0,
+            tail_until=tail_until,
             preemptible_since=run.issued_at if run is not None and preemptible else None,
             healthy=self.healthy(wid),
         )
