@@ -130,3 +130,34 @@ def test_a_sample_roams_to_an_idle_group_while_its_home_is_busy(tmp_path):
     stay = run_deployment(setup, "plexrl", overrides={"roam": False})
     assert stay.counts["roamed"] == 0
     assert {j.job_id: j for j in stay.jobs}["A"].step_time_s > jobs["A"].step_time_s
+
+
+def test_sliced_training_yields_to_a_sample_at_its_next_slice(tmp_path):
+    # A (asynchronous) trains in one 20 s forward_backward, run in 4 slices of 5 s; B's
+    # sample arrives at 25 while A's second training runs [25,45]. The policy asks at
+    # 25.05; the slice in progress ends at 30: B samples [30,32], A resumes [32,47].
+    doc = two_jobs_one_worker()
+    p = doc["profiles"].pop("p")
+    doc["profiles"]["a"] = {
+        **p,
+        "rollout": {"sample_s": 1.0},
+        "reward_s": 1.0,
+        "train_s": 20.0,
+        "staleness": 1,
+        "fb_slices": 4,
+    }
+    doc["profiles"]["b"] = {**p, "rollout": {"sample_s": 2.0}, "reward_s": 3.0, "train_s": 1.0}
+    doc["jobs"] = [
+        {"id": "A", "profile": "a", "steps": 2},
+        {"id": "B", "profile": "b", "steps": 2, "arrival_s": 0.5},
+    ]
+    doc["policy"] = {"slowdown_budget": 100.0, "pack": False}
+    setup = prepare(write_workload(tmp_path, doc))
+    sliced = run_deployment(setup, "plexrl")
+    a, b = (next(j for j in sliced.jobs if j.job_id == x) for x in "AB")
+    assert sliced.counts["preempted"] == 1
+    assert (a.finish_s, b.finish_s) == pytest.approx((47.0, 48.0), abs=1e-5)
+    whole = run_deployment(prepare(write_workload(tmp_path, doc), fb_slices=1), "plexrl")
+    assert whole.counts["preempted"] == 0
+    # Whole, B's sample waits for A's training: [45,47], and it trains after its 3 s.
+    assert next(j for j in whole.jobs if j.job_id == "B").finish_s == pytest.approx(51.0, abs=1e-5)

@@ -139,6 +139,14 @@ def sim(
             "workload's.",
         ),
     ] = None,
+    fb_slices: Annotated[
+        int | None,
+        typer.Option(
+            help="Slices of each forward_backward call an asynchronous job's training may "
+            "be paused between for another job's sample (1: whole calls, the live "
+            "worker's); default: the workload's.",
+        ),
+    ] = None,
     charts: Annotated[bool, typer.Option(help="Write the PNG charts.")] = True,
 ) -> None:
     """Simulate RLVR jobs on a cluster under the scheduler's own policy code."""
@@ -159,6 +167,7 @@ def sim(
             jobs=jobs,
             partition=partition,
             staleness=staleness,
+            fb_slices=fb_slices,
         )
     except (OSError, ValueError) as err:
         typer.echo(f"plexrl sim: {err}", err=True)

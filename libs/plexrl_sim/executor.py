@@ -43,7 +43,7 @@ from plexrl_sim.replay import SimJob
 from plexrl_sim.workload import GroupSpec
 
 _DEVICE, _RUN_DONE, _TAIL_DONE = Tier.DEVICE, Event.RUN_DONE, Event.TAIL_DONE
-_SAMPLE = Function.SAMPLE
+_SAMPLE, _FB = Function.SAMPLE, Function.FORWARD_BACKWARD
 """(Module constants: an enum member read off its class costs an attribute lookup.)"""
 
 
@@ -71,6 +71,8 @@ class SimGroup:
     """When the host link is free for the next prefetch."""
     wake_at: float = -1.0
     """When a wake-up is due (a hold on the group ends); -1: none."""
+    free_at: float = 0.0
+    """When the group is free to start a Run (a sliced Run paused at its next slice)."""
     view: WorkerView | None = None
 
     @property
@@ -84,7 +86,7 @@ class SimGroup:
             # (A roaming sample never yields: its job's state is not this group's.)
             if (
                 run is not None
-                and run.samples_only
+                and run.yields
                 and not run.preempted
                 and run.job.home == self.spec.group_id
             ):
@@ -100,6 +102,7 @@ class SimGroup:
                 running=self.running,
                 busy_until=self.busy_until,
                 tail_until=tail_until,
+                sliced=preemptible is not None and run is not None and run.slice_s > 0,
                 preemptible_since=preemptible,
             )
         return self.view
@@ -168,8 +171,16 @@ class RunInFlight:
     left_s: float = 0.0
     """While paused: the seconds it still had to run."""
     paused_at: float = 0.0
+    slice_s: float = 0.0
+    """Sliced training (an asynchronous job's, `Profile.fb_slices`): the seconds of one
+    slice, at whose ends it may pause; 0: not sliced."""
     group: SimGroup | None = None
     """The group it runs on (its job's home, or the group a roaming sample borrowed)."""
+
+    @property
+    def yields(self) -> bool:
+        """Whether it may be preempted: a sample batch, or sliced training."""
+        return self.samples_only or self.slice_s > 0
 
 
 class GroupExecutor:
@@ -368,6 +379,8 @@ class GroupExecutor:
         if job is None:
             self._start_guest(group, run)
             return
+        if group.paused is not None and group.paused.job is job:
+            raise SimulationError(f"run of {run.job_id} while a Run of it is paused")
         ids = run.request_ids
         pending = job.pending
         n = len(ids)
@@ -392,7 +405,7 @@ class GroupExecutor:
             moved = True
             swap += self._move_s(group, job, job.tier, _DEVICE)
             job.tier = _DEVICE
-        swap += max(0.0, job.ready_at - now)
+        swap += max(0.0, job.ready_at - now, group.free_at - now)
         last = group.last_job
         if last is not None and last != job.job_id:
             swap += self.costs.switch_s
@@ -466,6 +479,9 @@ class GroupExecutor:
                 durations = other.history.durations
                 group.busy_until += sum([durations.get(c.function, 0.0) for c in rider.calls])
         flight.samples_only = riders is not None or all(c.function == _SAMPLE for c in calls)
+        slices = job.steps.fb_slices
+        if slices > 1 and job.asynchronous and calls[0].function == _FB:
+            flight.slice_s = planned[0] / slices
         if flight.samples_only:
             job.sample_group = group.group_id
             for rider in riders or ():
@@ -532,7 +548,7 @@ class GroupExecutor:
         a roaming sample, whose state is not the group's to pin)."""
         group = self.groups[action.worker_id]
         run = group.inflight
-        if run is None or run.job.job_id != action.job_id or not run.samples_only:
+        if run is None or run.job.job_id != action.job_id or not run.yields:
             return False
         if run.job.home != group.group_id:
             return False
@@ -541,6 +557,14 @@ class GroupExecutor:
         now = self.events.now
         run.preempted = True
         run.left_s = max(0.0, run.due - now)
+        if run.slice_s > 0:
+            # Sliced training pauses at the end of the slice in progress: the group
+            # finishes it (the next Run starts then) and the rest waits.
+            ran = max(0.0, now - run.started)
+            boundary = min(run.left_s, run.slice_s - ran % run.slice_s)
+            run.left_s -= boundary
+            group.free_at = now + boundary
+            now += boundary
         run.paused_at = now
         run.due = -1.0  # its RUN_DONE is stale now
         group.paused = run

@@ -261,7 +261,7 @@ class MultiplexedSim:
         # Busy: only a prefetch (a job off the device) or a preemption (a sample batch
         # that may yield to a job with calls waiting) could be decided.
         run = group.inflight
-        preemptible = run is not None and run.samples_only and not run.preempted
+        preemptible = run is not None and run.yields and not run.preempted
         homed = group.homed.values()
         return any(j.tier in _OFF_DEVICE or (preemptible and j.pending) for j in homed)
 
@@ -272,13 +272,16 @@ class MultiplexedSim:
         calls: list[PendingCall] = []
         calling = 0
         hold_s = self.config.hold_s
+        # A job whose Run is paused (preempted) sends nothing more until it resumes: its
+        # calls keep their order.
+        paused = group.paused.job if group.paused is not None else None
         for jid, j in group.homed.items():
             view = j.view
             if view is None or (hold_s > 0 and j.bursting(hold_s)):
                 j.view = None
                 view = j.as_view(now, self._priors, self.min_history_s)
             jobs[jid] = view
-            if j.pending:
+            if j.pending and j is not paused:
                 calls += j.pending
                 calling += 1
         if calling > 1:  # one job's calls are already in arrival order
@@ -293,9 +296,11 @@ class MultiplexedSim:
         jobs: dict[str, JobView] = {}
         calls: list[PendingCall] = []
         for group in groups:
+            paused = group.paused.job if group.paused is not None else None
             for jid, j in group.homed.items():
                 jobs[jid] = j.as_view(now, self._priors, self.min_history_s)
-                calls += j.pending
+                if j is not paused:
+                    calls += j.pending
         calls.sort(key=_arrival)
         return ClusterSnapshot(
             now,
@@ -316,9 +321,11 @@ class MultiplexedSim:
                 j.touch()
         jobs: dict[str, JobView] = {}
         calls: list[PendingCall] = []
+        paused = {g.paused.job.job_id for g in self.groups.values() if g.paused is not None}
         for j in (*homed, *self.waiting.values()):
             jobs[j.job_id] = j.as_view(self.now, self._priors, self.min_history_s)
-            calls.extend(j.pending)
+            if j.job_id not in paused:
+                calls.extend(j.pending)
         calls.sort(key=_arrival)
         return ClusterSnapshot(
             now=self.now,
@@ -371,7 +378,7 @@ class MultiplexedSim:
             return
         group = self.groups[run.worker_id]
         flight = group.inflight
-        if flight is None or not flight.samples_only:
+        if flight is None or not flight.yields:
             return
         if any(j.pending for j in group.homed.values()):
             self._wake_at(run.worker_id, self.now + config.preempt_after_s)

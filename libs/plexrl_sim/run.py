@@ -23,6 +23,7 @@ from plexrl_sim.workload import (
     at_staleness,
     build_groups,
     load_workload,
+    with_fb_slices,
 )
 
 MULTIPLEXED = (
@@ -74,6 +75,8 @@ class Setup:
     partition: str = "dedicated"
     staleness: int | None = None
     """The jobs' loop, when the command line set it (`prepare`)."""
+    fb_slices: int | None = None
+    """The jobs' forward_backward slicing, when the command line set it."""
 
     def groups_for(self, name: str, factory: JobFactory) -> list[GroupSpec]:
         """The groups a deployment runs on (see `ClusterSpec.partition`)."""
@@ -95,12 +98,16 @@ def prepare(
     jobs: int | None = None,
     partition: str | None = None,
     staleness: int | None = None,
+    fb_slices: int | None = None,
 ) -> Setup:
     """One seed of a workload; `staleness` replaces every job's declared loop (and
-    Split-Async's staleness from 1 on: `workload.at_staleness`)."""
+    Split-Async's staleness from 1 on: `workload.at_staleness`), `fb_slices` every job's
+    forward_backward slicing (`workload.with_fb_slices`)."""
     workload = load_workload(workload_path)
     if staleness is not None:
         workload = at_staleness(workload, staleness)
+    if fb_slices is not None:
+        workload = with_fb_slices(workload, fb_slices)
     split = partition or workload.cluster.partition
     if split not in ("auto", "dedicated", "shared"):
         raise ValueError(f"partition {split!r}: use auto, dedicated or shared")
@@ -124,6 +131,7 @@ def prepare(
         groups,
         split,
         staleness,
+        fb_slices,
     )
 
 
@@ -180,14 +188,15 @@ _ChildArgs = tuple[
     int | None,
     str,
     int | None,
+    int | None,
     str,
     dict[str, float | int | bool],
 ]
 
 
 def _run_in_child(args: _ChildArgs) -> DeploymentResult:
-    path, seed, gpus, days, jobs, partition, staleness, name, overrides = args
-    setup = prepare(path, seed, gpus, days, jobs, partition, staleness)
+    path, seed, gpus, days, jobs, partition, staleness, slices, name, overrides = args
+    setup = prepare(path, seed, gpus, days, jobs, partition, staleness, slices)
     return run_deployment(setup, name, None, overrides)
 
 
@@ -219,6 +228,7 @@ def run_many(
             setup.job_count,
             setup.partition,
             setup.staleness,
+            setup.fb_slices,
             n,
             overrides or {},
         )

@@ -175,6 +175,11 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Reward computation and tool / sandbox stalls after the rollout (off the devices)."""
     fb_calls: int = 1
     """forward_backward calls per step (micro-batches the client sends)."""
+    fb_slices: int = 1
+    """Slices of one forward_backward call the worker can pause between (its micro-
+    batches, run one by one): an asynchronous job's training then yields to another
+    job's waiting sample at the next slice (`plexrl.policy.preempt`). 1: a call runs
+    whole (the live worker's behaviour)."""
     train_util: float = 1.0
     """Fraction of the devices busy during forward_backward / optim_step (pipeline bubbles
     and communication are idle time)."""
@@ -401,8 +406,20 @@ class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(
                     f"profile {name!r}: staleness is {p.staleness}; use 0 (synchronous) to 8 steps"
                 )
-            if p.devices < 1 or p.fb_calls < 1:
-                raise ValueError(f"profile {name!r}: devices and fb_calls must be at least 1")
+            if p.devices < 1 or p.fb_calls < 1 or p.fb_slices < 1:
+                raise ValueError(
+                    f"profile {name!r}: devices, fb_calls and fb_slices must be at least 1"
+                )
+
+
+def with_fb_slices(workload: Workload, slices: int) -> Workload:
+    """The workload with every job's forward_backward run in `slices` slices."""
+    if slices < 1:
+        raise ValueError(f"fb slices is {slices}; use 1 (whole calls) or more")
+    profiles = {
+        name: msgspec.structs.replace(p, fb_slices=slices) for name, p in workload.profiles.items()
+    }
+    return msgspec.structs.replace(workload, profiles=profiles)
 
 
 def at_staleness(workload: Workload, staleness: int) -> Workload:
@@ -478,6 +495,7 @@ class Steps:
     save_util: float
     fb_calls: int
     staleness: int = 0
+    fb_slices: int = 1
     """The job's loop (`Profile.staleness`): 0 synchronous, k asynchronous."""
 
     @property
@@ -637,6 +655,7 @@ class JobFactory:
             save_util=p.save_util,
             fb_calls=p.fb_calls,
             staleness=p.staleness,
+            fb_slices=p.fb_slices,
         )
 
     def expected_isolated_step_s(self, name: str) -> float:

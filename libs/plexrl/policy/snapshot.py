@@ -89,6 +89,11 @@ class WorkerView:
     """When the stragglers decoding on the group in the background (released rollouts,
     its jobs' or roaming ones') are expected to end, by their jobs' mean tails (snapshot
     clock); 0: none decoding (`plexrl.policy.defer`)."""
+    sliced: bool = False
+    """The in-flight Run is an asynchronous job's training, which the worker runs in
+    micro-batch slices and can pause between two: it yields to a waiting sample
+    (`plexrl.policy.preempt`). Only the simulator sets it; the live worker runs a
+    `forward_backward` call whole."""
     preemptible_since: float | None = None
     """When the in-flight Run began, if it is sample calls only and not yet asked to
     yield (`plexrl.policy.preempt`); None otherwise. Only the live scheduler sets it."""
