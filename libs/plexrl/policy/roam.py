@@ -11,9 +11,10 @@ from its home while its home trains it, or while its home trains a neighbour.
 The rule (plexrl policy, `PolicyConfig.roam`): for each job whose portable calls wait
 while its home group is busy (running, or given another Run in this plan), oldest call
 first, a group of the home's size that serves its base model, runs nothing, has no call
-of its own waiting, holds at least one job (so it is held anyway), and whose jobs all
-said they will stay idle at least as long as the roaming Run is expected to take
-(`common.quiet_s`): the quietest such group. So a roaming sample never delays a job at
+of its own waiting, is held anyway (it holds a job, or the pool is fixed: `pack`
+False), and whose jobs all said they will stay idle at least as long as the roaming
+Run is expected to take (a stopped job, duty cycle 0, and an empty group are quiet):
+the quietest such group. So a roaming sample never delays a job at
 home on the group it borrows, as far as the idle hints go; its stragglers may still
 slow a call that comes there later, which the costs of sharing price.
 """
@@ -25,9 +26,11 @@ from dataclasses import replace
 
 from plexrl.messages import Tier
 from plexrl.policy.actions import Run
-from plexrl.policy.common import can_ever_hold, quiet_s
+from plexrl.policy.common import can_ever_hold
 from plexrl.policy.config import PolicyConfig
 from plexrl.policy.snapshot import ClusterSnapshot, JobView, PendingCall, WorkerView
+
+_INF = float("inf")
 
 
 def sampler_load_s(snapshot: ClusterSnapshot, job: JobView) -> float:
@@ -44,7 +47,10 @@ def roaming_runs(snapshot: ClusterSnapshot, config: PolicyConfig, runs: list[Run
     idle = [
         w
         for w in snapshot.workers.values()
-        if w.healthy and w.running is None and w.worker_id not in taken and _idle(snapshot, w)
+        if w.healthy
+        and w.running is None
+        and w.worker_id not in taken
+        and _idle(snapshot, w, held=not config.pack)
     ]
     if not idle:
         return []
@@ -66,7 +72,7 @@ def roaming_runs(snapshot: ClusterSnapshot, config: PolicyConfig, runs: list[Run
         for worker in idle:
             if worker.devices != home.devices or not can_ever_hold(worker, job):
                 continue
-            quiet = quiet_s(snapshot, worker.worker_id, job)
+            quiet = _quiet_s(snapshot, worker.worker_id)
             if quiet < load_s + expected:
                 continue
             key = (-quiet, worker.worker_id)
@@ -103,10 +109,26 @@ def with_roaming(snapshot: ClusterSnapshot, runs: list[Run]) -> ClusterSnapshot:
     return replace(snapshot, workers=workers)
 
 
-def _idle(snapshot: ClusterSnapshot, worker: WorkerView) -> bool:
-    """The group holds jobs (it is held anyway) and none of them has a call waiting."""
+def _quiet_s(snapshot: ClusterSnapshot, worker_id: str) -> float:
+    """Seconds before a job homed on the group may want it: the nearest end of their idle
+    hints; a stopped job (duty cycle 0) or an empty group never; 0 if one may call now."""
+    quiet, now = _INF, snapshot.now
+    for job in snapshot.homed_view(worker_id):
+        if snapshot.calls_view(job.job_id):
+            return 0.0
+        if job.duty_cycle <= 0:
+            continue
+        if job.idle_until <= now:
+            return 0.0
+        quiet = min(quiet, job.idle_until - now)
+    return quiet
+
+
+def _idle(snapshot: ClusterSnapshot, worker: WorkerView, held: bool) -> bool:
+    """The group is held anyway (it holds jobs, or `held`: a fixed pool's) and none of
+    its jobs has a call waiting."""
     homed = snapshot.homed_view(worker.worker_id)
-    if not homed:
+    if not homed and not held:
         return False
     return not any(snapshot.calls_view(j.job_id) for j in homed)
 

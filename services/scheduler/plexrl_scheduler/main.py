@@ -40,6 +40,7 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
         hold_s=settings.hold_s,
         preempt_ratio=settings.preempt_ratio,
         fair_share=settings.fair_share,
+        roam=settings.roam_samples,
     )
     receiver = Receiver(state, stores.jobs, stores.usage)
     ledger = Ledger(stores.keys.redis, settings.cluster_id)
@@ -205,7 +206,8 @@ async def restore(state: ClusterState, jobs: JobStore) -> None:
     homes = await jobs.homes()
     for job in await jobs.all_jobs():
         if not job.unloaded and job.owner_job is None:
-            state.add_job(job.job_id, job.tenant, job.spec, homes.get(job.job_id))
+            added = state.add_job(job.job_id, job.tenant, job.spec, homes.get(job.job_id))
+            added.staleness = job.staleness
 
 
 async def ensure_worker_topics(

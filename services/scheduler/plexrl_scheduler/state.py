@@ -73,6 +73,8 @@ class JobState:
     """Its recent engine seconds (`JobView.used_s`): its tenant's share of its group."""
     last_started: float = 0.0
     """When a dispatch with its calls was last sent (`JobView.last_started`)."""
+    staleness: int = 0
+    """Its declared loop (`JobOptions`, `JobView.staleness`): 0 synchronous."""
 
     @property
     def kind(self) -> Kind:
@@ -352,6 +354,12 @@ class ClusterState:
         run.preempt_asked = True
         return run.dispatch_id
 
+    def on_job_options(self, job_id: str, staleness: int) -> None:
+        job = self.jobs.get(job_id)
+        if job is not None:
+            job.staleness = staleness
+            self._touch(job.home)
+
     def on_idle_hint(self, job_id: str, seconds: float) -> None:
         job = self.jobs.get(job_id)
         if job is not None:
@@ -391,7 +399,9 @@ class ClusterState:
         for move in evict:
             if move.job_id in self.jobs:
                 self.jobs[move.job_id].tier = move.to_tier
-        self.jobs[job_id].tier = Tier.DEVICE
+        runner = self.jobs[job_id]
+        if runner.home == worker_id:  # (a roaming sample leaves the job's state at home)
+            runner.tier = Tier.DEVICE
         ids = {p.request.request_id for p in taken}
         now = self._clock()
         self.inflight[worker_id] = InFlight(dispatch_id, worker_id, job_id, ids, now, list(taken))
@@ -531,6 +541,9 @@ class ClusterState:
             used_s=job.used.as_of(now),
             last_started=job.last_started,
             tail_s=seen.tail_s,
+            staleness=job.staleness,
+            # A LoRA job's sampler weights are its adapter: a few MB, nothing to plan.
+            sampler_bytes=job.state_bytes // 8 if job.spec.lora is None else 0,
         )
 
     def _worker_view(self, wid: str, w: WorkerState, jobs: dict[str, JobView]) -> WorkerView:
@@ -612,7 +625,11 @@ class ClusterState:
             queue = [self.pending[rid] for rid in sorted(ids, key=self._place.__getitem__)]
         pending = tuple(
             PendingCall(
-                p.request.request_id, p.request.job_id, p.request.function, p.request.arrival_time
+                p.request.request_id,
+                p.request.job_id,
+                p.request.function,
+                p.request.arrival_time,
+                p.request.work.portable,
             )
             for p in queue
             if p.request.job_id in jobs
