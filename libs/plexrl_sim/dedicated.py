@@ -49,11 +49,19 @@ def alone_reference_s(factory: JobFactory, job: JobSpec, costs: SharingCosts) ->
     where its engine releases the group; an asynchronous job alone trains beside its
     own stragglers when the group is released at the tail, which slows them: it is
     taken on whichever engine (the profile's release, or `TAIL_RELEASE`) is faster."""
+    key = ("alone", job.index, costs)
+    known = factory.memo.get(key)
+    if known is not None:
+        return known
     steps = factory.steps(job)
     if steps.staleness <= 0:
-        return float(steps.isolated_step_s.sum())
-    engines = (factory.with_tail_release(None), factory.with_tail_release(TAIL_RELEASE))
-    return min(alone_step_s(engine.steps(job), costs) for engine in engines)
+        found = float(steps.isolated_step_s.sum())
+    else:
+        engines = (factory.with_tail_release(None), factory.with_tail_release(TAIL_RELEASE))
+        found = min(alone_step_s(engine.steps(job), costs) for engine in engines)
+    for engine in (factory, factory.with_tail_release(None)):
+        engine.memo[key] = found  # the same figure whichever engine asks (costs alike)
+    return found
 
 
 def alone_step_s(steps: Steps, costs: SharingCosts | None = None) -> float:

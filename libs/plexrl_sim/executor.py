@@ -134,6 +134,8 @@ class Tail:
     beside_s: float = 0.0
     """Seconds it decoded beside a Run."""
     done: bool = False
+    event_at: float = 0.0
+    """When its earliest TAIL_DONE event is due (at or before `due`)."""
 
 
 @dataclass(slots=True)
@@ -644,7 +646,7 @@ class GroupExecutor:
         # Slowed now: beside a Run in flight (or, scoped `shared`, beside any homed job).
         slowed = len(group.homed) > 1 if self._whole_tail else group.inflight is not None
         tail = Tail(job, group, util, tail_s, now, slowed, started=now, useful_s=util * tail_s)
-        tail.due = now + tail_s * (self.costs.tail_contention if slowed else 1.0)
+        tail.due = tail.event_at = now + tail_s * (self.costs.tail_contention if slowed else 1.0)
         group.tails.append(tail)
         group.view = None
         self.events.push(tail.due, _TAIL_DONE, tail)
@@ -653,7 +655,11 @@ class GroupExecutor:
         """A tail's TAIL_DONE: True when it ended now (False: stale, it was slowed or
         sped up since). Its job is charged its share of the group for its seconds."""
         now = self.events.now
-        if tail.done or tail.due != now:
+        if tail.done or now < tail.event_at:
+            return False  # an earlier event of it, moved since
+        if now < tail.due:  # it was slowed since this event was set: wait for its end
+            tail.event_at = tail.due
+            self.events.push(tail.due, _TAIL_DONE, tail)
             return False
         job, group = tail.job, tail.group
         if group.group_id == job.home:
@@ -695,7 +701,9 @@ class GroupExecutor:
             self._bring_up_to_date(tail, now)
             tail.slowed = slowed
             tail.due = now + tail.left_s * (contention if slowed else 1.0)
-            self.events.push(tail.due, _TAIL_DONE, tail)
+            if tail.due < tail.event_at:  # (a later end is found when the event comes)
+                tail.event_at = tail.due
+                self.events.push(tail.due, _TAIL_DONE, tail)
 
     def _stretched_end(self, group: SimGroup, start: float, work: float) -> float:
         """When `work` seconds of full-group compute end, given the stragglers decoding in

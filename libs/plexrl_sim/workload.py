@@ -591,14 +591,29 @@ class JobFactory:
     deployments); it changes only where a rollout releases its group, never a duration.
     """
 
-    def __init__(self, workload: Workload, seed: int, tail_release: float | None = None) -> None:
+    def __init__(
+        self,
+        workload: Workload,
+        seed: int,
+        tail_release: float | None = None,
+        family: dict[float | None, JobFactory] | None = None,
+    ) -> None:
         self.workload = workload
         self.seed = seed
         self.tail_release = tail_release
         self._tables: dict[str, _RolloutTable] = {}
+        self._family = family if family is not None else {}
+        """The factories of this workload and seed, by release: each draws its rollout
+        tables once (512 batches per profile), however often a variant is asked for."""
+        self._family.setdefault(tail_release, self)
+        self.memo: dict[tuple[object, ...], float] = {}
+        """A figure per job computed once per factory (`dedicated.alone_reference_s`)."""
 
     def with_tail_release(self, release: float | None) -> JobFactory:
-        return JobFactory(self.workload, self.seed, release)
+        found = self._family.get(release)
+        if found is None:
+            found = JobFactory(self.workload, self.seed, release, self._family)
+        return found
 
     def _table(self, name: str) -> _RolloutTable:
         if name not in self._tables:
