@@ -530,7 +530,12 @@ class GroupExecutor:
         job.view = None
         work = sum(planned)
         ran = now - done.started - done.paused_s
-        whole = sum(done.planned_s) + sum(sum(r.planned_s) for r in done.riders or ())
+        whole = 0.0
+        for seconds in done.planned_s:
+            whole += seconds
+        for rider in done.riders or ():
+            for seconds in rider.planned_s:
+                whole += seconds
         if done.riders is not None:
             # A batch's seconds split by the calls' planned seconds (the worker's rows).
             stretch = ran / whole if whole > 0 else 1.0
