@@ -88,6 +88,7 @@ class SimGroup:
                 run is not None
                 and run.yields
                 and not run.preempted
+                and self.paused is None
                 and run.job.home == self.spec.group_id
             ):
                 preemptible = run.issued
@@ -557,8 +558,8 @@ class GroupExecutor:
         run = group.inflight
         if run is None or run.job.job_id != action.job_id or not run.yields:
             return False
-        if run.job.home != group.group_id:
-            return False
+        if run.job.home != group.group_id or group.paused is not None:
+            return False  # (one paused Run per group: the next waits for the next Run)
         if run.preempted:
             raise SimulationError(f"{action.worker_id}: a batch preempted twice")
         now = self.events.now
