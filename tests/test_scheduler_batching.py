@@ -19,7 +19,7 @@ from plexrl.messages import (
     Timings,
     WorkerHeartbeat,
 )
-from plexrl.policy import PolicyConfig, Run, decide_holding
+from plexrl.policy import PolicyConfig, Run, decide
 from plexrl_scheduler.loop import ControlLoop, Step
 from plexrl_scheduler.main import Pace
 from plexrl_scheduler.offsets import OffsetTracker
@@ -103,8 +103,8 @@ def test_an_event_touches_only_its_group_and_its_decision_matches_the_whole_one(
     part = state.snapshot({"w1"})
     assert set(part.workers) == {"w1"} and set(part.jobs) == {"c"}
     assert [c.request_id for c in part.pending] == ["r1", "r3"]  # in the queue's order
-    whole, _ = decide_holding(state.snapshot(), POLICY)
-    one, _ = decide_holding(part, POLICY)
+    whole = decide(state.snapshot(), POLICY).plan
+    one = decide(part, POLICY).plan
     assert runs(one) == [r for r in runs(whole) if r[0] == "w1"] == [("w1", "c", ("r1", "r3"))]
 
 

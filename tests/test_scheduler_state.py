@@ -312,7 +312,8 @@ def _sampling(state: ClusterState) -> None:
 
 
 def test_a_tail_release_frees_the_worker_and_pins_the_straggling_jobs() -> None:
-    state = ClusterState(clock=Clock())
+    clock = Clock()
+    state = ClusterState(clock=clock)
     _sampling(state)
     state.on_completion(done("a1", "a", fn=Function.SAMPLE))
     assert state.on_tail_released(_tail("w0", "d1", ["a2", "b1"], ["a", "b"]))
@@ -325,8 +326,22 @@ def test_a_tail_release_frees_the_worker_and_pins_the_straggling_jobs() -> None:
     assert state.on_completion(done("b1", "b", fn=Function.SAMPLE)) == delivery(2)
     assert state.on_completion(done("c1", "c")) == delivery(3)
     assert "w0" not in state.inflight and state.snapshot().jobs["a"].pinned
+    clock.t += 4.0
     state.on_completion(done("a2", "a", fn=Function.SAMPLE))
     assert not state.tails and not state.snapshot().jobs["a"].pinned
+    # How long the stragglers took after the release reaches the policy (b's answer came
+    # at the release, a's 4 s after it).
+    assert state.snapshot().jobs["a"].tail_s == pytest.approx(4.0)
+
+
+def test_a_co_sampled_job_is_pinned_while_its_call_runs_in_another_jobs_dispatch() -> None:
+    state = ClusterState(clock=Clock())
+    _sampling(state)  # b's sample rides in a's dispatch
+    snap = state.snapshot()
+    assert snap.workers["w0"].running == "a" and snap.jobs["b"].pinned
+    assert not snap.jobs["a"].pinned and not snap.jobs["c"].pinned
+    state.on_completion(done("b1", "b", fn=Function.SAMPLE))
+    assert not state.snapshot().jobs["b"].pinned
 
 
 def test_a_late_tail_event_is_ignored_and_a_lost_worker_requeues_its_tails() -> None:

@@ -144,6 +144,10 @@ class SchedulerSettings(CommonSettings):
     # a dispatch beside another tenant holds about one long call, and new jobs are homed
     # away from other tenants' load. False: tenant-blind placement, tenants in turns.
     fair_share: bool = True
+    # The plexrl policy's roaming samples (`PolicyConfig.roam`): a sample call on saved
+    # sampler weights whose home worker is busy may run on an idle worker serving the
+    # same base model (an asynchronous job samples there while it trains at home).
+    roam_samples: bool = True
     # A worker whose last heartbeat is older than this is treated as down (its jobs
     # are re-homed and restored elsewhere). Heartbeats come every second; a false alarm
     # costs a restore, never a wrong result (the old home is fenced off).

@@ -84,6 +84,19 @@ class IdleHint(msgspec.Struct, frozen=True, tag="idle_hint"):
     schema_version: int = SCHEMA_VERSION
 
 
+class JobOptions(msgspec.Struct, frozen=True, tag="job_options"):
+    """A job declares how its loop runs (`POST /plexrl/v1/jobs/{id}/options`); kept in
+    its record too, for a scheduler that starts later."""
+
+    job_id: str
+    tenant: str
+    staleness: int
+    """0: synchronous; k: it samples its next rollouts with sampler weights up to k steps
+    older than its newest, while it trains (`JobView.staleness`)."""
+    at: float
+    schema_version: int = SCHEMA_VERSION
+
+
 class ReleaseReason(enum.StrEnum):
     """Why a worker let its next dispatch in beside a running sample batch."""
 
@@ -116,4 +129,12 @@ class TailReleased(msgspec.Struct, frozen=True, tag="tail_released"):
     schema_version: int = SCHEMA_VERSION
 
 
-Event = WorkerHeartbeat | ResidencyChanged | JobAdmitted | JobFinished | IdleHint | TailReleased
+Event = (
+    WorkerHeartbeat
+    | ResidencyChanged
+    | JobAdmitted
+    | JobFinished
+    | IdleHint
+    | TailReleased
+    | JobOptions
+)

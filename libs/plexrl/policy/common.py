@@ -6,13 +6,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from plexrl.messages import Tier
+from plexrl.messages import Function, Tier
 from plexrl.policy.actions import Action, Admit, Move, Reject, RejectReason, Run
 from plexrl.policy.config import PolicyConfig
 from plexrl.policy.share import beside_other_tenants
 from plexrl.policy.snapshot import ClusterSnapshot, JobView, WorkerView
 
 _DEVICE = Tier.DEVICE  # (read per decision: a module constant, not an enum class lookup)
+_SAMPLE = Function.SAMPLE
 _INF = float("inf")
 
 
@@ -257,8 +258,18 @@ def run_of(
     quantum_s: float | None = None,
 ) -> Run:
     """A Run of the job's oldest pending calls: at most `max_calls_per_run`, and with a
-    `quantum_s` only as many as fit in it by their expected seconds (at least one)."""
+    `quantum_s` only as many as fit in it by their expected seconds (at least one).
+
+    Sample calls and others never share a Run: a Run of samples is released at its
+    stragglers (the tail release), which calls behind them in the same Run would wait
+    out; an asynchronous job's next sample and its training go as Runs of their own."""
     calls = snapshot.calls_view(job.job_id)[: config.max_calls_per_run]
+    if len(calls) > 1:
+        sampling = calls[0].function == _SAMPLE
+        for i in range(1, len(calls)):
+            if (calls[i].function == _SAMPLE) != sampling:
+                calls = calls[:i]
+                break
     seconds_of, default_s = job.estimates.seconds, job.estimates.default_s
     expected = [seconds_of.get(c.function, default_s) for c in calls]  # expected_s, inlined
     if quantum_s is not None:

@@ -172,8 +172,11 @@ class Actuator:
         chosen = [self._state.pending[r] for r in action.request_ids if r in self._state.pending]
         if not chosen:
             return
-        # Numbered before they leave the queue: a failed ledger write loses no call.
-        lease = await self._lease(action.job_id, action.worker_id, chosen)
+        roaming = self._state.jobs[action.job_id].home != action.worker_id
+        # Numbered before they leave the queue: a failed ledger write loses no call. A
+        # roaming sample (`plexrl.policy.roam`) is not numbered and takes no lease: the
+        # job's lease stays with its home.
+        lease = None if roaming else await self._lease(action.job_id, action.worker_id, chosen)
         taken = self._state.take_pending(action.request_ids)
         dispatch_id = uuid.uuid4().hex
         traceparents = [dispatch_span(p, action) for p in taken]
@@ -202,6 +205,9 @@ class Actuator:
             )
         self.dispatches += 1
         metrics.DISPATCHES.labels(action.worker_id).inc()
+        if roaming:
+            metrics.ROAMED_CALLS.labels(action.worker_id).inc(len(taken))
+            log.info("%s's sample roams to %s", action.job_id, action.worker_id)
         for move in action.evict:
             metrics.EVICTIONS.labels(str(move.to_tier)).inc()
 

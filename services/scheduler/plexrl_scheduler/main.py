@@ -14,7 +14,7 @@ from plexrl.health import HttpServer, health_app
 from plexrl.kafka import MessageConsumer, ensure_topics
 from plexrl.ledger import Ledger
 from plexrl.messages import Event, PhaseCompletion, PhaseRequest
-from plexrl.policy import PolicyConfig, decide_holding
+from plexrl.policy import PolicyConfig, decide
 from plexrl.service import join_cluster
 from plexrl.settings import SchedulerSettings
 from plexrl.stores import JobStore
@@ -40,6 +40,7 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
         hold_s=settings.hold_s,
         preempt_ratio=settings.preempt_ratio,
         fair_share=settings.fair_share,
+        roam=settings.roam_samples,
     )
     receiver = Receiver(state, stores.jobs, stores.usage)
     ledger = Ledger(stores.keys.redis, settings.cluster_id)
@@ -140,7 +141,7 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
 
 class Pace:
     """How long the loop waits for news before deciding again: half a second, or until
-    the earliest hold on a group ends (`plexrl.policy.decide_holding`); and when a
+    the earliest hold on a group ends (`plexrl.policy.Decision.wake_at`); and when a
     decision looks at every group rather than only those events touched.
 
     A decision on the whole cluster costs time in its size (tens of milliseconds at a
@@ -191,12 +192,12 @@ async def decide_and_act(
     if groups is not None and not groups:
         pace.wake_at = None
         return  # nothing touched since the last decision
-    plan, held = decide_holding(state.snapshot(groups), policy)
-    pace.wake_at = min((until for _, until in held.values()), default=None)
-    state.touch_again(held)  # decided again at the next pass, when its hold may end
+    decision = decide(state.snapshot(groups), policy)
+    pace.wake_at = decision.wake_at
+    state.touch_again(decision.held)  # decided again at the next pass, when its hold may end
     pace.decided(groups is None, time.perf_counter() - started)
-    await actuator.carry_out(plan)
-    if held:
+    await actuator.carry_out(decision.plan)
+    if decision.held:
         metrics.HOLDING_PASSES.inc()
 
 
@@ -205,7 +206,8 @@ async def restore(state: ClusterState, jobs: JobStore) -> None:
     homes = await jobs.homes()
     for job in await jobs.all_jobs():
         if not job.unloaded and job.owner_job is None:
-            state.add_job(job.job_id, job.tenant, job.spec, homes.get(job.job_id))
+            added = state.add_job(job.job_id, job.tenant, job.spec, homes.get(job.job_id))
+            added.staleness = job.staleness
 
 
 async def ensure_worker_topics(

@@ -38,6 +38,12 @@ PREEMPTS = Counter(
     "Preempts sent: a running sample batch asked to let a waiting job's calls in",
     ["worker"],
 )
+ROAMED_CALLS = Counter(
+    "plexrl_scheduler_roamed_calls_total",
+    "Sample calls on saved sampler weights sent to a worker other than their job's home "
+    "(plexrl policy, PLEXRL_ROAM_SAMPLES), by that worker",
+    ["worker"],
+)
 HOLDING_PASSES = Counter(
     "plexrl_scheduler_holding_passes_total",
     "Decision passes that held a free worker for a bursting job's next call "

@@ -11,6 +11,7 @@ from plexrl.messages import (
     Event,
     Function,
     IdleHint,
+    JobOptions,
     PhaseCompletion,
     PhaseRequest,
     ResidencyChanged,
@@ -103,6 +104,8 @@ class Receiver:
                     self.new_workers.append(event.worker_id)
             case IdleHint():
                 self._state.on_idle_hint(event.job_id, event.seconds)
+            case JobOptions():
+                self._state.on_job_options(event.job_id, event.staleness)
             case TailReleased():
                 if self._state.on_tail_released(event):
                     metrics.TAIL_RELEASES.labels(event.worker_id, str(event.reason)).inc()

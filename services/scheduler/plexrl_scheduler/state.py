@@ -73,6 +73,8 @@ class JobState:
     """Its recent engine seconds (`JobView.used_s`): its tenant's share of its group."""
     last_started: float = 0.0
     """When a dispatch with its calls was last sent (`JobView.last_started`)."""
+    staleness: int = 0
+    """Its declared loop (`JobOptions`, `JobView.staleness`): 0 synchronous."""
 
     @property
     def kind(self) -> Kind:
@@ -99,6 +101,9 @@ class InFlight:
     """The dispatched calls, in order: requeued as they were if the lease is lost."""
     preempt_asked: bool = False
     """A Preempt was sent for it (asked once; the worker's TailReleased answers it)."""
+    released_at: float = 0.0
+    """When the worker released it at its tail (0: not released): its sample calls'
+    answers after that time its stragglers (`CallHistory.tail`)."""
 
     @property
     def samples_only(self) -> bool:
@@ -279,7 +284,11 @@ class ClusterState:
             if not run.remaining:
                 del self.inflight[worker_id]
         for dispatch_id, tail in list(self.tails.items()):
+            if completion.request_id not in tail.remaining:
+                continue
             tail.remaining.discard(completion.request_id)
+            if job is not None and completion.function == Function.SAMPLE:
+                job.history.tail(self._clock() - tail.released_at)
             if not tail.remaining:
                 del self.tails[dispatch_id]
         self._touch(worker_id)
@@ -331,6 +340,7 @@ class ClusterState:
         if run is None or run.dispatch_id != event.dispatch_id:
             return False
         del self.inflight[event.worker_id]
+        run.released_at = self._clock()
         self.tails[run.dispatch_id] = run
         self._touch(event.worker_id)
         return True
@@ -343,6 +353,12 @@ class ClusterState:
             return None
         run.preempt_asked = True
         return run.dispatch_id
+
+    def on_job_options(self, job_id: str, staleness: int) -> None:
+        job = self.jobs.get(job_id)
+        if job is not None:
+            job.staleness = staleness
+            self._touch(job.home)
 
     def on_idle_hint(self, job_id: str, seconds: float) -> None:
         job = self.jobs.get(job_id)
@@ -383,7 +399,9 @@ class ClusterState:
         for move in evict:
             if move.job_id in self.jobs:
                 self.jobs[move.job_id].tier = move.to_tier
-        self.jobs[job_id].tier = Tier.DEVICE
+        runner = self.jobs[job_id]
+        if runner.home == worker_id:  # (a roaming sample leaves the job's state at home)
+            runner.tier = Tier.DEVICE
         ids = {p.request.request_id for p in taken}
         now = self._clock()
         self.inflight[worker_id] = InFlight(dispatch_id, worker_id, job_id, ids, now, list(taken))
@@ -522,11 +540,23 @@ class ClusterState:
             burst_s=now - job.burst_since if job.burst_since else 0.0,
             used_s=job.used.as_of(now),
             last_started=job.last_started,
+            tail_s=seen.tail_s,
+            staleness=job.staleness,
+            # A LoRA job's sampler weights are its adapter: a few MB, nothing to plan.
+            sampler_bytes=job.state_bytes // 8 if job.spec.lora is None else 0,
         )
 
     def _worker_view(self, wid: str, w: WorkerState, jobs: dict[str, JobView]) -> WorkerView:
         run = self.inflight.get(wid)
         preemptible = run is not None and run.samples_only and not run.preempt_asked
+        tail_until = 0.0
+        for tail in self.tails.values():  # released batches: their jobs' mean tails
+            if tail.worker_id == wid:
+                for p in tail.calls:
+                    job = self.jobs.get(p.request.job_id)
+                    if job is not None and p.request.request_id in tail.remaining:
+                        ends = tail.released_at + job.history.tail_s
+                        tail_until = max(tail_until, ends, 1e-9)
         return WorkerView(
             worker_id=wid,
             device_bytes=w.heartbeat.device_bytes,
@@ -535,6 +565,7 @@ class ClusterState:
             base_models=frozenset(w.heartbeat.base_models),
             running=run.job_id if run is not None else None,
             busy_until=_expected_end(run, jobs) if run is not None else 0.0,
+            tail_until=tail_until,
             preemptible_since=run.issued_at if run is not None and preemptible else None,
             healthy=self.healthy(wid),
         )
@@ -572,6 +603,12 @@ class ClusterState:
             for p in tail.calls
             if p.request.request_id in tail.remaining
         }
+        # A co-sampled job's sample runs in another job's dispatch: its state is in use
+        # there, though the worker runs "the other job" (never evicted for a prefetch).
+        for run in self.inflight.values():
+            for p in run.calls:
+                if p.request.job_id != run.job_id and p.request.request_id in run.remaining:
+                    pinned.add(p.request.job_id)
         jobs = {
             jid: self._view(j, now, learned, jid in pinned, jid in dormant)
             for jid, j in chosen.items()
@@ -588,7 +625,11 @@ class ClusterState:
             queue = [self.pending[rid] for rid in sorted(ids, key=self._place.__getitem__)]
         pending = tuple(
             PendingCall(
-                p.request.request_id, p.request.job_id, p.request.function, p.request.arrival_time
+                p.request.request_id,
+                p.request.job_id,
+                p.request.function,
+                p.request.arrival_time,
+                p.request.work.portable,
             )
             for p in queue
             if p.request.job_id in jobs
