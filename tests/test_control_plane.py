@@ -20,6 +20,7 @@ import pytest_asyncio
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaConnectionError
 
+from plexrl.direct import Route
 from plexrl.kafka import Publisher, ensure_topics
 from plexrl.messages import (
     CompletionStatus,
@@ -91,7 +92,7 @@ async def test_acceptance_reads_the_outbox_head_and_the_flush_starts_from_it(
     outbox = Outbox(stores.keys)
     sent: list[str] = []
 
-    async def send(r: PhaseRequest) -> None:
+    async def send(r: PhaseRequest, route: Route | None) -> None:
         sent.append(r.request_id)
 
     first = await outbox.accept(accept(1))  # left unpublished, as by a gateway that died
@@ -110,7 +111,7 @@ async def test_an_acceptance_beside_a_running_flush_does_not_trust_its_head(
     sending = asyncio.Event()
     sent: list[str] = []
 
-    async def send(r: PhaseRequest) -> None:
+    async def send(r: PhaseRequest, route: Route | None) -> None:
         sent.append(r.request_id)
         await sending.wait()
 

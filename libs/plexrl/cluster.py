@@ -272,6 +272,10 @@ class LocalCluster:
         """The process id of one service (e.g. to watch its memory)."""
         return self._proc(name).process.pid
 
+    def exited(self, name: str) -> bool:
+        """Whether the service's process has ended (killed, crashed, or stopped)."""
+        return self._proc(name).process.poll() is not None
+
     def kill(self, name: str, *, graceful: bool = False) -> None:
         """SIGKILL one service (`kill -9`: no clean-up, as in a crash), or with `graceful`
         SIGTERM it and wait for its clean shutdown; `restart` revives it."""

@@ -151,6 +151,11 @@ class SchedulerSettings(CommonSettings):
     # A dispatch whose worker reports idle this long after it was sent was lost: its
     # calls are requeued (see plexrl_scheduler.liveness.LivenessConfig).
     lease_grace_s: float = 5.0
+    # Direct leases (plexrl.direct): a resident, active job's calls go from the gateways
+    # straight to its worker while the scheduler renews its lease; this is how long one
+    # holds unrenewed (gateways stop sending direct at most this long after the scheduler
+    # stops renewing). 0 sends every call through the scheduler.
+    direct_lease_s: float = Field(default=3.0, ge=0.0)
 
 
 class WorkerSettings(CommonSettings):

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from plexrl.limits import CallLimits
-from plexrl.messages import PayloadRef, PhaseRequest
+from plexrl.messages import Dispatch, PayloadRef, PhaseRequest
 from plexrl_gateway.errors import ApiError, Category
 from plexrl_gateway.submitter import RequestPublisher
 
@@ -105,7 +105,8 @@ class CountingPublisher:
     """The gateway's Kafka edge, noting each phase request it sends as pending.
 
     Counting at the edge (not in the submitter) counts every path that publishes a
-    request: the request path and the outbox's re-publication alike.
+    request: the request path and the outbox's re-publication alike, to the scheduler
+    or straight to a worker.
     """
 
     def __init__(self, inner: RequestPublisher, pending: PendingCalls, requests_topic: str):
@@ -117,6 +118,9 @@ class CountingPublisher:
         await self._inner.publish(topic, key, message)
         if topic == self._requests_topic and isinstance(message, PhaseRequest):
             self._pending.published(message.tenant, message.request_id, payload_bytes(message))
+        elif isinstance(message, Dispatch):  # calls sent straight to a worker (plexrl.direct)
+            for call in message.calls:
+                self._pending.published(call.tenant, call.request_id, payload_bytes(call))
 
     async def ping(self, timeout_s: float = 2.0) -> bool:
         return await self._inner.ping(timeout_s)

@@ -14,8 +14,9 @@ from typing import Any
 
 from opentelemetry import trace
 
-from plexrl import tracing
+from plexrl import direct, tracing
 from plexrl.dead_letters import DeadLetters
+from plexrl.failpoints import failpoint
 from plexrl.health import HttpServer, health_app
 from plexrl.kafka import Delivery, MessageConsumer
 from plexrl.ledger import Ledger
@@ -92,6 +93,8 @@ class DispatchHandler:
         """Sample batches left to finish their tails in the background."""
 
     async def __call__(self, dispatch: Dispatch, delivery: Delivery) -> None:
+        if direct.lease_of(dispatch.dispatch_id) is not None:
+            failpoint("worker.direct_received")
         self._heartbeat.busy = True
         # A batch preempted for this dispatch stays paused until it lets go (below).
         claimed = self._preemption.claim() if dispatch.calls else None

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from plexrl.direct import lease_of
+from plexrl.failpoints import failpoint
 from plexrl.ledger import MUTATING, Committed, Ledger, LedgerState, Verdict, verdict
 from plexrl.messages import (
     ErrorCode,
@@ -382,6 +384,8 @@ class NumberedCalls:
         async def commit(completion: PhaseCompletion) -> bool:
             outcome = await self._ledger.commit(job_id, epoch, seq, completion, logged)
             if outcome == Committed.OK:
+                if lease_of(dispatch_id) is not None:
+                    failpoint("worker.direct_committed")
                 return True
             log.warning("call %d of %s not committed: %s", seq, job_id, outcome)
             self.fenced += 1

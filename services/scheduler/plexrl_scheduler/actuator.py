@@ -30,6 +30,7 @@ from plexrl.retry import retrying
 from plexrl.stores import CallStore, JobStore
 from plexrl.topics import Topics
 from plexrl_scheduler import metrics
+from plexrl_scheduler.direct import DirectPath
 from plexrl_scheduler.state import ClusterState, Pending
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,12 @@ class Actuator:
         topics: Topics,
         finished: Committer,
         ledger: Ledger,
+        direct: DirectPath | None = None,
     ) -> None:
+        """`direct`: the direct leases, revoked (and waited out) before the actuator
+        acts on a worker one holds."""
         self._state = state
+        self._direct = direct
         self._publisher = publisher
         self._jobs = jobs
         self._calls = calls
@@ -85,6 +90,8 @@ class Actuator:
 
     async def carry_out(self, plan: Plan) -> None:
         for action in plan:
+            if isinstance(action, Run | Prefetch | Preempt) and not await self._clear(action):
+                continue  # decided again once the calls sent direct there are answered
             match action:
                 case Admit():
                     await self._admit(action)
@@ -96,6 +103,11 @@ class Actuator:
                     await self._prefetch(action)
                 case Preempt():
                     await self._preempt(action)
+
+    async def _clear(self, action: Run | Prefetch | Preempt) -> bool:
+        """No direct lease holds the action's worker (one is revoked first, before any
+        swap or preemption there; the policy sees a held worker busy and rarely asks)."""
+        return self._direct is None or await self._direct.clear(action.worker_id)
 
     async def _preempt(self, action: Preempt) -> None:
         """Ask the worker to let the next dispatch in beside its running sample batch."""

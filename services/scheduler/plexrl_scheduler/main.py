@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from plexrl.dead_letters import DeadLetters
+from plexrl.direct import DirectLeases
 from plexrl.health import HttpServer, health_app
 from plexrl.kafka import MessageConsumer, ensure_topics
 from plexrl.ledger import Ledger
@@ -21,6 +22,7 @@ from plexrl.stores import JobStore
 from plexrl.topics import Topics
 from plexrl_scheduler import metrics
 from plexrl_scheduler.actuator import Actuator
+from plexrl_scheduler.direct import DirectConfig, DirectPath
 from plexrl_scheduler.liveness import Liveness, LivenessConfig
 from plexrl_scheduler.loop import ControlLoop, Step
 from plexrl_scheduler.receiver import Receiver
@@ -41,7 +43,13 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
         preempt_ratio=settings.preempt_ratio,
         fair_share=settings.fair_share,
     )
-    receiver = Receiver(state, stores.jobs, stores.usage)
+    direct = DirectPath(
+        state,
+        DirectLeases(stores.keys.redis, settings.cluster_id),
+        DirectConfig(ttl_s=settings.direct_lease_s, grace_s=settings.lease_grace_s),
+    )
+    await direct.restore(list(state.jobs))  # leases this scheduler knows nothing of
+    receiver = Receiver(state, stores.jobs, stores.usage, direct)
     ledger = Ledger(stores.keys.redis, settings.cluster_id)
     actuator = Actuator(
         state,
@@ -51,8 +59,9 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
         topics,
         finished=receiver.finished,
         ledger=ledger,
+        direct=direct,
     )
-    liveness = Liveness(state, ledger, LivenessConfig(lease_grace_s=settings.lease_grace_s))
+    liveness = Liveness(state, ledger, LivenessConfig(lease_grace_s=settings.lease_grace_s), direct)
     receiver.use(actuator)
     # Dispatches and answers must go out: wait out a broker that is away.
     publisher.retry_until(stop)
@@ -103,13 +112,15 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
             # Dead workers and lost dispatches give calls back (timeouts of seconds).
             Step("reap", liveness.reap, every_s=0.1),
             Step("decide and act", lambda: decide_and_act(state, policy, actuator, pace)),
+            # Grants where a job's dispatch just ended, renewals, revocations on demand.
+            Step("direct leases", direct.step),
             Step("record", record, every_s=0.5),
         ]
     )
     health = HttpServer(
         health_app(
             "scheduler",
-            lambda: status(state, actuator, liveness, loop),
+            lambda: status(state, actuator, liveness, loop) | {"direct": direct.status()},
             consumers,
             detail=lambda: status(state, actuator, liveness, loop) | inflight(state),
             token=settings.service_token,
@@ -239,4 +250,4 @@ def status(
 def inflight(state: ClusterState) -> dict[str, Any]:
     """Which job each busy worker runs: on /status (beside the health body), for the
     gateway to show each tenant its own."""
-    return {"inflight": {w: r.job_id for w, r in state.inflight.items()}}
+    return {"inflight": {w: r.job_id for w, r in state.inflight.items()} | state.held}

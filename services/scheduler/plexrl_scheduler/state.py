@@ -136,6 +136,14 @@ class ClusterState:
         self.tails: dict[str, InFlight] = {}
         """By dispatch id: dispatches whose sample batch a worker released at its tail
         (TailReleased): still running there, beside whatever it was sent next."""
+        self.held: dict[str, str] = {}
+        """By worker id: the job whose direct lease holds it (live, or revoked with calls
+        handed out under it not answered yet; `plexrl_scheduler.direct`). The policy
+        sees that job running there, and the actuator sends the worker nothing."""
+        self._freed: dict[str, InFlight] = {}
+        """Workers whose dispatch just ended, and that dispatch (`take_freed`)."""
+        self._wanted: set[str] = set()
+        """Held workers a call was queued for since the last `take_wanted`."""
         self._inflight_requests: dict[str, tuple[str, Delivery | None]] = {}
         self._open: dict[str, int] = {}
         """Per job: its calls queued or running (in `pending` or `_inflight_requests`),
@@ -167,6 +175,10 @@ class ClusterState:
 
     def knows_request(self, request_id: str) -> bool:
         return request_id in self.pending or request_id in self._inflight_requests
+
+    def dispatched(self, request_id: str) -> bool:
+        """Whether the call is in a dispatch this scheduler sent and is unanswered."""
+        return request_id in self._inflight_requests
 
     def add_job(self, job_id: str, tenant: str, spec: JobSpec, home: str | None) -> JobState:
         job = self.jobs.get(job_id)
@@ -223,6 +235,9 @@ class ClusterState:
     def _queue(self, job_id: str, request_id: str, back: bool) -> None:
         """A call joins the queue, at its back or (requeued) at its front."""
         self._count(job_id, 1)
+        job = self.jobs.get(job_id)
+        if job is not None and job.home in self.held:
+            self._wanted.add(job.home)
         self._queued.setdefault(job_id, set()).add(request_id)
         low, high = self._places
         if back:
@@ -257,33 +272,48 @@ class ClusterState:
             return None
         self._count(completion.job_id, -1)
         worker_id, delivery = entry
-        job = self.jobs.get(completion.job_id)
-        if job is not None:
-            now, t = self._clock(), completion.timings
-            queued = _queued(job, t.queue_s, started=now - t.compute_s - t.swap_s)
-            job.history.observe(completion.function, t.compute_s, t.swap_s, queued)
-            job.used.add(t.compute_s + t.swap_s, now)
-            job.last_active = now
-            served = self._served.get(job.tenant)
-            if served is None or served.last_active <= now:
-                self._served[job.tenant] = job
-            if job.home is not None and job.home != worker_id:
-                self._touch(job.home)
-            if completion.function == Function.UNLOAD:
-                del self.jobs[job.job_id]
-                if self._served.get(job.tenant) is job:
-                    self._serve_again(job.tenant)
+        self._observe(completion, worker_id)
         run = self.inflight.get(worker_id)
         if run is not None and completion.request_id in run.remaining:
             run.remaining.discard(completion.request_id)
             if not run.remaining:
                 del self.inflight[worker_id]
+                self._freed[worker_id] = run
         for dispatch_id, tail in list(self.tails.items()):
             tail.remaining.discard(completion.request_id)
             if not tail.remaining:
                 del self.tails[dispatch_id]
         self._touch(worker_id)
         return delivery
+
+    def on_direct_completion(self, completion: PhaseCompletion) -> None:
+        """A call that went straight to its worker under a direct lease ended: the
+        scheduler sees it here for the first time (its arrival and its end)."""
+        job = self.jobs.get(completion.job_id)
+        if job is not None:
+            job.history.arrived(completion.function)
+        self._observe(completion, completion.worker_id)
+        self._touch(completion.worker_id)
+
+    def _observe(self, completion: PhaseCompletion, worker_id: str) -> None:
+        """A call of the job ended: its history, recent use and activity."""
+        job = self.jobs.get(completion.job_id)
+        if job is None:
+            return
+        now, t = self._clock(), completion.timings
+        queued = _queued(job, t.queue_s, started=now - t.compute_s - t.swap_s)
+        job.history.observe(completion.function, t.compute_s, t.swap_s, queued)
+        job.used.add(t.compute_s + t.swap_s, now)
+        job.last_active = now
+        served = self._served.get(job.tenant)
+        if served is None or served.last_active <= now:
+            self._served[job.tenant] = job
+        if job.home is not None and job.home != worker_id:
+            self._touch(job.home)
+        if completion.function == Function.UNLOAD:
+            del self.jobs[job.job_id]
+            if self._served.get(job.tenant) is job:
+                self._serve_again(job.tenant)
 
     def _serve_again(self, tenant: str) -> None:
         """The tenant's last served job is gone: find the next one."""
@@ -355,6 +385,8 @@ class ClusterState:
     def apply_admit(self, job_id: str, worker_id: str, epoch: int = 0) -> None:
         job = self.jobs[job_id]
         job.home = worker_id
+        if worker_id in self.held and job_id in self._queued:
+            self._wanted.add(worker_id)
         self._homed.setdefault(worker_id, set()).add(job_id)
         job.epoch = epoch
         # Its duty cycle counts from its first home: waiting for admission is not the
@@ -394,6 +426,43 @@ class ClusterState:
         for p in taken:
             self._inflight_requests[p.request.request_id] = (worker_id, p.delivery)
             self._count(p.request.job_id, 1)
+
+    # Direct leases ------------------------------------------------------------
+
+    def hold(self, worker_id: str, job_id: str) -> None:
+        """The job's direct lease holds the worker (`held`)."""
+        self.held[worker_id] = job_id
+        self._freed.pop(worker_id, None)
+
+    def release(self, worker_id: str) -> None:
+        """The worker's direct lease ended and every call handed out under it is answered
+        (or back in the queue): the worker is the policy's again."""
+        if self.held.pop(worker_id, None) is not None:
+            self._touch(worker_id)
+
+    def take_freed(self) -> dict[str, InFlight]:
+        """Workers whose dispatch ended since the last call, and that dispatch."""
+        freed, self._freed = self._freed, {}
+        return freed
+
+    def take_wanted(self) -> set[str]:
+        """Held workers a call was queued for since the last call."""
+        wanted, self._wanted = self._wanted, set()
+        return wanted
+
+    def wanted(self, worker_id: str) -> bool:
+        """Whether a call of any job homed on the worker waits in the queue."""
+        return any(j.job_id in self._queued for j in self._homed_on(worker_id))
+
+    def requeue_direct(self, calls: list[PhaseRequest]) -> None:
+        """Calls handed out under a direct lease that no worker will answer (it died, or
+        they were lost on the way) join the head of the queue, in this order, as
+        requests the scheduler dispatches itself (numbered ones keep their seq)."""
+        back = [Pending(r, None) for r in calls if not self.knows_request(r.request_id)]
+        for p in reversed(back):
+            self._queue(p.request.job_id, p.request.request_id, back=False)
+        self.pending = {p.request.request_id: p for p in back} | self.pending
+        self._touch(None)
 
     # Liveness -----------------------------------------------------------------
 
@@ -527,13 +596,14 @@ class ClusterState:
     def _worker_view(self, wid: str, w: WorkerState, jobs: dict[str, JobView]) -> WorkerView:
         run = self.inflight.get(wid)
         preemptible = run is not None and run.samples_only and not run.preempt_asked
+        running = run.job_id if run is not None else self.held.get(wid)
         return WorkerView(
             worker_id=wid,
             device_bytes=w.heartbeat.device_bytes,
             host_bytes=w.heartbeat.host_bytes,
             devices=w.heartbeat.devices,
             base_models=frozenset(w.heartbeat.base_models),
-            running=run.job_id if run is not None else None,
+            running=running,
             busy_until=_expected_end(run, jobs) if run is not None else 0.0,
             preemptible_since=run.issued_at if run is not None and preemptible else None,
             healthy=self.healthy(wid),
