@@ -83,8 +83,11 @@ class Gateway:
     async def flush(self, job: str = JOB) -> list[tuple[str, Route | None]]:
         before = len(self.sent)
 
-        async def send(r: PhaseRequest, route: Route | None) -> None:
+        async def send(r: PhaseRequest, route: Route | None) -> asyncio.Future[None]:
             self.sent.append((r.request_id, route))
+            ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            ack.set_result(None)
+            return ack
 
         await self.outbox.flush(job, send)
         return self.sent[before:]

@@ -126,6 +126,10 @@ class SchedulerSettings(CommonSettings):
     policy: str = "plexrl"
     # Most consecutive calls of one job sent to a worker in one dispatch.
     max_calls_per_run: int = 8
+    # Dispatches in flight per worker at most: the running job's next calls follow its
+    # dispatch at once when no other job waits for that worker (plexrl_scheduler.pipeline).
+    # 1: one dispatch at a time, the next decided when it ends.
+    dispatch_depth: int = Field(default=2, ge=1)
     # The plexrl policy's placement (`PolicyConfig.pack`): false for a fixed pool, whose
     # workers are held whether they run anything or not (new jobs go where they slow
     # the others least); true packs jobs onto the fullest worker within the slowdown

@@ -12,7 +12,7 @@ is forgotten after `forget_after_s`, so a lost message cannot lock a tenant out.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +116,16 @@ class CountingPublisher:
 
     async def publish(self, topic: str, key: str | bytes | None, message: Any) -> None:
         await self._inner.publish(topic, key, message)
+        self._count(topic, message)
+
+    async def publish_deferred(
+        self, topic: str, key: str | bytes | None, message: Any
+    ) -> Awaitable[Any]:
+        ack = await self._inner.publish_deferred(topic, key, message)
+        self._count(topic, message)  # pending from now: a failed send is sent again
+        return ack
+
+    def _count(self, topic: str, message: Any) -> None:
         if topic == self._requests_topic and isinstance(message, PhaseRequest):
             self._pending.published(message.tenant, message.request_id, payload_bytes(message))
         elif isinstance(message, Dispatch):  # calls sent straight to a worker (plexrl.direct)

@@ -29,7 +29,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,17 +94,20 @@ return {'', redis.call('LINDEX', KEYS[1], 0)}
 """
 )
 
-# KEYS: outbox list, outbox job set; ARGV: the published entry ("" for none), job id.
-# Returns the next entry to publish, or nil (and the job leaves the set) when none is left.
+# KEYS: outbox list, outbox job set; ARGV: job id, how many to return, the published
+# entries. Removes those; returns the next entries to publish, oldest first (none left:
+# the job leaves the set).
 _DONE = """
-if ARGV[1] ~= '' then
-  redis.call('LREM', KEYS[1], 1, ARGV[1])
+for i = 3, #ARGV do
+  redis.call('LREM', KEYS[1], 1, ARGV[i])
 end
-local head = redis.call('LINDEX', KEYS[1], 0)
-if not head then
-  redis.call('SREM', KEYS[2], ARGV[2])
+local n = tonumber(ARGV[2])
+if n < 1 then return {} end
+local next = redis.call('LRANGE', KEYS[1], 0, n - 1)
+if #next == 0 then
+  redis.call('SREM', KEYS[2], ARGV[1])
 end
-return head
+return next
 """
 
 
@@ -132,9 +135,11 @@ class Accepted:
     process could have moved it since: `flush` starts from it without reading it again."""
 
 
-Send = Callable[[PhaseRequest, Route | None], Any]
-"""Publishes one request to Kafka (awaitable), raising if the broker did not take it:
-to `plexrl.requests`, or with a route straight to its worker (`plexrl.direct`)."""
+Send = Callable[[PhaseRequest, Route | None], Awaitable[Awaitable[Any]]]
+"""Queues one request on the Kafka producer and returns its acknowledgement, which
+raises if the broker did not take it: to `plexrl.requests`, or with a route straight
+to its worker (`plexrl.direct`). A job's entries are queued in order and acknowledged
+together (one producer keeps their order on a partition)."""
 
 
 def _kind(request: PhaseRequest) -> str:
@@ -147,9 +152,15 @@ def _kind(request: PhaseRequest) -> str:
 
 
 class Outbox:
-    def __init__(self, keys: RedisKeys, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, keys: RedisKeys, clock: Callable[[], float] = time.time, batch: int = 64
+    ) -> None:
         """`keys`: the outbox writes the call store's records (future, retry key, seq
-        cursor) in its own transaction, so it names their keys itself."""
+        cursor) in its own transaction, so it names their keys itself. `batch`: entries a
+        flush publishes before it waits for their acknowledgements."""
+        if batch < 1:
+            raise ValueError(f"batch is {batch}; a flush publishes at least one entry at a time")
+        self._batch = batch
         self._keys = keys
         self._redis = keys.redis
         self._accept = keys.redis.register_script(_ACCEPT)
@@ -209,27 +220,60 @@ class Outbox:
         what `send` raised (what is left stays for the next flush). `min_age_s` leaves
         an outbox whose oldest entry is younger alone (its gateway is publishing it);
         once started, a flush goes to the end, so nothing accepted meanwhile waits.
-        `head`: the head `accept` just read (`Accepted.head`), saving a round trip."""
+        `head`: the head `accept` just read (`Accepted.head`), saving a round trip.
+
+        Entries go out a batch at a time: all queued on the producer, then their
+        acknowledgements awaited, then removed together (one round trip each way,
+        however many calls of the job arrived together)."""
         if job_id in self._users:  # a flush of the job runs: it may publish that head
             head = None
         async with self._lock(job_id):
             published = 0
             keys = [self._list_key(job_id), self._jobs_key]
-            raw = head
-            if raw is None:
-                raw = await self._done(keys=keys, args=[b"", job_id])  # the head, if any
-            while raw is not None:
-                route, entry = read_element(_raw(raw))
-                if published == 0 and self._clock() - entry.queued_at < min_age_s:
+            batch: list[Any] = [head] if head is not None else []
+            if not batch:
+                batch = await self._done(keys=keys, args=[job_id, self._batch])
+            while batch:
+                entries = [(_raw(raw), *read_element(_raw(raw))) for raw in batch]
+                if published == 0 and self._clock() - entries[0][2].queued_at < min_age_s:
                     return published  # young: the gateway that accepted it is publishing it
-                if route is not None:
-                    failpoint("gateway.direct_before_publish")
-                await send(entry.request, route)
+                acked = await self._publish(keys, job_id, entries, send)
+                published += len(acked)
+                # Removed, and the next ones read, in one round trip.
+                batch = await self._done(keys=keys, args=[job_id, self._batch, *acked])
+            return published
+
+    async def _publish(
+        self,
+        keys: list[str],
+        job_id: str,
+        entries: list[tuple[bytes, Route | None, OutboxEntry]],
+        send: Send,
+    ) -> list[bytes]:
+        """Queue every entry, then wait for each acknowledgement in order; returns the
+        entries acknowledged. If one failed, those before it are removed from the outbox
+        and the failure raised (it and those after it stay, for the next flush)."""
+        acks = []
+        for raw, route, entry in entries:
+            if route is not None:
+                failpoint("gateway.direct_before_publish")
+            acks.append((raw, route, await send(entry.request, route)))
+        acked: list[bytes] = []
+        try:
+            for raw, route, ack in acks:
+                await ack
+                acked.append(raw)
                 if route is not None:
                     failpoint("gateway.direct_published")
-                published += 1
-                raw = await self._done(keys=keys, args=[raw, job_id])  # and the next
-            return published
+        except BaseException:
+            for _, _, ack in acks[len(acked) + 1 :]:  # never awaited: collect their outcome
+                if isinstance(ack, asyncio.Future):
+                    ack.add_done_callback(_ignore)
+            if acked:
+                with contextlib.suppress(Exception):
+                    await self._done(keys=keys, args=[job_id, 0, *acked])
+            raise
+        return acked
 
     async def pending_jobs(self) -> list[str]:
         members = await self._redis.smembers(self._jobs_key)
@@ -251,6 +295,11 @@ class Outbox:
             self._users[job_id] -= 1
             if self._users[job_id] == 0:
                 del self._users[job_id], self._locks[job_id]
+
+
+def _ignore(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _raw(value: bytes | str) -> bytes:

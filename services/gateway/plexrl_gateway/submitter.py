@@ -53,6 +53,10 @@ class RequestPublisher(Protocol):
 
     async def publish(self, topic: str, key: str | bytes | None, message: Any) -> None: ...
 
+    async def publish_deferred(
+        self, topic: str, key: str | bytes | None, message: Any
+    ) -> Awaitable[Any]: ...
+
     async def ping(self, timeout_s: float = 2.0) -> bool: ...
 
 
@@ -230,7 +234,9 @@ class Submitter:
             spec=call.spec,
         )
 
-    async def _send(self, request: PhaseRequest, route: Route | None) -> None:
+    async def _send(self, request: PhaseRequest, route: Route | None) -> Awaitable[Any]:
+        """Queue the request on the producer (to the scheduler, or straight to its worker
+        under a direct lease); returns the broker's acknowledgement to await."""
         start = time.perf_counter()
         with _tracer.start_as_current_span(
             "gateway.publish",
@@ -243,14 +249,19 @@ class Submitter:
             },
         ):
             if route is None:
-                await self._publisher.publish(self._topics.requests, request.job_id, request)
+                ack = await self._publisher.publish_deferred(
+                    self._topics.requests, request.job_id, request
+                )
             else:
-                await self._publisher.publish(
+                ack = await self._publisher.publish_deferred(
                     self._topics.dispatch(route.worker_id),
                     request.job_id,
                     direct_dispatch(request, route, tracing.traceparent_of() or ""),
                 )
-        metrics.PUBLISH_LATENCY.labels(str(request.function)).observe(time.perf_counter() - start)
+        latency = metrics.PUBLISH_LATENCY.labels(str(request.function))
+        if isinstance(ack, asyncio.Future):
+            ack.add_done_callback(lambda _: latency.observe(time.perf_counter() - start))
+        return ack
 
     async def deliver(self, min_age_s: float) -> int:
         """Publish what any gateway accepted but did not publish (it died, or Kafka was

@@ -180,7 +180,13 @@ class Actuator:
         metrics.CALLS_FAILED.labels(str(error.code)).inc()
         await self._finished(pending.delivery)
 
-    async def _run(self, action: Run) -> None:
+    async def follow_up(self, worker_id: str, request_ids: list[str]) -> None:
+        """Send the worker's job's next calls behind its dispatch in flight (numbered and
+        fenced as any dispatch; `ClusterState.follow_up_calls` says which)."""
+        run = self._state.inflight[worker_id]
+        await self._run(Run(worker_id, run.job_id, tuple(request_ids)), follow_up=True)
+
+    async def _run(self, action: Run, follow_up: bool = False) -> None:
         chosen = [self._state.pending[r] for r in action.request_ids if r in self._state.pending]
         if not chosen:
             return
@@ -206,7 +212,11 @@ class Actuator:
             issued_at=time.time(),
             lease=lease,
         )
-        self._state.apply_run(dispatch_id, action.worker_id, action.job_id, taken, action.evict)
+        if follow_up:
+            self._state.apply_follow_up(action.worker_id, taken)
+            metrics.FOLLOW_UPS.labels(action.worker_id).inc()
+        else:
+            self._state.apply_run(dispatch_id, action.worker_id, action.job_id, taken, action.evict)
         first = taken[0].delivery.context if taken[0].delivery else None
         with _tracer.start_as_current_span("scheduler.publish_dispatch", context=first):
             await self._publisher.publish(

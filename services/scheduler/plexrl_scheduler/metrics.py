@@ -90,6 +90,12 @@ DIRECT_REQUEUED = Counter(
     "Calls handed out under a direct lease that the scheduler dispatched itself (their "
     "worker died, or reported idle past the grace with them unanswered)",
 )
+FOLLOW_UPS = Counter(
+    "plexrl_scheduler_follow_ups_total",
+    "Dispatches sent to a worker behind its dispatch in flight (the same job's next calls, "
+    "no other job waiting there), by worker",
+    ["worker"],
+)
 HELD = Gauge("plexrl_scheduler_direct_held_workers", "Workers a direct lease holds now")
 
 

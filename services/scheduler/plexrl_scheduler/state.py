@@ -99,6 +99,8 @@ class InFlight:
     """The dispatched calls, in order: requeued as they were if the lease is lost."""
     preempt_asked: bool = False
     """A Preempt was sent for it (asked once; the worker's TailReleased answers it)."""
+    dispatches: int = 1
+    """Dispatches it stands for: the first and its follow-ups (`apply_follow_up`)."""
 
     @property
     def samples_only(self) -> bool:
@@ -426,6 +428,47 @@ class ClusterState:
         for p in taken:
             self._inflight_requests[p.request.request_id] = (worker_id, p.delivery)
             self._count(p.request.job_id, 1)
+
+    # Follow-ups: more than one dispatch in flight per worker ---------------------
+
+    def follow_up_calls(self, worker_id: str, limit: int) -> list[str]:
+        """The calls that may follow the worker's dispatch in flight at once, before it
+        ends (a second dispatch behind it on the worker's topic): its job's next queued
+        calls, in order, up to `limit` and up to the first SAMPLE (co-batched and
+        preempted by the policy's own rules); none while another job homed there waits
+        (the policy chooses between them when the worker is free), or once that
+        dispatch was asked to yield."""
+        run = self.inflight.get(worker_id)
+        if run is None or run.preempt_asked or run.job_id not in self._queued:
+            return []
+        job = self.jobs.get(run.job_id)
+        if job is None or job.home != worker_id:
+            return []
+        if any(
+            j.job_id != job.job_id and j.job_id in self._queued for j in self._homed_on(worker_id)
+        ):
+            return []
+        calls = []
+        for rid in sorted(self._queued[job.job_id], key=self._place.__getitem__)[:limit]:
+            if self.pending[rid].request.function == Function.SAMPLE:
+                break
+            calls.append(rid)
+        return calls
+
+    def apply_follow_up(self, worker_id: str, taken: list[Pending]) -> None:
+        """`taken` went to the worker behind its dispatch in flight: the worker is free
+        once those are answered too."""
+        run = self.inflight[worker_id]
+        run.dispatches += 1
+        run.issued_at = self._clock()  # (a lost follow-up is seen from its own send)
+        run.calls += taken
+        for p in taken:
+            run.remaining.add(p.request.request_id)
+            self._inflight_requests[p.request.request_id] = (worker_id, p.delivery)
+            self._count(p.request.job_id, 1)
+        job = self.jobs.get(run.job_id)
+        if job is not None:
+            job.last_started = run.issued_at
 
     # Direct leases ------------------------------------------------------------
 
