@@ -287,3 +287,18 @@ async def test_no_call_follows_while_another_job_waits_for_the_worker_or_past_a_
     pipeline, producer = follow_ups(state)
     await pipeline.step()
     assert producer.sent == [] and state.follow_up_calls("w0", 8) == []
+
+
+def test_a_follow_up_whose_dispatch_ended_while_it_was_numbered_is_a_dispatch_of_its_own() -> None:
+    clock = Clock()
+    state = two_groups(clock)
+    state.apply_admit("a", "w0", epoch=1)
+    for n in range(2):
+        state.on_request(req(f"r{n}", "a"), None)
+    state.apply_run("d1", "w0", "a", state.take_pending(("r0",)), ())
+    taken = state.take_pending(tuple(state.follow_up_calls("w0", 8)))
+    state.on_completion(done("r0", "a", 0.01, clock.t))  # (while the ledger numbered r1)
+    state.apply_follow_up("d2", "w0", "a", taken)
+    assert state.inflight["w0"].dispatch_id == "d2" and state.dispatched("r1")
+    state.on_completion(done("r1", "a", 0.01, clock.t))
+    assert "w0" not in state.inflight and not state.knows_request("r1")

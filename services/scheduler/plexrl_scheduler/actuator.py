@@ -213,7 +213,7 @@ class Actuator:
             lease=lease,
         )
         if follow_up:
-            self._state.apply_follow_up(action.worker_id, taken)
+            self._state.apply_follow_up(dispatch_id, action.worker_id, action.job_id, taken)
             metrics.FOLLOW_UPS.labels(action.worker_id).inc()
         else:
             self._state.apply_run(dispatch_id, action.worker_id, action.job_id, taken, action.evict)

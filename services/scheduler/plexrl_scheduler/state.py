@@ -455,10 +455,17 @@ class ClusterState:
             calls.append(rid)
         return calls
 
-    def apply_follow_up(self, worker_id: str, taken: list[Pending]) -> None:
+    def apply_follow_up(
+        self, dispatch_id: str, worker_id: str, job_id: str, taken: list[Pending]
+    ) -> None:
         """`taken` went to the worker behind its dispatch in flight: the worker is free
-        once those are answered too."""
-        run = self.inflight[worker_id]
+        once those are answered too. If that dispatch ended meanwhile (its completions
+        came in while the follow-up was numbered), the follow-up is a dispatch of its
+        own."""
+        run = self.inflight.get(worker_id)
+        if run is None:
+            self.apply_run(dispatch_id, worker_id, job_id, taken, ())
+            return
         run.dispatches += 1
         run.issued_at = self._clock()  # (a lost follow-up is seen from its own send)
         run.calls += taken
