@@ -3,14 +3,19 @@ written once per poll, and passes that skip clock-paced steps. Fake clock, no Ka
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import redis.asyncio as aioredis
 from aiokafka import TopicPartition
+from msgspec.structs import replace
 from opentelemetry.context import Context
 
 from plexrl.kafka import Delivery
+from plexrl.ledger import Ledger
 from plexrl.messages import (
     CompletionStatus,
+    Dispatch,
     Function,
     JobSpec,
     NoopInput,
@@ -20,9 +25,12 @@ from plexrl.messages import (
     WorkerHeartbeat,
 )
 from plexrl.policy import PolicyConfig, Run, decide
+from plexrl.topics import Topics
+from plexrl_scheduler.actuator import Actuator
 from plexrl_scheduler.loop import ControlLoop, Step
 from plexrl_scheduler.main import Pace
 from plexrl_scheduler.offsets import OffsetTracker
+from plexrl_scheduler.pipeline import FollowUps, PipelineConfig
 from plexrl_scheduler.receiver import Receiver
 from plexrl_scheduler.state import ClusterState
 
@@ -220,3 +228,77 @@ def test_whole_decisions_take_at_most_their_share_of_the_time() -> None:
     pace.decided(False, 0.001)  # decisions on touched groups do not move it
     clock.t += 0.1
     assert pace.whole_now() and pace.wait_s(whole_due=True) == 0.0
+
+
+class Producer:
+    """The actuator's Kafka edge: records the dispatches it would send."""
+
+    def __init__(self) -> None:
+        self.sent: list[Dispatch] = []
+
+    async def publish(self, topic: str, key: Any, message: Any) -> None:
+        self.sent.append(message)
+
+
+def follow_ups(state: ClusterState, depth: int = 2) -> tuple[FollowUps, Producer]:
+    producer = Producer()
+    actuator = Actuator(
+        state,
+        producer,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]  # no admissions here
+        None,  # type: ignore[arg-type]  # no refusals here
+        Topics("t"),
+        finished=lambda _: asyncio.sleep(0),
+        ledger=Ledger(aioredis.Redis(), "t"),  # NOOPs: nothing to number
+    )
+    return FollowUps(state, actuator, PipelineConfig(depth=depth, max_calls=8)), producer
+
+
+async def test_a_running_jobs_next_calls_follow_its_dispatch_when_no_other_job_waits() -> None:
+    clock = Clock()
+    state = two_groups(clock)
+    state.apply_admit("a", "w0", epoch=1)
+    for n in range(3):
+        state.on_request(req(f"r{n}", "a"), None)
+    state.apply_run("d1", "w0", "a", state.take_pending(("r0",)), ())
+    pipeline, producer = follow_ups(state)
+    await pipeline.step()
+    ((sent,),) = [producer.sent]
+    assert [c.request_id for c in sent.calls] == ["r1", "r2"] and sent.worker_id == "w0"
+    assert sent.lease is not None and sent.lease.epoch == 1
+    state.on_request(req("r3", "a"), None)
+    await pipeline.step()
+    assert len(producer.sent) == 1  # two dispatches in flight: the depth
+    for n in range(3):
+        state.on_completion(done(f"r{n}", "a", 0.01, clock.t))
+        assert ("w0" in state.inflight) == (n < 2)  # free once the follow-up is answered
+    assert state.take_freed()["w0"].dispatches == 2
+
+
+async def test_no_call_follows_while_another_job_waits_for_the_worker_or_past_a_sample() -> None:
+    clock = Clock()
+    state = two_groups(clock)
+    state.apply_admit("a", "w0", epoch=1)
+    for rid, fn in (("r0", Function.NOOP), ("r1", Function.NOOP), ("r2", Function.SAMPLE)):
+        state.on_request(replace(req(rid, "a"), function=fn), None)
+    state.apply_run("d1", "w0", "a", state.take_pending(("r0",)), ())
+    assert state.follow_up_calls("w0", 8) == ["r1"]  # the sample is the policy's to batch
+    state.on_request(req("rb", "b"), None)  # another job homed on w0 now waits
+    pipeline, producer = follow_ups(state)
+    await pipeline.step()
+    assert producer.sent == [] and state.follow_up_calls("w0", 8) == []
+
+
+def test_a_follow_up_whose_dispatch_ended_while_it_was_numbered_is_a_dispatch_of_its_own() -> None:
+    clock = Clock()
+    state = two_groups(clock)
+    state.apply_admit("a", "w0", epoch=1)
+    for n in range(2):
+        state.on_request(req(f"r{n}", "a"), None)
+    state.apply_run("d1", "w0", "a", state.take_pending(("r0",)), ())
+    taken = state.take_pending(tuple(state.follow_up_calls("w0", 8)))
+    state.on_completion(done("r0", "a", 0.01, clock.t))  # (while the ledger numbered r1)
+    state.apply_follow_up("d2", "w0", "a", taken)
+    assert state.inflight["w0"].dispatch_id == "d2" and state.dispatched("r1")
+    state.on_completion(done("r1", "a", 0.01, clock.t))
+    assert "w0" not in state.inflight and not state.knows_request("r1")

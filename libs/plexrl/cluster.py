@@ -35,7 +35,12 @@ class ClusterConfig:
     """Prefix of Kafka topics, consumer groups and Redis keys."""
     workers: int = 1
     """Worker groups to start (`worker-0`, `worker-1`, ...)."""
+    gateways: int = 1
+    """Gateways to start: `gateway` on `gateway_port`, then `gateway-1`, ... on
+    `gateway_ports` (stateless; a model's calls must all reach the same one)."""
     gateway_port: int = 8000
+    gateway_ports: tuple[int, ...] = ()
+    """Ports of the gateways after the first."""
     scheduler_port: int = 8100
     worker_port_base: int = 8200
     """Worker i listens on worker_port_base + i, unless worker_ports names its port."""
@@ -59,6 +64,12 @@ class ClusterConfig:
     def gateway_url(self) -> str:
         return f"http://127.0.0.1:{self.gateway_port}"
 
+    @property
+    def gateway_urls(self) -> list[str]:
+        """Every gateway's URL, the first one's first."""
+        ports = [self.gateway_port, *self.gateway_ports[: self.gateways - 1]]
+        return [f"http://127.0.0.1:{p}" for p in ports]
+
     def worker_port(self, i: int) -> int:
         return self.worker_ports[i] if i < len(self.worker_ports) else self.worker_port_base + i
 
@@ -69,12 +80,15 @@ class ClusterConfig:
         """A cluster with a fresh id (its own topics, groups and keys) on ports free now:
         for tests and benchmarks that run beside other clusters on one machine."""
         workers = int(fields.get("workers", cls.workers))
-        gateway, scheduler, state_store, *worker_ports = free_ports(3 + workers)
+        gateways = int(fields.get("gateways", cls.gateways))
+        gateway, scheduler, state_store, *ports = free_ports(2 + workers + gateways)
+        worker_ports, gateway_ports = ports[:workers], ports[workers:]
         return cls(
             model_registry=model_registry,
             state_dir=state_dir,
             cluster_id=id_prefix + uuid.uuid4().hex[:8],
             gateway_port=gateway,
+            gateway_ports=tuple(gateway_ports),
             scheduler_port=scheduler,
             worker_port_base=worker_ports[0],
             worker_ports=tuple(worker_ports),
@@ -198,15 +212,14 @@ class LocalCluster:
             if c.worker_host_bytes is not None:
                 extra["PLEXRL_WORKER_HOST_BYTES"] = str(c.worker_host_bytes)
             self._spawn(f"worker-{i}", "plexrl_worker", c.worker_port(i), extra)
-        self._spawn(
-            "gateway",
-            "plexrl_gateway",
-            c.gateway_port,
-            {
-                "PLEXRL_GATEWAY_PORT": str(c.gateway_port),
-                "PLEXRL_API_KEYS": c.api_keys,
-            },
-        )
+        for i, url in enumerate(c.gateway_urls):
+            port = int(url.rsplit(":", 1)[1])
+            self._spawn(
+                "gateway" if i == 0 else f"gateway-{i}",
+                "plexrl_gateway",
+                port,
+                {"PLEXRL_GATEWAY_PORT": str(port), "PLEXRL_API_KEYS": c.api_keys},
+            )
         try:
             self.wait_healthy(timeout_s)
             self.wait_workers_known(timeout_s)
@@ -271,6 +284,10 @@ class LocalCluster:
     def pid(self, name: str) -> int:
         """The process id of one service (e.g. to watch its memory)."""
         return self._proc(name).process.pid
+
+    def exited(self, name: str) -> bool:
+        """Whether the service's process has ended (killed, crashed, or stopped)."""
+        return self._proc(name).process.poll() is not None
 
     def kill(self, name: str, *, graceful: bool = False) -> None:
         """SIGKILL one service (`kill -9`: no clean-up, as in a crash), or with `graceful`

@@ -126,6 +126,10 @@ class SchedulerSettings(CommonSettings):
     policy: str = "plexrl"
     # Most consecutive calls of one job sent to a worker in one dispatch.
     max_calls_per_run: int = 8
+    # Dispatches in flight per worker at most: the running job's next calls follow its
+    # dispatch at once when no other job waits for that worker (plexrl_scheduler.pipeline).
+    # 1: one dispatch at a time, the next decided when it ends.
+    dispatch_depth: int = Field(default=2, ge=1)
     # The plexrl policy's placement (`PolicyConfig.pack`): false for a fixed pool, whose
     # workers are held whether they run anything or not (new jobs go where they slow
     # the others least); true packs jobs onto the fullest worker within the slowdown
@@ -155,6 +159,11 @@ class SchedulerSettings(CommonSettings):
     # A dispatch whose worker reports idle this long after it was sent was lost: its
     # calls are requeued (see plexrl_scheduler.liveness.LivenessConfig).
     lease_grace_s: float = 5.0
+    # Direct leases (plexrl.direct): a resident, active job's calls go from the gateways
+    # straight to its worker while the scheduler renews its lease; this is how long one
+    # holds unrenewed (gateways stop sending direct at most this long after the scheduler
+    # stops renewing). 0 sends every call through the scheduler.
+    direct_lease_s: float = Field(default=3.0, ge=0.0)
 
 
 class WorkerSettings(CommonSettings):

@@ -261,9 +261,7 @@ class MultiplexedSim:
         # Busy: only a prefetch (a job off the device) or a preemption (a sample batch
         # that may yield to a job with calls waiting) could be decided.
         run = group.inflight
-        preemptible = (
-            run is not None and run.yields and not run.preempted and group.paused is None
-        )
+        preemptible = run is not None and run.yields and not run.preempted and group.paused is None
         homed = group.homed.values()
         return any(j.tier in _OFF_DEVICE or (preemptible and j.pending) for j in homed)
 

@@ -14,11 +14,12 @@ from typing import Any
 
 from opentelemetry import trace
 
-from plexrl import tracing
+from plexrl import direct, tracing
 from plexrl.dead_letters import DeadLetters
+from plexrl.failpoints import failpoint
 from plexrl.health import HttpServer, health_app
 from plexrl.kafka import Delivery, MessageConsumer
-from plexrl.ledger import Ledger
+from plexrl.ledger import Ledger, LedgerState
 from plexrl.messages import (
     Dispatch,
     Function,
@@ -38,6 +39,7 @@ from plexrl_worker import metrics
 from plexrl_worker.engine import EngineConfig, TorchEngine
 from plexrl_worker.engine_thread import EngineThread
 from plexrl_worker.heartbeat import Heartbeat
+from plexrl_worker.intake import DispatchIntake
 from plexrl_worker.preemption import Preemption
 from plexrl_worker.recorder import ResultRecorder
 from plexrl_worker.recovery import JobRecovery, NumberedCalls, SnapshotConfig
@@ -79,7 +81,12 @@ class DispatchHandler:
         numbered: NumberedCalls,
         tail: TailRelease,
         preemption: Preemption | None = None,
+        intake: DispatchIntake | None = None,
     ) -> None:
+        """`intake`: reads a poll's recorded completions ahead and settles its
+        completions after its last dispatch (None: each dispatch reads and settles its
+        own)."""
+        self._intake = intake
         self._preemption = preemption or Preemption()
         self._states = states
         self._runner = runner
@@ -92,6 +99,8 @@ class DispatchHandler:
         """Sample batches left to finish their tails in the background."""
 
     async def __call__(self, dispatch: Dispatch, delivery: Delivery) -> None:
+        if direct.lease_of(dispatch.dispatch_id) is not None:
+            failpoint("worker.direct_received")
         self._heartbeat.busy = True
         # A batch preempted for this dispatch stays paused until it lets go (below).
         claimed = self._preemption.claim() if dispatch.calls else None
@@ -99,30 +108,35 @@ class DispatchHandler:
             for move in dispatch.evict:
                 await self._states.move(move.job_id, move.to_tier)
             lease = dispatch.lease
-            # A dispatch holds calls of one job; a stale lease means it was re-homed.
-            # Both reads at once: one Redis round trip's wait instead of two.
-            stale, replayed = await asyncio.gather(
-                self._numbered.stale(dispatch.calls[0].job_id, lease.epoch)
-                if lease is not None and dispatch.calls
-                else _false(),
-                self._recorder.recorded(dispatch.calls),
-            )
-            if stale:
-                return
             seqs = [
                 lease.seqs[i] if lease is not None and i < len(lease.seqs) else 0
                 for i in range(len(dispatch.calls))
             ]
+            # A dispatch holds calls of one job; a stale lease means it was re-homed. The
+            # job's ledger head is read only for numbered calls (unnumbered ones are pure:
+            # run twice, the first record wins) and goes to the first of them; with the
+            # replay read, one round trip's wait.
+            recorded = self._intake.recorded if self._intake else self._recorder.recorded
+            head, replayed = await asyncio.gather(
+                self._numbered.current(dispatch.calls[0].job_id, lease.epoch)
+                if lease is not None and any(seqs)
+                else _unread(),
+                recorded(dispatch.calls),
+            )
+            if head is None:
+                return
             groups = _groups(dispatch, seqs, replayed)
             for n, (group, cobatched) in enumerate(groups):
                 # Only the last group may leave its tail running: calls after it would
                 # otherwise overtake it.
                 releasable = cobatched and n == len(groups) - 1
-                await self._run_group(
-                    dispatch, delivery, group, cobatched, releasable, seqs, replayed
+                head = await self._run_group(
+                    dispatch, delivery, group, cobatched, releasable, seqs, replayed, head
                 )
-            # Every completion of the dispatch is in Kafka before its offset is committed.
-            await self._recorder.settle()
+            # Every completion of the dispatch is in Kafka before its offset is committed
+            # (with an intake, once the poll's last dispatch ran).
+            if self._intake is None:
+                await self._recorder.settle()
             for move in dispatch.prefetch:
                 await self._states.move(move.job_id, move.to_tier)
         finally:
@@ -139,9 +153,12 @@ class DispatchHandler:
         releasable: bool,
         seqs: list[int],
         replayed: dict[str, PhaseCompletion],
-    ) -> None:
+        head: LedgerState | bool,
+    ) -> LedgerState | bool:
         """Run calls `group` of the dispatch: one call, or sample calls co-batched (and
-        with `releasable`, left to finish in the background once down to their tail)."""
+        with `releasable`, left to finish in the background once down to their tail).
+        `head`: the job's ledger head as the dispatch read it, for its first numbered
+        call (False once used, or never read); returns what is left of it."""
         lease = dispatch.lease
         with contextlib.ExitStack() as spans:
             for i in group:
@@ -171,21 +188,27 @@ class DispatchHandler:
                 # Sample calls join a preempted batch rather than wait for it.
                 await self._preemption.open()
                 await self._run_samples(dispatch, group, releasable)
-                return
+                return head
             i = group[0]
             request = dispatch.calls[i]
             if lease is not None and seqs[i] > 0:  # exactly once by the job's ledger
                 await self._numbered.run(
-                    request, seqs[i], lease.epoch, dispatch.dispatch_id, i == last_i
+                    request,
+                    seqs[i],
+                    lease.epoch,
+                    dispatch.dispatch_id,
+                    i == last_i,
+                    head=head if isinstance(head, LedgerState) else None,
                 )
                 self.calls += 1
-                return
+                return False
             done = replayed.get(request.request_id)
             if done is not None:  # a replay: answer with the recorded result
                 await self._recorder.publish(done)
                 metrics.REPLAYED_CALLS.inc()
-                return
+                return head
             await self._record(dispatch, i, await self._runner.run(request), i == last_i)
+            return head
 
     async def _run_samples(self, dispatch: Dispatch, group: list[int], releasable: bool) -> None:
         """Run a co-batched group and record its calls. When it is releasable, return as
@@ -269,7 +292,8 @@ class DispatchHandler:
         self.calls += 1
 
 
-async def _false() -> bool:
+async def _unread() -> bool:
+    """No numbered call: the ledger head is not read (a stand-in, never None)."""
     return False
 
 
@@ -386,7 +410,10 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         if sglang is not None
         else Preemption()
     )
-    handler = DispatchHandler(states, runner, recorder, heartbeat, numbered, tail, preemption)
+    intake = DispatchIntake(recorder)
+    handler = DispatchHandler(
+        states, runner, recorder, heartbeat, numbered, tail, preemption, intake
+    )
     metrics.watch(states, lambda: len(engine.installed_samplers()))
     dispatches: MessageConsumer[Dispatch] = MessageConsumer(
         bootstrap=settings.kafka_bootstrap,
@@ -397,6 +424,8 @@ async def serve(settings: WorkerSettings, stop: asyncio.Event) -> None:
         dlq=(publisher, topics.dlq),
         name=f"worker-{settings.worker_id}",
         answer=DeadLetters(stores.calls, stores.keys, publisher, topics.completions),
+        before_batch=intake.read_ahead,
+        after_batch=intake.settle,
     )
 
     async def preempt(message: PreemptBatch, delivery: Delivery) -> None:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from plexrl.direct import lease_of
+from plexrl.failpoints import failpoint
 from plexrl.ledger import MUTATING, Committed, Ledger, LedgerState, Verdict, verdict
 from plexrl.messages import (
     ErrorCode,
@@ -323,7 +325,13 @@ class NumberedCalls:
 
     async def stale(self, job_id: str, epoch: int) -> bool:
         """True when the job was re-homed since this dispatch was issued: drop our copy."""
-        return await self._fenced(job_id, epoch, await self._ledger.head(job_id))
+        return await self.current(job_id, epoch) is None
+
+    async def current(self, job_id: str, epoch: int) -> LedgerState | None:
+        """The job's ledger head, or None when the job was re-homed since `epoch` (our
+        copy is dropped): read once per dispatch, and handed to its first numbered call."""
+        head = await self._ledger.head(job_id)
+        return None if await self._fenced(job_id, epoch, head) else head
 
     async def _fenced(self, job_id: str, epoch: int, head: LedgerState) -> bool:
         """True when the job was re-homed since `epoch`: the scheduler requeued its calls
@@ -342,10 +350,19 @@ class NumberedCalls:
         return True
 
     async def run(
-        self, request: PhaseRequest, seq: int, epoch: int, dispatch_id: str, last: bool
+        self,
+        request: PhaseRequest,
+        seq: int,
+        epoch: int,
+        dispatch_id: str,
+        last: bool,
+        head: LedgerState | None = None,
     ) -> None:
+        """`head`: the job's ledger head read for this dispatch just before (`current`);
+        None reads it."""
         job_id = request.job_id
-        head = await self._ledger.head(job_id)
+        if head is None:
+            head = await self._ledger.head(job_id)
         # Checked per call, not only per dispatch: re-homed while this dispatch ran, a
         # later call answered here would race the new home (and be AHEAD of its fenced
         # predecessor).
@@ -382,6 +399,8 @@ class NumberedCalls:
         async def commit(completion: PhaseCompletion) -> bool:
             outcome = await self._ledger.commit(job_id, epoch, seq, completion, logged)
             if outcome == Committed.OK:
+                if lease_of(dispatch_id) is not None:
+                    failpoint("worker.direct_committed")
                 return True
             log.warning("call %d of %s not committed: %s", seq, job_id, outcome)
             self.fenced += 1

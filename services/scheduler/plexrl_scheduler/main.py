@@ -10,8 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 from plexrl.dead_letters import DeadLetters
+from plexrl.direct import DirectLeases
 from plexrl.health import HttpServer, health_app
-from plexrl.kafka import MessageConsumer, ensure_topics
+from plexrl.kafka import FetchTuning, MessageConsumer, ensure_topics
 from plexrl.ledger import Ledger
 from plexrl.messages import Event, PhaseCompletion, PhaseRequest
 from plexrl.policy import PolicyConfig, decide
@@ -21,12 +22,19 @@ from plexrl.stores import JobStore
 from plexrl.topics import Topics
 from plexrl_scheduler import metrics
 from plexrl_scheduler.actuator import Actuator
+from plexrl_scheduler.direct import DirectConfig, DirectPath
 from plexrl_scheduler.liveness import Liveness, LivenessConfig
 from plexrl_scheduler.loop import ControlLoop, Step
+from plexrl_scheduler.pipeline import FollowUps, PipelineConfig
 from plexrl_scheduler.receiver import Receiver
 from plexrl_scheduler.state import ClusterState
 
 log = logging.getLogger("plexrl.scheduler")
+
+COMPLETIONS_FETCH = FetchTuning(max_wait_ms=5, min_bytes=16 * 1024)
+"""The scheduler's completions: a fetch waits up to 5 ms for 16 KiB (some 40 completions)
+of records, so at thousands of calls a second it fetches a few hundred times a second,
+not once per record; a dispatch's end is seen at most 5 ms later."""
 
 
 async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
@@ -42,7 +50,13 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
         fair_share=settings.fair_share,
         roam=settings.roam_samples,
     )
-    receiver = Receiver(state, stores.jobs, stores.usage)
+    direct = DirectPath(
+        state,
+        DirectLeases(stores.keys.redis, settings.cluster_id),
+        DirectConfig(ttl_s=settings.direct_lease_s, grace_s=settings.lease_grace_s),
+    )
+    await direct.restore(list(state.jobs))  # leases this scheduler knows nothing of
+    receiver = Receiver(state, stores.jobs, stores.usage, direct)
     ledger = Ledger(stores.keys.redis, settings.cluster_id)
     actuator = Actuator(
         state,
@@ -52,8 +66,14 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
         topics,
         finished=receiver.finished,
         ledger=ledger,
+        direct=direct,
     )
-    liveness = Liveness(state, ledger, LivenessConfig(lease_grace_s=settings.lease_grace_s))
+    liveness = Liveness(state, ledger, LivenessConfig(lease_grace_s=settings.lease_grace_s), direct)
+    follow_ups = FollowUps(
+        state,
+        actuator,
+        PipelineConfig(depth=settings.dispatch_depth, max_calls=settings.max_calls_per_run),
+    )
     receiver.use(actuator)
     # Dispatches and answers must go out: wait out a broker that is away.
     publisher.retry_until(stop)
@@ -88,6 +108,9 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
             PhaseCompletion,
             receiver.on_completion,
             after_batch=receiver.flush_usage,  # one Redis round trip per poll
+            # Fuller fetches, fewer of them: the gateways answer calls from their own
+            # consumers; the scheduler may see a completion a few milliseconds late.
+            fetch=COMPLETIONS_FETCH,
         ),
         consumer(topics.events, None, Event, receiver.on_event, from_latest=True),
     ]
@@ -104,13 +127,17 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
             # Dead workers and lost dispatches give calls back (timeouts of seconds).
             Step("reap", liveness.reap, every_s=0.1),
             Step("decide and act", lambda: decide_and_act(state, policy, actuator, pace)),
+            # A running job's next calls behind its dispatch, when no other job waits there.
+            Step("follow-ups", follow_ups.step),
+            # Grants where a job's dispatch just ended, renewals, revocations on demand.
+            Step("direct leases", direct.step),
             Step("record", record, every_s=0.5),
         ]
     )
     health = HttpServer(
         health_app(
             "scheduler",
-            lambda: status(state, actuator, liveness, loop),
+            lambda: status(state, actuator, liveness, loop) | {"direct": direct.status()},
             consumers,
             detail=lambda: status(state, actuator, liveness, loop) | inflight(state),
             token=settings.service_token,
@@ -241,4 +268,4 @@ def status(
 def inflight(state: ClusterState) -> dict[str, Any]:
     """Which job each busy worker runs: on /status (beside the health body), for the
     gateway to show each tenant its own."""
-    return {"inflight": {w: r.job_id for w, r in state.inflight.items()}}
+    return {"inflight": {w: r.job_id for w, r in state.inflight.items()} | state.held}

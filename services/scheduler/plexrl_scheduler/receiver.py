@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from plexrl import direct
 from plexrl.kafka import Delivery, MessageConsumer
 from plexrl.messages import (
     ErrorCode,
@@ -22,6 +23,7 @@ from plexrl.retry import retrying
 from plexrl.stores import JobStore, UsageStore
 from plexrl_scheduler import metrics
 from plexrl_scheduler.actuator import Actuator
+from plexrl_scheduler.direct import DirectPath
 from plexrl_scheduler.offsets import OffsetTracker
 from plexrl_scheduler.state import ClusterState, Pending
 
@@ -29,8 +31,15 @@ log = logging.getLogger(__name__)
 
 
 class Receiver:
-    def __init__(self, state: ClusterState, jobs: JobStore, usage: UsageStore) -> None:
+    def __init__(
+        self,
+        state: ClusterState,
+        jobs: JobStore,
+        usage: UsageStore,
+        direct: DirectPath | None = None,
+    ) -> None:
         self._state = state
+        self._direct = direct
         self._jobs = jobs
         self._usage = usage
         self._actuator: Actuator | None = None
@@ -75,7 +84,17 @@ class Receiver:
 
     async def on_completion(self, completion: PhaseCompletion, delivery: Delivery) -> None:
         """Take the completion into the state now; its usage is written with the rest
-        of its poll's (`flush_usage`, before the poll's offsets are committed)."""
+        of its poll's (`flush_usage`, before the poll's offsets are committed). A call
+        sent straight to its worker (`plexrl.direct`) is seen here for the first time."""
+        # By what this scheduler dispatched first: a call answered from its ledger keeps
+        # the dispatch id it first ran under (a requeued direct call, say).
+        dispatched = self._state.dispatched(completion.request_id)
+        if not dispatched and direct.lease_of(completion.dispatch_id) is not None:
+            self._state.on_direct_completion(completion)
+            if self._direct is not None:
+                self._direct.on_completion(completion)
+            self._usage_due.add(completion)
+            return
         request_delivery = self._state.on_completion(completion)
         if request_delivery is None:
             return
