@@ -28,10 +28,12 @@ from plexrl.messages import (
     LossFn,
     OptimStepInput,
 )
+from plexrl_worker import stored
 from plexrl_worker.engine import EngineConfig, TorchEngine
 from plexrl_worker.engine.arrays import to_array, to_tensor
 from plexrl_worker.engine.state import JobTensors
 from plexrl_worker.group import GroupCallError, GroupConfig, Leader, RankLostError, start_group
+from plexrl_worker.group.blobs import BlobPlace
 
 MODEL = "plexrl/tiny-qwen3"
 SPECS = {
@@ -101,13 +103,14 @@ def _step(leader: Leader, job: str, outputs: list[torch.Tensor], losses: list[fl
 
 
 def _session(
-    config: GroupConfig, registry: Path, snapshots: Path, restore_from: Path | None
+    config: GroupConfig, registry: Path, blobs: Path, name: str, restore_from: str | None
 ) -> Session:
-    """Create, train two steps (swapping out and back in between), snapshot; then
-    restore `restore_from`'s snapshots, if given, and gather them."""
+    """Create, train two steps (swapping out and back in between), snapshot as
+    `<name>/<job>`; then restore the snapshots of session `restore_from`, if given (a
+    key names its group size), and gather them."""
     record = Session()
     start = time.perf_counter()
-    with start_group(config, registry, ENGINE) as leader:
+    with start_group(config, registry, ENGINE, BlobPlace(directory=blobs)) as leader:
         for job, spec in SPECS.items():
             leader.create(job, spec)
             outputs: list[torch.Tensor] = []
@@ -127,10 +130,11 @@ def _session(
             _step(leader, job, outputs, losses)
             record.outputs[job], record.losses[job] = outputs, losses
             record.final[job] = leader.gather(job)
-            leader.save(job, snapshots / job)
+            leader.save(job, stored.set_key(f"{name}/{job}", config.world_size))
         if restore_from is not None:
             for job in SPECS:
-                leader.restore(f"{job}-restored", restore_from / job)
+                (key,) = (blobs / restore_from).glob(f"{job}.ranks*/manifest.json")
+                leader.restore(f"{job}-restored", str(key.relative_to(blobs)))
                 record.restored[job] = leader.gather(f"{job}-restored")
     record.seconds = time.perf_counter() - start
     return record
@@ -152,9 +156,9 @@ def sessions(tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     """Two 2-rank sessions and one 1-rank session: the 1-rank one restores the first
     pair's snapshots (2 -> 1), the second pair restores the 1-rank's (1 -> 2)."""
     root = tmp_path_factory.mktemp("group")
-    pair = _session(_config(2), tiny_registry, root / "pair", None)
-    solo = _session(_config(1), tiny_registry, root / "solo", root / "pair")
-    again = _session(_config(2), tiny_registry, root / "again", root / "solo")
+    pair = _session(_config(2), tiny_registry, root, "pair", None)
+    solo = _session(_config(1), tiny_registry, root, "solo", "pair")
+    again = _session(_config(2), tiny_registry, root, "again", "solo")
     return {"pair": pair, "solo": solo, "again": again}
 
 
@@ -278,7 +282,7 @@ def test_two_cuda_ranks_train_and_reshard(
     tiny_registry: Path, tmp_path: Path, sessions: dict[str, Session]
 ) -> None:
     config = GroupConfig(world_size=2, device_type="cuda", start_method="spawn")
-    cuda = _session(config, tiny_registry, tmp_path / "cuda", None)
+    cuda = _session(config, tiny_registry, tmp_path, "cuda", None)
     for job in SPECS:
         assert cuda.digests[job][0] == cuda.digests[job][1]
         worst = max(

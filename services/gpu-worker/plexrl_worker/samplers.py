@@ -29,17 +29,24 @@ from __future__ import annotations
 import hashlib
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
-from plexrl.messages import SampleInput, SampleOutput
+import torch
+
+from plexrl.messages import JobSpec, SampleInput, SampleOutput
 from plexrl.models import ModelRegistry
 from plexrl_worker import metrics
-from plexrl_worker.engine import BASE_PREFIX, TorchEngine
+from plexrl_worker.engine import BASE_PREFIX
 from plexrl_worker.sglang.files import write_full_weights, write_lora_adapter
 from plexrl_worker.sglang.sampler import SGLangSampler
 from plexrl_worker.sglang.server import SGLangServerConfig
 
 SAMPLERS = ("torch", "sglang")
+
+SamplerWeights = Callable[[str], tuple[JobSpec, Path, dict[str, torch.Tensor]]]
+"""An installed sampler set's spec, base directory and weights, by its id (the torch
+side installs every set; SGLang loads them from there)."""
 
 
 class SGLangSampling:
@@ -49,7 +56,7 @@ class SGLangSampling:
 
     def __init__(
         self,
-        engine: TorchEngine,
+        weights: SamplerWeights,
         registry: ModelRegistry,
         workdir: Path,
         *,
@@ -69,7 +76,7 @@ class SGLangSampling:
         first."""
         self._reading: dict[str, int] = {}
         """Calls sampling through each adapter now: never unloaded under them."""
-        self._engine = engine
+        self._weights = weights
         self._registry = registry
         self._workdir = workdir
         self._device = device
@@ -155,7 +162,7 @@ class SGLangSampling:
                     server.push_weights(base)
                     self._pushed[base] = base
                 return server.sample(inp)
-        spec, base, tensors = self._engine.sampler_weights(weights_id)
+        spec, base, tensors = self._weights(weights_id)
         server = self._server(base)
         name = "w" + hashlib.sha256(weights_id.encode()).hexdigest()[:16]
         if spec.lora is not None:

@@ -46,17 +46,18 @@ class OnloadCall(msgspec.Struct, frozen=True, tag="onload"):
 
 
 class SaveCall(msgspec.Struct, frozen=True, tag="save"):
-    """A sharded snapshot: each rank writes its own file into `directory`."""
+    """A sharded snapshot: each rank writes its own blob of the set `key` names
+    (`plexrl_worker.stored`); the leader writes the manifest after."""
 
     job_id: str
-    directory: str
+    key: str
 
 
 class RestoreCall(msgspec.Struct, frozen=True, tag="restore"):
-    """Make `job_id` from a snapshot written by a group of any size."""
+    """Make `job_id` from a state stored under `key` by a group of any size."""
 
     job_id: str
-    directory: str
+    key: str
 
 
 class GatherCall(msgspec.Struct, frozen=True, tag="gather"):
@@ -120,6 +121,8 @@ class SavedReply(msgspec.Struct, frozen=True, tag="saved"):
     file: str
     nbytes: int
     digest: str
+    metadata: str
+    """The shard's metadata (JSON: the job's, and the whole shapes) for the manifest."""
 
 
 class StateReply(msgspec.Struct, frozen=True, tag="state"):
@@ -129,6 +132,11 @@ class StateReply(msgspec.Struct, frozen=True, tag="state"):
 
 class DoneReply(msgspec.Struct, frozen=True, tag="done"):
     pass
+
+
+class RestoredReply(msgspec.Struct, frozen=True, tag="restored"):
+    shard_bytes: int
+    """This rank's peak state bytes of the restored job."""
 
 
 class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
@@ -144,6 +152,7 @@ Reply = (
     | SavedReply
     | StateReply
     | DoneReply
+    | RestoredReply
     | ErrorReply
 )
 

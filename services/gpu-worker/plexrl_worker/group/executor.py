@@ -23,6 +23,7 @@ FSDP2's divide factor is 1 and its reductions pure sums (gloo has no PREMUL_SUM)
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from plexrl.messages import (
     OptimStepInput,
 )
 from plexrl.models import BaseModelInfo, ModelRegistry, UnknownModelError
+from plexrl_worker import shards, stored
 from plexrl_worker.engine import state
 from plexrl_worker.engine.batch import MicroBatch, ModelLimits, batch_loss, checked_loss, prepare
 from plexrl_worker.engine.config import EngineConfig
@@ -52,7 +54,7 @@ from plexrl_worker.engine.errors import (
     UnknownJobError,
 )
 from plexrl_worker.engine.state import JobTensors, NamedParams, host_copy
-from plexrl_worker.engine.torch_engine import check_adam
+from plexrl_worker.engine.weight_set import adamw, check_adam
 from plexrl_worker.engine.weights import (
     FullWeights,
     LoraWeights,
@@ -61,7 +63,8 @@ from plexrl_worker.engine.weights import (
     empty_model,
     load_model,
 )
-from plexrl_worker.group import calls, shards
+from plexrl_worker.group import calls
+from plexrl_worker.group.blobs import Blobs
 from plexrl_worker.group.calls import Call, Reply
 
 _ModelBuilder = Callable[[Path, EngineConfig], nn.Module]
@@ -85,8 +88,10 @@ class RankEngine:
         registry: ModelRegistry,
         config: EngineConfig,
         mesh: DeviceMesh,
+        blobs: Blobs,
     ) -> None:
         self._registry = registry
+        self.blobs = blobs
         self._config = config
         self._mesh = mesh
         self.rank = mesh.get_local_rank()
@@ -115,10 +120,10 @@ class RankEngine:
                 return self.offload(job_id)
             case calls.OnloadCall(job_id):
                 return self.onload(job_id)
-            case calls.SaveCall(job_id, directory):
-                return self.save(job_id, Path(directory))
-            case calls.RestoreCall(job_id, directory):
-                return self.restore(job_id, Path(directory))
+            case calls.SaveCall(job_id, key):
+                return self.save(job_id, key)
+            case calls.RestoreCall(job_id, key):
+                return self.restore(job_id, key)
             case calls.GatherCall(job_id):
                 return calls.StateReply(state.state_to_bytes(self.export_shard(job_id)))
             case calls.DropCall(job_id):
@@ -137,7 +142,7 @@ class RankEngine:
             raise JobExistsError(job_id)
         info = self._info(spec.base_model)
         weights = self._weights(spec, info, load_model)
-        job = self._jobs[job_id] = _Job(spec, info, weights, _adamw(weights))
+        job = self._jobs[job_id] = _Job(spec, info, weights, adamw(weights))
         return calls.CreateReply(
             trainable_params=sum(p.numel() for _, p in weights.params()),
             shard_bytes=4 * _local_bytes(job.weights.params(), self.rank, self.world_size),
@@ -292,22 +297,43 @@ class RankEngine:
         del self._host[job_id]
         return _swap_reply(shard, seconds)
 
-    def save(self, job_id: str, directory: Path) -> calls.SavedReply:
-        """This rank's file of a sharded snapshot (the leader writes the manifest)."""
-        name, nbytes, digest = shards.write_shard(directory, self.export_shard(job_id))
-        return calls.SavedReply(file=name, nbytes=nbytes, digest=digest)
+    def save(self, job_id: str, key: str) -> calls.SavedReply:
+        """This rank's blob of a sharded snapshot (the leader writes the manifest)."""
+        return self.write_shard(self.export_shard(job_id), key)
 
-    def restore(self, job_id: str, directory: Path) -> calls.DoneReply:
-        """Make the job from a snapshot saved by a group of any size."""
+    def write_shard(self, shard: JobTensors, key: str) -> calls.SavedReply:
+        """Write this rank's shard as its member of the blob set `key` names."""
+        name = stored.member_key(key, self.rank)
+        stream = state.state_stream(shard)
+        digest = hashlib.sha256()
+        pieces = []
+        for piece in stream.chunks():
+            digest.update(piece)
+            pieces.append(piece)
+        self.blobs.put(name, pieces, stream.size)
+        return calls.SavedReply(
+            file=name.rpartition("/")[2],
+            nbytes=stream.size,
+            digest=digest.hexdigest(),
+            metadata=json.dumps(shard.metadata),
+        )
+
+    def read_shard(self, key: str) -> JobTensors:
+        """This rank's rows of a state stored under `key` by a group of any size."""
+        try:
+            return stored.rows_of(key, self.blobs.get, self.rank, self.world_size)
+        except (ValueError, KeyError) as exc:
+            raise NotFoundError(f"no complete stored state at {key!r} ({exc})") from exc
+
+    def restore(self, job_id: str, key: str) -> calls.RestoredReply:
+        """Make the job from a state stored by a group of any size."""
         if job_id in self._jobs or job_id in self._host:
             raise JobExistsError(job_id)
-        try:
-            manifest = shards.read_manifest(directory)
-            shard = shards.read_shard(directory, manifest, self.rank, self.world_size)
-        except ValueError as exc:
-            raise NotFoundError(str(exc)) from exc
-        self._rebuild(job_id, shard)
-        return calls.DoneReply()
+        self._rebuild(job_id, self.read_shard(key))
+        job = self._job(job_id)
+        return calls.RestoredReply(
+            shard_bytes=4 * _local_bytes(job.weights.params(), self.rank, self.world_size)
+        )
 
     def drop(self, job_id: str) -> bool:
         job = self._jobs.pop(job_id, None)
@@ -329,7 +355,7 @@ class RankEngine:
             raise EngineInputError(f"the shard carries no valid JobSpec: {exc}") from exc
         info = self._info(spec.base_model)
         weights = self._weights(spec, info, empty_model)
-        self._jobs[job_id] = _Job(spec, info, weights, _adamw(weights))
+        self._jobs[job_id] = _Job(spec, info, weights, adamw(weights))
         start = time.perf_counter()
         try:
             self.import_shard(job_id, shard)
@@ -430,11 +456,6 @@ class RankEngine:
             return self._registry.info(name)
         except UnknownModelError as exc:
             raise NotFoundError(str(exc)) from exc
-
-
-def _adamw(weights: Weights) -> torch.optim.AdamW:
-    # lr and the rest are set on every optim_step; these are placeholders.
-    return torch.optim.AdamW([p for _, p in weights.params()], lr=0.0)
 
 
 def _idle(batch: MicroBatch) -> MicroBatch:

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import logging
 import multiprocessing as mp
 import multiprocessing.process
 import os
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,10 +30,12 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from plexrl.messages import ErrorCode, ForwardBackwardOutput
 from plexrl.models import ModelRegistry
+from plexrl_worker import shards
 from plexrl_worker.engine.config import EngineConfig
 from plexrl_worker.engine.errors import EngineError
 from plexrl_worker.engine.state import JobTensors, state_from_bytes
-from plexrl_worker.group import calls, shards
+from plexrl_worker.group import calls
+from plexrl_worker.group.blobs import BlobPlace
 from plexrl_worker.group.calls import Call, Reply
 from plexrl_worker.group.channel import Channel
 from plexrl_worker.group.config import GroupConfig
@@ -53,11 +57,17 @@ class RankLostError(RuntimeError):
 
 
 def start_group(
-    config: GroupConfig, registry_root: Path, engine: EngineConfig | None = None
+    config: GroupConfig,
+    registry_root: Path,
+    engine: EngineConfig | None = None,
+    blobs: BlobPlace | None = None,
 ) -> Leader:
     """Start ranks 1..N-1, join them as rank 0, and return the leader. `engine` is each
-    rank's engine configuration; its device is replaced by the rank's own."""
+    rank's engine configuration (its device is replaced by the rank's own); `blobs`
+    where the ranks read and write the disk tier (default: a fresh temporary
+    directory)."""
     engine = engine or EngineConfig()
+    blobs = blobs or BlobPlace(directory=Path(tempfile.mkdtemp(prefix="plexrl-group-")))
     timeout = datetime.timedelta(seconds=config.rendezvous_timeout_s)
     store = dist.TCPStore(
         config.master_addr,
@@ -80,7 +90,7 @@ def start_group(
     followers = [
         context.Process(
             target=_follower_main,
-            args=(rank, config, store.port, registry_root, engine),
+            args=(rank, config, store.port, registry_root, engine, blobs),
             name=f"plexrl-rank-{rank}",
             daemon=True,
         )
@@ -90,7 +100,7 @@ def start_group(
         process.start()
     previous_threads = torch.get_num_threads()
     try:
-        rank_engine, channel = _join(0, config, store, registry_root, engine)
+        rank_engine, channel = _join(0, config, store, registry_root, engine, blobs)
     except Exception as exc:
         described = _describe_ranks(followers)
         for process in followers:
@@ -180,18 +190,27 @@ class Leader:
     def onload(self, job_id: str) -> list[calls.SwapReply]:
         return _swaps(self.call(calls.OnloadCall(job_id)))
 
-    def save(self, job_id: str, directory: Path) -> None:
-        """A sharded snapshot; complete (its manifest written) only once every rank's
-        file is on disk."""
-        replies = self.call(calls.SaveCall(job_id, str(directory)))
+    def save(self, job_id: str, key: str) -> None:
+        """A sharded snapshot, the blob set `key` names (`stored.set_key`); complete
+        (its manifest written) only once every rank's blob is stored."""
+        self.write_manifest(key, self.call(calls.SaveCall(job_id, key)))
+
+    def write_manifest(self, key: str, replies: list[Reply]) -> int:
+        """The set's manifest, from every rank's SavedReply; the set's bytes in all."""
         files = []
         for r in replies:
             assert isinstance(r, calls.SavedReply)
             files.append((r.file, r.nbytes, r.digest))
-        shards.write_manifest(directory, files)
+        first = replies[0]
+        assert isinstance(first, calls.SavedReply)
+        data = shards.manifest_bytes(files, json.loads(first.metadata))
+        self.engine.blobs.put(key, [data], len(data))
+        return sum(n for _, n, _ in files) + len(data)
 
-    def restore(self, job_id: str, directory: Path) -> None:
-        self.call(calls.RestoreCall(job_id, str(directory)))
+    def restore(self, job_id: str, key: str) -> int:
+        """Make the job from a state stored under `key` (any group size); its bytes."""
+        replies = self.call(calls.RestoreCall(job_id, key))
+        return sum(r.shard_bytes for r in replies if isinstance(r, calls.RestoredReply))
 
     def gather(self, job_id: str) -> JobTensors:
         """The job's whole state on the leader, as the one-device engine names it."""
@@ -241,6 +260,7 @@ def _join(
     store: dist.Store,
     registry_root: Path,
     engine: EngineConfig,
+    blobs: BlobPlace,
 ) -> tuple[RankEngine, Channel]:
     """This process as `rank`: its threads, device, process group, mesh and channel."""
     if config.num_threads is not None:
@@ -271,11 +291,17 @@ def _join(
         max_batch_tokens=engine.max_batch_tokens,
         attn_implementation=engine.attn_implementation,
     )
-    return RankEngine(ModelRegistry(registry_root), rank_config, mesh), Channel(channel_group)
+    rank_engine = RankEngine(ModelRegistry(registry_root), rank_config, mesh, blobs.open())
+    return rank_engine, Channel(channel_group)
 
 
 def _follower_main(
-    rank: int, config: GroupConfig, port: int, registry_root: Path, engine: EngineConfig
+    rank: int,
+    config: GroupConfig,
+    port: int,
+    registry_root: Path,
+    engine: EngineConfig,
+    blobs: BlobPlace,
 ) -> None:
     """A follower's life: join, then run each broadcast call until told to stop."""
     os.environ.update(
@@ -291,7 +317,7 @@ def _follower_main(
         is_master=False,
         timeout=datetime.timedelta(seconds=config.rendezvous_timeout_s),
     )
-    rank_engine, channel = _join(rank, config, store, registry_root, engine)
+    rank_engine, channel = _join(rank, config, store, registry_root, engine, blobs)
     while True:
         call = calls.decode_call(channel.broadcast(None))
         reply = rank_engine.execute(call)
