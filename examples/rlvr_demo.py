@@ -57,6 +57,13 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--jobs", type=int, default=4, help="RLVR jobs to run at once")
     p.add_argument("--workers", type=int, default=2, help="worker groups in the pool")
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="ranks (devices) per worker group: 2 runs every phase on groups of two CPU\n"
+        "ranks (FSDP2 over gloo); device-seconds count every rank",
+    )
     p.add_argument("--sft-steps", type=int, default=RlvrConfig.sft_steps)
     p.add_argument("--rl-steps", type=int, default=RlvrConfig.rl_steps)
     p.add_argument("--stall", type=float, default=2.0, help="reward/tool stall per RL step, s")
@@ -196,12 +203,15 @@ def start_cluster(
         cluster_id=f"demo-{phase}-" + uuid.uuid4().hex[:8],
         workers=workers or args.workers,
         api_keys=f"{API_KEY}=demo",
+        # Per rank: a LoRA job's adapter is whole on every rank of a group.
         worker_device_bytes=int(job_bytes * args.device_jobs),
         worker_threads=1,
+        worker_ranks=args.ranks,
         policy=policy,
     )
     print(
-        f"starting PlexRL: {config.workers} workers, policy {policy}, gateway {config.gateway_url}",
+        f"starting PlexRL: {config.workers} workers of {args.ranks} rank(s), policy {policy}, "
+        f"gateway {config.gateway_url}",
         flush=True,
     )
     cluster = LocalCluster(config)
@@ -329,8 +339,9 @@ def summarize(
         entries = http.get("/plexrl/v1/timeline", params={"limit": 10000}).json()
     shared_ids = {r.model_id for r in shared}
     swaps = sum(1 for e in entries if e["job_id"] in shared_ids and e["swap_s"] > 0)
-    pool = args.workers * makespan
-    dedicated = sum(j["alone_wall_s"] for j in jobs)
+    # Device-seconds count every rank: a group of N ranks holds N devices.
+    pool = args.workers * args.ranks * makespan
+    dedicated = sum(j["alone_wall_s"] for j in jobs) * args.ranks
     busy = sum(j["device_s"] for j in jobs)
     print()
     print(
@@ -344,9 +355,13 @@ def summarize(
             f"{j['shared_wall_s']:>9.1f} {j['slowdown']:>9.3f}"
         )
     print()
-    print(f"dedicated: one worker per job for its own run = {dedicated:.1f} device-s")
     print(
-        f"PlexRL:    {args.workers} workers x {makespan:.1f} s = {pool:.1f} device-s "
+        f"dedicated: one worker of {args.ranks} rank(s) per job for its own run = "
+        f"{dedicated:.1f} device-s"
+    )
+    print(
+        f"PlexRL:    {args.workers} workers x {args.ranks} rank(s) x {makespan:.1f} s = "
+        f"{pool:.1f} device-s "
         f"(busy {busy:.1f} device-s, {busy / pool:.0%}; {swaps} calls swapped a state in)"
     )
     print(f"savings:   {1 - pool / dedicated:.1%} of device-time, same training steps")
@@ -366,6 +381,7 @@ def summarize(
         "policy": policy,
         "jobs": jobs,
         "workers": args.workers,
+        "ranks": args.ranks,
         "makespan_s": round(makespan, 2),
         "pool_device_s": round(pool, 2),
         "dedicated_device_s": round(dedicated, 2),

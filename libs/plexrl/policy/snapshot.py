@@ -117,6 +117,11 @@ class JobView:
     tier: Tier | None = None
     """Where its state is on the home group now; None until created."""
     devices: int = 1
+    """The fewest devices (ranks) a group must have to run it."""
+    replicated_bytes: int = 0
+    """Of `state_bytes`, what every rank of a group holds whole (a LoRA adapter and its
+    moments are replicated; the rest is sharded over the ranks): on a group of n ranks
+    the job takes `group_bytes(n)` of its device tier."""
     base_model: str = ""
     last_active: float = 0.0
     """When its last call ended (snapshot clock): the LRU key for eviction."""
@@ -147,6 +152,11 @@ class JobView:
     last_started: float = 0.0
     """When its latest Run began (snapshot clock; 0: none seen): one turn of its tenant
     on its group (`policy.share`)."""
+
+    def group_bytes(self, devices: int) -> int:
+        """Device bytes the job takes on a group of `devices` ranks, all ranks together:
+        each holds its share of the sharded part and the whole replicated part."""
+        return self.state_bytes + self.replicated_bytes * (devices - 1)
 
 
 @quick_init

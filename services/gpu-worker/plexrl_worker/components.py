@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +27,9 @@ from plexrl_worker import metrics
 from plexrl_worker.engine import EngineConfig, TorchEngine
 from plexrl_worker.engine_thread import EngineThread
 from plexrl_worker.executor import Executor, LocalExecutor
+from plexrl_worker.group import GroupConfig, start_group
+from plexrl_worker.group.blobs import BlobPlace
+from plexrl_worker.group.executor import GroupExecutor
 from plexrl_worker.heartbeat import Heartbeat
 from plexrl_worker.intake import KafkaDispatches
 from plexrl_worker.numbering import NumberedCalls
@@ -38,6 +42,8 @@ from plexrl_worker.runner import CallRunner
 from plexrl_worker.samplers import SGLangSampling
 from plexrl_worker.tail import TailRelease
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Worker:
@@ -46,7 +52,6 @@ class Worker:
     store: StateStoreClient
     registry: ModelRegistry
     executor: Executor
-    threads: list[EngineThread]
     states: StateManager
     sglang: SGLangSampling | None
     recovery: JobRecovery
@@ -63,17 +68,16 @@ class Worker:
             await asyncio.to_thread(self.sglang.stop)
         await self.health.stop()
         await self.link.publisher.stop()
+        await self.executor.close()
         await self.store.close()
         await self.link.stores.close()
-        for thread in self.threads:
-            thread.shutdown()
 
 
 async def build(settings: WorkerSettings, link: ClusterLink) -> Worker:
     topics, stores, publisher = link
     store = StateStoreClient(settings.state_store_url, token=settings.service_token)
     registry = ModelRegistry(settings.model_registry)
-    executor, threads = _init_ranks(settings, registry, store)
+    executor = await _init_ranks(settings, registry, store)
     states = StateManager(
         worker_id=settings.worker_id,
         executor=executor,
@@ -119,6 +123,7 @@ async def build(settings: WorkerSettings, link: ClusterLink) -> Worker:
     heartbeat = Heartbeat(
         settings=settings,
         base_models=registry.names(),
+        rank_devices=rank_devices(settings),
         states=states,
         workers=stores.workers,
         publisher=publisher,
@@ -155,7 +160,6 @@ async def build(settings: WorkerSettings, link: ClusterLink) -> Worker:
         store=store,
         registry=registry,
         executor=executor,
-        threads=threads,
         states=states,
         sglang=sglang,
         recovery=recovery,
@@ -175,19 +179,57 @@ def _status(states: StateManager, pipeline: DispatchPipeline, executor: Executor
         "resident_jobs": {str(t): sum(s.tier == t for s in states.resident()) for t in Tier},
         "bases": executor.loaded_bases(),
         "ranks": executor.ranks,
+        "rank_pids": executor.pids(),
     }
 
 
-def _init_ranks(
+async def _init_ranks(
     settings: WorkerSettings, registry: ModelRegistry, store: StateStoreClient
-) -> tuple[Executor, list[EngineThread]]:
-    """The rank side: this process's engine on one device."""
-    engine = TorchEngine(
-        registry,
-        EngineConfig(device=settings.worker_device, num_threads=settings.worker_threads),
-    )
+) -> Executor:
+    """The rank side: this process's engine on one device, or a group of ranks (this
+    process is rank 0) joined over the rendezvous, each on its own device."""
     thread = EngineThread()
-    return LocalExecutor(engine, thread, store), [thread]
+    if settings.worker_ranks == 1:
+        engine = TorchEngine(registry, engine_config(settings))
+        return LocalExecutor(engine, thread, store)
+    config = group_config(settings)
+    blobs = BlobPlace(url=settings.state_store_url, token=settings.service_token)
+    log.info("starting a group of %d ranks (%s)", config.world_size, config.backend)
+    # Rank 0 joins on the engine thread, where every later call of the group runs.
+    leader = await thread.call(
+        start_group, config, settings.model_registry, engine_config(settings), blobs
+    )
+    return GroupExecutor(leader, thread, ping_s=min(5.0, config.collective_timeout_s / 4))
+
+
+def engine_config(settings: WorkerSettings) -> EngineConfig:
+    return EngineConfig(device=settings.worker_device, num_threads=settings.worker_threads)
+
+
+def group_config(settings: WorkerSettings) -> GroupConfig:
+    """The worker group the settings describe (the same on every rank's host)."""
+    cuda = settings.worker_device.startswith("cuda")
+    return GroupConfig(
+        world_size=settings.worker_ranks,
+        device_type="cuda" if cuda else "cpu",
+        master_addr=settings.worker_rendezvous_host,
+        master_port=settings.worker_rendezvous_port,
+        collective_timeout_s=settings.worker_collective_timeout_s,
+        # A rank imports torch and the model code before it joins: minutes on a busy host.
+        rendezvous_timeout_s=600.0,
+        # CUDA cannot be forked; on the CPU a fork of a clean server is seconds cheaper.
+        start_method="spawn" if cuda else "forkserver",
+        num_threads=settings.worker_threads,
+        local_ranks=settings.worker_local_ranks,
+    )
+
+
+def rank_devices(settings: WorkerSettings) -> list[str]:
+    """Each rank's device, as the heartbeat names it."""
+    if settings.worker_ranks == 1:
+        return [settings.worker_device]
+    config = group_config(settings)
+    return [config.device(r) for r in range(config.world_size)]
 
 
 async def _init_sglang(
@@ -203,6 +245,8 @@ async def _init_sglang(
         yield_device=settings.sglang_yield == "training"
         or (settings.sglang_yield == "auto" and settings.worker_device != "cpu"),
         attach_url=settings.sglang_url,
+        # Over the group's devices, tensor-parallel (SGLang's own ranks beside ours).
+        tp_size=settings.worker_ranks,
     )
     await asyncio.to_thread(sglang.start)  # minutes on CPU
     return sglang

@@ -18,6 +18,7 @@ an executor of any group size.
 from __future__ import annotations
 
 import asyncio
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -87,6 +88,12 @@ class Executor(Protocol):
     ranks: int
     """Ranks in the group (1: this process alone)."""
 
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Until `stop`; raises `group.RankLostError` when a rank is lost."""
+        ...
+
+    async def close(self) -> None: ...
+
     # ---- training ----------------------------------------------------------------------
     async def create(self, job_id: str, spec: JobSpec) -> CreateOutput: ...
     async def forward_backward(
@@ -154,6 +161,10 @@ class Executor(Protocol):
         ...
 
     # ---- introspection (no lock) --------------------------------------------------------
+    def pids(self) -> list[int]:
+        """The process id of each rank started on this host, rank 0 (this one) first."""
+        ...
+
     def model_info(self, name: str) -> BaseModelInfo: ...
     def installed_samplers(self) -> list[str]: ...
     def loaded_bases(self) -> list[str]: ...
@@ -182,6 +193,12 @@ class LocalExecutor:
         self._thread = thread
         self._store = store
         self._host: dict[str, JobTensors] = {}
+
+    async def watch(self, stop: asyncio.Event) -> None:
+        await stop.wait()  # one rank, this process: nothing else to lose
+
+    async def close(self) -> None:
+        self._thread.shutdown()
 
     # ---- training ----------------------------------------------------------------------
 
@@ -276,6 +293,9 @@ class LocalExecutor:
         return self.engine.sampler_weights(weights_id)
 
     # ---- introspection -----------------------------------------------------------------
+
+    def pids(self) -> list[int]:
+        return [os.getpid()]
 
     def model_info(self, name: str) -> BaseModelInfo:
         return self.engine.model_info(name)

@@ -65,6 +65,7 @@ class SGLangSampling:
         yield_device: bool = False,
         max_adapters: int = 64,
         attach_url: str | None = None,
+        tp_size: int = 1,
     ) -> None:
         self.yield_device = yield_device
         self._max_adapters = max_adapters
@@ -82,6 +83,8 @@ class SGLangSampling:
         self._device = device
         self._max_lora_rank = max_lora_rank
         self._attach_url = attach_url
+        self._tp_size = tp_size
+        """Tensor-parallel ranks of each server: a worker group's devices."""
         self._servers: dict[Path, SGLangSampler] = {}
         self._pushed: dict[Path, Path | None] = {}
         """Per base model, the full weights pushed into its server last (absent: its own;
@@ -224,6 +227,7 @@ class SGLangSampling:
                     # The tinker SDK trains the unembedding by default (train_unembed).
                     lora_target_modules=(*SGLangServerConfig.lora_target_modules, "lm_head"),
                     log_path=self._workdir / f"sglang-{base.name}.log",
+                    tp_size=self._tp_size,
                 )
                 self._workdir.mkdir(parents=True, exist_ok=True)
                 server = self._servers[base] = SGLangSampler(config)

@@ -75,16 +75,15 @@ def rows_of(key: str, read: Callable[[str], Buffer], rank: int, world_size: int)
             loaded[name] = state_from_bytes(read(f"{key.rpartition('/')[0]}/{name}")).tensors
         return loaded[name]
 
-    rows = shards.read_shard(listing, load, rank, world_size)
-    if world_size == 1:  # the whole state, as one device's engine names it
-        rows.metadata.pop("shard", None)
-    return rows
+    return shards.read_shard(listing, load, rank, world_size)
 
 
 async def read_whole(store: StateStoreClient, key: str) -> JobTensors:
     """The whole state stored under `key` (one blob or a set), parsed off the loop."""
     blobs = {name: await store.get_blob(name) for name in members(key)}
-    return await asyncio.to_thread(rows_of, key, lambda name: blobs[name], 0, 1)
+    whole = await asyncio.to_thread(rows_of, key, lambda name: blobs[name], 0, 1)
+    whole.metadata.pop("shard", None)  # the whole state, as one device's engine names it
+    return whole
 
 
 async def delete(store: StateStoreClient, key: str, tenant: str | None = None) -> None:

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from plexrl.kafka import Delivery
 from plexrl.messages import (
@@ -32,6 +32,7 @@ from plexrl.policy import (
     SwapCosts,
     WorkerView,
 )
+from plexrl.policy.common import fewest_devices
 from plexrl.policy.history import CallHistory, Prior, RecentUse, describe, priors
 
 Clock = Callable[[], float]
@@ -508,6 +509,8 @@ class ClusterState:
         return JobView(
             job_id=job.job_id,
             state_bytes=job.state_bytes,
+            # A LoRA adapter (and its moments) is whole on every rank of a group.
+            replicated_bytes=job.state_bytes if job.spec.lora is not None else 0,
             home=job.home,
             tier=job.tier,
             base_model=job.spec.base_model,
@@ -582,6 +585,8 @@ class ClusterState:
             if groups is None or wid in groups
         }
         if groups is None:
+            jobs = _sized(jobs, list(workers.values()))
+        if groups is None:
             queue: Iterable[Pending] = self.pending.values()
         else:
             ids = [rid for jid in jobs for rid in self._queued.get(jid, ())]
@@ -596,6 +601,22 @@ class ClusterState:
         return ClusterSnapshot(
             now=now, workers=workers, jobs=jobs, pending=pending, swap=self._swap
         )
+
+
+def _sized(jobs: dict[str, JobView], workers: list[WorkerView]) -> dict[str, JobView]:
+    """Each job waiting for a home with the fewest ranks a group needs to hold it
+    (`JobView.devices`): a simulated job's profile says how many devices it needs, a live
+    job's state size does. Jobs of one size are sized once."""
+    sizes: dict[tuple[int, int, str], int] = {}
+    for job_id, job in jobs.items():
+        if job.home is not None:
+            continue
+        key = (job.state_bytes, job.replicated_bytes, job.base_model)
+        if key not in sizes:
+            sizes[key] = fewest_devices(workers, job)
+        if sizes[key] != job.devices:
+            jobs[job_id] = replace(job, devices=sizes[key])
+    return jobs
 
 
 def _expected_end(run: InFlight, jobs: dict[str, JobView]) -> float:

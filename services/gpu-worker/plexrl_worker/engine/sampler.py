@@ -22,6 +22,7 @@ from plexrl_worker.engine.batch import ModelLimits
 from plexrl_worker.engine.cobatch import Batcher, SampleCall
 from plexrl_worker.engine.errors import NotFoundError, UnknownJobError
 from plexrl_worker.engine.sampler_set import SamplerSet
+from plexrl_worker.engine.sampling import StopRule
 from plexrl_worker.engine.weight_set import WeightSet
 from plexrl_worker.engine.weights import LoraWeights
 
@@ -52,6 +53,14 @@ class Sampler:
 
     def join(self, weights_id: str, inp: SampleInput, first_index: int = 0) -> SampleCall:
         """Validate the call and put it in the running batch (its prompt runs now)."""
+        model, adapter, stop = self._prepare(weights_id, inp)
+        return self._batcher.join(weights_id, model, adapter, inp, stop, first_index)
+
+    def check(self, weights_id: str, inp: SampleInput) -> None:
+        """Raise what `join` would raise for this call, and join nothing."""
+        self._prepare(weights_id, inp)
+
+    def _prepare(self, weights_id: str, inp: SampleInput) -> tuple[nn.Module, str, StopRule]:
         if weights_id.startswith(BASE_PREFIX):
             info = self._bases.info(weights_id.removeprefix(BASE_PREFIX))
             model, adapter = self._bases.shared(info).model, cobatch.BASE_ADAPTER
@@ -73,7 +82,7 @@ class Sampler:
             strings=tuple(inp.params.stop_strings),
             decode=self._bases.decoder(info.path) if inp.params.stop_strings else None,
         )
-        return self._batcher.join(weights_id, model, adapter, inp, stop, first_index)
+        return model, adapter, stop
 
     def run(self, calls: list[SampleCall]) -> list[SampleOutput]:
         """Step the batch until `calls` are done (the others in it advance too)."""

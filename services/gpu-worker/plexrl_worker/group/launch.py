@@ -39,21 +39,28 @@ from plexrl_worker.group.blobs import BlobPlace
 from plexrl_worker.group.calls import Call, Reply
 from plexrl_worker.group.channel import Channel
 from plexrl_worker.group.config import GroupConfig
-from plexrl_worker.group.executor import RankEngine
+from plexrl_worker.group.rank import RankEngine
 
 log = logging.getLogger(__name__)
 
 
 class GroupCallError(EngineError):
-    """A call every rank refused alike (bad input, unknown job); the group is fine."""
+    """A call a rank refused (bad input, unknown job, the state-store away); the group is
+    fine. `status_code` 503 marks one a later attempt may pass (`plexrl.retry`)."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, transient: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.status_code = 503 if transient else 0
 
 
-class RankLostError(RuntimeError):
-    """A rank died or stopped answering; the group can run nothing more."""
+class RankLostError(BaseException):
+    """A rank died or stopped answering; the group can run nothing more.
+
+    Not an `Exception`, like `asyncio.CancelledError`: the worker's handlers answer a
+    failed call with its error, but a call the group could not run must not be answered
+    at all. It goes up to the service, which stops; the scheduler re-homes its jobs, and
+    their calls run again from their snapshots on a whole group."""
 
 
 def start_group(
@@ -87,6 +94,7 @@ def start_group(
         # cheap fork of that clean process (never of this one, which may have run
         # autograd: a forked child cannot).
         context.set_forkserver_preload([__name__])
+    # Ranks from `local_ranks` on run on other hosts, started there (`follow`).
     followers = [
         context.Process(
             target=_follower_main,
@@ -94,7 +102,7 @@ def start_group(
             name=f"plexrl-rank-{rank}",
             daemon=True,
         )
-        for rank in range(1, config.world_size)
+        for rank in range(1, config.started_here)
     ]
     for process in followers:
         process.start()
@@ -153,8 +161,12 @@ class Leader:
         replies = [calls.decode_reply(r) for r in gathered]
         for reply in replies:
             if isinstance(reply, calls.ErrorReply):
-                raise GroupCallError(reply.code, reply.message)
+                raise GroupCallError(reply.code, reply.message, reply.transient)
         return replies
+
+    def ping(self) -> None:
+        """Every rank answers, or RankLostError."""
+        self.call(calls.PingCall())
 
     # ---- the group's model functions, combined ----------------------------------------
 
@@ -261,14 +273,16 @@ def _join(
     registry_root: Path,
     engine: EngineConfig,
     blobs: BlobPlace,
+    device: str | None = None,
 ) -> tuple[RankEngine, Channel]:
-    """This process as `rank`: its threads, device, process group, mesh and channel."""
+    """This process as `rank` (on `device`, by default the config's for the rank): its
+    threads, device, process group, mesh and channel."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
-    device = config.device(rank)
+    device = device or config.device(rank)
     kwargs: dict[str, object] = {}
     if config.device_type == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(torch.device(device))
         kwargs["device_id"] = torch.device(device)
     dist.init_process_group(
         config.backend,
@@ -295,6 +309,25 @@ def _join(
     return rank_engine, Channel(channel_group)
 
 
+def follow(
+    rank: int,
+    config: GroupConfig,
+    registry_root: Path,
+    engine: EngineConfig,
+    blobs: BlobPlace,
+    device: str | None = None,
+) -> None:
+    """Run rank `rank` of a group whose leader serves its rendezvous at
+    `config.master_addr:master_port` (a rank on another host than the leader's), on
+    `device` (`cuda:k` of this host; None: the config's guess)."""
+    if not config.master_port:
+        raise ValueError(
+            "a rank started on its own needs the leader's rendezvous port; set "
+            "PLEXRL_WORKER_RENDEZVOUS_PORT to the same fixed port on every rank"
+        )
+    _follower_main(rank, config, config.master_port, registry_root, engine, blobs, device)
+
+
 def _follower_main(
     rank: int,
     config: GroupConfig,
@@ -302,6 +335,7 @@ def _follower_main(
     registry_root: Path,
     engine: EngineConfig,
     blobs: BlobPlace,
+    device: str | None = None,
 ) -> None:
     """A follower's life: join, then run each broadcast call until told to stop."""
     os.environ.update(
@@ -317,7 +351,7 @@ def _follower_main(
         is_master=False,
         timeout=datetime.timedelta(seconds=config.rendezvous_timeout_s),
     )
-    rank_engine, channel = _join(rank, config, store, registry_root, engine, blobs)
+    rank_engine, channel = _join(rank, config, store, registry_root, engine, blobs, device)
     while True:
         call = calls.decode_call(channel.broadcast(None))
         reply = rank_engine.execute(call)
