@@ -12,9 +12,12 @@ times.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -25,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 
+from plexrl.cluster import free_port
 from plexrl.messages import (
     AdamParams,
     Datum,
@@ -292,8 +296,35 @@ def sessions(tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     (root / SAMPLER_KEY).write_bytes(state_to_bytes(sampler))
     pair = _session(_config(2), tiny_registry, root, "pair", None)
     solo = _session(_config(1), tiny_registry, root, "solo", "pair")
-    again = _session(_config(2), tiny_registry, root, "again", "solo")
+    # Rank 1 joins as a rank on another host would: started on its own, it finds the
+    # leader's rendezvous at a fixed address and port (`launch.follow`).
+    port = free_port()
+    apart = dataclasses.replace(_config(2), local_ranks=1, master_port=port)
+    with _rank_on_its_own(1, apart, tiny_registry, root) as remote:
+        again = _session(apart, tiny_registry, root, "again", "solo")
+    assert remote.wait(timeout=60) == 0  # it left when the leader closed the group
     return {"pair": pair, "solo": solo, "again": again}
+
+
+@contextlib.contextmanager
+def _rank_on_its_own(
+    rank: int, config: GroupConfig, registry: Path, blobs: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    code = (
+        "from pathlib import Path\n"
+        "from plexrl_worker.engine import EngineConfig\n"
+        "from plexrl_worker.group import GroupConfig\n"
+        "from plexrl_worker.group.blobs import BlobPlace\n"
+        "from plexrl_worker.group.launch import follow\n"
+        f"follow({rank}, {config!r}, Path({str(registry)!r}), {ENGINE!r}, "
+        f"BlobPlace(directory=Path({str(blobs)!r})))\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.wait(timeout=60)
 
 
 @pytest.mark.parametrize("job", list(SPECS))
@@ -402,6 +433,21 @@ def test_snapshots_restore_onto_another_group_size(sessions: dict[str, Session],
     # 2 ranks -> 1 rank, and 1 rank -> 2 ranks: the same whole state, bit for bit.
     assert _same(sessions["solo"].restored[job], sessions["pair"].final[job])
     assert _same(sessions["again"].restored[job], sessions["solo"].final[job])
+
+
+def test_the_worker_settings_describe_a_group_across_hosts() -> None:
+    from plexrl.settings import WorkerSettings
+    from plexrl_worker.components import group_config, rank_devices
+
+    settings = WorkerSettings(
+        worker_ranks=4, worker_local_ranks=2, worker_rendezvous_port=29500, worker_threads=1
+    )
+    config = group_config(settings)
+    assert (config.world_size, config.started_here, config.master_port) == (4, 2, 29500)
+    assert config.backend == "gloo" and rank_devices(settings) == ["cpu"] * 4
+    with pytest.raises(ValueError, match="PLEXRL_WORKER_RENDEZVOUS_PORT"):
+        group_config(WorkerSettings(worker_ranks=4, worker_local_ranks=2))
+    assert rank_devices(WorkerSettings()) == ["cpu"]
 
 
 def test_bad_input_is_refused_by_every_rank_and_the_group_goes_on(tiny_registry: Path) -> None:

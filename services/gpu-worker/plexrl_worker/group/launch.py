@@ -280,6 +280,14 @@ def _join(
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     device = device or config.device(rank)
+    # Every rank at the door first, within the rendezvous timeout: a rank still importing
+    # torch on a busy host is waited for here, not by the process group's first barrier,
+    # which only waits the (shorter) collective timeout.
+    store.set(f"plexrl/arrived/{rank}", "1")
+    store.wait(
+        [f"plexrl/arrived/{r}" for r in range(config.world_size)],
+        datetime.timedelta(seconds=config.rendezvous_timeout_s),
+    )
     kwargs: dict[str, object] = {}
     if config.device_type == "cuda":
         torch.cuda.set_device(torch.device(device))
