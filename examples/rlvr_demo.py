@@ -86,6 +86,12 @@ def parse() -> argparse.Namespace:
         help="skip the control phase (every job at once, each on a worker of its own):\n"
         "it measures what sharing this host costs the jobs, apart from sharing the pool",
     )
+    p.add_argument(
+        "--free-ports",
+        action="store_true",
+        help="run each phase's services on ports free now (beside another cluster on this\n"
+        "machine) instead of 8000, 8100, 8200.. and 8300",
+    )
     p.add_argument("--state-dir", type=Path, default=ROOT / ".plexrl" / "demo")
     p.add_argument("--registry", type=Path, default=ROOT / ".plexrl" / "models")
     return p.parse_args()
@@ -197,10 +203,7 @@ def start_cluster(
     from plexrl.models import ModelRegistry
 
     job_bytes = ModelRegistry(args.registry).info("plexrl/tiny-qwen3").state_bytes(16)
-    config = ClusterConfig(
-        model_registry=args.registry,
-        state_dir=args.state_dir / phase,
-        cluster_id=f"demo-{phase}-" + uuid.uuid4().hex[:8],
+    fields: dict[str, Any] = dict(
         workers=workers or args.workers,
         api_keys=f"{API_KEY}=demo",
         # Per rank: a LoRA job's adapter is whole on every rank of a group.
@@ -209,6 +212,12 @@ def start_cluster(
         worker_ranks=args.ranks,
         policy=policy,
     )
+    state_dir, prefix = args.state_dir / phase, f"demo-{phase}-"
+    if args.free_ports:
+        config = ClusterConfig.on_free_ports(args.registry, state_dir, prefix, **fields)
+    else:
+        cluster_id = prefix + uuid.uuid4().hex[:8]
+        config = ClusterConfig(args.registry, state_dir, cluster_id, **fields)
     print(
         f"starting PlexRL: {config.workers} workers of {args.ranks} rank(s), policy {policy}, "
         f"gateway {config.gateway_url}",
