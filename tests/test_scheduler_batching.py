@@ -220,3 +220,15 @@ def test_whole_decisions_take_at_most_their_share_of_the_time() -> None:
     pace.decided(False, 0.001)  # decisions on touched groups do not move it
     clock.t += 0.1
     assert pace.whole_now() and pace.wait_s(whole_due=True) == 0.0
+
+
+def test_a_groups_call_is_charged_to_every_rank_of_it() -> None:
+    from plexrl_scheduler.receiver import UsageDue
+
+    due = UsageDue()
+    due.add(done("r1", "a", compute_s=1.0, finished_at=5.0), devices=2)
+    due.add(done("r2", "a", compute_s=0.5, finished_at=6.0))
+    fields, first, last = due.take()["a"]
+    # Seconds the group held: (0.25 + 1.0) on 2 ranks, then (0.25 + 0.5) on one.
+    assert fields["device_s"] == 2 * 1.25 + 0.75 and fields["compute_s"] == 1.5
+    assert (first, last) == (5.0, 6.0) and fields["calls"] == 2.0
