@@ -584,8 +584,7 @@ class ClusterState:
             for wid, w in self.workers.items()
             if groups is None or wid in groups
         }
-        if groups is None:
-            jobs = _sized(jobs, list(workers.values()))
+        jobs = _sized(jobs, list(workers.values()))
         if groups is None:
             queue: Iterable[Pending] = self.pending.values()
         else:
@@ -604,12 +603,19 @@ class ClusterState:
 
 
 def _sized(jobs: dict[str, JobView], workers: list[WorkerView]) -> dict[str, JobView]:
-    """Each job waiting for a home with the fewest ranks a group needs to hold it
-    (`JobView.devices`): a simulated job's profile says how many devices it needs, a live
-    job's state size does. Jobs of one size are sized once."""
+    """Each job sized for the groups: one waiting for a home needs the fewest ranks of a
+    group that holds it (`JobView.devices`: a simulated job's profile says how many
+    devices it needs, a live job's state size does; jobs of one size are sized once); a
+    homed job on a group of several ranks counts what it takes of that group's device
+    tier, its replicated part once per rank (`JobView.group_bytes`), so the policy's
+    memory bookkeeping of the group is its ranks' together."""
     sizes: dict[tuple[int, int, str], int] = {}
+    ranks = {w.worker_id: w.devices for w in workers}
     for job_id, job in jobs.items():
         if job.home is not None:
+            n = ranks.get(job.home, 1)
+            if n > 1 and job.replicated_bytes:
+                jobs[job_id] = replace(job, state_bytes=job.group_bytes(n), replicated_bytes=0)
             continue
         key = (job.state_bytes, job.replicated_bytes, job.base_model)
         if key not in sizes:
