@@ -38,7 +38,7 @@ from plexrl_gateway.outbox import Accept, Outbox
 from plexrl_gateway.render import ResponseKind
 from plexrl_gateway.sequencer import Sequencer
 from plexrl_gateway.submitter import Call, Submission, Submitter, ready
-from plexrl_worker.intake import DispatchIntake
+from plexrl_worker.intake import PollIntake
 from plexrl_worker.recorder import ResultRecorder
 from plexrl_worker.runner import Ran
 
@@ -316,7 +316,7 @@ async def test_the_intake_reads_a_polls_records_once_and_settles_after_its_last_
         completions_topic="completions",
         inline_max_bytes=1024,
     )
-    intake = DispatchIntake(recorder)
+    intake = PollIntake(recorder)
     await recorder.record(request(0), ran(), "d0", last=True)  # a replay in this poll
     producer.acks[0].set_result(None)
     await recorder.settle()

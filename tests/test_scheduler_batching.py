@@ -302,3 +302,15 @@ def test_a_follow_up_whose_dispatch_ended_while_it_was_numbered_is_a_dispatch_of
     assert state.inflight["w0"].dispatch_id == "d2" and state.dispatched("r1")
     state.on_completion(done("r1", "a", 0.01, clock.t))
     assert "w0" not in state.inflight and not state.knows_request("r1")
+
+
+def test_a_groups_call_is_charged_to_every_rank_of_it() -> None:
+    from plexrl_scheduler.receiver import UsageDue
+
+    due = UsageDue()
+    due.add(done("r1", "a", compute_s=1.0, finished_at=5.0), devices=2)
+    due.add(done("r2", "a", compute_s=0.5, finished_at=6.0))
+    fields, first, last = due.take()["a"]
+    # Seconds the group held: (0.25 + 1.0) on 2 ranks, then (0.25 + 0.5) on one.
+    assert fields["device_s"] == 2 * 1.25 + 0.75 and fields["compute_s"] == 1.5
+    assert (first, last) == (5.0, 6.0) and fields["calls"] == 2.0

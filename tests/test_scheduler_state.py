@@ -475,3 +475,25 @@ def test_a_jobs_engine_use_and_last_dispatch_reach_the_snapshot() -> None:
     assert view["a"].tenant == "t" and view["b"].tenant == "u"
     clock.t += 60  # one half-life
     assert state.snapshot().jobs["a"].used_s == pytest.approx(1.25)
+
+
+def test_the_snapshot_sizes_jobs_for_groups_of_several_ranks() -> None:
+    from plexrl.messages import LoraSpec
+
+    clock = Clock()
+    state = ClusterState(clock=clock)
+    one = msgspec.structs.replace(beat("one"), device_bytes=50)
+    pair = msgspec.structs.replace(beat("pair"), device_bytes=100, devices=2)
+    state.on_heartbeat(one)
+    state.on_heartbeat(pair)
+    lora = JobSpec(base_model="m", lora=LoraSpec(rank=4), state_bytes=20)
+    state.add_job("adapter", "t", lora, "pair")
+    state.add_job("full", "t", JobSpec(base_model="m", state_bytes=80), None)
+    state.add_job("small", "t", JobSpec(base_model="m", state_bytes=30), None)
+    jobs = state.snapshot().jobs
+    # A LoRA adapter is whole on both ranks of its home: 40 of the group's 100 bytes.
+    assert jobs["adapter"].state_bytes == 40 and jobs["adapter"].replicated_bytes == 0
+    # A job waiting for a home needs the fewest ranks of a group that holds it.
+    assert jobs["full"].devices == 2 and jobs["small"].devices == 1
+    # A decision on the pair's group alone sees the adapter as the whole one does.
+    assert state.snapshot(groups={"pair"}).jobs["adapter"].state_bytes == 40

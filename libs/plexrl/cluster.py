@@ -53,7 +53,10 @@ class ClusterConfig:
     """Device-tier budget of each worker for job states; None keeps the worker default."""
     worker_host_bytes: int | None = None
     worker_threads: int | None = None
-    """Torch threads per worker; None lets torch use every core."""
+    """Torch threads per worker (per rank of a group); None lets torch use every core."""
+    worker_ranks: int | tuple[int, ...] = 1
+    """Ranks of each worker group (PLEXRL_WORKER_RANKS): one number for every worker,
+    or one per worker."""
     policy: str = "plexrl"
     service_token: str | None = None
     """PLEXRL_SERVICE_TOKEN the services share; None makes a fresh one per cluster."""
@@ -72,6 +75,12 @@ class ClusterConfig:
 
     def worker_port(self, i: int) -> int:
         return self.worker_ports[i] if i < len(self.worker_ports) else self.worker_port_base + i
+
+    def ranks_of(self, i: int) -> int:
+        """Ranks of worker i's group."""
+        if isinstance(self.worker_ranks, int):
+            return self.worker_ranks
+        return self.worker_ranks[i] if i < len(self.worker_ranks) else 1
 
     @classmethod
     def on_free_ports(
@@ -211,6 +220,8 @@ class LocalCluster:
                 extra["PLEXRL_WORKER_THREADS"] = str(c.worker_threads)
             if c.worker_host_bytes is not None:
                 extra["PLEXRL_WORKER_HOST_BYTES"] = str(c.worker_host_bytes)
+            if c.ranks_of(i) > 1:
+                extra["PLEXRL_WORKER_RANKS"] = str(c.ranks_of(i))
             self._spawn(f"worker-{i}", "plexrl_worker", c.worker_port(i), extra)
         for i, url in enumerate(c.gateway_urls):
             port = int(url.rsplit(":", 1)[1])
@@ -298,6 +309,18 @@ class LocalCluster:
         else:
             proc.process.kill()
         proc.process.wait()
+
+    def wait_exit(self, name: str, timeout_s: float) -> int:
+        """Until a service exits on its own (a worker that lost a rank of its group, say);
+        its exit status. TimeoutError if it is still running after `timeout_s`."""
+        try:
+            return self._proc(name).process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            raise TimeoutError(f"{name} still runs after {timeout_s:.0f}s") from exc
+
+    def exit_code(self, name: str) -> int | None:
+        """A service's exit status, or None while it runs."""
+        return self._proc(name).process.poll()
 
     def restart(
         self, name: str, timeout_s: float = 180.0, env: dict[str, str] | None = None

@@ -75,6 +75,9 @@ class GatewaySettings(CommonSettings):
     sequence_gap_timeout_s: float = 30.0
     # Base URL of the scheduler's health endpoint (queue depths for /plexrl/v1/cluster).
     scheduler_url: str = "http://127.0.0.1:8100"
+    # A worker group silent this long is not counted when a new training model is checked
+    # against the groups that could hold it (the scheduler's PLEXRL_WORKER_TIMEOUT_S).
+    worker_timeout_s: float = Field(default=6.0, gt=0)
     # Per-tenant quotas on records and their user metadata (plexrl.quotas.RecordQuotas
     # says what each counts); a record past one is refused with a 400 naming it.
     # Client sessions alive at once.
@@ -172,15 +175,34 @@ class WorkerSettings(CommonSettings):
     # Health port.
     worker_host: str = "127.0.0.1"
     worker_port: int = 8200
-    # Torch device for the engine: "cpu", "cuda", "cuda:1".
+    # Torch device for the engine: "cpu", "cuda", "cuda:1". In a group of several ranks:
+    # "cpu", or "cuda" (rank r of this host on cuda:r); a rank started on another host
+    # names its own device ("cuda:k").
     worker_device: str = "cpu"
-    # Intra-op threads of torch on CPU; set it when several processes share the cores
-    # (torch's default, one per core, is several times slower when oversubscribed).
+    # Intra-op threads of torch on CPU, per rank; set it when several processes share the
+    # cores (torch's default, one per core, is several times slower when oversubscribed).
     worker_threads: int | None = None
-    # Bytes of device memory job states may use (base weights excluded).
+    # Bytes of device memory job states may use on each rank (base weights excluded): a
+    # group of N ranks holds a job whose shard of its state fits one rank's.
     worker_device_bytes: int = Field(default=2 * 1024**3)
-    # Bytes of host memory for offloaded job states; beyond it states go to disk.
+    # Bytes of host memory for offloaded job states, per rank; beyond it states go to disk.
     worker_host_bytes: int = Field(default=8 * 1024**3)
+    # Ranks in this worker group (PLEXRL_WORKER_RANKS): one process and one device each,
+    # training sharded over them with FSDP2, sampling data-parallel. 1: this process alone.
+    worker_ranks: int = Field(default=1, ge=1)
+    # Ranks this host starts: the leader (rank 0) and the next ones. The others are
+    # started on their own hosts with PLEXRL_WORKER_RANK set. None: every rank here.
+    worker_local_ranks: int | None = Field(default=None, ge=1)
+    # Which rank this process is: 0 leads the group (the service itself); a process
+    # started with a higher rank only joins its leader's group (a rank on another host).
+    worker_rank: int = Field(default=0, ge=0)
+    # Where the leader serves the group's rendezvous (a TCP store) and where ranks on other
+    # hosts reach it. Port 0 picks a free one, which only ranks on this host can find.
+    worker_rendezvous_host: str = "127.0.0.1"
+    worker_rendezvous_port: int = Field(default=0, ge=0, le=65535)
+    # The longest a rank waits for a peer in a collective: a hung rank is found lost after
+    # this long (a dead one at once). Keep it above the longest call one rank computes.
+    worker_collective_timeout_s: float = Field(default=120.0, gt=0)
     # Directory of local base models.
     model_registry: Path = Path(".plexrl/models")
     # Seconds between heartbeats.

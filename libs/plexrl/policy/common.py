@@ -18,12 +18,13 @@ _INF = float("inf")
 
 
 def can_ever_hold(worker: WorkerView, job: JobView) -> bool:
-    """Whether the group could run the job if it held nothing else."""
+    """Whether the group could run the job if it held nothing else: its device tier (its
+    ranks' together) holds the job's share on every rank."""
     if worker.devices < job.devices:
         return False
     if job.base_model and worker.base_models and job.base_model not in worker.base_models:
         return False
-    return job.state_bytes <= worker.device_bytes
+    return job.group_bytes(worker.devices) <= worker.device_bytes
 
 
 def refuse(snapshot: ClusterSnapshot, job: JobView) -> Reject:
@@ -39,15 +40,44 @@ def refuse(snapshot: ClusterSnapshot, job: JobView) -> Reject:
             RejectReason.NO_BASE_MODEL,
             f"no worker serves base model {job.base_model!r}",
         )
-    biggest = max(healthy, key=lambda w: (w.device_bytes, w.devices))
-    return Reject(
-        job.job_id,
-        RejectReason.TOO_LARGE,
-        f"job {job.job_id} needs {job.state_bytes} bytes of device memory on "
-        f"{job.devices} device(s); the largest worker group has {biggest.device_bytes} bytes on "
-        f"{biggest.devices} device(s). Use LoRA or a smaller rank, or give workers more "
-        f"device memory (PLEXRL_WORKER_DEVICE_BYTES).",
+    return Reject(job.job_id, RejectReason.TOO_LARGE, too_large(job, healthy))
+
+
+def too_large(job: JobView, workers: Sequence[WorkerView]) -> str:
+    """Why no group of `workers` can hold `job`, in sizes, and what to change."""
+    sizes = sorted({(w.devices, w.device_bytes // max(1, w.devices)) for w in workers})
+    groups = ", ".join(f"{n} rank(s) x {per} bytes" for n, per in sizes)
+    needs = ", ".join(
+        f"{-(-job.group_bytes(n) // n)} bytes per rank on {n} rank(s)"
+        for n in sorted({n for n, _ in sizes} | {max(job.devices, 1)})
     )
+    return (
+        f"job {job.job_id} cannot be placed: its state is {job.state_bytes} bytes (weights, "
+        f"gradients and Adam moments; {job.replicated_bytes} of them held whole on every "
+        f"rank), so it needs {needs}; the worker groups have {groups} of device memory "
+        "for job states. Use LoRA or a smaller LoRA rank, or run workers with more ranks "
+        "(PLEXRL_WORKER_RANKS) or more device memory per rank (PLEXRL_WORKER_DEVICE_BYTES)."
+    )
+
+
+def unplaceable(workers: Sequence[WorkerView], job: JobView) -> str | None:
+    """Why no healthy group serving the job's base model can ever hold it (`too_large`);
+    None when one can, or when none has reported yet (the job waits for one)."""
+    base = job.base_model
+    serving = [
+        w for w in workers if w.healthy and (not base or not w.base_models or base in w.base_models)
+    ]
+    alone = replace(job, devices=1)
+    if not serving or any(can_ever_hold(w, alone) for w in serving):
+        return None
+    return too_large(job, serving)
+
+
+def fewest_devices(workers: Sequence[WorkerView], job: JobView) -> int:
+    """The fewest ranks of a healthy group that could hold `job` alone: what the job
+    needs (`JobView.devices`) when its size alone decides (1 when no group can)."""
+    alone = replace(job, devices=1)
+    return min((w.devices for w in workers if w.healthy and can_ever_hold(w, alone)), default=1)
 
 
 def admit_least_loaded(snapshot: ClusterSnapshot, job: JobView) -> Admit | Reject:
@@ -200,10 +230,10 @@ def admit_waiting(
     """
     actions: list[Action] = []
     healthy = [w for w in snapshot.workers.values() if w.healthy]
-    holdable: dict[tuple[int, str, int], bool] = {}  # by what `can_ever_hold` reads
+    holdable: dict[tuple[int, str, int, int], bool] = {}  # by what `can_ever_hold` reads
     blocked = False
     for job in waiting_jobs(snapshot):
-        size = (job.devices, job.base_model, job.state_bytes)
+        size = (job.devices, job.base_model, job.state_bytes, job.replicated_bytes)
         held = holdable.get(size)
         if held is None:
             held = holdable[size] = any(can_ever_hold(w, job) for w in healthy)

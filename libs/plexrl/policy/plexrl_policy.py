@@ -305,11 +305,12 @@ class InterferenceFit:
         self._representatives: list[Figures] = []
         self._meetings: dict[tuple[int, int], float] = {}
         self._groups: dict[str, _Group] = {}
-        self._classes: dict[tuple[int, str], list[WorkerView]] = {}
+        self._classes: dict[tuple[int, str, int, int], list[WorkerView]] = {}
         self._placed = 0
         """Jobs placed so far in this pass: the groups' totals change only when one is."""
-        self._refused: dict[tuple[Figures, int, str, int], int] = {}
-        """Figures and size (devices, base model, state bytes) of a job no group took,
+        self._refused: dict[tuple[Figures, int, str, int, int], int] = {}
+        """Figures and size (devices, base model, state and replicated bytes) of a job no
+        group took,
         with `_placed` then. The answer rests on nothing else, so a later job alike gets
         the same None until a job is placed: jobs waiting for admission are mostly of a
         few kinds described alike (their kind's `priors`), and each would otherwise be
@@ -446,14 +447,15 @@ class InterferenceFit:
         return group
 
     def _size_class(self, snapshot: ClusterSnapshot, job: JobView) -> list[WorkerView]:
-        key = (job.devices, job.base_model)
+        # By everything `size_class` reads of the job: which groups can hold it.
+        key = (job.devices, job.base_model, job.state_bytes, job.replicated_bytes)
         if key not in self._classes:
             self._classes[key] = size_class(snapshot, job)
         return self._classes[key]
 
     def __call__(self, snapshot: ClusterSnapshot, job: JobView) -> str | None:
         fig = self.figures(job)
-        alike = (fig, job.devices, job.base_model, job.state_bytes)
+        alike = (fig, job.devices, job.base_model, job.state_bytes, job.replicated_bytes)
         if self._refused.get(alike) == self._placed:
             return None
         if self.pack:

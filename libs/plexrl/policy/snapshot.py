@@ -126,6 +126,11 @@ class JobView:
     tier: Tier | None = None
     """Where its state is on the home group now; None until created."""
     devices: int = 1
+    """The fewest devices (ranks) a group must have to run it."""
+    replicated_bytes: int = 0
+    """Of `state_bytes`, what every rank of a group holds whole (a LoRA adapter and its
+    moments are replicated; the rest is sharded over the ranks): on a group of n ranks
+    the job takes `group_bytes(n)` of its device tier."""
     base_model: str = ""
     last_active: float = 0.0
     """When its last call ended (snapshot clock): the LRU key for eviction."""
@@ -167,6 +172,11 @@ class JobView:
     """Seconds its rollouts' stragglers go on decoding after the group is released to
     others (`TailReleased` to the last answer), as observed; 0: none seen. The plexrl
     policy predicts the costs of sharing from it (`plexrl.policy.costs`)."""
+
+    def group_bytes(self, devices: int) -> int:
+        """Device bytes the job takes on a group of `devices` ranks, all ranks together:
+        each holds its share of the sharded part and the whole replicated part."""
+        return self.state_bytes + self.replicated_bytes * (devices - 1)
 
 
 @quick_init

@@ -101,7 +101,8 @@ class Receiver:
         if completion.function == Function.UNLOAD:
             metrics.JOBS_FINISHED.inc()
         await self.finished(request_delivery)
-        self._usage_due.add(completion)
+        worker = self._state.workers.get(completion.worker_id)
+        self._usage_due.add(completion, worker.heartbeat.devices if worker is not None else 1)
 
     async def flush_usage(self) -> None:
         """Write the usage of the completions taken since the last flush: one Redis
@@ -140,7 +141,8 @@ class UsageDue:
     def __init__(self) -> None:
         self._due: dict[str, tuple[dict[str, float], float, float]] = {}
 
-    def add(self, completion: PhaseCompletion) -> None:
+    def add(self, completion: PhaseCompletion, devices: int = 1) -> None:
+        """`devices`: the ranks of the group that ran it, each a device held for its time."""
         t = completion.timings
         at = completion.finished_at
         due = self._due.get(completion.job_id)
@@ -154,7 +156,7 @@ class UsageDue:
         fields["queue_s"] += t.queue_s
         fields["swap_s"] += t.swap_s
         fields["compute_s"] += t.compute_s
-        fields["device_s"] += t.swap_s + t.compute_s
+        fields["device_s"] += devices * (t.swap_s + t.compute_s)
         self._due[completion.job_id] = (fields, first, last)
 
     def take(self) -> dict[str, tuple[dict[str, float], float, float]]:

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from plexrl.kafka import Delivery
 from plexrl.messages import (
@@ -32,6 +32,7 @@ from plexrl.policy import (
     SwapCosts,
     WorkerView,
 )
+from plexrl.policy.common import fewest_devices
 from plexrl.policy.history import CallHistory, Prior, RecentUse, describe, priors
 
 Clock = Callable[[], float]
@@ -646,6 +647,8 @@ class ClusterState:
         return JobView(
             job_id=job.job_id,
             state_bytes=job.state_bytes,
+            # A LoRA adapter (and its moments) is whole on every rank of a group.
+            replicated_bytes=job.state_bytes if job.spec.lora is not None else 0,
             home=job.home,
             tier=job.tier,
             base_model=job.spec.base_model,
@@ -739,6 +742,7 @@ class ClusterState:
             for wid, w in self.workers.items()
             if groups is None or wid in groups
         }
+        jobs = _sized(jobs, list(workers.values()))
         if groups is None:
             queue: Iterable[Pending] = self.pending.values()
         else:
@@ -758,6 +762,29 @@ class ClusterState:
         return ClusterSnapshot(
             now=now, workers=workers, jobs=jobs, pending=pending, swap=self._swap
         )
+
+
+def _sized(jobs: dict[str, JobView], workers: list[WorkerView]) -> dict[str, JobView]:
+    """Each job sized for the groups: one waiting for a home needs the fewest ranks of a
+    group that holds it (`JobView.devices`: a simulated job's profile says how many
+    devices it needs, a live job's state size does; jobs of one size are sized once); a
+    homed job on a group of several ranks counts what it takes of that group's device
+    tier, its replicated part once per rank (`JobView.group_bytes`), so the policy's
+    memory bookkeeping of the group is its ranks' together."""
+    sizes: dict[tuple[int, int, str], int] = {}
+    ranks = {w.worker_id: w.devices for w in workers}
+    for job_id, job in jobs.items():
+        if job.home is not None:
+            n = ranks.get(job.home, 1)
+            if n > 1 and job.replicated_bytes:
+                jobs[job_id] = replace(job, state_bytes=job.group_bytes(n), replicated_bytes=0)
+            continue
+        key = (job.state_bytes, job.replicated_bytes, job.base_model)
+        if key not in sizes:
+            sizes[key] = fewest_devices(workers, job)
+        if sizes[key] != job.devices:
+            jobs[job_id] = replace(job, devices=sizes[key])
+    return jobs
 
 
 def _expected_end(run: InFlight, jobs: dict[str, JobView]) -> float:
