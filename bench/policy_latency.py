@@ -17,10 +17,10 @@ And the live scheduler's own decision at 1,000 jobs on 256 groups (`--live-jobs`
 requests, a step's completions per job, 20 tenants, 300 calls waiting, the groups the
 policy dispatched to running), timed as the scheduler decides:
 
-- `live_whole`: `ClusterState.snapshot()` of the whole cluster and `decide_holding` on it
+- `live_whole`: `ClusterState.snapshot()` of the whole cluster and `decide` on it
   (the whole decision the scheduler makes at most 5% of its time);
 - `live_event`: one request arrives, then the decision on the groups it touched
-  (`take_touched`, `snapshot(groups)`, `decide_holding`): what each event costs between
+  (`take_touched`, `snapshot(groups)`, `decide`): what each event costs between
   whole decisions.
 
     .venv/bin/python bench/policy_latency.py [--policy plexrl] [--at-days 30] [--repeat 300]
@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from plexrl.messages import Function, JobSpec, NoopInput, PhaseRequest, WorkerHeartbeat
-from plexrl.policy import ClusterSnapshot, PendingCall, PolicyConfig, Run, decide_holding, plan
+from plexrl.policy import ClusterSnapshot, PendingCall, PolicyConfig, Run, decide, plan
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -145,8 +145,8 @@ def live_state(jobs: int, workers: int, seed: int) -> tuple[Any, _Clock, PolicyC
     for j in rng.sample(range(jobs), 300):
         state.on_request(live_request(state, j, Function.SAMPLE), None)
     clock.t += 1.0
-    decided, _ = decide_holding(state.snapshot(state.take_touched(True)), config)
-    for action in decided:  # the groups dispatched to run now, as the actuator records it
+    decided = decide(state.snapshot(state.take_touched(True)), config)
+    for action in decided.plan:  # the groups dispatched to run now, as the actuator records it
         if isinstance(action, Run):
             taken = state.take_pending(action.request_ids)
             state.apply_run(uuid.uuid4().hex, action.worker_id, action.job_id, taken, ())
@@ -180,7 +180,7 @@ def time_live(jobs: int, workers: int, repeat: int, seed: int) -> dict[str, Any]
     whole: list[float] = []
     for _ in range(max(1, repeat // 10)):
         t0 = time.perf_counter()
-        decide_holding(state.snapshot(), config)
+        decide(state.snapshot(), config)
         whole.append((time.perf_counter() - t0) * 1e3)
     event: list[float] = []
     for _ in range(repeat):
@@ -188,7 +188,7 @@ def time_live(jobs: int, workers: int, repeat: int, seed: int) -> dict[str, Any]
         clock.t += 0.001
         t0 = time.perf_counter()
         state.on_request(request, None)
-        decide_holding(state.snapshot(state.take_touched(False)), config)
+        decide(state.snapshot(state.take_touched(False)), config)
         event.append((time.perf_counter() - t0) * 1e3)
     return {
         **sizes,

@@ -90,7 +90,7 @@ def previous_loop(
         t0 = time.perf_counter()
         outs, done = [], []
         for weights_id, inp in calls:
-            model = engine._jobs[weights_id].weights.module()  # a bench reaches in
+            model = engine.jobs.trainable(weights_id).weights.module()
             stop = module.StopRule(token_ids=frozenset(), strings=(), decode=None)
             outs.append(
                 module.generate(

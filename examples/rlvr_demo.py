@@ -1,6 +1,7 @@
 """The main job: several RLVR jobs share a small pool through PlexRL; savings printed.
 
     scripts/demo.sh            # installs what is missing, starts everything, runs this
+    scripts/demo.sh --realistic --policy fifo,plexrl   # six busier jobs on two workers
 
 It builds (once) a tiny local base model, starts Kafka/Redis-backed PlexRL services
 (state-store, scheduler, gpu-workers, gateway) as local processes, runs the jobs
@@ -53,13 +54,34 @@ def ensure_model(registry: Path) -> Path:
     return path
 
 
+REALISTIC = {"jobs": 6, "stall": 1.1}
+"""`--realistic`: six jobs whose stall per RL step keeps each job's worker busy about a
+quarter of the time alone (the reference's 70-81% bubble ratios), on two workers."""
+
+
 def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--jobs", type=int, default=4, help="RLVR jobs to run at once")
+    p.add_argument("--jobs", type=int, default=None, help="RLVR jobs to run at once (4)")
     p.add_argument("--workers", type=int, default=2, help="worker groups in the pool")
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="ranks (devices) per worker group: 2 runs every phase on groups of two CPU\n"
+        "ranks (FSDP2 over gloo); device-seconds count every rank",
+    )
     p.add_argument("--sft-steps", type=int, default=RlvrConfig.sft_steps)
     p.add_argument("--rl-steps", type=int, default=RlvrConfig.rl_steps)
-    p.add_argument("--stall", type=float, default=2.0, help="reward/tool stall per RL step, s")
+    p.add_argument(
+        "--stall", type=float, default=None, help="reward/tool stall per RL step, s (2.0)"
+    )
+    p.add_argument(
+        "--realistic",
+        action="store_true",
+        help=f"{REALISTIC['jobs']} jobs with a {REALISTIC['stall']} s stall: each alone keeps\n"
+        "its worker busy about a quarter of the time, as the reference's bubble ratios\n"
+        "imply (the default jobs: about 15%%); --jobs and --stall still override",
+    )
     p.add_argument(
         "--device-jobs",
         type=float,
@@ -79,9 +101,19 @@ def parse() -> argparse.Namespace:
         help="skip the control phase (every job at once, each on a worker of its own):\n"
         "it measures what sharing this host costs the jobs, apart from sharing the pool",
     )
+    p.add_argument(
+        "--free-ports",
+        action="store_true",
+        help="run each phase's services on ports free now (beside another cluster on this\n"
+        "machine) instead of 8000, 8100, 8200.. and 8300",
+    )
     p.add_argument("--state-dir", type=Path, default=ROOT / ".plexrl" / "demo")
     p.add_argument("--registry", type=Path, default=ROOT / ".plexrl" / "models")
-    return p.parse_args()
+    args = p.parse_args()
+    preset = REALISTIC if args.realistic else {"jobs": 4, "stall": 2.0}
+    args.jobs = args.jobs if args.jobs is not None else preset["jobs"]
+    args.stall = args.stall if args.stall is not None else preset["stall"]
+    return args
 
 
 def main() -> int:
@@ -102,6 +134,13 @@ def main() -> int:
     print(f"\n[1/{total}] dedicated baseline: each job alone, one worker to itself", flush=True)
     with start_cluster(args, policies[0], "dedicated") as cluster:
         alone = [run_jobs(cluster, args, [i])[0][0] for i in everyone]
+        busy_alone = busy_fractions(cluster, alone)
+    print(
+        "each job alone kept its worker busy "
+        + ", ".join(f"{b:.0%}" for b in busy_alone)
+        + " of its run",
+        flush=True,
+    )
     control: Control | None = None
     if not args.no_control:
         print(
@@ -121,7 +160,9 @@ def main() -> int:
         )
         with start_cluster(args, policy, policy) as cluster:
             shared, makespan = run_jobs(cluster, args, everyone)
-            summaries.append(summarize(cluster, alone, control, shared, makespan, args, policy))
+            summary = summarize(cluster, alone, control, shared, makespan, args, policy)
+            summary["busy_alone"] = [round(b, 3) for b in busy_alone]
+            summaries.append(summary)
     if len(summaries) > 1:
         side_by_side(summaries)
     line = dict(summaries[0])
@@ -169,6 +210,17 @@ class Control:
         }
 
 
+def busy_fractions(cluster: LocalCluster, results: list[JobResult]) -> list[float]:
+    """Per job run alone: the device-seconds its calls used over its wall time."""
+    url = cluster.config.gateway_url
+    with httpx.Client(base_url=url, headers={"X-API-Key": API_KEY}, timeout=30) as http:
+        used = [
+            http.get(f"/plexrl/v1/jobs/{r.model_id}").json()["accounting"]["device_s"]
+            for r in results
+        ]
+    return [u / r.wall_s for u, r in zip(used, results, strict=True)]
+
+
 def workers_per_job(cluster: LocalCluster, results: list[JobResult]) -> dict[str, set[str]]:
     """Which workers ran each job's calls, read from the cluster's timeline."""
     ids = {r.model_id for r in results}
@@ -190,18 +242,24 @@ def start_cluster(
     from plexrl.models import ModelRegistry
 
     job_bytes = ModelRegistry(args.registry).info("plexrl/tiny-qwen3").state_bytes(16)
-    config = ClusterConfig(
-        model_registry=args.registry,
-        state_dir=args.state_dir / phase,
-        cluster_id=f"demo-{phase}-" + uuid.uuid4().hex[:8],
+    fields: dict[str, Any] = dict(
         workers=workers or args.workers,
         api_keys=f"{API_KEY}=demo",
+        # Per rank: a LoRA job's adapter is whole on every rank of a group.
         worker_device_bytes=int(job_bytes * args.device_jobs),
         worker_threads=1,
+        worker_ranks=args.ranks,
         policy=policy,
     )
+    state_dir, prefix = args.state_dir / phase, f"demo-{phase}-"
+    if args.free_ports:
+        config = ClusterConfig.on_free_ports(args.registry, state_dir, prefix, **fields)
+    else:
+        cluster_id = prefix + uuid.uuid4().hex[:8]
+        config = ClusterConfig(args.registry, state_dir, cluster_id, **fields)
     print(
-        f"starting PlexRL: {config.workers} workers, policy {policy}, gateway {config.gateway_url}",
+        f"starting PlexRL: {config.workers} workers of {args.ranks} rank(s), policy {policy}, "
+        f"gateway {config.gateway_url}",
         flush=True,
     )
     cluster = LocalCluster(config)
@@ -329,8 +387,9 @@ def summarize(
         entries = http.get("/plexrl/v1/timeline", params={"limit": 10000}).json()
     shared_ids = {r.model_id for r in shared}
     swaps = sum(1 for e in entries if e["job_id"] in shared_ids and e["swap_s"] > 0)
-    pool = args.workers * makespan
-    dedicated = sum(j["alone_wall_s"] for j in jobs)
+    # Device-seconds count every rank: a group of N ranks holds N devices.
+    pool = args.workers * args.ranks * makespan
+    dedicated = sum(j["alone_wall_s"] for j in jobs) * args.ranks
     busy = sum(j["device_s"] for j in jobs)
     print()
     print(
@@ -344,9 +403,13 @@ def summarize(
             f"{j['shared_wall_s']:>9.1f} {j['slowdown']:>9.3f}"
         )
     print()
-    print(f"dedicated: one worker per job for its own run = {dedicated:.1f} device-s")
     print(
-        f"PlexRL:    {args.workers} workers x {makespan:.1f} s = {pool:.1f} device-s "
+        f"dedicated: one worker of {args.ranks} rank(s) per job for its own run = "
+        f"{dedicated:.1f} device-s"
+    )
+    print(
+        f"PlexRL:    {args.workers} workers x {args.ranks} rank(s) x {makespan:.1f} s = "
+        f"{pool:.1f} device-s "
         f"(busy {busy:.1f} device-s, {busy / pool:.0%}; {swaps} calls swapped a state in)"
     )
     print(f"savings:   {1 - pool / dedicated:.1%} of device-time, same training steps")
@@ -366,6 +429,7 @@ def summarize(
         "policy": policy,
         "jobs": jobs,
         "workers": args.workers,
+        "ranks": args.ranks,
         "makespan_s": round(makespan, 2),
         "pool_device_s": round(pool, 2),
         "dedicated_device_s": round(dedicated, 2),

@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import subprocess
+import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytest
 import pytest_asyncio
 
 from plexrl.cluster import ClusterConfig, LocalCluster
 from plexrl.cluster import free_port as free_port  # re-exported to the tests
+from plexrl.models import PLEXRL_JSON
+from plexrl.service_auth import new_token
 from plexrl.stores import Stores
 
 if TYPE_CHECKING:
@@ -110,31 +116,123 @@ SHARED_KEYS = {
     "tml-losses": "losses",
     "tml-sdk-versions": "sdk-versions",
     "tml-preempt": "preempt",
+    "tml-e2e-alpha": "alpha",
+    "tml-e2e-beta": "beta",
+    "tml-export": "exporter",
+    "tml-export-other": "someone-else",
+    "tml-export-clients": "export-clients",
+    "tml-owner": "owner",
+    "tml-other": "other",
+    "tml-internal": "acme",
+    "tml-openai": "openai",
+    "tml-aliases": "aliases",
 }
-"""API keys (and their tenants) of the shared cluster: one per test module using it."""
+"""API keys (and their tenants) of the shared cluster: each test module using it has
+keys of its own, so no module sees another's jobs or checkpoints."""
+
+SHARED_ALIASES = ("Qwen/Qwen3-8B", "Qwen/Qwen3-4B-Instruct-2507", "Qwen/Qwen3-0.6B")
+"""Further names the shared cluster serves its tiny Qwen3 under (what recipes and
+clients configure)."""
+SHARED_NO_CHAT = "plexrl/tiny-nochat"
+"""A copy of the tiny Qwen3 whose tokenizer has no chat template."""
+SHARED_ENV = {
+    # Short checkpoint TTLs are allowed and expired ones swept every second.
+    "PLEXRL_CHECKPOINT_TTL_MIN_S": "1",
+    "PLEXRL_STATE_STORE_EXPIRY_SWEEP_S": "1",
+    "OTEL_BSP_SCHEDULE_DELAY": "200",
+}
+
+
+class _Collector(BaseHTTPRequestHandler):
+    """An OTLP/HTTP trace receiver: keeps each export's service names."""
+
+    services: ClassVar[set[str]] = set()
+
+    def do_POST(self) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        body = self.rfile.read(int(self.headers.get("content-length", 0)))
+        export = ExportTraceServiceRequest()
+        export.ParseFromString(body)
+        for spans in export.resource_spans:
+            for attribute in spans.resource.attributes:
+                if attribute.key == "service.name":
+                    self.services.add(attribute.value.string_value)
+        self.send_response(200)
+        self.send_header("content-type", "application/x-protobuf")
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
 
 
 @pytest.fixture(scope="session")
-def shared_cluster(
-    infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ClusterConfig]:
-    """A plain cluster (one worker, the tiny Qwen3) for the SDK-level test modules that
-    need nothing else of it, each under its own key in SHARED_KEYS: a cluster start
-    costs about 25 s on two cores."""
+def otlp_services() -> Iterator[set[str]]:
+    """The service names an OTLP/HTTP receiver has seen spans from: the shared cluster
+    exports its traces there."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    os.environ["PLEXRL_TEST_OTLP"] = f"http://127.0.0.1:{server.server_address[1]}"
+    yield _Collector.services
+    server.shutdown()
+
+
+@pytest.fixture(scope="session")
+def shared_registry(tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The shared cluster's models: the session's tiny Qwen3 (the same files) also served
+    under SHARED_ALIASES, and SHARED_NO_CHAT."""
+    root = tmp_path_factory.mktemp("shared-models")
+    shutil.copytree(tiny_registry / "tiny-qwen3", root / "tiny")
+    meta = json.loads((root / "tiny" / PLEXRL_JSON).read_text())
+    (root / "tiny" / PLEXRL_JSON).write_text(json.dumps({**meta, "aliases": SHARED_ALIASES}))
+    shutil.copytree(tiny_registry / "tiny-qwen3", root / "nochat")
+    (root / "nochat" / PLEXRL_JSON).write_text(json.dumps({"name": SHARED_NO_CHAT}))
+    (root / "nochat" / "chat_template.jinja").unlink(missing_ok=True)
+    tokenizer_config = root / "nochat" / "tokenizer_config.json"
+    data = json.loads(tokenizer_config.read_text())
+    data.pop("chat_template", None)
+    tokenizer_config.write_text(json.dumps(data))
+    return root
+
+
+@pytest.fixture(scope="session")
+def shared_services(
+    infra: dict[str, str],
+    shared_registry: Path,
+    otlp_services: set[str],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[LocalCluster]:
+    """One plain cluster (one worker, the tiny Qwen3) for every SDK-level test module that
+    needs nothing else of it, each under keys of its own in SHARED_KEYS: a cluster start
+    costs 20-35 s on two cores. A module may kill and restart one of its services, and
+    must leave it running."""
     config = ClusterConfig.on_free_ports(
-        tiny_registry,
+        shared_registry,
         tmp_path_factory.mktemp("shared-cluster"),
         "shr",
         api_keys=",".join(f"{key}={tenant}" for key, tenant in SHARED_KEYS.items()),
         worker_threads=1,
+        service_token=new_token(),
+        env={**SHARED_ENV, "OTEL_EXPORTER_OTLP_ENDPOINT": os.environ["PLEXRL_TEST_OTLP"]},
     )
     cluster = LocalCluster(config)
     # Generous: on a loaded two-core machine four services importing torch take minutes.
     cluster.start(timeout_s=600)
     try:
-        yield config
+        yield cluster
     finally:
-        cluster.stop()
+        codes = cluster.stop()
+    # SIGTERM stops every service cleanly: each finishes what it holds and exits 0.
+    assert codes and all(code == 0 for code in codes.values()), codes
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(shared_services: LocalCluster) -> ClusterConfig:
+    """The shared cluster's configuration (its gateway URL, ports, directories)."""
+    return shared_services.config
 
 
 @pytest.fixture(scope="session")

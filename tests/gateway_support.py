@@ -73,6 +73,15 @@ class FakePublisher:
         # The real producer's send span is a child of the current span: same trace.
         self.headers.append({"traceparent": tracing.traceparent_of() or ""})
 
+    async def publish_deferred(
+        self, topic: str, key: str | bytes | None, message: Any
+    ) -> asyncio.Future[None]:
+        """`publish`, acknowledged at once."""
+        await self.publish(topic, key, message)
+        ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        ack.set_result(None)
+        return ack
+
     async def ping(self, timeout_s: float = 2.0) -> bool:
         return not self.fail
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,8 +18,9 @@ from typer.testing import CliRunner
 
 from plexrl import hf_cache
 from plexrl.cli import app
-from plexrl.cluster import ClusterConfig, LocalCluster
+from plexrl.cluster import ClusterConfig
 from plexrl.models import PLEXRL_JSON, ModelRegistry, UnknownModelError, init_tiny
+from tests.conftest import SHARED_ALIASES
 
 CANONICAL = "plexrl/tiny-qwen3"
 ALIAS = "Qwen/Qwen3-8B"
@@ -101,18 +101,10 @@ KEY = "tml-aliases"
 
 
 @pytest.fixture(scope="module")
-def service(
-    infra: dict[str, str], aliased: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tinker.ServiceClient]:
-    config = ClusterConfig.on_free_ports(
-        aliased,
-        tmp_path_factory.mktemp("aliases-cluster"),
-        "alias",
-        api_keys=f"{KEY}=aliases",
-        worker_threads=1,
-    )
-    with LocalCluster(config):  # stopped on the way out
-        yield tinker.ServiceClient(base_url=config.gateway_url, api_key=KEY)
+def service(shared_cluster: ClusterConfig) -> tinker.ServiceClient:
+    """The session's shared cluster, which serves the tiny Qwen3 under these aliases too."""
+    assert {ALIAS, OTHER_ALIAS} <= set(SHARED_ALIASES)
+    return tinker.ServiceClient(base_url=shared_cluster.gateway_url, api_key=KEY)
 
 
 @pytest.mark.integration

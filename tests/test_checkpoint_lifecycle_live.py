@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import redis
 import tinker
 from tinker import types
 
-from plexrl.cluster import ClusterConfig, LocalCluster
+from plexrl.cluster import LocalCluster
 from plexrl_worker.runner import key_part
 
 pytestmark = pytest.mark.integration
@@ -29,24 +29,8 @@ START_TIMEOUT_S = 600.0
 
 
 @pytest.fixture(scope="module")
-def cluster(
-    infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LocalCluster]:
-    config = ClusterConfig.on_free_ports(
-        tiny_registry,
-        tmp_path_factory.mktemp("lifecycle"),
-        "lc",
-        workers=1,
-        api_keys=f"{OWNER_KEY}=owner,{OTHER_KEY}=other",
-        worker_threads=1,
-        env={"PLEXRL_CHECKPOINT_TTL_MIN_S": "1", "PLEXRL_STATE_STORE_EXPIRY_SWEEP_S": "1"},
-    )
-    running = LocalCluster(config)
-    running.start(timeout_s=START_TIMEOUT_S)
-    try:
-        yield running
-    finally:
-        running.stop()
+def cluster(shared_services: LocalCluster) -> LocalCluster:
+    return shared_services
 
 
 @pytest.fixture(scope="module")

@@ -38,6 +38,7 @@ from plexrl.health import HttpServer
 from plexrl.messages import (
     DeadLetter,
     DeadLetterReason,
+    RankMemory,
     ResidentState,
     Tier,
     WorkerHeartbeat,
@@ -134,23 +135,26 @@ async def dead_letter(stores: Stores, cluster_id: str, offset: int, call: dict[s
 
 
 async def seed(settings: GatewaySettings, jobs: list[str]) -> None:
-    """Two workers' heartbeats; job 0 trained on worker-0 (a swap-in first), job 1 idle;
-    two of alice's requests and one of bob's dead-lettered."""
+    """Two workers' heartbeats (worker-1 a group of 2 ranks); job 0 trained on worker-0 (a
+    swap-in first), job 1 idle; two of alice's requests and one of bob's dead-lettered."""
     stores = Stores.from_url(settings.redis_url, settings.cluster_id, settings.record_ttl_s)
     now = time.time()
     try:
         residents = {"worker-0": [ResidentState(jobs[0], Tier.DEVICE, 3 << 20, 2)], "worker-1": []}
         for worker, resident in residents.items():
+            ranks = 2 if worker == "worker-1" else 1
             beat = WorkerHeartbeat(
                 worker_id=worker,
                 device="cpu",
-                device_bytes=64 << 20,
+                device_bytes=ranks * (64 << 20),
                 host_bytes=1 << 30,
                 base_models=["plexrl/tiny-qwen3"],
                 resident=resident,
                 busy=False,
                 started_at=now - 100,
                 sent_at=now,
+                devices=ranks,
+                ranks=[RankMemory(r, "cpu", 64 << 20, (1 << 20) * ranks, 0) for r in range(ranks)],
             )
             await stores.workers.put_worker(worker, encode(beat), ttl_s=600)
         await stores.residency.cas_residency(
@@ -250,6 +254,8 @@ def test_workers_show_residents_and_heartbeats(served: Served) -> None:
     out = cli(served, "workers")
     assert "worker-0" in out and "worker-1" in out
     assert "1 device" in out and "3.0 MiB / 64.0 MiB" in out and "ago" in out
+    # A group's size, and each rank's share on its device.
+    assert "cpu ×2" in out and "2.0 MiB · 2.0 MiB of 64.0 MiB each" in out
     data = json.loads(cli(served, "workers", "--json"))
     assert [w["worker_id"] for w in data] == ["worker-0", "worker-1"]
 

@@ -163,7 +163,7 @@ def test_a_pass_walks_no_adapter_but_its_own(registry: ModelRegistry) -> None:
     # walk or patch them all (it did, and sampling ran 2.7x slower with 64 installed).
     engine = TorchEngine(registry, EngineConfig())
     engine.create("j", JobSpec(base_model=BASE, lora=LoraSpec(rank=4), seed=1))
-    model = next(iter(engine._bases.values())).model  # the shared base
+    model = engine.bases.shared(engine.model_info(BASE)).model  # the shared base
     before = [len(x) for x in _pass_modules(model)]
     out = engine.sample("j", _inp([21, 22], 2, seed=3))
     state = engine.export_state("j", optimizer=False, gradients=False)

@@ -20,9 +20,11 @@ import pytest_asyncio
 from aiokafka import AIOKafkaConsumer
 from aiokafka.errors import KafkaConnectionError
 
-from plexrl.kafka import Publisher, ensure_topics
+from plexrl.direct import Route
+from plexrl.kafka import Delivery, MessageConsumer, Publisher, ensure_topics
 from plexrl.messages import (
     CompletionStatus,
+    Dispatch,
     Function,
     NoopInput,
     NoopOutput,
@@ -36,6 +38,7 @@ from plexrl_gateway.outbox import Accept, Outbox
 from plexrl_gateway.render import ResponseKind
 from plexrl_gateway.sequencer import Sequencer
 from plexrl_gateway.submitter import Call, Submission, Submitter, ready
+from plexrl_worker.intake import PollIntake
 from plexrl_worker.recorder import ResultRecorder
 from plexrl_worker.runner import Ran
 
@@ -81,8 +84,19 @@ class SlowPublisher:
         await asyncio.sleep(0.002)
         self.sent.append(message.request_id)
 
+    async def publish_deferred(self, topic: str, key: str | bytes | None, message: Any) -> Any:
+        await self.publish(topic, key, message)
+        return acked()
+
     async def ping(self, timeout_s: float = 2.0) -> bool:
         return True
+
+
+def acked() -> asyncio.Future[None]:
+    """An acknowledgement already in."""
+    ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    ack.set_result(None)
+    return ack
 
 
 async def test_acceptance_reads_the_outbox_head_and_the_flush_starts_from_it(
@@ -91,8 +105,9 @@ async def test_acceptance_reads_the_outbox_head_and_the_flush_starts_from_it(
     outbox = Outbox(stores.keys)
     sent: list[str] = []
 
-    async def send(r: PhaseRequest) -> None:
+    async def send(r: PhaseRequest, route: Route | None) -> asyncio.Future[None]:
         sent.append(r.request_id)
+        return acked()
 
     first = await outbox.accept(accept(1))  # left unpublished, as by a gateway that died
     second = await outbox.accept(accept(2))
@@ -110,9 +125,10 @@ async def test_an_acceptance_beside_a_running_flush_does_not_trust_its_head(
     sending = asyncio.Event()
     sent: list[str] = []
 
-    async def send(r: PhaseRequest) -> None:
+    async def send(r: PhaseRequest, route: Route | None) -> asyncio.Future[None]:
         sent.append(r.request_id)
         await sending.wait()
+        return acked()
 
     await outbox.accept(accept(1))
     flushing = asyncio.create_task(outbox.flush(JOB, send))
@@ -246,3 +262,119 @@ async def test_usage_and_activity_are_recorded_in_one_write(stores: Stores) -> N
     await stores.usage.add_usage("job", {"calls": 1.0, "device_s": 0.25}, active_at=103.5)
     usage = await stores.usage.usage("job")
     assert usage == {"calls": 2.0, "device_s": 0.75, "first_at": 100.0, "last_at": 103.5}
+
+
+async def test_a_flush_queues_its_batch_at_once_and_a_refused_call_stays_with_those_after(
+    stores: Stores,
+) -> None:
+    outbox = Outbox(stores.keys, batch=8)
+    for n in range(1, 5):
+        await outbox.accept(accept(n))
+    acks: list[tuple[str, asyncio.Future[None]]] = []
+
+    async def send(r: PhaseRequest, route: Route | None) -> asyncio.Future[None]:
+        ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        acks.append((r.request_id, ack))
+        return ack
+
+    flushing = asyncio.create_task(outbox.flush(JOB, send))
+    while len(acks) < 4:  # every one queued before any is acknowledged
+        await asyncio.sleep(0.001)
+    for n, (_, ack) in enumerate(acks):
+        if n == 2:
+            ack.set_exception(KafkaConnectionError("broker unreachable"))
+        else:
+            ack.set_result(None)
+    with pytest.raises(KafkaConnectionError):
+        await flushing
+    assert await outbox.depth(JOB) == 2  # req-3 and req-4 wait for the next flush
+    sent: list[str] = []
+
+    async def resend(r: PhaseRequest, route: Route | None) -> asyncio.Future[None]:
+        sent.append(r.request_id)
+        return acked()
+
+    assert await outbox.flush(JOB, resend) == 2
+    assert sent == ["req-3", "req-4"] and await outbox.depth(JOB) == 0
+
+
+def dispatch(*ns: int) -> Dispatch:
+    calls = [request(n) for n in ns]
+    return Dispatch(dispatch_id=f"d{ns[0]}", worker_id="w", calls=calls)
+
+
+async def test_the_intake_reads_a_polls_records_once_and_settles_after_its_last_dispatch(
+    stores: Stores,
+) -> None:
+    producer = FlakyProducer()
+    recorder = ResultRecorder(
+        worker_id="w",
+        calls=stores.calls,
+        payloads=stores.payloads,
+        timeline=stores.timeline,
+        publisher=producer,  # type: ignore[arg-type]
+        completions_topic="completions",
+        inline_max_bytes=1024,
+    )
+    intake = PollIntake(recorder)
+    await recorder.record(request(0), ran(), "d0", last=True)  # a replay in this poll
+    producer.acks[0].set_result(None)
+    await recorder.settle()
+    first, second = dispatch(0, 1), dispatch(2)
+    await intake.read_ahead([first, second])
+    # The first dispatch runs call 1 and records it; what the poll read stands for it.
+    assert set(await intake.recorded(first.calls)) == {"req-0"}
+    await recorder.record(request(1), ran(), "d0", last=True)
+    assert await intake.recorded(second.calls) == {}
+    # A call delivered again in the same poll is read afresh (it ran since).
+    assert set(await intake.recorded(dispatch(1).calls)) == {"req-1"}
+
+    settle = asyncio.create_task(intake.settle())
+    await asyncio.sleep(0.01)
+    assert not settle.done()  # the poll's offsets wait for its completions
+    producer.acks[1].set_result(None)
+    await asyncio.wait_for(settle, 5)
+
+
+async def test_a_consumer_hands_a_whole_poll_ahead_before_handling_its_first_message(
+    infra: dict[str, str], cluster_id: str
+) -> None:
+    topics = Topics(cluster_id)
+    await ensure_topics(infra["kafka"], core_topics(topics))
+    publisher = Publisher(infra["kafka"], "test-intake")
+    await publisher.start()
+    seen: list[str] = []
+
+    async def ahead(requests: list[PhaseRequest]) -> None:
+        seen.append("ahead " + ",".join(r.request_id for r in requests))
+        raise RuntimeError("reading ahead is only an optimisation")
+
+    async def handle(r: PhaseRequest, delivery: Delivery) -> None:
+        seen.append(r.request_id)
+
+    consumer = MessageConsumer[PhaseRequest](
+        bootstrap=infra["kafka"],
+        topics=[topics.requests],
+        group=topics.group("intake"),
+        message_type=PhaseRequest,
+        handler=handle,
+        dlq=(publisher, topics.dlq),
+        name="intake",
+        before_batch=ahead,
+    )
+    stop = asyncio.Event()
+    try:
+        for n in range(3):
+            await publisher.publish(topics.requests, JOB, request(n))
+        await consumer.start()
+        running = asyncio.create_task(consumer.run(stop))
+        deadline = time.monotonic() + 30
+        while len([s for s in seen if not s.startswith("ahead")]) < 3:
+            assert time.monotonic() < deadline, seen
+            await asyncio.sleep(0.05)
+        stop.set()
+        await running
+    finally:
+        await consumer.stop()
+        await publisher.stop()
+    assert seen[0] == "ahead req-0,req-1,req-2" and seen[1:] == ["req-0", "req-1", "req-2"]

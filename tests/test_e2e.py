@@ -4,86 +4,30 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
 import time
-from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import httpx
 import pytest
 import tinker
 from tinker import types
 
-from plexrl.cluster import ClusterConfig, LocalCluster
+from plexrl.cluster import LocalCluster
+from plexrl.settings import WorkerSettings
 
 pytestmark = pytest.mark.integration
 
 BASE = "plexrl/tiny-qwen3"
 KEY = "tml-e2e-alpha"
-EPHEMERAL_KEEP = 3
+EPHEMERAL_KEEP = WorkerSettings.model_fields["ephemeral_keep"].default
 OTHER_KEY = "tml-e2e-beta"
 
 
-class _Collector(BaseHTTPRequestHandler):
-    """An OTLP/HTTP trace receiver: keeps each export's service names."""
-
-    services: ClassVar[set[str]] = set()
-
-    def do_POST(self) -> None:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-            ExportTraceServiceRequest,
-        )
-
-        body = self.rfile.read(int(self.headers.get("content-length", 0)))
-        export = ExportTraceServiceRequest()
-        export.ParseFromString(body)
-        for spans in export.resource_spans:
-            for attribute in spans.resource.attributes:
-                if attribute.key == "service.name":
-                    self.services.add(attribute.value.string_value)
-        self.send_response(200)
-        self.send_header("content-type", "application/x-protobuf")
-        self.end_headers()
-
-    def log_message(self, *args: Any) -> None:
-        pass
-
-
 @pytest.fixture(scope="session")
-def otlp_collector() -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _Collector)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-
-
-@pytest.fixture(scope="session")
-def cluster(
-    infra: dict[str, str],
-    tiny_registry: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-    otlp_collector: str,
-) -> Iterator[LocalCluster]:
-    config = ClusterConfig.on_free_ports(
-        tiny_registry,
-        tmp_path_factory.mktemp("cluster"),
-        "e2e",
-        workers=1,
-        api_keys=f"{KEY}=alpha,{OTHER_KEY}=beta",
-        env={
-            "OTEL_EXPORTER_OTLP_ENDPOINT": otlp_collector,
-            "OTEL_BSP_SCHEDULE_DELAY": "200",
-            "PLEXRL_EPHEMERAL_KEEP": str(EPHEMERAL_KEEP),
-        },
-    )
-    with LocalCluster(config) as running:
-        yield running
-        codes = running.stop()
-    # SIGTERM stops every service cleanly: each finishes what it holds and exits 0.
-    assert codes and all(code == 0 for code in codes.values()), codes
+def cluster(shared_services: LocalCluster) -> LocalCluster:
+    """The session's shared cluster (tests/conftest.py): traces go to its OTLP receiver,
+    and its services must each exit 0 on SIGTERM at the end of the session."""
+    return shared_services
 
 
 @pytest.fixture(scope="session")
@@ -322,14 +266,16 @@ def test_metrics_and_plexrl_api(cluster: LocalCluster, service: tinker.ServiceCl
     time.sleep(0)  # keep the cluster fixture alive through this test
 
 
-def test_services_export_traces_over_otlp(service: tinker.ServiceClient) -> None:
+def test_services_export_traces_over_otlp(
+    service: tinker.ServiceClient, otlp_services: set[str]
+) -> None:
     client = service.create_lora_training_client(base_model=BASE, rank=4).result()
     train_steps(client, 1)
     deadline = time.monotonic() + 20
     wanted = {"plexrl-gateway", "plexrl-scheduler", "plexrl-worker-0"}
-    while not wanted <= _Collector.services and time.monotonic() < deadline:
+    while not wanted <= otlp_services and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert wanted <= _Collector.services, _Collector.services
+    assert wanted <= otlp_services, otlp_services
 
 
 def test_garbage_on_a_topic_is_dead_lettered_and_the_cluster_goes_on(

@@ -24,7 +24,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ from safetensors.torch import load_file
 from tinker import types
 from transformers import AutoModelForCausalLM
 
-from plexrl.cluster import ClusterConfig, LocalCluster
+from plexrl.cluster import LocalCluster
 from tests.sdk_support import COOKBOOK, side_install
 
 pytestmark = pytest.mark.integration
@@ -82,22 +81,8 @@ class Trained:
 
 
 @pytest.fixture(scope="module")
-def cluster(
-    infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LocalCluster]:
-    config = ClusterConfig.on_free_ports(
-        tiny_registry,
-        tmp_path_factory.mktemp("export-clients"),
-        "expc",
-        api_keys=f"{KEY}=export-clients",
-        worker_threads=1,
-    )
-    running = LocalCluster(config)
-    running.start(timeout_s=600)
-    try:
-        yield running
-    finally:
-        running.stop()
+def cluster(shared_services: LocalCluster) -> LocalCluster:
+    return shared_services
 
 
 def _datum() -> types.Datum:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
 
@@ -28,37 +27,24 @@ from peft import PeftModel
 from tinker import types
 from transformers import AutoModelForCausalLM
 
-from plexrl.cluster import ClusterConfig, LocalCluster
+from plexrl.cluster import LocalCluster
 from plexrl.messages import decode
+from plexrl.settings import GatewaySettings
 from plexrl.stores import CheckpointRecord
+from plexrl_gateway.signing import UrlSigner, signing_secret
 
 pytestmark = pytest.mark.integration
 
 KEY, OTHER_KEY = "tml-export", "tml-export-other"
 BASE = "plexrl/tiny-qwen3"
-URL_TTL_S = 6
+URL_TTL_S = GatewaySettings.model_fields["export_url_ttl_s"].default
 TOKENS = [3, 5, 7, 9, 11, 13, 17, 19]
 ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def cluster(
-    infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LocalCluster]:
-    config = ClusterConfig.on_free_ports(
-        tiny_registry,
-        tmp_path_factory.mktemp("export-cluster"),
-        "exp",
-        api_keys=f"{KEY}=exporter,{OTHER_KEY}=someone-else",
-        worker_threads=1,
-        env={"PLEXRL_EXPORT_URL_TTL_S": str(URL_TTL_S)},
-    )
-    running = LocalCluster(config)
-    running.start(timeout_s=600)
-    try:
-        yield running
-    finally:
-        running.stop()
+def cluster(shared_services: LocalCluster) -> LocalCluster:
+    return shared_services
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +69,7 @@ def export(client: tinker.TrainingClient) -> str:
 
 @pytest.fixture(scope="module")
 def first_urls(rest: tinker.RestClient, export: str) -> types.ExternalWeightsUrlsResponse:
-    """The export's URLs signed once, early: downloaded at once by the first test, and
-    expired (URL_TTL_S) by the time the last one tries them."""
+    """The export's URLs signed once, early: downloaded at once by the first test."""
     return rest.get_external_weights_urls(export).result(timeout=60)
 
 
@@ -231,9 +216,15 @@ def test_the_job_trains_and_saves_on_after_exporting(client: tinker.TrainingClie
         ).result(timeout=60)
 
 
-def test_an_expired_url_is_refused(first_urls: types.ExternalWeightsUrlsResponse) -> None:
-    signed = first_urls
-    time.sleep(max(0.0, signed.expires.timestamp() - time.time()) + 1.0)
-    response = httpx.get(signed.urls["adapter_config.json"], timeout=30)
+def test_an_expired_url_is_refused(
+    cluster: LocalCluster, first_urls: types.ExternalWeightsUrlsResponse, export: str
+) -> None:
+    """A URL signed under the cluster's own secret, whose expiry has passed: the gateway
+    must refuse it for its age alone (a wrong signature is a 403, tested above)."""
+    url = first_urls.urls["adapter_config.json"]
+    expires = int(time.time()) - 2
+    signer = UrlSigner(signing_secret(None, cluster.service_token))
+    signature = signer.sign(export, "adapter_config.json", expires)
+    response = httpx.get(with_query(url, expires=str(expires), signature=signature), timeout=30)
     assert response.status_code == 410, response.text
     assert "expired" in response.json()["error"]

@@ -4,14 +4,18 @@ dedupe records are gone: every job's losses, step counters and checkpoint bytes 
 exactly those of the undisturbed run, with no call lost (the client sees a delay).
 
 Two workers, two tiny LoRA jobs through the unmodified tinker SDK, a few steps each, on
-a Kafka broker and a Redis of the module's own (the shared pair is never killed). The
-gateway's two crash windows are in tests/test_reliability_gateway.py; `bench/chaos.py`
-repeats these kills at more random points and reports recovery times.
+a Kafka broker and a Redis of the module's own (the shared pair is never killed). Most
+of the jobs' calls go straight to their workers under direct leases (plexrl.direct);
+the windows between a lease's grant, its calls and its revocation are killed exactly
+(plexrl.failpoints). The gateway's two crash windows of acceptance are in
+tests/test_reliability_gateway.py; `bench/chaos.py` repeats these kills at more random
+points and reports recovery times.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import statistics
@@ -25,8 +29,10 @@ import pytest
 import redis
 import tinker
 from aiokafka import AIOKafkaConsumer
+from aiokafka.admin import AIOKafkaAdminClient
 
 from plexrl.cluster import ClusterConfig, LocalCluster
+from plexrl.failpoints import arm, armed
 from plexrl.faults import (
     JobOutcome,
     Workload,
@@ -60,8 +66,17 @@ def private_infra() -> Iterator[PrivateInfra]:
 
 
 @pytest.fixture(scope="module")
+def failpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where a test arms crash points (plexrl.failpoints) in the cluster's processes."""
+    return tmp_path_factory.mktemp("failpoints")
+
+
+@pytest.fixture(scope="module")
 def cluster(
-    private_infra: PrivateInfra, tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
+    private_infra: PrivateInfra,
+    tiny_registry: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    failpoints: Path,
 ) -> Iterator[LocalCluster]:
     config = ClusterConfig.on_free_ports(
         tiny_registry,
@@ -74,6 +89,7 @@ def cluster(
         env={
             "PLEXRL_WORKER_TIMEOUT_S": "3",
             "PLEXRL_RESULTS_ARCHIVE_CALLS": "4",  # archives well inside a short job
+            "PLEXRL_FAILPOINTS_DIR": str(failpoints),
             **private_infra.env(),
         },
     )
@@ -161,6 +177,63 @@ def test_a_process_killed_mid_run_changes_nothing(
     assert result.not_identical == 0, (where, outcomes, expected)
 
 
+DIRECT_WINDOWS = {
+    "gateway": ("gateway.direct_before_publish", "gateway.direct_published"),
+    "scheduler": ("scheduler.direct_granted", "scheduler.direct_revoked"),
+    "worker": ("worker.direct_committed",),
+}
+"""Crash windows of the direct path (plexrl.direct), per process kind, in the order they
+are reached: each one kills its process (-9) at that line once."""
+
+
+@pytest.mark.parametrize("kind", list(DIRECT_WINDOWS))
+def test_killed_in_each_direct_lease_window_changes_nothing(
+    kind: str,
+    cluster: LocalCluster,
+    failpoints: Path,
+    service: tinker.ServiceClient,
+    blobs: Path,
+    reference: tuple[list[JobOutcome], float],
+) -> None:
+    expected, _ = reference
+    windows = DIRECT_WINDOWS[kind]
+    for window in windows:
+        arm(failpoints, window)
+    victims = [n for n in cluster.names() if n.split("-")[0] == kind]
+    restarted: list[str] = []
+    done = threading.Event()
+
+    def revive() -> None:  # each process that reaches an armed window comes back
+        while not done.is_set() or any(cluster.exited(v) for v in victims):
+            for victim in victims:
+                if cluster.exited(victim):
+                    restarted.append(victim)
+                    # It may reach the next window while starting (the gateway's
+                    # outbox is published at start): then it is started again.
+                    with contextlib.suppress(RuntimeError, TimeoutError):
+                        cluster.restart(victim, START_TIMEOUT_S)
+            time.sleep(0.2)
+
+    reviver = threading.Thread(target=revive)
+    reviver.start()
+    try:
+        outcomes = run_workload(service, WORKLOAD, blobs, TENANT)
+    finally:
+        done.set()
+        reviver.join(START_TIMEOUT_S)
+        missed = [w for w in windows if armed(failpoints, w)]
+        for window in missed:
+            (failpoints / window).unlink()
+
+    where = f"windows {windows}, restarted {restarted}"
+    assert not missed, f"the run never reached {missed} ({where})"
+    assert len(restarted) == len(windows), where
+    result = compare(expected, outcomes)
+    assert result.lost == 0, (where, [o.errors for o in outcomes])
+    assert result.duplicated == 0, (where, [o.steps for o in outcomes])
+    assert result.not_identical == 0, (where, outcomes, expected)
+
+
 def test_old_requests_replayed_after_their_dedupe_records_expired_apply_nothing(
     cluster: LocalCluster,
     service: tinker.ServiceClient,
@@ -203,12 +276,27 @@ def test_old_requests_replayed_after_their_dedupe_records_expired_apply_nothing(
 
 
 async def _replay_requests(bootstrap: str, cluster_id: str, job_id: str) -> list[str]:
-    """Publish again, as they were, every request of the job the requests topic holds."""
-    from plexrl.messages import PhaseRequest
+    """Publish again, as they were, every request of the job the requests topic holds,
+    and every call of it that went straight to a worker under a direct lease (a one-call
+    Dispatch on that worker's topic, `plexrl.direct`)."""
+    from plexrl import direct
+    from plexrl.messages import Dispatch, PhaseRequest
 
-    topic = Topics(cluster_id).requests
+    topics = Topics(cluster_id)
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        dispatch_topics = [
+            t for t in await admin.list_topics() if t.startswith(topics.dispatch(""))
+        ]
+    finally:
+        await admin.close()
     consumer = AIOKafkaConsumer(
-        topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest", group_id=None
+        topics.requests,
+        *dispatch_topics,
+        bootstrap_servers=bootstrap,
+        auto_offset_reset="earliest",
+        group_id=None,
     )
     await consumer.start()
     records: list[Any] = []
@@ -221,14 +309,25 @@ async def _replay_requests(bootstrap: str, cluster_id: str, job_id: str) -> list
                 records.extend(r for r in rows if r.key == job_id.encode())
     finally:
         await consumer.stop()
+    replayed: list[Any] = []
+    ids: list[str] = []
+    for r in records:
+        if r.topic == topics.requests:
+            replayed.append(r)
+            ids.append(decode(r.value, PhaseRequest).request_id)
+            continue
+        sent: Dispatch = decode(r.value, Dispatch)
+        if direct.lease_of(sent.dispatch_id) is not None:
+            replayed.append(r)
+            ids += [c.request_id for c in sent.calls]
     publisher = Publisher(bootstrap, "fault-replay")
     await publisher.start()
     try:
-        for r in records:
-            await publisher.publish_raw(topic, r.key, r.value)
+        for r in replayed:
+            await publisher.publish_raw(r.topic, r.key, r.value)
     finally:
         await publisher.stop()
-    return [decode(r.value, PhaseRequest).request_id for r in records]
+    return ids
 
 
 def _text(value: Any) -> str:

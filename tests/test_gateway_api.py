@@ -36,6 +36,7 @@ from plexrl.messages import (
     ForwardBackwardInput,
     Function,
     IdleHint,
+    JobOptions,
     LoadInput,
     PayloadRef,
     PhaseRequest,
@@ -416,6 +417,7 @@ async def test_ephemeral_save_opens_a_sampling_session_that_samples_on_the_owner
     assert sample.job_id == model_id and sample.spec is None
     assert isinstance(sample.payload, SampleInput)
     assert sample.payload.weights_path == saved.payload.path
+    assert sample.work.portable  # a checkpoint's sample may run on any worker serving the base
     assert sample.payload.params.stop_strings == ["\n"] and sample.payload.params.stop_at_eos
     await api.complete(sample)
     response = await api.post("retrieve_future", {"request_id": submitted["request_id"]})
@@ -438,6 +440,7 @@ async def test_a_base_model_sampling_session_is_a_job_of_its_own(api: Harness) -
     await api.ok("asample", sample_request(sampler, 0, stop=None))
     (sample,) = api.published(Function.SAMPLE)
     assert sample.job_id == sampler and sample.spec is not None
+    assert not sample.work.portable  # the base, under a job of its own
     assert sample.spec.lora is None and sample.spec.state_bytes == 0
     assert isinstance(sample.payload, SampleInput) and sample.payload.weights_path is None
     other = await api.post("asample", sample_request(sampler, 1), BOB)
@@ -522,6 +525,27 @@ async def test_idle_hint_and_job_views(api: Harness) -> None:
     assert view["job"]["job_id"] == model_id and view["accounting"]["device_s"] == 0.0
     cluster = (await api.http.get("/plexrl/v1/cluster", headers=ALICE)).json()
     assert cluster["scheduler"] == {"reachable": False} and cluster["workers"] == []
+
+
+async def test_a_job_declares_its_staleness(api: Harness) -> None:
+    model_id = await api.model()
+    declared = await api.http.post(
+        f"/plexrl/v1/jobs/{model_id}/options", json={"staleness": 2}, headers=ALICE
+    )
+    assert declared.json() == {"job_id": model_id, "staleness": 2}
+    ((topic, key, message),) = [s for s in api.publisher.sent if isinstance(s[2], JobOptions)]
+    assert topic == api.gateway.topics.events and key == model_id
+    assert message.staleness == 2 and message.tenant == "alice"
+    record = await api.gateway.registry.find_job("alice", model_id)
+    assert record is not None and record.staleness == 2  # a scheduler that starts later
+    too_stale = await api.http.post(
+        f"/plexrl/v1/jobs/{model_id}/options", json={"staleness": 9}, headers=ALICE
+    )
+    assert too_stale.status_code in (400, 422) and "staleness" in too_stale.text
+    unknown = await api.http.post(
+        "/plexrl/v1/jobs/nobody/options", json={"staleness": 1}, headers=ALICE
+    )
+    assert unknown.status_code == 404
 
 
 async def test_echo_waits_for_its_noop(api: Harness) -> None:

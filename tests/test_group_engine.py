@@ -1,37 +1,66 @@
-"""The worker group's rank side: FSDP2 training over 2 CPU ranks (gloo), per-shard swaps,
-sharded snapshots restored onto another group size, and a lost rank.
+"""The worker group's rank side: FSDP2 training over 2 CPU ranks (gloo), per-shard swaps
+(device, host, disk), sharded snapshots restored onto another group size, data-parallel
+sampling through the worker's own sample loop (co-batching, the tail release, a
+preempted batch), and a lost rank.
 
 Each group session below runs one fixed script (two LoRA and full-parameter training
-steps with a swap round trip between them, then a snapshot); the tests assert on what
-the sessions recorded, so the whole module brings a group up four times.
+steps with swap round trips between them, a snapshot, then the sampling calls); the
+tests assert on what the sessions recorded, so the whole module brings a group up four
+times.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from plexrl.cluster import free_port
 from plexrl.messages import (
     AdamParams,
     Datum,
     ForwardBackwardInput,
+    Function,
     JobSpec,
     LoraSpec,
     LossFn,
     OptimStepInput,
+    PhaseOutput,
+    PhaseRequest,
+    SampleInput,
+    SamplingParams,
 )
+from plexrl.models import ModelRegistry
+from plexrl_worker import stored
 from plexrl_worker.engine import EngineConfig, TorchEngine
 from plexrl_worker.engine.arrays import to_array, to_tensor
-from plexrl_worker.engine.state import JobTensors
-from plexrl_worker.group import GroupCallError, GroupConfig, Leader, RankLostError, start_group
+from plexrl_worker.engine.state import JobTensors, state_to_bytes
+from plexrl_worker.engine_thread import EngineThread
+from plexrl_worker.executor import StateSource
+from plexrl_worker.group import (
+    GroupCallError,
+    GroupConfig,
+    Leader,
+    RankLostError,
+    calls,
+    start_group,
+)
+from plexrl_worker.group.blobs import BlobPlace
+from plexrl_worker.group.executor import GroupExecutor
+from plexrl_worker.runner import CallRunner, Ran
 
 MODEL = "plexrl/tiny-qwen3"
 SPECS = {
@@ -71,6 +100,100 @@ def _data() -> list[Datum]:
 
 FB = ForwardBackwardInput(data=_data(), loss_fn=LossFn.CROSS_ENTROPY)
 
+SAMPLER_KEY = "ckpt/t/sampler.safetensors"
+"""A LoRA checkpoint (the LoRA spec's fresh adapter) every session installs as sampler
+weights `sampler`."""
+
+
+def _sample_call(rid: str, samples: int, max_tokens: int, seed: int, lora: bool) -> PhaseRequest:
+    params = SamplingParams(max_tokens=max_tokens, seed=seed, stop_at_eos=False)
+    inp = SampleInput(
+        prompt=[21, 22, 15],
+        num_samples=samples,
+        params=params,
+        weights_path="sampler" if lora else None,
+    )
+    return PhaseRequest(
+        request_id=rid,
+        job_id=f"job-{rid}",
+        tenant="t",
+        function=Function.SAMPLE,
+        payload=inp,
+        arrival_time=0.0,
+        spec=SPECS["lora"],
+    )
+
+
+# Three short calls (3 samples x 2 tokens, one of them of the LoRA sampler set) and one
+# long (1 x 12): after two steps 1 of 10 sequences decodes, under a 0.25 threshold.
+SAMPLE_CALLS = [
+    _sample_call("s1", 3, 2, 1, lora=False),
+    _sample_call("s2", 3, 2, 2, lora=True),
+    _sample_call("s3", 3, 2, 3, lora=False),
+    _sample_call("long", 1, 12, 4, lora=True),
+]
+
+
+@dataclass
+class Sampled:
+    """What a session's sampling calls answered."""
+
+    outputs: list[PhaseOutput | None] = field(default_factory=list)
+    tails: list[tuple[list[int], int, int]] = field(default_factory=list)
+    released: list[bool] = field(default_factory=list)
+    """Per call, whether it finished after the tail release."""
+    preempted: PhaseOutput | None = None
+    """The long call again, asked to yield at once (a preemption) and run to its end."""
+    preempt_told: list[tuple[list[int], int, int]] = field(default_factory=list)
+
+
+class _Resident:
+    """The edge of the sample loop here: every state is on the device already."""
+
+    async def onload(self, job_id: str) -> float:
+        return 0.0
+
+
+async def _sample_on(leader: Leader) -> Sampled:
+    """The worker's own CallRunner over the group: the co-batched sample loop with the
+    tail release, then a preempted batch."""
+    thread = EngineThread()
+    executor = GroupExecutor(leader, thread)
+    none: Any = None
+    runner = CallRunner(
+        executor=executor,
+        states=_Resident(),  # type: ignore[arg-type]
+        payloads=none,
+        checkpoints=none,
+        jobs=none,
+        store=none,
+    )
+    record = Sampled()
+
+    async def on_tail(running: list[int], remaining: int, total: int) -> None:
+        record.tails.append((running, remaining, total))
+
+    try:
+        await executor.install_sampler("sampler", StateSource(SAMPLER_KEY, "t"))
+        rans: list[Ran] = await runner.run_samples(
+            SAMPLE_CALLS, tail_threshold=0.25, on_tail=on_tail
+        )
+        record.outputs = [r.output for r in rans]
+        record.released = [r.tail_released_at is not None for r in rans]
+        asked = asyncio.Event()
+        asked.set()
+
+        async def told(running: list[int], remaining: int, total: int) -> None:
+            record.preempt_told.append((running, remaining, total))
+
+        (ran,) = await runner.run_samples(
+            [SAMPLE_CALLS[3]], tail_threshold=0.0, on_tail=told, release=asked
+        )
+        record.preempted = ran.output
+    finally:
+        thread.shutdown()
+    return record
+
 
 @dataclass
 class Session:
@@ -80,8 +203,11 @@ class Session:
     losses: dict[str, list[float]] = field(default_factory=dict)
     digests: dict[str, tuple[list[str], list[str]]] = field(default_factory=dict)
     swap_kept_state: dict[str, bool] = field(default_factory=dict)
+    disk_kept_state: dict[str, bool] = field(default_factory=dict)
+    disk_digests: dict[str, tuple[list[str], list[str]]] = field(default_factory=dict)
     final: dict[str, JobTensors] = field(default_factory=dict)
     restored: dict[str, JobTensors] = field(default_factory=dict)
+    sampled: Sampled = field(default_factory=Sampled)
     seconds: float = 0.0
 
 
@@ -101,13 +227,14 @@ def _step(leader: Leader, job: str, outputs: list[torch.Tensor], losses: list[fl
 
 
 def _session(
-    config: GroupConfig, registry: Path, snapshots: Path, restore_from: Path | None
+    config: GroupConfig, registry: Path, blobs: Path, name: str, restore_from: str | None
 ) -> Session:
-    """Create, train two steps (swapping out and back in between), snapshot; then
-    restore `restore_from`'s snapshots, if given, and gather them."""
+    """Create, train two steps (swapping out and back in between), snapshot as
+    `<name>/<job>`; then restore the snapshots of session `restore_from`, if given (a
+    key names its group size), and gather them."""
     record = Session()
     start = time.perf_counter()
-    with start_group(config, registry, ENGINE) as leader:
+    with start_group(config, registry, ENGINE, BlobPlace(directory=blobs)) as leader:
         for job, spec in SPECS.items():
             leader.create(job, spec)
             outputs: list[torch.Tensor] = []
@@ -123,15 +250,25 @@ def _session(
             leader.onload(job)
             record.digests[job] = (first, again)
             record.swap_kept_state[job] = _same(before, leader.gather(job))
+            # Device -> host -> disk -> device: every rank moves its own shard.
+            key = stored.set_key(f"{name}/offload-{job}", config.world_size)
+            out = leader.offload(job)
+            leader.write_manifest(key, leader.call(calls.SpillCall(job, key)))
+            leader.call(calls.FetchCall(job, key))
+            back = leader.onload(job)
+            record.disk_digests[job] = ([r.digest for r in out], [r.digest for r in back])
+            record.disk_kept_state[job] = _same(before, leader.gather(job))
             leader.optim_step(job, OptimStepInput(adam=ADAM))
             _step(leader, job, outputs, losses)
             record.outputs[job], record.losses[job] = outputs, losses
             record.final[job] = leader.gather(job)
-            leader.save(job, snapshots / job)
+            leader.save(job, stored.set_key(f"{name}/{job}", config.world_size))
         if restore_from is not None:
             for job in SPECS:
-                leader.restore(f"{job}-restored", restore_from / job)
+                (found,) = (blobs / restore_from).glob(f"{job}.ranks*/manifest.json")
+                leader.restore(f"{job}-restored", str(found.relative_to(blobs)))
                 record.restored[job] = leader.gather(f"{job}-restored")
+        record.sampled = asyncio.run(_sample_on(leader))
     record.seconds = time.perf_counter() - start
     return record
 
@@ -152,10 +289,42 @@ def sessions(tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory) -> d
     """Two 2-rank sessions and one 1-rank session: the 1-rank one restores the first
     pair's snapshots (2 -> 1), the second pair restores the 1-rank's (1 -> 2)."""
     root = tmp_path_factory.mktemp("group")
-    pair = _session(_config(2), tiny_registry, root / "pair", None)
-    solo = _session(_config(1), tiny_registry, root / "solo", root / "pair")
-    again = _session(_config(2), tiny_registry, root / "again", root / "solo")
+    engine = TorchEngine(ModelRegistry(tiny_registry), ENGINE)
+    engine.create("src", SPECS["lora"])
+    sampler = engine.export_state("src", optimizer=False, gradients=False)
+    (root / SAMPLER_KEY).parent.mkdir(parents=True)
+    (root / SAMPLER_KEY).write_bytes(state_to_bytes(sampler))
+    pair = _session(_config(2), tiny_registry, root, "pair", None)
+    solo = _session(_config(1), tiny_registry, root, "solo", "pair")
+    # Rank 1 joins as a rank on another host would: started on its own, it finds the
+    # leader's rendezvous at a fixed address and port (`launch.follow`).
+    port = free_port()
+    apart = dataclasses.replace(_config(2), local_ranks=1, master_port=port)
+    with _rank_on_its_own(1, apart, tiny_registry, root) as remote:
+        again = _session(apart, tiny_registry, root, "again", "solo")
+    assert remote.wait(timeout=60) == 0  # it left when the leader closed the group
     return {"pair": pair, "solo": solo, "again": again}
+
+
+@contextlib.contextmanager
+def _rank_on_its_own(
+    rank: int, config: GroupConfig, registry: Path, blobs: Path
+) -> Iterator[subprocess.Popen[bytes]]:
+    code = (
+        "from pathlib import Path\n"
+        "from plexrl_worker.engine import EngineConfig\n"
+        "from plexrl_worker.group import GroupConfig\n"
+        "from plexrl_worker.group.blobs import BlobPlace\n"
+        "from plexrl_worker.group.launch import follow\n"
+        f"follow({rank}, {config!r}, Path({str(registry)!r}), {ENGINE!r}, "
+        f"BlobPlace(directory=Path({str(blobs)!r})))\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.wait(timeout=60)
 
 
 @pytest.mark.parametrize("job", list(SPECS))
@@ -193,8 +362,6 @@ def test_two_ranks_agree_with_one_rank_within_tolerance(
 def test_one_rank_group_agrees_with_the_one_device_engine(
     sessions: dict[str, Session], tiny_registry: Path, job: str
 ) -> None:
-    from plexrl.models import ModelRegistry
-
     engine = TorchEngine(ModelRegistry(tiny_registry), ENGINE)
     engine.create(job, SPECS[job])
     losses = []
@@ -220,10 +387,67 @@ def test_per_shard_swap_round_trip_keeps_every_byte(sessions: dict[str, Session]
 
 
 @pytest.mark.parametrize("job", list(SPECS))
+def test_per_shard_round_trip_through_the_disk_tier_keeps_every_byte(
+    sessions: dict[str, Session], job: str
+) -> None:
+    for name in ("pair", "solo"):
+        out, back = sessions[name].disk_digests[job]
+        assert out == back and len(set(out)) == len(out)
+        assert sessions[name].disk_kept_state[job]
+
+
+def test_sampling_on_a_group_is_the_one_device_engines_co_batched_and_released_at_its_tail(
+    sessions: dict[str, Session], tiny_registry: Path
+) -> None:
+    # One thread, as each rank runs: attention's sums split over threads round otherwise.
+    threads = torch.get_num_threads()
+    engine = TorchEngine(ModelRegistry(tiny_registry), dataclasses.replace(ENGINE, num_threads=1))
+    try:
+        engine.create("src", SPECS["lora"])
+        state = engine.export_state("src", optimizer=False, gradients=False)
+        engine.install_sampler("sampler", state)
+        engine.drop("src")
+        alone = []
+        for call in SAMPLE_CALLS:
+            inp = call.payload
+            assert isinstance(inp, SampleInput)
+            alone.append(engine.sample(inp.weights_path or f"base:{MODEL}", inp))
+    finally:
+        torch.set_num_threads(threads)
+    for name in ("pair", "solo", "again"):
+        sampled = sessions[name].sampled
+        # Each call's samples, split over the ranks and co-batched with the others, are
+        # bit for bit what one device samples for it alone.
+        assert sampled.outputs == alone, name
+        # Released once, with the long call in its tail (each rank admits rows into its
+        # own batch, so which short calls are still going then depends on the group).
+        ((running, remaining, total),) = sampled.tails
+        assert 3 in running and remaining < 0.25 * total and total == 10, name
+        assert sampled.released[3] and not sampled.released[0], name
+        # Preempted (asked to yield before its first step): told at once, same samples.
+        assert sampled.preempt_told == [([0], 1, 1)] and sampled.preempted == alone[3], name
+
+
+@pytest.mark.parametrize("job", list(SPECS))
 def test_snapshots_restore_onto_another_group_size(sessions: dict[str, Session], job: str) -> None:
     # 2 ranks -> 1 rank, and 1 rank -> 2 ranks: the same whole state, bit for bit.
     assert _same(sessions["solo"].restored[job], sessions["pair"].final[job])
     assert _same(sessions["again"].restored[job], sessions["solo"].final[job])
+
+
+def test_the_worker_settings_describe_a_group_across_hosts() -> None:
+    from plexrl.settings import WorkerSettings
+    from plexrl_worker.components import group_config, rank_devices
+
+    settings = WorkerSettings(
+        worker_ranks=4, worker_local_ranks=2, worker_rendezvous_port=29500, worker_threads=1
+    )
+    config = group_config(settings)
+    assert (config.world_size, config.started_here, config.master_port) == (4, 2, 29500)
+    assert config.backend == "gloo" and rank_devices(settings) == ["cpu"] * 4
+    with pytest.raises(ValueError, match="PLEXRL_WORKER_RENDEZVOUS_PORT"):
+        group_config(WorkerSettings(worker_ranks=4, worker_local_ranks=2))
+    assert rank_devices(WorkerSettings()) == ["cpu"]
 
 
 def test_bad_input_is_refused_by_every_rank_and_the_group_goes_on(tiny_registry: Path) -> None:
@@ -278,7 +502,7 @@ def test_two_cuda_ranks_train_and_reshard(
     tiny_registry: Path, tmp_path: Path, sessions: dict[str, Session]
 ) -> None:
     config = GroupConfig(world_size=2, device_type="cuda", start_method="spawn")
-    cuda = _session(config, tiny_registry, tmp_path / "cuda", None)
+    cuda = _session(config, tiny_registry, tmp_path, "cuda", None)
     for job in SPECS:
         assert cuda.digests[job][0] == cuda.digests[job][1]
         worst = max(

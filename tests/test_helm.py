@@ -353,11 +353,25 @@ def test_worker_groups_are_a_statefulset_of_gpu_pods(helm: Path) -> None:
     assert env_of(cpu)["PLEXRL_WORKER_DEVICE"]["value"] == "cpu"
 
 
-def test_multi_rank_groups_are_refused_until_built(helm: Path) -> None:
-    result = run_helm(
-        helm, "template", "plexrl", str(CHART), *REQUIRED, "--set", "gpuWorker.ranksPerGroup=2"
+def test_a_multi_rank_group_runs_its_ranks_in_one_pod_one_gpu_each(helm: Path) -> None:
+    workers = find(
+        render(helm, *REQUIRED, "--set", "gpuWorker.ranksPerGroup=4"), "StatefulSet", "gpu-worker"
     )
-    assert result.returncode != 0 and "multi-rank worker groups are not built" in result.stderr
+    container = main_container(workers)
+    assert env_of(container)["PLEXRL_WORKER_RANKS"]["value"] == "4"
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 4
+    result = run_helm(
+        helm,
+        "template",
+        "plexrl",
+        str(CHART),
+        *REQUIRED,
+        "--set",
+        "gpuWorker.ranksPerGroup=2",
+        "--set",
+        "gpuWorker.gpusPerRank=2",
+    )
+    assert result.returncode != 0 and "each rank runs on one GPU" in result.stderr
 
 
 def test_state_store_keeps_its_blobs_on_a_claim(helm: Path) -> None:

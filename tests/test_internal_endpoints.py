@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -26,19 +24,8 @@ KEY = "tml-internal"
 
 
 @pytest.fixture(scope="module")
-def cluster(
-    infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[LocalCluster]:
-    config = ClusterConfig.on_free_ports(
-        tiny_registry,
-        tmp_path_factory.mktemp("internal"),
-        "iep",
-        workers=1,
-        api_keys=f"{KEY}=acme",
-        worker_threads=1,
-    )
-    with LocalCluster(config) as running:
-        yield running
+def cluster(shared_services: LocalCluster) -> LocalCluster:
+    return shared_services
 
 
 def internal_urls(c: ClusterConfig) -> list[str]:

@@ -1,29 +1,32 @@
-"""A numbered call whose record fails under it (Redis or Kafka gone between running it
-and committing it) is never applied twice: the worker's copy of the job is dropped, so
-the redelivery restores from the ledger instead of running the call again on top of
-itself. The fault suite (tests/test_faults.py, the `redis` kill) found this; here the
-rule alone, with the ledger, recovery, runner and recorder at the edge stood in for."""
+"""Numbered calls, the rule alone, with the ledger, recovery, runner and recorder at the
+edge stood in for. A call whose record fails under it (Redis or Kafka gone between
+running it and committing it) is never applied twice: the worker's copy of the job is
+dropped, so the redelivery restores from the ledger instead of running the call again
+on top of itself (the fault suite's `redis` kill found this). A dispatch reads its
+job's ledger head once; a job re-homed before or during the dispatch has none of its
+later calls answered here."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import redis.exceptions
 
-from plexrl.ledger import LedgerState
+from plexrl.ledger import Committed, LedgerState
 from plexrl.messages import (
     AdamParams,
     ForwardBackwardInput,
     Function,
     LossFn,
     OptimStepInput,
+    PhaseCompletion,
     PhaseRequest,
 )
 from plexrl.state_store_client import Fence
-from plexrl_worker.recovery import NumberedCalls
+from plexrl_worker.numbering import NumberedCalls
 from plexrl_worker.runner import Ran
 
 
@@ -31,9 +34,19 @@ class Ledger:
     def __init__(self) -> None:
         self.applied = 4
         self.epoch = 1
+        self.heads_read = 0
 
     async def head(self, job_id: str) -> LedgerState:
+        self.heads_read += 1
         return LedgerState(epoch=self.epoch, owner="worker-0", applied=self.applied)
+
+    async def commit(
+        self, job_id: str, epoch: int, seq: int, completion: PhaseCompletion, logged: Any
+    ) -> Committed:
+        if epoch != self.epoch:
+            return Committed.FENCED
+        self.applied = seq
+        return Committed.OK
 
 
 class Recovery:
@@ -109,15 +122,29 @@ def _forward_backward(request_id: str = "r5") -> PhaseRequest:
     )
 
 
+def _dispatch(calls: NumberedCalls, epoch: int, *numbered: tuple[PhaseRequest, int]) -> bool:
+    """Run a dispatch's numbered calls as the pipeline does; False if its turn was stale."""
+
+    async def run() -> bool:
+        turn = await calls.open("job", epoch)
+        if turn is None:
+            return False
+        for n, (request, seq) in enumerate(numbered):
+            await calls.run(turn, request, seq, f"d{epoch}", n == len(numbered) - 1)
+        return True
+
+    return asyncio.run(run())
+
+
 def test_a_call_whose_record_failed_is_restored_not_run_again_on_its_own_effect() -> None:
     ledger, recovery = Ledger(), Recovery()
     calls = _calls(ledger, recovery, Recorder(ledger))
     request = _forward_backward()
     with pytest.raises(redis.exceptions.ConnectionError):
-        asyncio.run(calls.run(request, 5, 1, "d1", True))
+        _dispatch(calls, 1, (request, 5))
     assert recovery.events == ["run", "forget"]
     # The consumer delivers the dispatch again: the copy is rebuilt first.
-    asyncio.run(calls.run(request, 5, 1, "d1", True))
+    _dispatch(calls, 1, (request, 5))
     assert recovery.events == ["run", "forget", "restore", "run"]
     assert ledger.applied == 5 and calls.applied == 1
     # What the call writes in the state-store carries its lease: the job and epoch 1.
@@ -125,20 +152,46 @@ def test_a_call_whose_record_failed_is_restored_not_run_again_on_its_own_effect(
 
 
 class Answers:
-    """Records every answer the worker gives (Redis and Kafka up)."""
+    """Records every answer the worker gives (Redis and Kafka up), committing first as
+    the real recorder does."""
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
         self.answered: list[str] = []
+        self.before_commit: Any = None
 
-    async def record(self, request: PhaseRequest, ran: Ran, *args: Any, **kwargs: Any) -> bool:
+    async def record(
+        self, request: PhaseRequest, ran: Ran, *args: Any, commit: Any = None, **kwargs: Any
+    ) -> bool:
+        if self.before_commit is not None:
+            self.before_commit()
+        if commit is not None and not await commit(cast(PhaseCompletion, None)):
+            return False
         self.answered.append(request.request_id)
-        if ran.error is None:
-            self.ledger.applied += 1
         return True
 
 
-def test_calls_of_a_dispatch_re_homed_under_it_are_left_to_the_new_home() -> None:
+def _optim(request_id: str = "r6") -> PhaseRequest:
+    return PhaseRequest(
+        request_id=request_id,
+        job_id="job",
+        tenant="t",
+        function=Function.OPTIM_STEP,
+        payload=OptimStepInput(adam=AdamParams()),
+        arrival_time=time.time(),
+    )
+
+
+def test_a_dispatch_reads_its_jobs_ledger_head_once() -> None:
+    ledger, recovery = Ledger(), Recovery()
+    answers = Answers(ledger)
+    calls = _calls(ledger, recovery, answers)
+    assert _dispatch(calls, 1, (_forward_backward(), 5), (_optim(), 6))
+    assert answers.answered == ["r5", "r6"] and ledger.applied == 6
+    assert ledger.heads_read == 1
+
+
+def test_calls_of_a_dispatch_re_homed_before_it_ran_are_left_to_the_new_home() -> None:
     # The fault suite (broker killed: both workers missed heartbeats and were re-homed)
     # saw call 6 answered with "arrived before call 5" by the old home, whose call 5 had
     # just been fenced: the later calls of a stale dispatch must not be answered at all.
@@ -146,19 +199,25 @@ def test_calls_of_a_dispatch_re_homed_under_it_are_left_to_the_new_home() -> Non
     answers = Answers(ledger)
     calls = _calls(ledger, recovery, answers)
     ledger.epoch = 2  # re-homed after the dispatch (epoch 1) was issued
-    optim = PhaseRequest(
-        request_id="r6",
-        job_id="job",
-        tenant="t",
-        function=Function.OPTIM_STEP,
-        payload=OptimStepInput(adam=AdamParams()),
-        arrival_time=time.time(),
-    )
-    asyncio.run(calls.run(_forward_backward(), 5, 1, "d1", False))
-    asyncio.run(calls.run(optim, 6, 1, "d1", True))
+    assert not _dispatch(calls, 1, (_forward_backward(), 5), (_optim(), 6))
     assert answers.answered == [] and "run" not in recovery.events
-    assert calls.fenced == 2 and ledger.applied == 4
+    assert calls.fenced == 1 and ledger.applied == 4
     # Under the current epoch (the new home) the same calls run in order.
-    asyncio.run(calls.run(_forward_backward(), 5, 2, "d2", False))
-    asyncio.run(calls.run(optim, 6, 2, "d2", True))
+    assert _dispatch(calls, 2, (_forward_backward(), 5), (_optim(), 6))
     assert answers.answered == ["r5", "r6"] and ledger.applied == 6
+
+
+def test_calls_of_a_dispatch_re_homed_while_it_ran_are_left_to_the_new_home() -> None:
+    ledger, recovery = Ledger(), Recovery()
+    answers = Answers(ledger)
+    calls = _calls(ledger, recovery, answers)
+
+    def re_home() -> None:  # the job moves while call 5 runs, before it commits
+        ledger.epoch = 2
+        answers.before_commit = None
+
+    answers.before_commit = re_home
+    assert _dispatch(calls, 1, (_forward_backward(), 5), (_optim(), 6))
+    # Call 5 ran on the old copy but its commit was refused; call 6 never ran.
+    assert answers.answered == [] and recovery.events == ["run", "forget"]
+    assert calls.fenced == 1 and ledger.applied == 4

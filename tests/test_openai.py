@@ -3,18 +3,16 @@ evaluation client PlexRL did not write (EleutherAI's lm-evaluation-harness, inst
 beside .venv by scripts/eval_client.sh), against all four services on the real Kafka and
 Redis, over a tiny model built here.
 
-One cluster for the module. Its registry holds the tiny Qwen3 (with an alias and its
-ChatML template) and a copy whose tokenizer has no chat template.
+On the session's shared cluster, whose registry holds the tiny Qwen3 (with aliases and
+its ChatML template) and a copy whose tokenizer has no chat template.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +27,7 @@ from tinker import types
 from transformers import AutoTokenizer
 
 from plexrl.cluster import ClusterConfig, LocalCluster
-from plexrl.models import PLEXRL_JSON, init_tiny
+from tests.conftest import SHARED_ALIASES, SHARED_NO_CHAT
 
 pytestmark = pytest.mark.integration
 
@@ -57,31 +55,13 @@ class Served:
         return openai.OpenAI(base_url=self.oai_url, api_key=key, max_retries=0, timeout=300)
 
 
-def _without_chat_template(src: Path, dst: Path, name: str) -> None:
-    shutil.copytree(src, dst)
-    (dst / PLEXRL_JSON).write_text(json.dumps({"name": name}))
-    (dst / "chat_template.jinja").unlink(missing_ok=True)
-    config = dst / "tokenizer_config.json"
-    data = json.loads(config.read_text())
-    data.pop("chat_template", None)
-    config.write_text(json.dumps(data))
-
-
 @pytest.fixture(scope="module")
-def served(infra: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    root = tmp_path_factory.mktemp("openai-models")
-    init_tiny(root / "tiny", aliases=[ALIAS])
-    _without_chat_template(root / "tiny", root / "nochat", NO_CHAT)
-    assert AutoTokenizer.from_pretrained(root / "nochat").chat_template is None
-    config = ClusterConfig.on_free_ports(
-        root,
-        tmp_path_factory.mktemp("openai-cluster"),
-        "oai",
-        api_keys=f"{KEY}={TENANT}",
-        worker_threads=1,
-    )
-    with LocalCluster(config):
-        yield Served(config, root)
+def served(shared_services: LocalCluster, shared_registry: Path) -> Served:
+    """The session's shared cluster: its tiny Qwen3 also answers to ALIAS, and NO_CHAT is
+    a copy whose tokenizer has no chat template (tests/conftest.py)."""
+    assert ALIAS in SHARED_ALIASES and NO_CHAT == SHARED_NO_CHAT
+    assert AutoTokenizer.from_pretrained(shared_registry / "nochat").chat_template is None
+    return Served(shared_services.config, shared_registry)
 
 
 def test_models_lists_served_names_and_aliases(served: Served) -> None:

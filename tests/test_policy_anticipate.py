@@ -12,7 +12,6 @@ from plexrl.policy import (
     Run,
     WorkerView,
     decide,
-    decide_until,
 )
 
 GB = 10**9
@@ -52,14 +51,14 @@ def test_the_group_waits_for_a_bursting_jobs_next_call_then_serves_the_other() -
     # a's call ended at 100.00 and its last gap was 20 ms: hold until 100.04.
     a, b = job("a", last_active=100.0, gap=0.02), job("b", last_active=50.0)
     s = snap([a, b], [b_call()], now=100.01)
-    assert runs(decide(s, CFG)) == []
-    assert decide_until(s, CFG)[1] == 100.04
+    assert runs(decide(s, CFG).plan) == []
+    assert decide(s, CFG).wake_at == 100.04
     # a's call arrived: it runs (and b still waits behind it, as the policy orders).
     s = snap([a, b], [b_call(), PendingCall("a/2", "a", Function.FORWARD_BACKWARD, 100.02)], 100.02)
-    assert decide_until(s, CFG)[1] is None
-    assert runs(decide(s, CFG))
+    assert decide(s, CFG).wake_at is None
+    assert runs(decide(s, CFG).plan)
     # a did not come back in time: b runs.
-    assert runs(decide(snap([a, b], [b_call()], now=100.05), CFG)) == ["b"]
+    assert runs(decide(snap([a, b], [b_call()], now=100.05), CFG).plan) == ["b"]
 
 
 def test_no_hold_after_a_stall_an_idle_hint_or_off_the_device_or_under_fifo() -> None:
@@ -71,21 +70,22 @@ def test_no_hold_after_a_stall_an_idle_hint_or_off_the_device_or_under_fifo() ->
         job("a", last_active=100.0),  # no gap seen yet
     ):
         s = snap([a, b], [b_call()], now=100.01)
-        assert runs(decide(s, CFG)) == ["b"], a
+        assert runs(decide(s, CFG).plan) == ["b"], a
     a = job("a", last_active=100.0, gap=0.02)
     s = snap([a, b], [b_call()], now=100.01)
-    assert runs(decide(s, PolicyConfig(name="fifo", hold_s=0.1))) == ["b"]
-    assert runs(decide(s, PolicyConfig(name="plexrl"))) == ["b"]  # hold_s 0: off
+    assert runs(decide(s, PolicyConfig(name="fifo", hold_s=0.1)).plan) == ["b"]
+    assert runs(decide(s, PolicyConfig(name="plexrl", hold_s=0.0)).plan) == ["b"]  # off
     long = job("a", last_active=100.0, gap=0.02, burst_s=10.0)  # a quantum of burst
-    assert runs(decide(snap([long, b], [b_call()], now=100.01), CFG)) == ["b"]
+    assert runs(decide(snap([long, b], [b_call()], now=100.01), CFG).plan) == ["b"]
 
 
 def test_the_bursting_jobs_call_goes_first_though_the_other_waited_longer() -> None:
     a, b = job("a", last_active=100.0, gap=0.02), job("b", last_active=50.0)
     calls = [b_call(99.0), PendingCall("a/2", "a", Function.FORWARD_BACKWARD, 100.02)]
-    assert runs(decide(snap([a, b], calls, now=100.02), CFG))[0] == "a"
+    assert runs(decide(snap([a, b], calls, now=100.02), CFG).plan)[0] == "a"
     # Without anticipation the older call (b's) goes first at equal work.
-    assert runs(decide(snap([a, b], calls, now=100.02), PolicyConfig(name="plexrl")))[0] == "b"
+    off = PolicyConfig(name="plexrl", hold_s=0.0)
+    assert runs(decide(snap([a, b], calls, now=100.02), off).plan)[0] == "b"
 
 
 def test_a_burst_of_long_calls_neither_holds_the_group_nor_cuts_ahead_of_short_work() -> None:
@@ -99,11 +99,11 @@ def test_a_burst_of_long_calls_neither_holds_the_group_nor_cuts_ahead_of_short_w
     a = job("a", last_active=100.0, gap=0.02, estimates=rollout, step_calls=steps)
     b = job("b", last_active=50.0, estimates=short)
     s = snap([a, b], [b_call()], now=100.01)
-    assert decide_until(s, CFG)[1] is None and runs(decide(s, CFG)) == ["b"]  # no hold
+    assert decide(s, CFG).wake_at is None and runs(decide(s, CFG).plan) == ["b"]  # no hold
     # a's rollout arrived: b's shorter call goes first all the same.
     calls = [b_call(99.0), PendingCall("a/2", "a", Function.SAMPLE, 100.02)]
-    assert runs(decide(snap([a, b], calls, now=100.02), CFG))[0] == "b"
+    assert runs(decide(snap([a, b], calls, now=100.02), CFG).plan)[0] == "b"
     # Like work (within BURST_TOLERANCE) keeps run to completion.
     like = job("a", last_active=100.0, gap=0.02, estimates=short, step_calls=steps[1:2])
     calls = [b_call(99.0), PendingCall("a/2", "a", Function.FORWARD_BACKWARD, 100.02)]
-    assert runs(decide(snap([like, b], calls, now=100.02), CFG))[0] == "a"
+    assert runs(decide(snap([like, b], calls, now=100.02), CFG).plan)[0] == "a"

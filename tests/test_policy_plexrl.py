@@ -20,6 +20,7 @@ from plexrl.policy import (
     WorkerView,
     plan,
 )
+from plexrl.policy.costs import SharingCosts
 from plexrl.policy.plexrl_policy import (
     InterferenceFit,
     call_residual_s,
@@ -89,6 +90,22 @@ def test_predicted_slowdown_matches_the_formula():
     assert predicted_slowdown(a, [b]) == pytest.approx(wait / 500 / (1 - 0.3 / 2))
     assert predicted_slowdown(a, []) == 0.0
     assert predicted_slowdown(a, [job("c", duty=1.0)]) == float("inf")
+
+
+def test_the_costs_of_sharing_add_to_the_waits():
+    costs = SharingCosts(switch_s=1.0, tail_min_share=0.25, tail_contention=1.25)
+    a, b = job("a", duty=0.2, tail_s=30.0), job("b", duty=0.3, tail_s=20.0)
+    # a's step is 500 s (sample 60, training 40), b's 333.3 s. Switches: a's two phases
+    # each follow a Run of b (b starts 2 phases per 333 s, 3 in a's 500 s): 2 s. a's
+    # 100 busy seconds fall in b's 20 s tail (or queue behind b's 60 s sample) 80 / 333.3
+    # of the time, at a third slower: 8 s. b's Runs overlap a's 30 s tail: 100 / 333.3 of
+    # it at random, and b's phases queued behind a's 60 s sample start with it:
+    # (30 + 30) x 60 / 333.3; 9 + 10.8 = 19.8 s, each costing 1 - 1 / 1.25: 3.96 s.
+    extra = 2.0 + 8.0 + 3.96
+    free = predicted_slowdown(a, [b])
+    assert predicted_slowdown(a, [b], costs) == pytest.approx(free + extra / 500)
+    # Free costs predict the waits alone.
+    assert predicted_slowdown(a, [b], SharingCosts(0.0, 0.0, 1.0)) == pytest.approx(free)
 
 
 def test_interference_grows_with_neighbours_and_their_load():

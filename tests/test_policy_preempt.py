@@ -58,8 +58,8 @@ def test_a_long_batch_yields_to_a_short_training_call() -> None:
     s = snap([job("a"), job("b", estimates=TRAIN)], [fb("b")])
     assert preemptions(s, CFG) == (Preempt("g0", "a", "b"),)
     # The live decision carries it (the plexrl policy only).
-    assert Preempt("g0", "a", "b") in decide(s, CFG)
-    assert not [x for x in decide(s, PolicyConfig(name="fifo")) if isinstance(x, Preempt)]
+    assert Preempt("g0", "a", "b") in decide(s, CFG).plan
+    assert not [x for x in decide(s, PolicyConfig(name="fifo")).plan if isinstance(x, Preempt)]
 
 
 def test_no_yield_when_the_waiting_work_is_not_short_beside_the_rest() -> None:

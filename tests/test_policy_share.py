@@ -20,6 +20,7 @@ from plexrl.policy import (
     decide,
     plan,
 )
+from plexrl.policy.costs import SharingCosts
 from plexrl.policy.history import RecentUse
 from plexrl.policy.share import tenant_order
 
@@ -258,8 +259,9 @@ def test_one_tenants_placement_is_unchanged() -> None:
 
 
 def test_packing_prefers_a_group_of_the_jobs_own_tenant() -> None:
-    # g0 holds tenant ta's job, g1 tenant tb's, both light enough to share within budget;
-    # g0 is the fuller. A new tb job packs beside tb; tenant-blind, onto the fuller g0.
+    # g0 holds tenant ta's job, g1 tenant tb's, both light enough to share within budget
+    # (on engines that switch jobs for free); g0 is the fuller. A new tb job packs beside
+    # tb; tenant-blind, onto the fuller g0.
     quiet = CallEstimates({FB: 0.05, Function.SAMPLE: 0.05})
     jobs = [
         job("a", "ta", estimates=quiet, duty_cycle=0.03),
@@ -267,8 +269,9 @@ def test_packing_prefers_a_group_of_the_jobs_own_tenant() -> None:
         job("new", "tb", home=None, estimates=quiet, duty_cycle=0.02),
     ]
     s = snap(jobs, [call("new", 99.0)], groups=2)
-    assert _admitted(s, PolicyConfig(name="plexrl", pack=True)) == {"new": "g1"}
-    assert _admitted(s, replace(BLIND, pack=True)) == {"new": "g0"}
+    free = SharingCosts(switch_s=0.0)
+    assert _admitted(s, PolicyConfig(name="plexrl", pack=True, sharing=free)) == {"new": "g1"}
+    assert _admitted(s, replace(BLIND, pack=True, sharing=free)) == {"new": "g0"}
 
 
 # Anticipation -----------------------------------------------------------------------------
@@ -280,11 +283,11 @@ def test_no_hold_for_a_tenant_that_had_its_turn_while_another_waits() -> None:
     b = job("b", "tb", last_active=100.0, last_started=99.0, last_gap_s=0.02, estimates=LIGHT)
     a = job("a", "ta", last_active=50.0, estimates=LIGHT)
     s = snap([a, b], [call("a", 98.0)], now=100.01)
-    assert [r.job_id for r in runs(decide(s, held))] == ["a"]
-    assert runs(decide(s, replace(held, fair_share=False))) == []  # held for b
+    assert [r.job_id for r in runs(decide(s, held).plan)] == ["a"]
+    assert runs(decide(s, replace(held, fair_share=False)).plan) == []  # held for b
     # The same tenant's waiting call: b's burst is held for as before.
     mine = replace(a, tenant="tb")
-    assert runs(decide(snap([mine, b], [call("a", 98.0)], now=100.01), held)) == []
+    assert runs(decide(snap([mine, b], [call("a", 98.0)], now=100.01), held).plan) == []
 
 
 def test_recent_use_halves_every_half_life() -> None:

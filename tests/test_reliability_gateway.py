@@ -63,12 +63,22 @@ class CrashingPublisher:
     sends: int = 0
 
     async def publish(self, topic: str, key: str | bytes | None, message: Any) -> None:
+        await (await self.publish_deferred(topic, key, message))
+
+    async def publish_deferred(self, topic: str, key: str | bytes | None, message: Any) -> Any:
         self.sends += 1
         if self.sends == self.crash_before:
             raise GatewayCrash(f"died before send {self.sends}")
-        await self.real.publish(topic, key, message)
-        if self.sends == self.crash_after:
-            raise GatewayCrash(f"died after send {self.sends}")
+        ack = await self.real.publish_deferred(topic, key, message)
+        if self.sends != self.crash_after:
+            return ack
+        sends = self.sends
+
+        async def acked_then_died() -> None:
+            await ack
+            raise GatewayCrash(f"died after send {sends}")
+
+        return acked_then_died()
 
     async def ping(self, timeout_s: float = 2.0) -> bool:
         return await self.real.ping(timeout_s)
@@ -237,9 +247,12 @@ class AwayPublisher:
     away: bool = False
 
     async def publish(self, topic: str, key: str | bytes | None, message: Any) -> None:
+        await (await self.publish_deferred(topic, key, message))
+
+    async def publish_deferred(self, topic: str, key: str | bytes | None, message: Any) -> Any:
         if self.away:
             raise KafkaConnectionError("broker unreachable")
-        await self.real.publish(topic, key, message)
+        return await self.real.publish_deferred(topic, key, message)
 
     async def ping(self, timeout_s: float = 2.0) -> bool:
         return not self.away

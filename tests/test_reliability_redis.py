@@ -87,8 +87,7 @@ async def test_metadata_survives_a_redis_restart_and_lost_records_are_rebuilt(
         assert (await http.post("/v1/checkpoints", json=record, headers=alice)).is_success
     states = StateManager(
         worker_id="worker-0",
-        engine=None,  # type: ignore[arg-type]  # no state moves here, only their records
-        thread=None,  # type: ignore[arg-type]
+        executor=None,  # type: ignore[arg-type]  # no state moves here, only their records
         residency=stores.residency,
         store=None,  # type: ignore[arg-type]
         publisher=QuietPublisher(),  # type: ignore[arg-type]

@@ -43,6 +43,7 @@ from plexrl.stores import Stores
 from plexrl_worker.engine import EngineConfig, TorchEngine
 from plexrl_worker.engine.state import state_to_bytes
 from plexrl_worker.engine_thread import EngineThread
+from plexrl_worker.executor import LocalExecutor
 from plexrl_worker.runner import CallRunner
 
 BASE = "plexrl/tiny-qwen3"
@@ -131,8 +132,7 @@ async def test_a_save_leaves_the_event_loop_free_while_the_state_is_serialised(
     thread = EngineThread()
     store = StateStoreClient(served)
     runner = CallRunner(
-        engine=engine,
-        thread=thread,
+        executor=LocalExecutor(engine, thread, store),
         states=cast(Any, _Resident()),
         payloads=stores.payloads,
         checkpoints=stores.checkpoints,

@@ -3,14 +3,19 @@ written once per poll, and passes that skip clock-paced steps. Fake clock, no Ka
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+import redis.asyncio as aioredis
 from aiokafka import TopicPartition
+from msgspec.structs import replace
 from opentelemetry.context import Context
 
 from plexrl.kafka import Delivery
+from plexrl.ledger import Ledger
 from plexrl.messages import (
     CompletionStatus,
+    Dispatch,
     Function,
     JobSpec,
     NoopInput,
@@ -19,10 +24,13 @@ from plexrl.messages import (
     Timings,
     WorkerHeartbeat,
 )
-from plexrl.policy import PolicyConfig, Run, decide_holding
+from plexrl.policy import PolicyConfig, Run, decide
+from plexrl.topics import Topics
+from plexrl_scheduler.actuator import Actuator
 from plexrl_scheduler.loop import ControlLoop, Step
 from plexrl_scheduler.main import Pace
 from plexrl_scheduler.offsets import OffsetTracker
+from plexrl_scheduler.pipeline import FollowUps, PipelineConfig
 from plexrl_scheduler.receiver import Receiver
 from plexrl_scheduler.state import ClusterState
 
@@ -103,8 +111,8 @@ def test_an_event_touches_only_its_group_and_its_decision_matches_the_whole_one(
     part = state.snapshot({"w1"})
     assert set(part.workers) == {"w1"} and set(part.jobs) == {"c"}
     assert [c.request_id for c in part.pending] == ["r1", "r3"]  # in the queue's order
-    whole, _ = decide_holding(state.snapshot(), POLICY)
-    one, _ = decide_holding(part, POLICY)
+    whole = decide(state.snapshot(), POLICY).plan
+    one = decide(part, POLICY).plan
     assert runs(one) == [r for r in runs(whole) if r[0] == "w1"] == [("w1", "c", ("r1", "r3"))]
 
 
@@ -220,3 +228,89 @@ def test_whole_decisions_take_at_most_their_share_of_the_time() -> None:
     pace.decided(False, 0.001)  # decisions on touched groups do not move it
     clock.t += 0.1
     assert pace.whole_now() and pace.wait_s(whole_due=True) == 0.0
+
+
+class Producer:
+    """The actuator's Kafka edge: records the dispatches it would send."""
+
+    def __init__(self) -> None:
+        self.sent: list[Dispatch] = []
+
+    async def publish(self, topic: str, key: Any, message: Any) -> None:
+        self.sent.append(message)
+
+
+def follow_ups(state: ClusterState, depth: int = 2) -> tuple[FollowUps, Producer]:
+    producer = Producer()
+    actuator = Actuator(
+        state,
+        producer,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]  # no admissions here
+        None,  # type: ignore[arg-type]  # no refusals here
+        Topics("t"),
+        finished=lambda _: asyncio.sleep(0),
+        ledger=Ledger(aioredis.Redis(), "t"),  # NOOPs: nothing to number
+    )
+    return FollowUps(state, actuator, PipelineConfig(depth=depth, max_calls=8)), producer
+
+
+async def test_a_running_jobs_next_calls_follow_its_dispatch_when_no_other_job_waits() -> None:
+    clock = Clock()
+    state = two_groups(clock)
+    state.apply_admit("a", "w0", epoch=1)
+    for n in range(3):
+        state.on_request(req(f"r{n}", "a"), None)
+    state.apply_run("d1", "w0", "a", state.take_pending(("r0",)), ())
+    pipeline, producer = follow_ups(state)
+    await pipeline.step()
+    ((sent,),) = [producer.sent]
+    assert [c.request_id for c in sent.calls] == ["r1", "r2"] and sent.worker_id == "w0"
+    assert sent.lease is not None and sent.lease.epoch == 1
+    state.on_request(req("r3", "a"), None)
+    await pipeline.step()
+    assert len(producer.sent) == 1  # two dispatches in flight: the depth
+    for n in range(3):
+        state.on_completion(done(f"r{n}", "a", 0.01, clock.t))
+        assert ("w0" in state.inflight) == (n < 2)  # free once the follow-up is answered
+    assert state.take_freed()["w0"].dispatches == 2
+
+
+async def test_no_call_follows_while_another_job_waits_for_the_worker_or_past_a_sample() -> None:
+    clock = Clock()
+    state = two_groups(clock)
+    state.apply_admit("a", "w0", epoch=1)
+    for rid, fn in (("r0", Function.NOOP), ("r1", Function.NOOP), ("r2", Function.SAMPLE)):
+        state.on_request(replace(req(rid, "a"), function=fn), None)
+    state.apply_run("d1", "w0", "a", state.take_pending(("r0",)), ())
+    assert state.follow_up_calls("w0", 8) == ["r1"]  # the sample is the policy's to batch
+    state.on_request(req("rb", "b"), None)  # another job homed on w0 now waits
+    pipeline, producer = follow_ups(state)
+    await pipeline.step()
+    assert producer.sent == [] and state.follow_up_calls("w0", 8) == []
+
+
+def test_a_follow_up_whose_dispatch_ended_while_it_was_numbered_is_a_dispatch_of_its_own() -> None:
+    clock = Clock()
+    state = two_groups(clock)
+    state.apply_admit("a", "w0", epoch=1)
+    for n in range(2):
+        state.on_request(req(f"r{n}", "a"), None)
+    state.apply_run("d1", "w0", "a", state.take_pending(("r0",)), ())
+    taken = state.take_pending(tuple(state.follow_up_calls("w0", 8)))
+    state.on_completion(done("r0", "a", 0.01, clock.t))  # (while the ledger numbered r1)
+    state.apply_follow_up("d2", "w0", "a", taken)
+    assert state.inflight["w0"].dispatch_id == "d2" and state.dispatched("r1")
+    state.on_completion(done("r1", "a", 0.01, clock.t))
+    assert "w0" not in state.inflight and not state.knows_request("r1")
+
+
+def test_a_groups_call_is_charged_to_every_rank_of_it() -> None:
+    from plexrl_scheduler.receiver import UsageDue
+
+    due = UsageDue()
+    due.add(done("r1", "a", compute_s=1.0, finished_at=5.0), devices=2)
+    due.add(done("r2", "a", compute_s=0.5, finished_at=6.0))
+    fields, first, last = due.take()["a"]
+    # Seconds the group held: (0.25 + 1.0) on 2 ranks, then (0.25 + 0.5) on one.
+    assert fields["device_s"] == 2 * 1.25 + 0.75 and fields["compute_s"] == 1.5
+    assert (first, last) == (5.0, 6.0) and fields["calls"] == 2.0

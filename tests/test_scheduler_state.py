@@ -312,7 +312,8 @@ def _sampling(state: ClusterState) -> None:
 
 
 def test_a_tail_release_frees_the_worker_and_pins_the_straggling_jobs() -> None:
-    state = ClusterState(clock=Clock())
+    clock = Clock()
+    state = ClusterState(clock=clock)
     _sampling(state)
     state.on_completion(done("a1", "a", fn=Function.SAMPLE))
     assert state.on_tail_released(_tail("w0", "d1", ["a2", "b1"], ["a", "b"]))
@@ -325,8 +326,22 @@ def test_a_tail_release_frees_the_worker_and_pins_the_straggling_jobs() -> None:
     assert state.on_completion(done("b1", "b", fn=Function.SAMPLE)) == delivery(2)
     assert state.on_completion(done("c1", "c")) == delivery(3)
     assert "w0" not in state.inflight and state.snapshot().jobs["a"].pinned
+    clock.t += 4.0
     state.on_completion(done("a2", "a", fn=Function.SAMPLE))
     assert not state.tails and not state.snapshot().jobs["a"].pinned
+    # How long the stragglers took after the release reaches the policy (b's answer came
+    # at the release, a's 4 s after it).
+    assert state.snapshot().jobs["a"].tail_s == pytest.approx(4.0)
+
+
+def test_a_co_sampled_job_is_pinned_while_its_call_runs_in_another_jobs_dispatch() -> None:
+    state = ClusterState(clock=Clock())
+    _sampling(state)  # b's sample rides in a's dispatch
+    snap = state.snapshot()
+    assert snap.workers["w0"].running == "a" and snap.jobs["b"].pinned
+    assert not snap.jobs["a"].pinned and not snap.jobs["c"].pinned
+    state.on_completion(done("b1", "b", fn=Function.SAMPLE))
+    assert not state.snapshot().jobs["b"].pinned
 
 
 def test_a_late_tail_event_is_ignored_and_a_lost_worker_requeues_its_tails() -> None:
@@ -460,3 +475,25 @@ def test_a_jobs_engine_use_and_last_dispatch_reach_the_snapshot() -> None:
     assert view["a"].tenant == "t" and view["b"].tenant == "u"
     clock.t += 60  # one half-life
     assert state.snapshot().jobs["a"].used_s == pytest.approx(1.25)
+
+
+def test_the_snapshot_sizes_jobs_for_groups_of_several_ranks() -> None:
+    from plexrl.messages import LoraSpec
+
+    clock = Clock()
+    state = ClusterState(clock=clock)
+    one = msgspec.structs.replace(beat("one"), device_bytes=50)
+    pair = msgspec.structs.replace(beat("pair"), device_bytes=100, devices=2)
+    state.on_heartbeat(one)
+    state.on_heartbeat(pair)
+    lora = JobSpec(base_model="m", lora=LoraSpec(rank=4), state_bytes=20)
+    state.add_job("adapter", "t", lora, "pair")
+    state.add_job("full", "t", JobSpec(base_model="m", state_bytes=80), None)
+    state.add_job("small", "t", JobSpec(base_model="m", state_bytes=30), None)
+    jobs = state.snapshot().jobs
+    # A LoRA adapter is whole on both ranks of its home: 40 of the group's 100 bytes.
+    assert jobs["adapter"].state_bytes == 40 and jobs["adapter"].replicated_bytes == 0
+    # A job waiting for a home needs the fewest ranks of a group that holds it.
+    assert jobs["full"].devices == 2 and jobs["small"].devices == 1
+    # A decision on the pair's group alone sees the adapter as the whole one does.
+    assert state.snapshot(groups={"pair"}).jobs["adapter"].state_bytes == 40

@@ -241,3 +241,36 @@ def test_a_dead_server_restarts_serving_the_same_weights(
 
     sampler.unload_adapter("job-b")
     sampler.push_weights(model_dir)
+
+
+TP_ON_CPU = (
+    "SGLang 0.5.23 cannot run --tp-size 2 on this CPU. Started as the worker starts it "
+    "(`sglang.launch_server --device cpu --attention-backend torch_native --tp-size 2`), "
+    "its scheduler fails in init_parallel_runtime: first `AssertionError: "
+    "SGLANG_CPU_OMP_THREADS_BIND is not set, in this case, the total number of ranks "
+    "(dp_size * tp_size * pp_size = 2) should be smaller than or equal to number of numa "
+    "node on the machine 1`; with SGLANG_CPU_OMP_THREADS_BIND='0|1', `ValueError: Expected "
+    "a cuda device, but got: cpu` from device_communicators/pynccl.py:116 (its tensor-"
+    "parallel group always builds a PyNccl communicator off NPU/XPU). Needs 2 CUDA devices."
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=TP_ON_CPU)
+def test_a_tensor_parallel_server_over_two_devices_samples_the_models_logprobs(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    from plexrl_worker.sglang import SGLangServerConfig
+
+    config = SGLangServerConfig(
+        model_path=str(model_dir), device="cuda", tp_size=2, log_path=tmp_path / "tp.log"
+    )
+    assert "--tp-size" in config.command(30000)
+    server = SGLangSampler(config)
+    server.start()
+    try:
+        tokens, logprobs = _seq(server.sample(_greedy()))
+    finally:
+        server.stop()
+    expected = _hf_logprobs(load_file(str(model_dir / "model.safetensors")), model_dir, tokens)
+    assert logprobs == pytest.approx(expected, abs=LOGPROB_TOL)

@@ -54,7 +54,7 @@ class Registry:
 
 def sampling(yield_device: bool) -> tuple[SGLangSampling, Server]:
     s = SGLangSampling(
-        engine=Any,  # type: ignore[arg-type]  # the base model's path never touches it
+        weights=Any,  # type: ignore[arg-type]  # the base model's path never reads it
         registry=Registry(),  # type: ignore[arg-type]
         workdir=Path("/nonexistent"),
         yield_device=yield_device,
@@ -146,7 +146,7 @@ def test_adapters_beyond_the_bound_are_unloaded_least_recent_first_never_under_a
 
     monkeypatch.setattr(samplers, "write_lora_adapter", lambda path, *a, **k: path)
     s = SGLangSampling(
-        engine=LoraEngine(),  # type: ignore[arg-type]
+        weights=LoraEngine().sampler_weights,
         registry=Registry(),  # type: ignore[arg-type]
         workdir=tmp_path,
         max_adapters=2,

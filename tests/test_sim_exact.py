@@ -111,7 +111,8 @@ def test_plexrl_runs_the_shortest_remaining_work_first(tmp_path):
     doc["estimates"] = {"min_history_s": 10.0}
     setup = prepare(write_workload(tmp_path, doc))
     # A alone: samples [0,2], trains [9,13] in one Run, samples [13,15]. B, admitted at
-    # 14 on A's measured figures, creates and samples [15,17]. A's training arrives at
+    # 14 on A's measured figures, creates at once (A's sample yields to its create, which
+    # takes no time) and samples [15,17]. A's training arrives at
     # 22 and goes one call per Run (B is homed and has no idle hint yet): [22,26]. B's
     # training arrives at 24 and starts at 26 [26,27]; at 27 A's next 2 s sample cuts in
     # before B's remaining 3 s [27,29]; B [29,32], samples [32,34]. A trains [36,40] in

@@ -23,6 +23,7 @@ from plexrl.messages import (
 from plexrl.models import ModelRegistry, init_tiny
 from plexrl_worker.engine import EngineConfig, TorchEngine
 from plexrl_worker.engine_thread import EngineThread
+from plexrl_worker.executor import LocalExecutor
 from plexrl_worker.runner import CallRunner, Ran
 
 BASE = "plexrl/tiny-qwen3"
@@ -59,8 +60,7 @@ def _call(rid: str, samples: int, max_tokens: int, seed: int) -> PhaseRequest:
 def _runner(engine: TorchEngine, thread: EngineThread) -> CallRunner:
     none = cast(Any, None)
     return CallRunner(
-        engine=engine,
-        thread=thread,
+        executor=LocalExecutor(engine, thread, none),
         states=cast(Any, _Resident()),
         payloads=none,
         checkpoints=none,

@@ -294,6 +294,7 @@ def workers_table(snap: Snapshot) -> Table:
         table.add_column(name)
     table.add_column("device tier", justify="right")
     table.add_column("host tier", justify="right")
+    table.add_column("per rank (device)", justify="right")
     table.add_column("heartbeat")
     for w in snap.workers:
         if "error" in w:
@@ -319,9 +320,18 @@ def workers_table(snap: Snapshot) -> Table:
             " · ".join(f"{n} {tier}" for tier, n in sorted(counts.items())) or "none",
             f"{human_bytes(used['device'])} / {human_bytes(w['device_bytes'])}",
             f"{human_bytes(used['host'])} / {human_bytes(w['host_bytes'])}",
+            per_rank(w.get("ranks") or []),
             Text(f"{human_duration(age)} ago", "red" if age > STALE_HEARTBEAT_S else ""),
         )
     return table
+
+
+def per_rank(ranks: list[dict[str, Any]]) -> str:
+    """Each rank's job-state bytes on its device, of its capacity: a group's shards."""
+    if not ranks:
+        return "-"
+    used = " · ".join(human_bytes(r["device_used"]) for r in ranks)
+    return f"{used} of {human_bytes(ranks[0]['device_bytes'])} each"
 
 
 def gantt(snap: Snapshot, width: int = 72) -> Table:

@@ -38,7 +38,12 @@ class ClusterConfig:
     (`PLEXRL_STATE_STORE_URL`, `PLEXRL_SCHEDULER_URL`): loopback on one machine."""
     workers: int = 1
     """Worker groups to start (`worker-0`, `worker-1`, ...)."""
+    gateways: int = 1
+    """Gateways to start: `gateway` on `gateway_port`, then `gateway-1`, ... on
+    `gateway_ports` (stateless; a model's calls must all reach the same one)."""
     gateway_port: int = 8000
+    gateway_ports: tuple[int, ...] = ()
+    """Ports of the gateways after the first."""
     scheduler_port: int = 8100
     worker_port_base: int = 8200
     """Worker i listens on worker_port_base + i, unless worker_ports names its port."""
@@ -51,7 +56,10 @@ class ClusterConfig:
     """Device-tier budget of each worker for job states; None keeps the worker default."""
     worker_host_bytes: int | None = None
     worker_threads: int | None = None
-    """Torch threads per worker; None lets torch use every core."""
+    """Torch threads per worker (per rank of a group); None lets torch use every core."""
+    worker_ranks: int | tuple[int, ...] = 1
+    """Ranks of each worker group (PLEXRL_WORKER_RANKS): one number for every worker,
+    or one per worker."""
     policy: str = "plexrl"
     service_token: str | None = None
     """PLEXRL_SERVICE_TOKEN the services share; None makes a fresh one per cluster."""
@@ -62,8 +70,20 @@ class ClusterConfig:
     def gateway_url(self) -> str:
         return f"http://{self.host}:{self.gateway_port}"
 
+    @property
+    def gateway_urls(self) -> list[str]:
+        """Every gateway's URL, the first one's first."""
+        ports = [self.gateway_port, *self.gateway_ports[: self.gateways - 1]]
+        return [f"http://127.0.0.1:{p}" for p in ports]
+
     def worker_port(self, i: int) -> int:
         return self.worker_ports[i] if i < len(self.worker_ports) else self.worker_port_base + i
+
+    def ranks_of(self, i: int) -> int:
+        """Ranks of worker i's group."""
+        if isinstance(self.worker_ranks, int):
+            return self.worker_ranks
+        return self.worker_ranks[i] if i < len(self.worker_ranks) else 1
 
     @classmethod
     def on_free_ports(
@@ -72,12 +92,15 @@ class ClusterConfig:
         """A cluster with a fresh id (its own topics, groups and keys) on ports free now:
         for tests and benchmarks that run beside other clusters on one machine."""
         workers = int(fields.get("workers", cls.workers))
-        gateway, scheduler, state_store, *worker_ports = free_ports(3 + workers)
+        gateways = int(fields.get("gateways", cls.gateways))
+        gateway, scheduler, state_store, *ports = free_ports(2 + workers + gateways)
+        worker_ports, gateway_ports = ports[:workers], ports[workers:]
         return cls(
             model_registry=model_registry,
             state_dir=state_dir,
             cluster_id=id_prefix + uuid.uuid4().hex[:8],
             gateway_port=gateway,
+            gateway_ports=tuple(gateway_ports),
             scheduler_port=scheduler,
             worker_port_base=worker_ports[0],
             worker_ports=tuple(worker_ports),
@@ -217,16 +240,17 @@ class LocalCluster:
                 extra["PLEXRL_WORKER_THREADS"] = str(c.worker_threads)
             if c.worker_host_bytes is not None:
                 extra["PLEXRL_WORKER_HOST_BYTES"] = str(c.worker_host_bytes)
+            if c.ranks_of(i) > 1:
+                extra["PLEXRL_WORKER_RANKS"] = str(c.ranks_of(i))
             self._spawn(f"worker-{i}", "plexrl_worker", c.worker_port(i), extra)
-        self._spawn(
-            "gateway",
-            "plexrl_gateway",
-            c.gateway_port,
-            {
-                "PLEXRL_GATEWAY_PORT": str(c.gateway_port),
-                "PLEXRL_API_KEYS": c.api_keys,
-            },
-        )
+        for i, url in enumerate(c.gateway_urls):
+            port = int(url.rsplit(":", 1)[1])
+            self._spawn(
+                "gateway" if i == 0 else f"gateway-{i}",
+                "plexrl_gateway",
+                port,
+                {"PLEXRL_GATEWAY_PORT": str(port), "PLEXRL_API_KEYS": c.api_keys},
+            )
         try:
             self.wait_healthy(timeout_s)
             self.wait_workers_known(timeout_s)
@@ -293,6 +317,10 @@ class LocalCluster:
         """The process id of one service (e.g. to watch its memory)."""
         return self._proc(name).process.pid
 
+    def exited(self, name: str) -> bool:
+        """Whether the service's process has ended (killed, crashed, or stopped)."""
+        return self._proc(name).process.poll() is not None
+
     def kill(self, name: str, *, graceful: bool = False) -> None:
         """SIGKILL one service (`kill -9`: no clean-up, as in a crash), or with `graceful`
         SIGTERM it and wait for its clean shutdown; `restart` revives it."""
@@ -302,6 +330,18 @@ class LocalCluster:
         else:
             proc.process.kill()
         proc.process.wait()
+
+    def wait_exit(self, name: str, timeout_s: float) -> int:
+        """Until a service exits on its own (a worker that lost a rank of its group, say);
+        its exit status. TimeoutError if it is still running after `timeout_s`."""
+        try:
+            return self._proc(name).process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            raise TimeoutError(f"{name} still runs after {timeout_s:.0f}s") from exc
+
+    def exit_code(self, name: str) -> int | None:
+        """A service's exit status, or None while it runs."""
+        return self._proc(name).process.poll()
 
     def restart(
         self, name: str, timeout_s: float = 180.0, env: dict[str, str] | None = None

@@ -70,6 +70,8 @@ Answer = Callable[[DeadLetter], Awaitable[None]]
 Skipped = Callable[[Delivery], Awaitable[None]]
 AfterBatch = Callable[[], Awaitable[None]]
 """Called once a poll's messages are all handled, before their offsets count as done."""
+BeforeBatch = Callable[[list[Any]], Awaitable[None]]
+"""Called with a poll's messages (those that decoded) before the first is handled."""
 
 
 async def wait_for_kafka(bootstrap: str, timeout_s: float = 60.0) -> None:
@@ -310,6 +312,31 @@ class ConsumerTuning:
             raise ValueError(f"stuck_after_s is {self.stuck_after_s}; it must be positive")
 
 
+@dataclass(frozen=True)
+class FetchTuning:
+    """How a consumer asks the broker for records: as soon as one arrives (the default,
+    for consumers on a call's path), or in fewer, fuller fetches (for consumers that
+    may see a record a few milliseconds late, such as the scheduler's completions under
+    direct leases): each fetch request is a socket write and a broker round in every
+    service, the larger part of their CPU per call."""
+
+    max_wait_ms: int = 500
+    """The broker answers a fetch after this long even if fewer than `min_bytes` came."""
+    min_bytes: int = 1
+    """The broker answers a fetch once this many bytes of records are there."""
+
+    def __post_init__(self) -> None:
+        if self.max_wait_ms < 0 or self.min_bytes < 1:
+            raise ValueError(
+                f"max_wait_ms is {self.max_wait_ms} and min_bytes {self.min_bytes}; the wait "
+                "must be >= 0 and min_bytes >= 1 (1: answer at the first record)"
+            )
+
+
+LOW_LATENCY = FetchTuning()
+"""Answer at the first record; an idle consumer asks again every half second."""
+
+
 class MessageConsumer(Generic[T]):
     """Decode one message type from some topics and hand each to a handler, in order."""
 
@@ -329,7 +356,9 @@ class MessageConsumer(Generic[T]):
         answer: Answer | None = None,
         skipped: Skipped | None = None,
         after_batch: AfterBatch | None = None,
+        before_batch: BeforeBatch | None = None,
         tuning: ConsumerTuning | None = None,
+        fetch: FetchTuning = LOW_LATENCY,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._topics = topics
@@ -349,6 +378,10 @@ class MessageConsumer(Generic[T]):
         # round trip per poll, not per message): the offsets of a poll are marked for
         # commit only after it returned, so a crash before it replays the poll.
         self._after_batch = after_batch
+        # For handlers that read ahead for a whole poll (one round trip for all its
+        # messages): an optimisation only, so a failure is logged and the handlers read
+        # for themselves.
+        self._before_batch = before_batch
         self._tuning = tuning or ConsumerTuning()
         self._clock = clock
         self._to_commit: dict[TopicPartition, int] = {}
@@ -359,10 +392,11 @@ class MessageConsumer(Generic[T]):
             client_id=name,
             enable_auto_commit=False,
             auto_offset_reset="latest" if from_latest else "earliest",
-            # The broker answers a fetch as soon as a record arrives (fetch_min_bytes=1):
-            # this bounds only how often an idle consumer asks again (a request, a
-            # response, a socket write and a wake-up in every service, all the time).
-            fetch_max_wait_ms=500,
+            # By default the broker answers a fetch as soon as a record arrives
+            # (fetch_min_bytes=1): the wait bounds only how often an idle consumer asks
+            # again (a request, a response, a socket write and a wake-up each time).
+            fetch_max_wait_ms=fetch.max_wait_ms,
+            fetch_min_bytes=fetch.min_bytes,
             max_partition_fetch_bytes=16 * 1024 * 1024,
             fetch_max_bytes=64 * 1024 * 1024,
             session_timeout_ms=self._tuning.session_timeout_ms,
@@ -471,9 +505,22 @@ class MessageConsumer(Generic[T]):
             self._last_poll = self._clock()
             handled: dict[TopicPartition, int] = {}
             abandoned = False
+            decoded = {
+                (r.topic, r.partition, r.offset): self._decode(r)
+                for records in batches.values()
+                for r in records
+            }
+            if self._before_batch is not None and decoded:
+                try:
+                    await self._before_batch(
+                        [m for m in decoded.values() if not isinstance(m, MessageError)]
+                    )
+                except Exception:
+                    log.warning("%s: reading ahead for a poll failed", self._name, exc_info=True)
             for tp, records in batches.items():
                 for record in records:
-                    if await self._handle(record, stop) is _Outcome.ABANDONED:
+                    message = decoded[(record.topic, record.partition, record.offset)]
+                    if await self._handle(record, message, stop) is _Outcome.ABANDONED:
                         abandoned = True
                         break
                     handled[tp] = record.offset + 1
@@ -508,19 +555,27 @@ class MessageConsumer(Generic[T]):
             for tp, offset in offsets.items():
                 self._to_commit[tp] = max(offset, self._to_commit.get(tp, 0))
 
-    async def _handle(self, record: ConsumerRecord[bytes, bytes], stop: asyncio.Event) -> _Outcome:
-        """Hand the message on, retrying failures; dead-letter it only if it cannot be read
-        or its handler keeps failing for reasons other than unavailable infrastructure."""
+    def _decode(self, record: ConsumerRecord[bytes, bytes]) -> Any:
+        """The record's message, or the MessageError that says why it is none."""
+        try:
+            return decode(record.value or b"", self._message_type)
+        except MessageError as exc:
+            return exc
+
+    async def _handle(
+        self, record: ConsumerRecord[bytes, bytes], message: Any, stop: asyncio.Event
+    ) -> _Outcome:
+        """Hand the (decoded) message on, retrying failures; dead-letter it only if it
+        cannot be read or its handler keeps failing for reasons other than unavailable
+        infrastructure."""
         delivery = Delivery(
             record.topic,
             record.partition,
             record.offset,
             tracing.context_of_headers(record.headers),
         )
-        try:
-            message = decode(record.value or b"", self._message_type)
-        except MessageError as exc:
-            await self._dead_letter(record, delivery, exc.reason, exc.detail, stop)
+        if isinstance(message, MessageError):
+            await self._dead_letter(record, delivery, message.reason, message.detail, stop)
             return _Outcome.DEAD_LETTERED
         self._handling_since = self._clock()
         attempts = 0  # failures that were not transient
@@ -625,8 +680,10 @@ class MessageConsumer(Generic[T]):
 
 __all__ = [
     "DLQ_MESSAGES",
+    "LOW_LATENCY",
     "ConsumerTuning",
     "Delivery",
+    "FetchTuning",
     "MessageConsumer",
     "Publisher",
     "TopicPartition",

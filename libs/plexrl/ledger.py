@@ -23,9 +23,14 @@ encoded PhaseCompletion, payload refs resolved) and drops them from Redis, so a 
 Redis footprint stays a few calls' results however long it runs (`archive_range`,
 `record_archive`, `archive_of`).
 
+Calls that go direct under a scheduler-granted lease (`plexrl.direct`) are numbered by
+the gateway's acceptance script instead, in the same counter; `waiting` counts the
+sequenced calls accepted on the normal path that are not numbered yet (a lease is
+granted only when none is).
+
 Redis keys (no TTL: they live as long as the job; `close` trims them at UNLOAD):
 `<cluster>:ledger:<job>` a hash (next, epoch, owner, applied, snap_seq, snap_blob,
-archived); `...:ids` request id → seq; `...:log` seq → PhaseRequest; `...:results` seq →
+archived, waiting); `...:ids` request id → seq; `...:log` seq → PhaseRequest; `...:results` seq →
 PhaseCompletion (the calls after `archived`); `...:archives` a sorted set of archive
 blob keys scored by the last seq each holds.
 """
@@ -120,7 +125,9 @@ class RecoveryPoint:
 
 # KEYS: head, ids, the scheduler lease's token key. ARGV: the writer's token ('' for
 # none), request ids. Returns their seqs, numbering new ones in order; an error when the
-# token is not the lease's latest (a deposed scheduler numbers nothing).
+# token is not the lease's latest (a deposed scheduler numbers nothing). Each call
+# numbered here waited on the normal path: `waiting` counts it off (never below 0: a
+# call accepted by a gateway that did not count it).
 _ASSIGN = (
     FENCE_CHECK
     + """
@@ -132,6 +139,9 @@ for i = 2, #ARGV do
   if not s then
     s = redis.call('HINCRBY', KEYS[1], 'next', 1)
     redis.call('HSET', KEYS[2], rid, s)
+    if tonumber(redis.call('HGET', KEYS[1], 'waiting') or '0') > 0 then
+      redis.call('HINCRBY', KEYS[1], 'waiting', -1)
+    end
   end
   out[i - 1] = tonumber(s)
 end

@@ -123,6 +123,9 @@ class GatewaySettings(CommonSettings):
     # Base URL of the scheduler's health endpoint (queue depths for /plexrl/v1/cluster);
     # several schedulers may be listed, comma separated: the one that leads answers.
     scheduler_url: str = "http://127.0.0.1:8100"
+    # A worker group silent this long is not counted when a new training model is checked
+    # against the groups that could hold it (the scheduler's PLEXRL_WORKER_TIMEOUT_S).
+    worker_timeout_s: float = Field(default=6.0, gt=0)
     # Per-tenant quotas on records and their user metadata (plexrl.quotas.RecordQuotas
     # says what each counts); a record past one is refused with a 400 naming it.
     # Client sessions alive at once.
@@ -174,6 +177,10 @@ class SchedulerSettings(CommonSettings):
     policy: str = "plexrl"
     # Most consecutive calls of one job sent to a worker in one dispatch.
     max_calls_per_run: int = 8
+    # Dispatches in flight per worker at most: the running job's next calls follow its
+    # dispatch at once when no other job waits for that worker (plexrl_scheduler.pipeline).
+    # 1: one dispatch at a time, the next decided when it ends.
+    dispatch_depth: int = Field(default=2, ge=1)
     # The plexrl policy's placement (`PolicyConfig.pack`): false for a fixed pool, whose
     # workers are held whether they run anything or not (new jobs go where they slow
     # the others least); true packs jobs onto the fullest worker within the slowdown
@@ -192,6 +199,10 @@ class SchedulerSettings(CommonSettings):
     # a dispatch beside another tenant holds about one long call, and new jobs are homed
     # away from other tenants' load. False: tenant-blind placement, tenants in turns.
     fair_share: bool = True
+    # The plexrl policy's roaming samples (`PolicyConfig.roam`): a sample call on saved
+    # sampler weights whose home worker is busy may run on an idle worker serving the
+    # same base model (an asynchronous job samples there while it trains at home).
+    roam_samples: bool = True
     # A worker whose last heartbeat is older than this is treated as down (its jobs
     # are re-homed and restored elsewhere). Heartbeats come every second; a false alarm
     # costs a restore, never a wrong result (the old home is fenced off).
@@ -208,6 +219,11 @@ class SchedulerSettings(CommonSettings):
     # Seconds a leader's lease lasts without a renewal (renewed every second): a leader
     # killed or cut off is replaced after about this long plus the new leader's start.
     leader_lease_s: float = Field(default=4.0, gt=2.0)
+    # Direct leases (plexrl.direct): a resident, active job's calls go from the gateways
+    # straight to its worker while the scheduler renews its lease; this is how long one
+    # holds unrenewed (gateways stop sending direct at most this long after the scheduler
+    # stops renewing). 0 sends every call through the scheduler.
+    direct_lease_s: float = Field(default=3.0, ge=0.0)
 
 
 class WorkerSettings(CommonSettings):
@@ -216,15 +232,34 @@ class WorkerSettings(CommonSettings):
     # Health port.
     worker_host: str = "127.0.0.1"
     worker_port: int = 8200
-    # Torch device for the engine: "cpu", "cuda", "cuda:1".
+    # Torch device for the engine: "cpu", "cuda", "cuda:1". In a group of several ranks:
+    # "cpu", or "cuda" (rank r of this host on cuda:r); a rank started on another host
+    # names its own device ("cuda:k").
     worker_device: str = "cpu"
-    # Intra-op threads of torch on CPU; set it when several processes share the cores
-    # (torch's default, one per core, is several times slower when oversubscribed).
+    # Intra-op threads of torch on CPU, per rank; set it when several processes share the
+    # cores (torch's default, one per core, is several times slower when oversubscribed).
     worker_threads: int | None = None
-    # Bytes of device memory job states may use (base weights excluded).
+    # Bytes of device memory job states may use on each rank (base weights excluded): a
+    # group of N ranks holds a job whose shard of its state fits one rank's.
     worker_device_bytes: int = Field(default=2 * 1024**3)
-    # Bytes of host memory for offloaded job states; beyond it states go to disk.
+    # Bytes of host memory for offloaded job states, per rank; beyond it states go to disk.
     worker_host_bytes: int = Field(default=8 * 1024**3)
+    # Ranks in this worker group (PLEXRL_WORKER_RANKS): one process and one device each,
+    # training sharded over them with FSDP2, sampling data-parallel. 1: this process alone.
+    worker_ranks: int = Field(default=1, ge=1)
+    # Ranks this host starts: the leader (rank 0) and the next ones. The others are
+    # started on their own hosts with PLEXRL_WORKER_RANK set. None: every rank here.
+    worker_local_ranks: int | None = Field(default=None, ge=1)
+    # Which rank this process is: 0 leads the group (the service itself); a process
+    # started with a higher rank only joins its leader's group (a rank on another host).
+    worker_rank: int = Field(default=0, ge=0)
+    # Where the leader serves the group's rendezvous (a TCP store) and where ranks on other
+    # hosts reach it. Port 0 picks a free one, which only ranks on this host can find.
+    worker_rendezvous_host: str = "127.0.0.1"
+    worker_rendezvous_port: int = Field(default=0, ge=0, le=65535)
+    # The longest a rank waits for a peer in a collective: a hung rank is found lost after
+    # this long (a dead one at once). Keep it above the longest call one rank computes.
+    worker_collective_timeout_s: float = Field(default=120.0, gt=0)
     # Directory of local base models.
     model_registry: Path = Path(".plexrl/models")
     # Seconds between heartbeats.

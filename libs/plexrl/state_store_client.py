@@ -128,7 +128,7 @@ class StateStoreClient:
         response = await self._http.put(
             blob_url(key), content=data, headers=_headers(tenant, fence)
         )
-        _check(response, f"storing blob {key}")
+        check_answer(response, f"storing blob {key}")
         return int(response.json()["size_bytes"])
 
     async def put_stream(
@@ -150,7 +150,7 @@ class StateStoreClient:
 
         headers = {**_headers(tenant, fence), "content-length": str(size)}
         response = await self._http.put(blob_url(key), content=pieces(), headers=headers)
-        _check(response, f"storing blob {key}")
+        check_answer(response, f"storing blob {key}")
         return int(response.json()["size_bytes"])
 
     async def get_blob(self, key: str, tenant: str | None = None) -> memoryview:
@@ -161,7 +161,7 @@ class StateStoreClient:
         async with self._http.stream("GET", blob_url(key), headers=headers) as response:
             if response.status_code >= 400:
                 await response.aread()
-                _check(response, f"reading blob {key}")
+                check_answer(response, f"reading blob {key}")
             size = int(response.headers.get("content-length", "-1"))
             if size < 0:  # no length said: the plain way
                 return memoryview(await response.aread())
@@ -193,7 +193,7 @@ class StateStoreClient:
         try:
             if response.status_code >= 400:
                 await response.aread()
-                _check(response, f"reading bytes {offset}+{size} of blob {key}")
+                check_answer(response, f"reading bytes {offset}+{size} of blob {key}")
             length = int(response.headers.get("content-length", "-1"))
             if response.status_code != 206 or length != size:
                 raise StateStoreError(
@@ -208,7 +208,7 @@ class StateStoreClient:
 
     async def delete_blob(self, key: str, tenant: str | None = None) -> None:
         response = await self._http.delete(blob_url(key), headers=auth_headers(None, tenant))
-        _check(response, f"deleting blob {key}")
+        check_answer(response, f"deleting blob {key}")
 
     async def put_checkpoint(self, record: CheckpointRecord, fence: Fence | None = None) -> None:
         response = await self._http.post(
@@ -216,7 +216,7 @@ class StateStoreClient:
             content=msgspec.json.encode(record),
             headers={"content-type": "application/json", **_headers(record.tenant, fence)},
         )
-        _check(response, f"recording checkpoint {record.path}")
+        check_answer(response, f"recording checkpoint {record.path}")
 
     async def delete_checkpoint(self, path: str, tenant: str, fence: Fence | None = None) -> bool:
         """Delete a checkpoint's record and blob; False if there was none."""
@@ -225,7 +225,7 @@ class StateStoreClient:
         )
         if response.status_code == 404:
             return False
-        _check(response, f"deleting checkpoint {path}")
+        check_answer(response, f"deleting checkpoint {path}")
         return True
 
     async def healthy(self) -> bool:
@@ -240,7 +240,8 @@ def _headers(tenant: str | None, fence: Fence | None) -> dict[str, str]:
     return {**auth_headers(None, tenant), **(fence.headers() if fence else {})}
 
 
-def _check(response: httpx.Response, doing: str) -> None:
+def check_answer(response: httpx.Response, doing: str) -> None:
+    """Raise the error the state-store's answer means, by kind (nothing below 400)."""
     status = response.status_code
     if status < 400:
         return
@@ -269,4 +270,5 @@ __all__ = [
     "StateStoreRefused",
     "blob_tenant",
     "blob_url",
+    "check_answer",
 ]

@@ -13,11 +13,18 @@ class Accounting:
         self.usage = usage
         self.timeline = Timeline()
         self._held_since: dict[str, float] = {}
+        self._used: dict[str, dict[str, float]] = {}
+        """Per group, the device-seconds each job used there (its home, or a group its
+        samples roamed to)."""
 
     def charge(self, job: JobResult, group_id: str, device_s: float) -> None:
         """Bill `device_s` of the group's time to the job."""
         job.used_device_s += device_s
         self.usage[group_id].used_device_s += device_s
+        used = self._used.get(group_id)
+        if used is None:
+            used = self._used[group_id] = {}
+        used[job.job_id] = used.get(job.job_id, 0.0) + device_s
 
     def busy(self, start: float, end: float, useful_device_s: float) -> None:
         """Useful work done over [start, end) (the cluster's busy timeline)."""
@@ -48,21 +55,23 @@ class Accounting:
         events: int,
         plans: int,
         plan_s: float,
+        counts: dict[str, int] | None = None,
     ) -> DeploymentResult:
         """Release every group still held at `now` and share each group's held time among
-        its jobs in proportion to their use."""
+        the jobs that used it, in proportion to their use there."""
         for group_id in list(self._held_since):
             self.release(group_id, now)
-        by_group: dict[str, list[JobResult]] = {}
+        by_id = {job.job_id: job for job in jobs}
         for job in jobs:
-            if job.group:
-                by_group.setdefault(job.group, []).append(job)
-        for group_id, results in by_group.items():
+            job.occupied_gpu_s = 0.0
+        for group_id, used in self._used.items():
             usage = self.usage[group_id]
             held = usage.held_s * usage.devices
-            total = sum(r.used_device_s for r in results)
-            for r in results:
-                r.occupied_gpu_s = held * r.used_device_s / total if total > 0 else 0.0
+            total = sum(used.values())
+            if total <= 0:
+                continue
+            for job_id, device_s in used.items():
+                by_id[job_id].occupied_gpu_s += held * device_s / total
         return DeploymentResult(
             name=name,
             kind="multiplexed",
@@ -74,4 +83,5 @@ class Accounting:
             events=events,
             plans=plans,
             plan_s=plan_s,
+            counts=counts or {},
         )

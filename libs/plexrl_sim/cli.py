@@ -131,6 +131,22 @@ def sim(
             "same layout for every deployment), shared, or auto.",
         ),
     ] = None,
+    staleness: Annotated[
+        int | None,
+        typer.Option(
+            help="Every job's loop: 0 synchronous, k asynchronous with sampler weights at "
+            "most k steps old (and Split-Async at the same staleness); default: the "
+            "workload's.",
+        ),
+    ] = None,
+    fb_slices: Annotated[
+        int | None,
+        typer.Option(
+            help="Slices of each forward_backward call an asynchronous job's training may "
+            "be paused between for another job's sample (1: whole calls, the live "
+            "worker's); default: the workload's.",
+        ),
+    ] = None,
     charts: Annotated[bool, typer.Option(help="Write the PNG charts.")] = True,
 ) -> None:
     """Simulate RLVR jobs on a cluster under the scheduler's own policy code."""
@@ -143,7 +159,16 @@ def sim(
 
     started = time.perf_counter()
     try:
-        setup = prepare(workload, seed=seed, gpus=gpus, days=days, jobs=jobs, partition=partition)
+        setup = prepare(
+            workload,
+            seed=seed,
+            gpus=gpus,
+            days=days,
+            jobs=jobs,
+            partition=partition,
+            staleness=staleness,
+            fb_slices=fb_slices,
+        )
     except (OSError, ValueError) as err:
         typer.echo(f"plexrl sim: {err}", err=True)
         raise typer.Exit(2) from None

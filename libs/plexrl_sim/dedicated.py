@@ -17,19 +17,182 @@ the cluster is a queue of jobs waiting for a free pool of their size.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from plexrl.policy.costs import MAX_TAIL_SHARE, SharingCosts
 from plexrl_sim.results import DeploymentResult, GroupUsage, JobResult, Timeline
-from plexrl_sim.workload import GroupSpec, JobFactory, JobSpec, Profile, SplitAsync, Steps
+from plexrl_sim.workload import (
+    TAIL_RELEASE,
+    GroupSpec,
+    JobFactory,
+    JobSpec,
+    Profile,
+    SplitAsync,
+    Steps,
+)
 
 DEDICATED = ("isolated", "colocated", "split-async")
 
 
-def isolated_wall_s(steps: Steps) -> float:
-    return steps.create_s + float(steps.isolated_step_s.sum())
+def isolated_wall_s(steps: Steps, costs: SharingCosts | None = None) -> float:
+    """The job's run alone on a group of its own (create included)."""
+    return steps.create_s + alone_step_s(steps, costs)
+
+
+def alone_reference_s(factory: JobFactory, job: JobSpec, costs: SharingCosts) -> float:
+    """The slowdown reference and Isolated's run: the job's steps alone on a group of its
+    own, on the engine that serves it best. A synchronous job's steps do not depend on
+    where its engine releases the group; an asynchronous job alone trains beside its
+    own stragglers when the group is released at the tail, which slows them: it is
+    taken on whichever engine (the profile's release, or `TAIL_RELEASE`) is faster."""
+    key = ("alone", job.index, costs)
+    known = factory.memo.get(key)
+    if known is not None:
+        return known
+    steps = factory.steps(job)
+    if steps.staleness <= 0:
+        found = float(steps.isolated_step_s.sum())
+    else:
+        engines = (factory.with_tail_release(None), factory.with_tail_release(TAIL_RELEASE))
+        found = min(alone_step_s(engine.steps(job), costs) for engine in engines)
+    for engine in (factory, factory.with_tail_release(None)):
+        engine.memo[key] = found  # the same figure whichever engine asks (costs alike)
+    return found
+
+
+def alone_step_s(steps: Steps, costs: SharingCosts | None = None) -> float:
+    """Its steps' seconds alone on a group of its own (first sample to last step's end):
+    the slowdown reference. A synchronous job's steps add up (nothing overlaps); an
+    asynchronous one's (`Steps.staleness`) are played out by `_alone_async`."""
+    if steps.staleness <= 0:
+        return float(steps.isolated_step_s.sum())
+    return _alone_async(steps, costs or SharingCosts())
+
+
+_RUN_DONE, _TAIL_DONE, _SCORED, _LANE_FREE, _FINISH = range(5)
+"""The one-job loop's events, in the simulator's order for simultaneous ones (a Run's
+end, a tail's end, a rollout scored, a host-side gap's end, the last step's end)."""
+
+
+def _alone_async(steps: Steps, costs: SharingCosts) -> float:
+    """An asynchronous job alone on its group, event by event, by the simulator's own
+    rules (`plexrl_sim.replay`, `plexrl_sim.executor`): calls run in the order they were
+    sent, a sample alone, a step's training calls together; a rollout's stragglers
+    decode in the background, `tail_contention` times slower and holding
+    `tail_min_share` of the group while the job's own training runs beside them (with
+    `contention_while: shared` a job alone pays neither). `tests/test_sim_async.py`
+    checks it against the simulator running the job alone."""
+    n, stale = steps.n, steps.staleness
+    contention = costs.tail_contention if costs.contention_while == "run" else 1.0
+    share = costs.tail_share if costs.contention_while == "run" else (lambda u: u)
+    fb = steps.fb_s.tolist()
+    dense, tail, tail_work = steps.dense_s.tolist(), steps.tail_s.tolist(), steps.tail_work.tolist()
+    reward, misc = steps.reward_s.tolist(), steps.misc_s.tolist()
+    fixed = steps.optim_s + steps.save_s
+    heap: list[tuple[float, int, int, int]] = []
+    seq = 0
+
+    def push(at: float, kind: int, k: int) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(heap, (at, kind, seq, k))
+
+    queue: list[tuple[bool, int]] = []
+    """Calls sent and not run, in order: (sample?, step)."""
+    running: tuple[bool, int] | None = None
+    tail_k, tail_left, tail_at, tail_slowed, tail_due, tail_util = -1, 0.0, 0.0, False, 0.0, 0.0
+    scored = saves = step = 0
+    training = blocked = False
+    sample_step = 0
+    start = now = 0.0
+    queue.append((True, 0))
+    finish = math.nan
+
+    def pace(slowed: bool) -> None:
+        nonlocal tail_left, tail_at, tail_slowed, tail_due
+        if tail_k < 0 or tail_slowed == slowed:
+            return
+        elapsed = now - tail_at
+        tail_left = max(0.0, tail_left - (elapsed / contention if tail_slowed else elapsed))
+        tail_at, tail_slowed = now, slowed
+        tail_due = now + tail_left * (contention if slowed else 1.0)
+        push(tail_due, _TAIL_DONE, tail_k)
+
+    def start_run() -> None:
+        nonlocal running
+        if running is not None or not queue:
+            return
+        running = queue.pop(0)
+        is_sample, k = running
+        work = dense[k] if is_sample else fb[k] + fixed
+        end = now + work
+        if tail_k >= 0:
+            pace(True)
+            speed = 1.0 - min(share(tail_util), MAX_TAIL_SHARE)
+            if tail_due > now:
+                if speed * (tail_due - now) >= work:
+                    end = now + work / speed
+                else:
+                    end = tail_due + work - speed * (tail_due - now)
+        push(end, _RUN_DONE, k)
+
+    def issue_sample() -> None:
+        queue.append((True, sample_step))
+
+    def issue_train() -> None:
+        nonlocal training
+        training = True
+        queue.append((False, step))
+
+    start_run()
+    while heap:
+        now, kind, _, k = heapq.heappop(heap)
+        if kind == _RUN_DONE:
+            assert running is not None
+            was_sample, _k = running
+            running = None
+            pace(False)
+            if was_sample:
+                if tail[k] > 0:
+                    tail_k, tail_left, tail_at, tail_slowed = k, tail[k], now, False
+                    tail_util, tail_due = tail_work[k] / tail[k], now + tail[k]
+                    push(tail_due, _TAIL_DONE, k)
+                else:
+                    push(now + reward[k], _SCORED, k)
+            else:
+                saves = k + 1
+                if blocked and saves >= sample_step - stale:
+                    blocked = False
+                    issue_sample()
+                push(now + misc[k], _FINISH if saves >= n else _LANE_FREE, k)
+        elif kind == _TAIL_DONE:
+            if k != tail_k or now != tail_due:
+                continue  # stale: the tail changed pace since
+            tail_k = -1
+            push(now + reward[k], _SCORED, k)
+        elif kind == _SCORED:
+            scored = k + 1
+            if k + 1 < n:
+                sample_step = k + 1
+                if saves >= k + 1 - stale:
+                    issue_sample()
+                else:
+                    blocked = True
+            if not training and step == k:
+                issue_train()
+        elif kind == _LANE_FREE:
+            step += 1
+            training = False
+            if scored > step:
+                issue_train()
+        else:
+            finish = now
+        start_run()
+    return finish - start
 
 
 def colocated_wall_s(steps: Steps, profile: Profile) -> float:
@@ -175,11 +338,13 @@ def simulate_dedicated(
     usage = {g.group_id: GroupUsage(g.group_id, g.devices) for g in groups}
     timeline = Timeline()
     results: list[JobResult] = []
+    costs = factory.workload.cluster.colocation.costs()
     for i, job in enumerate(sorted(jobs, key=lambda j: (j.arrival_s, j.index))):
         profile = profiles[job.profile]
         steps = factory.steps(job)
+        alone = alone_reference_s(factory, job, costs)
         if name == "isolated":
-            wall = isolated_wall_s(steps)
+            wall = steps.create_s + alone
         elif name == "colocated":
             wall = colocated_wall_s(steps, profile)
         else:
@@ -192,7 +357,7 @@ def simulate_dedicated(
             devices=profile.devices,
             steps=job.steps,
             arrival_s=job.arrival_s,
-            isolated_step_time_s=float(steps.isolated_step_s.sum()),
+            isolated_step_time_s=alone,
             useful_device_s=useful,
         )
         if name == "split-async":

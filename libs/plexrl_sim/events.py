@@ -24,6 +24,9 @@ class Event(IntEnum):
     """The job's last step ended: its state is dropped."""
     ARRIVE = 5
     """A job arrives: its create call waits for admission."""
+    WAKE = 6
+    """A group's decision is due again: a hold for a bursting job ends, or a batch just
+    started may be preempted (`plexrl.policy.Decision.wake_at`)."""
 
 
 class EventQueue:

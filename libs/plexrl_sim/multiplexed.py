@@ -1,6 +1,7 @@
 """The shared-cluster deployments: a discrete-event simulation in which every placement,
-dispatch, eviction and prefetch is decided by `plexrl.policy.plan` — the live
-scheduler's own policy functions — on `ClusterSnapshot`s built from simulator state.
+dispatch, eviction, prefetch, hold and preemption is decided by `plexrl.policy.decide`
+— the live scheduler's own entry point, anticipation, co-sampling and preemption
+included — on `ClusterSnapshot`s built from simulator state.
 
 Three parts, one job each: the workload replay (`replay.py`: each job's client loop and
 what the scheduler learns of it), the group executor (`executor.py`: the policy's
@@ -21,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from plexrl.messages import Function, Tier
@@ -30,15 +32,17 @@ from plexrl.policy import (
     JobView,
     PendingCall,
     PolicyConfig,
+    Preempt,
     Prefetch,
     Reject,
     Run,
-    plan,
+    decide,
 )
 from plexrl.policy.history import Prior, priors
 from plexrl_sim.accounting import Accounting
+from plexrl_sim.dedicated import alone_reference_s
 from plexrl_sim.events import Attention, Event, EventQueue
-from plexrl_sim.executor import GroupExecutor, RunInFlight, SimGroup, SimulationError
+from plexrl_sim.executor import GroupExecutor, RunInFlight, SimGroup, SimulationError, Tail
 from plexrl_sim.replay import JobReplay, SimJob
 from plexrl_sim.results import DeploymentResult, GroupUsage
 from plexrl_sim.workload import CoLocation, GroupSpec, JobFactory, JobSpec, nbytes
@@ -67,28 +71,44 @@ class MultiplexedSim:
         name: str | None = None,
         colocation: CoLocation | None = None,
     ) -> None:
-        self.config = config
+        chosen = colocation if colocation is not None else factory.workload.cluster.colocation
+        costs = chosen.costs()
+        # One definition of the costs of sharing: the executor charges them, the policy
+        # predicts with them.
+        self.config = config = replace(config, sharing=costs)
         self.name = name or config.name
         self.gpus = gpus
         self.min_history_s = factory.workload.estimates.min_history_s
-        costs = colocation if colocation is not None else factory.workload.cluster.colocation
         self.clock = EventQueue()
         self.attention = Attention()
         self.accounting = Accounting(
             {g.group_id: GroupUsage(g.group_id, g.devices) for g in groups}
         )
         self.executor = GroupExecutor(groups, costs, self.clock, self.attention, self.accounting)
-        self.replay = JobReplay(self.clock, self.attention, self.executor)
+        self.replay = JobReplay(self.clock, self.attention, self.executor, config.hold_s)
         self.jobs: dict[str, SimJob] = {}
+        self.executor.jobs = self.jobs
         self.waiting: dict[str, SimJob] = {}
         self._priors: dict[str, Prior] = {}
         self.plans = 0
         self.plan_s = 0.0
+        self.held = 0
+        """Holds decided for a bursting job (`plexrl.policy.anticipate`)."""
+        self._roaming = config.name == "plexrl" and config.roam
+        self._roamers: dict[str, SimJob] = {}
+        """Jobs whose portable calls wait while their home group is busy."""
+        self._idle: dict[int, set[str]] = {}
+        """Per group size, the groups that hold jobs and have nothing to run."""
+        self._roam_due: set[int] = set()
+        """Group sizes where a roamer or an idle group came up since the last ask."""
         self.events = 0
         profiles = factory.workload.profiles
         for spec in jobs:
             p = profiles[spec.profile]
-            job = SimJob.of(spec, factory.steps(spec), p.devices, int(nbytes(p.state_bytes)))
+            state = int(nbytes(p.state_bytes))
+            sampler = int(nbytes(p.sampler_bytes)) if p.sampler_bytes is not None else state // 8
+            alone = alone_reference_s(factory, spec, costs)  # its slowdown reference
+            job = SimJob.of(spec, factory.steps(spec), p.devices, state, sampler, alone)
             if record_trail:
                 job.trail = []
             self.jobs[spec.job_id] = job
@@ -109,11 +129,12 @@ class MultiplexedSim:
         decide = self._decide
         by_kind: dict[Event, Callable[[Any], None]] = {
             Event.RUN_DONE: self._run_done,
-            Event.TAIL_DONE: self.replay.tail_done,
+            Event.TAIL_DONE: self._tail_done,
             Event.TRAIN_CALLS: self.replay.issue_train,
-            Event.NEXT_STEP: self.replay.begin_step,
+            Event.NEXT_STEP: self.replay.next_step,
             Event.FINISH: self.replay.finish,
             Event.ARRIVE: self._arrive,
+            Event.WAKE: self._woken,
         }
         # Indexed by the kind's number: one index per event instead of comparing the kind
         # with each `Event.X`, every one of which is an attribute lookup on the enum class.
@@ -138,11 +159,30 @@ class MultiplexedSim:
             self.events,
             self.plans,
             self.plan_s,
+            {
+                "preempted": self.executor.preempted,
+                "cosampled": self.executor.cosampled,
+                "roamed": self.executor.roamed,
+                "held": self.held,
+            },
         )
 
     def _run_done(self, done: RunInFlight) -> None:
-        self.executor.run_done(done)
+        if not self.executor.run_done(done):
+            return  # paused by a preemption: it ends later
         self.replay.calls_done(done.job, done.calls)
+        if done.riders is not None:
+            for rider in done.riders:
+                self.replay.calls_done(rider.job, rider.calls)
+
+    def _tail_done(self, tail: Tail) -> None:
+        if self.executor.tail_end(tail):
+            self.replay.tail_done(tail.job, self.now - tail.started)
+
+    def _woken(self, group: SimGroup) -> None:
+        if group.wake_at == self.now:
+            group.wake_at = -1.0
+        self.attention.groups.add(group.group_id)
 
     def _arrive(self, job: SimJob) -> None:
         self.waiting[job.job_id] = job
@@ -159,17 +199,71 @@ class MultiplexedSim:
         dirty = attention.groups
         if dirty:
             groups, wants_plan, snapshot = self.groups, self._wants_plan, self.group_snapshot
+            roaming = self._roaming
             while dirty:
                 group = groups[dirty.pop()]
                 if wants_plan(group):
                     self._carry_out(snapshot(group))
+                    if group.paused is not None and group.group_id not in dirty:
+                        self.executor.resume_unused(group)
+                if roaming:
+                    self._note_roaming(group)
+            if self._roam_due:
+                self._roam()
+
+    def _note_roaming(self, group: SimGroup) -> None:
+        """After a decision on `group`: its jobs whose portable calls wait while it is
+        busy may roam; if it is idle (jobs homed, none calling, nothing running), it may
+        take such a call. Either is news for the next roaming decision (`_roam`)."""
+        size = group.spec.devices
+        if group.running is not None:
+            self._idle.get(size, set()).discard(group.group_id)
+            for job in group.homed.values():
+                if job.job_id not in self._roamers and any(c.portable for c in job.pending):
+                    self._roamers[job.job_id] = job
+                    self._roam_due.add(size)
+        elif group.homed and not any(j.pending for j in group.homed.values()):
+            idle = self._idle.setdefault(size, set())
+            if group.group_id not in idle:
+                idle.add(group.group_id)
+                self._roam_due.add(size)
+        else:
+            self._idle.get(size, set()).discard(group.group_id)
+
+    def _roam(self) -> None:
+        """Ask the policy about the groups of a size where a portable call waits at a busy
+        home and another group is idle: those homes and the idle groups together (the
+        policy decides whether and where it roams, `plexrl.policy.roam`)."""
+        due, self._roam_due = self._roam_due, set()
+        for job_id, job in list(self._roamers.items()):
+            home = self.groups[job.home] if job.home is not None else None
+            if home is None or home.running is None or not any(c.portable for c in job.pending):
+                del self._roamers[job_id]
+        for size in due:
+            idle = [g for g in self._idle.get(size, ()) if self.groups[g].running is None]
+            homes = {
+                job.home
+                for job in self._roamers.values()
+                if job.devices == size and job.home is not None
+            }
+            if not idle or not homes:
+                continue
+            chosen = [self.groups[g] for g in sorted({*idle, *homes})]
+            self._carry_out(self.groups_snapshot(chosen))
+            for group in chosen:
+                if group.running is not None:
+                    self._idle.get(size, set()).discard(group.group_id)
 
     @staticmethod
     def _wants_plan(group: SimGroup) -> bool:
         if group.running is None:
             return any(j.pending for j in group.homed.values())
-        # Busy: only a prefetch could be decided, and only for a job off the device.
-        return any(j.tier in _OFF_DEVICE for j in group.homed.values())
+        # Busy: only a prefetch (a job off the device) or a preemption (a sample batch
+        # that may yield to a job with calls waiting) could be decided.
+        run = group.inflight
+        preemptible = run is not None and run.yields and not run.preempted and group.paused is None
+        homed = group.homed.values()
+        return any(j.tier in _OFF_DEVICE or (preemptible and j.pending) for j in homed)
 
     def group_snapshot(self, group: SimGroup) -> ClusterSnapshot:
         """What the policy sees when something happens on one group."""
@@ -177,18 +271,43 @@ class MultiplexedSim:
         jobs: dict[str, JobView] = {}
         calls: list[PendingCall] = []
         calling = 0
+        hold_s = self.config.hold_s
+        # A job whose Run is paused (preempted) sends nothing more until it resumes: its
+        # calls keep their order.
+        paused = group.paused.job if group.paused is not None else None
         for jid, j in group.homed.items():
             view = j.view
-            jobs[jid] = (
-                view if view is not None else j.as_view(now, self._priors, self.min_history_s)
-            )
-            if j.pending:
+            if view is None or (hold_s > 0 and j.bursting(hold_s)):
+                j.view = None
+                view = j.as_view(now, self._priors, self.min_history_s)
+            jobs[jid] = view
+            if j.pending and j is not paused:
                 calls += j.pending
                 calling += 1
         if calling > 1:  # one job's calls are already in arrival order
             calls.sort(key=_arrival)
         return ClusterSnapshot(
             now, {group.spec.group_id: group.as_view()}, jobs, tuple(calls), group.spec.swap
+        )
+
+    def groups_snapshot(self, groups: list[SimGroup]) -> ClusterSnapshot:
+        """What the policy sees about several groups (a roaming decision)."""
+        now = self.clock.now
+        jobs: dict[str, JobView] = {}
+        calls: list[PendingCall] = []
+        for group in groups:
+            paused = group.paused.job if group.paused is not None else None
+            for jid, j in group.homed.items():
+                jobs[jid] = j.as_view(now, self._priors, self.min_history_s)
+                if j is not paused:
+                    calls += j.pending
+        calls.sort(key=_arrival)
+        return ClusterSnapshot(
+            now,
+            {g.spec.group_id: g.as_view() for g in groups},
+            jobs,
+            tuple(calls),
+            groups[0].spec.swap,
         )
 
     def full_snapshot(self) -> ClusterSnapshot:
@@ -202,9 +321,11 @@ class MultiplexedSim:
                 j.touch()
         jobs: dict[str, JobView] = {}
         calls: list[PendingCall] = []
+        paused = {g.paused.job.job_id for g in self.groups.values() if g.paused is not None}
         for j in (*homed, *self.waiting.values()):
             jobs[j.job_id] = j.as_view(self.now, self._priors, self.min_history_s)
-            calls.extend(j.pending)
+            if j.job_id not in paused:
+                calls.extend(j.pending)
         calls.sort(key=_arrival)
         return ClusterSnapshot(
             now=self.now,
@@ -215,24 +336,52 @@ class MultiplexedSim:
 
     def _carry_out(self, snapshot: ClusterSnapshot) -> None:
         t0 = time.perf_counter()
-        actions = plan(snapshot, self.config)
+        decision = decide(snapshot, self.config)
         self.plan_s += time.perf_counter() - t0
         self.plans += 1
-        for action in actions:
+        executor = self.executor
+        for action in decision.plan:
             if isinstance(action, Run):  # most plans are one Run
-                self.executor.start_run(action)
+                executor.start_run(action)
+                self._wake_for_preemption(action)
             elif isinstance(action, Admit):
                 job = self.waiting.pop(action.job_id, None)
                 if job is None:
                     raise SimulationError(f"admit of {action.job_id}, which is not waiting")
-                self.executor.admit(job, action)
+                executor.admit(job, action)
             elif isinstance(action, Reject):
                 rejected = self.waiting.pop(action.job_id, None)
                 if rejected is not None:
                     rejected.result.rejected = f"{action.reason}: {action.detail}"
                     rejected.pending.clear()
             elif isinstance(action, Prefetch):
-                self.executor.prefetch(action)
+                executor.prefetch(action)
+            elif isinstance(action, Preempt):
+                executor.preempt(action)
+        for worker_id, (_, until) in decision.held.items():
+            self.held += 1
+            self._wake_at(worker_id, until)
+
+    def _wake_at(self, worker_id: str, at: float) -> None:
+        """Decide on the group again at `at` (once per time)."""
+        group = self.groups[worker_id]
+        if group.wake_at != at:
+            group.wake_at = at
+            self.clock.push(at, Event.WAKE, group)
+
+    def _wake_for_preemption(self, run: Run) -> None:
+        """A sample batch may be preempted once it has run `preempt_after_s`: the live
+        scheduler's next pass sees that, whatever arrives; the simulator wakes the group
+        then, when a neighbour's calls wait (an arrival would wake it anyway)."""
+        config = self.config
+        if config.name != "plexrl" or config.preempt_ratio <= 0:
+            return
+        group = self.groups[run.worker_id]
+        flight = group.inflight
+        if flight is None or not flight.yields:
+            return
+        if any(j.pending for j in group.homed.values()):
+            self._wake_at(run.worker_id, self.now + config.preempt_after_s)
 
     def trails(self) -> dict[str, list[tuple[int, Function]]]:
         return {jid: list(j.trail or []) for jid, j in self.jobs.items()}

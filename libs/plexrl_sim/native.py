@@ -43,8 +43,11 @@ COMPILED = (
     "plexrl/policy/common.py",
     "plexrl/policy/config.py",
     "plexrl/policy/cosample.py",
+    "plexrl/policy/costs.py",
+    "plexrl/policy/defer.py",
     "plexrl/policy/history.py",
     "plexrl/policy/plexrl_policy.py",
+    "plexrl/policy/roam.py",
 )
 """The hot modules. Left interpreted: `plexrl/policy/snapshot.py` (its lazy-index
 descriptor names itself by the method's `__name__`, which a compiled method lacks, and

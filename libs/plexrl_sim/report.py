@@ -132,6 +132,7 @@ def figures(setup: Setup, results: dict[str, DeploymentResult]) -> dict[str, Any
             "events": r.events,
             "policy_calls": r.plans,
             "policy_s": r.plan_s,
+            **({"counts": r.counts} if r.counts else {}),
         }
         if base_iso is not None and base_iso.makespan_s > 0:
             entry["makespan_vs_isolated"] = r.makespan_s / base_iso.makespan_s

@@ -43,6 +43,8 @@ class JobResult:
     swapped_bytes: float = 0.0
     group: str = ""
     rejected: str = ""
+    roamed: int = 0
+    """Calls of it that ran on a group other than its home (`plexrl.policy.roam`)."""
     rollout_share: float = math.nan
     """Split-Async only: the share of its pool the job's rollouts got (searched per job)."""
 
@@ -132,6 +134,9 @@ class DeploymentResult:
     """Policy calls (multiplexed only)."""
     plan_s: float = 0.0
     """Seconds spent inside the policy."""
+    counts: dict[str, int] = field(default_factory=dict)
+    """What the live scheduler's extras did (multiplexed only): `preempted` sample batches,
+    `cosampled` calls that rode in another job's batch, `held` groups (a hold decided)."""
 
     @property
     def finished(self) -> list[JobResult]:

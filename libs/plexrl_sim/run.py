@@ -20,8 +20,10 @@ from plexrl_sim.workload import (
     JobFactory,
     JobSpec,
     Workload,
+    at_staleness,
     build_groups,
     load_workload,
+    with_fb_slices,
 )
 
 MULTIPLEXED = (
@@ -32,7 +34,7 @@ MULTIPLEXED = (
     "spread-backfill+tail",
     "plexrl+tail",
 )
-"""Deployments decided by `plexrl.policy.plan`, in report order. `<policy>+tail` runs
+"""Deployments decided by `plexrl.policy.decide`, in report order. `<policy>+tail` runs
 the policy on an engine that releases the group early in a rollout's straggler tail
 (`workload.TAIL_RELEASE`); every registered policy can be named, with or without it."""
 DEPLOYMENTS = (*DEDICATED, *MULTIPLEXED)
@@ -71,6 +73,10 @@ class Setup:
     groups: list[GroupSpec]
     """The dedicated split (or the named workers): what the dedicated deployments use."""
     partition: str = "dedicated"
+    staleness: int | None = None
+    """The jobs' loop, when the command line set it (`prepare`)."""
+    fb_slices: int | None = None
+    """The jobs' forward_backward slicing, when the command line set it."""
 
     def groups_for(self, name: str, factory: JobFactory) -> list[GroupSpec]:
         """The groups a deployment runs on (see `ClusterSpec.partition`)."""
@@ -91,8 +97,17 @@ def prepare(
     days: float | None = None,
     jobs: int | None = None,
     partition: str | None = None,
+    staleness: int | None = None,
+    fb_slices: int | None = None,
 ) -> Setup:
+    """One seed of a workload; `staleness` replaces every job's declared loop (and
+    Split-Async's staleness from 1 on: `workload.at_staleness`), `fb_slices` every job's
+    forward_backward slicing (`workload.with_fb_slices`)."""
     workload = load_workload(workload_path)
+    if staleness is not None:
+        workload = at_staleness(workload, staleness)
+    if fb_slices is not None:
+        workload = with_fb_slices(workload, fb_slices)
     split = partition or workload.cluster.partition
     if split not in ("auto", "dedicated", "shared"):
         raise ValueError(f"partition {split!r}: use auto, dedicated or shared")
@@ -105,7 +120,18 @@ def prepare(
         else (sum(g.devices for g in groups) if workload.workers else workload.cluster.gpus)
     )
     return Setup(
-        str(workload_path), workload, seed, total, days, jobs, factory, specs, groups, split
+        str(workload_path),
+        workload,
+        seed,
+        total,
+        days,
+        jobs,
+        factory,
+        specs,
+        groups,
+        split,
+        staleness,
+        fb_slices,
     )
 
 
@@ -155,13 +181,22 @@ def run_deployment(
 
 
 _ChildArgs = tuple[
-    str, int, int | None, float | None, int | None, str, str, dict[str, float | int | bool]
+    str,
+    int,
+    int | None,
+    float | None,
+    int | None,
+    str,
+    int | None,
+    int | None,
+    str,
+    dict[str, float | int | bool],
 ]
 
 
 def _run_in_child(args: _ChildArgs) -> DeploymentResult:
-    path, seed, gpus, days, jobs, partition, name, overrides = args
-    setup = prepare(path, seed, gpus, days, jobs, partition)
+    path, seed, gpus, days, jobs, partition, staleness, slices, name, overrides = args
+    setup = prepare(path, seed, gpus, days, jobs, partition, staleness, slices)
     return run_deployment(setup, name, None, overrides)
 
 
@@ -192,6 +227,8 @@ def run_many(
             setup.days,
             setup.job_count,
             setup.partition,
+            setup.staleness,
+            setup.fb_slices,
             n,
             overrides or {},
         )

@@ -26,6 +26,7 @@ import numpy as np
 import yaml
 
 from plexrl.policy import SwapCosts
+from plexrl.policy.costs import SharingCosts
 
 # Sizes ------------------------------------------------------------------------------------
 
@@ -174,6 +175,11 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Reward computation and tool / sandbox stalls after the rollout (off the devices)."""
     fb_calls: int = 1
     """forward_backward calls per step (micro-batches the client sends)."""
+    fb_slices: int = 1
+    """Slices of one forward_backward call the worker can pause between (its micro-
+    batches, run one by one): an asynchronous job's training then yields to another
+    job's waiting sample at the next slice (`plexrl.policy.preempt`). 1: a call runs
+    whole (the live worker's behaviour)."""
     train_util: float = 1.0
     """Fraction of the devices busy during forward_backward / optim_step (pipeline bubbles
     and communication are idle time)."""
@@ -185,6 +191,16 @@ class Profile(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Host-side gap per step: data loading, logging, evaluation."""
     create_s: float = 0.0
     """Creating the job's state on its group (loading the base checkpoint)."""
+    staleness: int = 0
+    """The job's own loop (its client), on a shared group and on its own (Isolated): 0,
+    synchronous (each step samples with the weights the previous step saved); k >= 1,
+    asynchronous: the next rollout is sampled as soon as the last one is scored, with
+    sampler weights at most k steps older than the newest, while the job trains on the
+    rollout before it (the rollout waits for its scores, as Split-Async's pool does)."""
+    sampler_bytes: Size | None = None
+    """Bytes a sampling engine loads to sample the job's saved weights on another group
+    (`plexrl.policy.roam`); default: an eighth of `state_bytes` (bf16 weights of a
+    16-byte-per-parameter training state)."""
     split: SplitAsync = SplitAsync()
     colocated: Colocated = Colocated()
 
@@ -202,41 +218,32 @@ class SwapSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class CoLocation(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What sharing a group costs beyond the swaps (`SwapCosts`): each figure can be set
-    from a measurement of the live worker, and `bench/sim_tail_sensitivity.py` sweeps
-    the two that the tail release rests on."""
+    """What sharing a group costs beyond the swaps (`SwapCosts`), as the workload sets it:
+    the figures of `plexrl.policy.costs.SharingCosts` (see there what each means), which
+    the executor charges and the policy predicts with. `bench/sim_tail_sensitivity.py`
+    sweeps the two that the tail release rests on."""
 
     switch_s: float = 1.0
     """Seconds a group spends when a Run's job is not the job of its previous Run, with
-    both states already on the device: the inference engine's sleep / wake (SGLang's
-    `release_memory_occupation` / `resume_memory_occupation`), the KV cache handed to
-    the other job, communicators and CUDA graphs re-bound. Calibrate from the live
-    worker's timeline (the gap between two jobs' calls on one worker, swaps excluded);
-    `bench/swap_bandwidth.py` measures the swaps themselves."""
+    both states already on the device (engine sleep / wake, KV cache handed over)."""
     tail_min_share: float = 0.25
-    """The least share of the group a rollout's stragglers take while they decode beside
-    another job's Run, however few sequences are left: their KV cache stays allocated
-    and the engine keeps its batch's memory, so the other job's training runs with that
-    much less memory and bandwidth. Calibrate from the engine's KV cache reservation
-    against the group's memory."""
+    """The least share of the group a rollout's stragglers hold beside a Run."""
     tail_contention: float = 1.25
-    """How much longer a straggler tail decodes on a group where another job may run
-    beside it (its decode steps co-batched with, or interleaved between, the other job's
-    kernels); 1.0: no contention. Calibrate from `bench/sampling.py` (a rollout's tail
-    decoded alone and beside a training step) when it exists."""
+    """How many times slower a straggler tail decodes beside a Run; 1.0: none."""
+    contention_while: str = "run"
+    """`run`: the tail costs apply while a Run is in flight on the group; `shared`: for
+    the whole tail whenever another job is homed there (a pessimistic bound)."""
+
+    def costs(self) -> SharingCosts:
+        return SharingCosts(
+            self.switch_s, self.tail_min_share, self.tail_contention, self.contention_while
+        )
 
     def validate(self) -> None:
-        if self.switch_s < 0:
-            raise ValueError(f"cluster.colocation.switch_s is {self.switch_s}; use 0 or more")
-        if not 0 <= self.tail_min_share < 0.9:
-            raise ValueError(
-                f"cluster.colocation.tail_min_share is {self.tail_min_share}; use 0 to 0.9"
-            )
-        if self.tail_contention < 1:
-            raise ValueError(
-                f"cluster.colocation.tail_contention is {self.tail_contention}; use 1.0 (none) "
-                f"or more"
-            )
+        try:
+            self.costs()
+        except ValueError as err:
+            raise ValueError(f"cluster.colocation: {err}") from None
 
 
 class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -395,8 +402,36 @@ class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                 raise ValueError(
                     f"profile {name!r}: split.staleness is {p.split.staleness}; use 0 to 8 steps"
                 )
-            if p.devices < 1 or p.fb_calls < 1:
-                raise ValueError(f"profile {name!r}: devices and fb_calls must be at least 1")
+            if not 0 <= p.staleness <= 8:
+                raise ValueError(
+                    f"profile {name!r}: staleness is {p.staleness}; use 0 (synchronous) to 8 steps"
+                )
+            if p.devices < 1 or p.fb_calls < 1 or p.fb_slices < 1:
+                raise ValueError(
+                    f"profile {name!r}: devices, fb_calls and fb_slices must be at least 1"
+                )
+
+
+def with_fb_slices(workload: Workload, slices: int) -> Workload:
+    """The workload with every job's forward_backward run in `slices` slices."""
+    if slices < 1:
+        raise ValueError(f"fb slices is {slices}; use 1 (whole calls) or more")
+    profiles = {
+        name: msgspec.structs.replace(p, fb_slices=slices) for name, p in workload.profiles.items()
+    }
+    return msgspec.structs.replace(workload, profiles=profiles)
+
+
+def at_staleness(workload: Workload, staleness: int) -> Workload:
+    """The workload with every job running its loop at `staleness` (0: synchronous) and,
+    from 1 on, Split-Async at the same staleness: the comparison like for like."""
+    if not 0 <= staleness <= 8:
+        raise ValueError(f"staleness is {staleness}; use 0 (synchronous) to 8 steps")
+    profiles = {}
+    for name, p in workload.profiles.items():
+        split = msgspec.structs.replace(p.split, staleness=staleness) if staleness else p.split
+        profiles[name] = msgspec.structs.replace(p, staleness=staleness, split=split)
+    return msgspec.structs.replace(workload, profiles=profiles)
 
 
 def load_workload(path: str | Path) -> Workload:
@@ -459,6 +494,9 @@ class Steps:
     train_util: float
     save_util: float
     fb_calls: int
+    staleness: int = 0
+    fb_slices: int = 1
+    """The job's loop (`Profile.staleness`): 0 synchronous, k asynchronous."""
 
     @property
     def n(self) -> int:
@@ -553,14 +591,29 @@ class JobFactory:
     deployments); it changes only where a rollout releases its group, never a duration.
     """
 
-    def __init__(self, workload: Workload, seed: int, tail_release: float | None = None) -> None:
+    def __init__(
+        self,
+        workload: Workload,
+        seed: int,
+        tail_release: float | None = None,
+        family: dict[float | None, JobFactory] | None = None,
+    ) -> None:
         self.workload = workload
         self.seed = seed
         self.tail_release = tail_release
         self._tables: dict[str, _RolloutTable] = {}
+        self._family = family if family is not None else {}
+        """The factories of this workload and seed, by release: each draws its rollout
+        tables once (512 batches per profile), however often a variant is asked for."""
+        self._family.setdefault(tail_release, self)
+        self.memo: dict[tuple[object, ...], float] = {}
+        """A figure per job computed once per factory (`dedicated.alone_reference_s`)."""
 
     def with_tail_release(self, release: float | None) -> JobFactory:
-        return JobFactory(self.workload, self.seed, release)
+        found = self._family.get(release)
+        if found is None:
+            found = JobFactory(self.workload, self.seed, release, self._family)
+        return found
 
     def _table(self, name: str) -> _RolloutTable:
         if name not in self._tables:
@@ -616,6 +669,8 @@ class JobFactory:
             train_util=p.train_util,
             save_util=p.save_util,
             fb_calls=p.fb_calls,
+            staleness=p.staleness,
+            fb_slices=p.fb_slices,
         )
 
     def expected_isolated_step_s(self, name: str) -> float:

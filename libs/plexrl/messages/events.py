@@ -22,12 +22,27 @@ class ResidentState(msgspec.Struct, frozen=True):
     version: int
 
 
+class RankMemory(msgspec.Struct, frozen=True):
+    """One rank of a worker group and the job-state memory on it."""
+
+    rank: int
+    device: str
+    """`cpu`, `cuda:0`, ... (the rank's own)."""
+    device_bytes: int
+    """Capacity of this rank's device tier for job states (its share of each)."""
+    device_used: int
+    """Bytes of job state (this rank's shards) on the device now."""
+    host_used: int
+    """Bytes of job state (this rank's shards) in host memory now."""
+
+
 class WorkerHeartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
     worker_id: str
     device: str
     """`cpu`, `cuda:0`, ..."""
     device_bytes: int
-    """Capacity of the device tier for job states (base models excluded)."""
+    """Capacity of the device tier for job states, the group's ranks together (base
+    models excluded); each rank holds its share (`ranks`)."""
     host_bytes: int
     base_models: list[str]
     resident: list[ResidentState]
@@ -35,9 +50,11 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
     started_at: float
     sent_at: float
     devices: int = 1
-    """Accelerators in this worker group."""
+    """Accelerators in this worker group (its ranks, one device each)."""
     sampler: str = "torch"
     """What runs its `sample` calls: `torch` (the engine's co-batching loop) or `sglang`."""
+    ranks: list[RankMemory] = msgspec.field(default_factory=list)
+    """Each rank's device and memory (empty from a worker that does not say)."""
     schema_version: int = SCHEMA_VERSION
 
 
@@ -84,6 +101,19 @@ class IdleHint(msgspec.Struct, frozen=True, tag="idle_hint"):
     schema_version: int = SCHEMA_VERSION
 
 
+class JobOptions(msgspec.Struct, frozen=True, tag="job_options"):
+    """A job declares how its loop runs (`POST /plexrl/v1/jobs/{id}/options`); kept in
+    its record too, for a scheduler that starts later."""
+
+    job_id: str
+    tenant: str
+    staleness: int
+    """0: synchronous; k: it samples its next rollouts with sampler weights up to k steps
+    older than its newest, while it trains (`JobView.staleness`)."""
+    at: float
+    schema_version: int = SCHEMA_VERSION
+
+
 class ReleaseReason(enum.StrEnum):
     """Why a worker let its next dispatch in beside a running sample batch."""
 
@@ -116,4 +146,12 @@ class TailReleased(msgspec.Struct, frozen=True, tag="tail_released"):
     schema_version: int = SCHEMA_VERSION
 
 
-Event = WorkerHeartbeat | ResidencyChanged | JobAdmitted | JobFinished | IdleHint | TailReleased
+Event = (
+    WorkerHeartbeat
+    | ResidencyChanged
+    | JobAdmitted
+    | JobFinished
+    | IdleHint
+    | TailReleased
+    | JobOptions
+)

@@ -175,10 +175,14 @@ PhaseInput = (
 
 
 class WorkHint(msgspec.Struct, frozen=True):
-    """Size of the call, for the scheduler's duration estimates without reading a ref."""
+    """What the scheduler may know of the call without reading its payload (a ref)."""
 
     tokens: int = 0
     sequences: int = 0
+    portable: bool = False
+    """It reads saved sampler weights (a checkpoint), nothing of the job's training
+    state: it may run before the job's earlier calls, on any worker serving the job's
+    base model (`plexrl.policy.roam`)."""
 
 
 class PhaseRequest(msgspec.Struct, frozen=True):

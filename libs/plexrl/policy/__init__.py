@@ -1,7 +1,8 @@
 """The scheduling policy: pure functions from a ClusterSnapshot to a Plan.
 
-The simulator calls `plan`; the live scheduler calls `decide` (the plan, with
-co-sampling). Nothing here does I/O, reads a clock or keeps state between calls.
+The live scheduler and the simulator both call `decide`: the policy's `plan`, with
+anticipation, co-sampling and preemption. Nothing here does I/O, reads a clock or keeps
+state between calls.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Callable
 from plexrl.policy.actions import (
     Action,
     Admit,
+    Decision,
     Move,
     Plan,
     Preempt,
@@ -61,32 +63,21 @@ def plan(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
     return policy(snapshot, config)
 
 
-def decide(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
-    """What the live scheduler does now: the policy's plan, with co-sampling, on the
-    groups that are not held for a bursting job (`anticipate`; plexrl policy only)."""
-    return decide_until(snapshot, config)[0]
+def decide(snapshot: ClusterSnapshot, config: PolicyConfig) -> Decision:
+    """The one decision: what the live scheduler and the simulator do now.
 
-
-def decide_until(snapshot: ClusterSnapshot, config: PolicyConfig) -> tuple[Plan, float | None]:
-    """`decide`, and when the earliest hold it made ends (snapshot clock; None: no group
-    held): the live scheduler decides again then, whatever arrives."""
-    decided, held = decide_holding(snapshot, config)
-    return decided, min((until for _, until in held.values()), default=None)
-
-
-def decide_holding(
-    snapshot: ClusterSnapshot, config: PolicyConfig
-) -> tuple[Plan, dict[str, tuple[str, float]]]:
-    """`decide`, and the groups it held (worker id → the job held for, when the hold
-    ends; `anticipate.held_groups`). With the plexrl policy, running sample batches that
-    should yield to a waiting job are preempted (`plexrl.policy.preempt`)."""
+    The policy's plan, on the groups that are not held for a bursting job (`anticipate`;
+    plexrl policy only), with co-sampling (`cosample`), and with the plexrl policy the
+    running sample batches that should yield to a waiting job (`preempt`). The caller
+    carries out `plan` in order and decides again by `wake_at` (a hold ends) whatever
+    arrives meanwhile."""
     own = config.name == "plexrl"
     held = held_groups(snapshot, config.hold_s, config.quantum_s, config.fair_share) if own else {}
     view = without(snapshot, held)
     decided = co_sample(view, plan(view, config), config.max_cosampled_calls)
     if own:
         decided += preemptions(view, config)
-    return decided, held
+    return Decision(decided, held)
 
 
 __all__ = [
@@ -95,6 +86,7 @@ __all__ = [
     "Admit",
     "CallEstimates",
     "ClusterSnapshot",
+    "Decision",
     "JobView",
     "Move",
     "PendingCall",
@@ -109,8 +101,6 @@ __all__ = [
     "WorkerView",
     "co_sample",
     "decide",
-    "decide_holding",
-    "decide_until",
     "plan",
     "preemptions",
 ]

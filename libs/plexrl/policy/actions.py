@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from plexrl.messages import Tier
 from plexrl.policy.frozen import quick_init
@@ -75,7 +76,8 @@ class Prefetch:
 @quick_init
 @dataclass(frozen=True)
 class Preempt:
-    """Let the group's next Run in beside its running sample batch now (live only)."""
+    """Let the group's next Run in beside its running sample batch now (the batch pauses
+    while that Run runs)."""
 
     worker_id: str
     job_id: str
@@ -86,3 +88,19 @@ class Preempt:
 
 Action = Admit | Reject | Run | Prefetch | Preempt
 Plan = tuple[Action, ...]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What `plexrl.policy.decide` returns: the plan to carry out now, in order, and the
+    groups held for a bursting job (`plexrl.policy.anticipate`)."""
+
+    plan: Plan
+    held: Mapping[str, tuple[str, float]] = field(default_factory=dict)
+    """Worker id → (the job it is held for, when the hold ends; snapshot clock)."""
+
+    @property
+    def wake_at(self) -> float | None:
+        """When the earliest hold ends (None: no group held): decide again then, whatever
+        arrives meanwhile."""
+        return min((until for _, until in self.held.values()), default=None)

@@ -88,16 +88,17 @@ def held_groups(
     """Groups to hold now: worker id → (the job held for, when the hold ends)."""
     if hold_s <= 0:
         return {}
-    waiting: dict[str, list[JobView]] = {}
-    """Per group: its jobs with calls ready."""
-    for job_id in snapshot.callers():
-        job = snapshot.jobs.get(job_id)
-        if job is not None and job.home is not None:
-            waiting.setdefault(job.home, []).append(job)
     held: dict[str, tuple[str, float]] = {}
-    for worker_id, callers in waiting.items():
-        worker = snapshot.workers.get(worker_id)
-        if worker is None or not worker.healthy or worker.running is not None:
+    for worker_id, worker in snapshot.workers.items():
+        if not worker.healthy or worker.running is not None:
+            continue
+        homed = snapshot.homed_view(worker_id)
+        # (Asked on every decision: a group none of whose jobs is in a burst is passed
+        # over before anything else is read.)
+        if not any(0 < j.last_gap_s <= hold_s for j in homed):
+            continue
+        callers = [j for j in homed if snapshot.calls_view(j.job_id)]
+        if not callers:
             continue
         bursting = bursting_job(snapshot, worker_id, hold_s, quantum_s)
         if bursting is None:

@@ -6,23 +6,25 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from plexrl.messages import Tier
+from plexrl.messages import Function, Tier
 from plexrl.policy.actions import Action, Admit, Move, Reject, RejectReason, Run
 from plexrl.policy.config import PolicyConfig
 from plexrl.policy.share import beside_other_tenants
 from plexrl.policy.snapshot import ClusterSnapshot, JobView, WorkerView
 
 _DEVICE = Tier.DEVICE  # (read per decision: a module constant, not an enum class lookup)
+_SAMPLE = Function.SAMPLE
 _INF = float("inf")
 
 
 def can_ever_hold(worker: WorkerView, job: JobView) -> bool:
-    """Whether the group could run the job if it held nothing else."""
+    """Whether the group could run the job if it held nothing else: its device tier (its
+    ranks' together) holds the job's share on every rank."""
     if worker.devices < job.devices:
         return False
     if job.base_model and worker.base_models and job.base_model not in worker.base_models:
         return False
-    return job.state_bytes <= worker.device_bytes
+    return job.group_bytes(worker.devices) <= worker.device_bytes
 
 
 def refuse(snapshot: ClusterSnapshot, job: JobView) -> Reject:
@@ -38,15 +40,44 @@ def refuse(snapshot: ClusterSnapshot, job: JobView) -> Reject:
             RejectReason.NO_BASE_MODEL,
             f"no worker serves base model {job.base_model!r}",
         )
-    biggest = max(healthy, key=lambda w: (w.device_bytes, w.devices))
-    return Reject(
-        job.job_id,
-        RejectReason.TOO_LARGE,
-        f"job {job.job_id} needs {job.state_bytes} bytes of device memory on "
-        f"{job.devices} device(s); the largest worker group has {biggest.device_bytes} bytes on "
-        f"{biggest.devices} device(s). Use LoRA or a smaller rank, or give workers more "
-        f"device memory (PLEXRL_WORKER_DEVICE_BYTES).",
+    return Reject(job.job_id, RejectReason.TOO_LARGE, too_large(job, healthy))
+
+
+def too_large(job: JobView, workers: Sequence[WorkerView]) -> str:
+    """Why no group of `workers` can hold `job`, in sizes, and what to change."""
+    sizes = sorted({(w.devices, w.device_bytes // max(1, w.devices)) for w in workers})
+    groups = ", ".join(f"{n} rank(s) x {per} bytes" for n, per in sizes)
+    needs = ", ".join(
+        f"{-(-job.group_bytes(n) // n)} bytes per rank on {n} rank(s)"
+        for n in sorted({n for n, _ in sizes} | {max(job.devices, 1)})
     )
+    return (
+        f"job {job.job_id} cannot be placed: its state is {job.state_bytes} bytes (weights, "
+        f"gradients and Adam moments; {job.replicated_bytes} of them held whole on every "
+        f"rank), so it needs {needs}; the worker groups have {groups} of device memory "
+        "for job states. Use LoRA or a smaller LoRA rank, or run workers with more ranks "
+        "(PLEXRL_WORKER_RANKS) or more device memory per rank (PLEXRL_WORKER_DEVICE_BYTES)."
+    )
+
+
+def unplaceable(workers: Sequence[WorkerView], job: JobView) -> str | None:
+    """Why no healthy group serving the job's base model can ever hold it (`too_large`);
+    None when one can, or when none has reported yet (the job waits for one)."""
+    base = job.base_model
+    serving = [
+        w for w in workers if w.healthy and (not base or not w.base_models or base in w.base_models)
+    ]
+    alone = replace(job, devices=1)
+    if not serving or any(can_ever_hold(w, alone) for w in serving):
+        return None
+    return too_large(job, serving)
+
+
+def fewest_devices(workers: Sequence[WorkerView], job: JobView) -> int:
+    """The fewest ranks of a healthy group that could hold `job` alone: what the job
+    needs (`JobView.devices`) when its size alone decides (1 when no group can)."""
+    alone = replace(job, devices=1)
+    return min((w.devices for w in workers if w.healthy and can_ever_hold(w, alone)), default=1)
 
 
 def admit_least_loaded(snapshot: ClusterSnapshot, job: JobView) -> Admit | Reject:
@@ -199,10 +230,10 @@ def admit_waiting(
     """
     actions: list[Action] = []
     healthy = [w for w in snapshot.workers.values() if w.healthy]
-    holdable: dict[tuple[int, str, int], bool] = {}  # by what `can_ever_hold` reads
+    holdable: dict[tuple[int, str, int, int], bool] = {}  # by what `can_ever_hold` reads
     blocked = False
     for job in waiting_jobs(snapshot):
-        size = (job.devices, job.base_model, job.state_bytes)
+        size = (job.devices, job.base_model, job.state_bytes, job.replicated_bytes)
         held = holdable.get(size)
         if held is None:
             held = holdable[size] = any(can_ever_hold(w, job) for w in healthy)
@@ -257,8 +288,18 @@ def run_of(
     quantum_s: float | None = None,
 ) -> Run:
     """A Run of the job's oldest pending calls: at most `max_calls_per_run`, and with a
-    `quantum_s` only as many as fit in it by their expected seconds (at least one)."""
+    `quantum_s` only as many as fit in it by their expected seconds (at least one).
+
+    Sample calls and others never share a Run: a Run of samples is released at its
+    stragglers (the tail release), which calls behind them in the same Run would wait
+    out; an asynchronous job's next sample and its training go as Runs of their own."""
     calls = snapshot.calls_view(job.job_id)[: config.max_calls_per_run]
+    if len(calls) > 1:
+        sampling = calls[0].function == _SAMPLE
+        for i in range(1, len(calls)):
+            if (calls[i].function == _SAMPLE) != sampling:
+                calls = calls[:i]
+                break
     seconds_of, default_s = job.estimates.seconds, job.estimates.default_s
     expected = [seconds_of.get(c.function, default_s) for c in calls]  # expected_s, inlined
     if quantum_s is not None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from plexrl.policy.costs import SharingCosts
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,12 @@ class PolicyConfig:
     the group is decided again at the next call boundary after it: a job with less
     remaining work cuts in after at most about one quantum (or one call) of another."""
 
-    hold_s: float = 0.0
-    """The live scheduler's anticipation (`plexrl.policy.anticipate`, plexrl policy only):
-    a free group whose last job is in a burst of calls (its last gap between calls was
-    at most this) is held for that job's next call for up to twice its last gap (and at
-    most this), instead of going to another job for one call. 0 turns it off; the
-    simulator does not model it."""
+    hold_s: float = 0.1
+    """Anticipation (`plexrl.policy.anticipate`, plexrl policy only): a free group whose
+    last job is in a burst of calls (its last gap between calls was at most this) is held
+    for that job's next call for up to twice its last gap (and at most this), instead of
+    going to another job for one call. 0 turns it off. The live scheduler's default
+    (`PLEXRL_HOLD_S`); the simulator holds its groups by the same rule."""
 
     fair_share: bool = True
     """Tenants' share of each group (`plexrl.policy.share`, plexrl policy only; it acts
@@ -60,19 +62,29 @@ class PolicyConfig:
     tenant's next call waits behind at most about one call of this one (or this long)."""
 
     max_cosampled_calls: int = 32
-    """The live scheduler's co-sampling (`plexrl.policy.cosample`): a Run of sample calls
-    takes other jobs' pending sample calls on its group along, up to this many calls in
-    all, decoded in one batch; 0 turns it off. The simulator does not model it."""
+    """Co-sampling (`plexrl.policy.cosample`): a Run of sample calls takes other jobs'
+    pending sample calls on its group along, up to this many calls in all, decoded in one
+    batch; 0 turns it off. The simulator decodes such a Run as one batch too."""
 
     preempt_ratio: float = 0.5
-    """The live scheduler's preemption (`plexrl.policy.preempt`, plexrl policy only): a
+    """Preemption (`plexrl.policy.preempt`, plexrl policy only): a
     group's running sample batch yields to a waiting job of the group whose pending calls
     are expected to take at most this fraction of the batch's expected remaining seconds
-    (the yielding job waits that long at most, once per batch). 0 turns it off; the
-    simulator does not model it."""
+    (the yielding job waits that long at most, once per batch). 0 turns it off. The
+    simulator pauses the batch for the Run that preempts it, as the worker does."""
     preempt_after_s: float = 0.05
     """A batch is never preempted before it has run this long (its own prompts and first
     steps go first, and a batch about to be released anyway is not asked twice)."""
+
+    roam: bool = True
+    """The plexrl policy's roaming samples (`plexrl.policy.roam`): a job's sample call on
+    saved sampler weights, waiting while its home group is busy, runs on an idle group of
+    the same size whose jobs all expect to stay idle that long. False: every call on its
+    home group."""
+    sharing: SharingCosts = field(default_factory=SharingCosts)
+    """What sharing a group costs beyond swaps (engine switches, stragglers' memory and
+    contention): the plexrl policy's interference model predicts with these; the
+    simulator sets them to the workload's, which its executor charges."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.preempt_ratio <= 1:

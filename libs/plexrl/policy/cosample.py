@@ -13,27 +13,42 @@ from __future__ import annotations
 from dataclasses import replace
 
 from plexrl.messages import Function, Tier
-from plexrl.policy.actions import Plan, Run
+from plexrl.policy.actions import Action, Plan, Run
 from plexrl.policy.snapshot import ClusterSnapshot, JobView
+
+_SAMPLE = Function.SAMPLE
 
 
 def co_sample(snapshot: ClusterSnapshot, plan: Plan, max_calls: int) -> Plan:
     """`plan` with each all-sample Run extended by other jobs' joinable sample calls, up
     to `max_calls` calls in the Run (oldest first)."""
-    running = {a.job_id for a in plan if isinstance(a, Run)}
-    out = []
-    for action in plan:
-        if isinstance(action, Run) and _all_samples(snapshot, action):
-            action = _extended(snapshot, action, running, max_calls)
-        out.append(action)
-    return tuple(out)
+    if max_calls <= 0:
+        return plan
+    out: list[Action] | None = None
+    running: set[str] | None = None
+    for i, action in enumerate(plan):
+        if not isinstance(action, Run) or not _all_samples(snapshot, action):
+            continue
+        if running is None:
+            running = {a.job_id for a in plan if isinstance(a, Run)}
+        extended = _extended(snapshot, action, running, max_calls)
+        if extended is not action:
+            if out is None:
+                out = list(plan)
+            out[i] = extended
+    return plan if out is None else tuple(out)
 
 
 def _all_samples(snapshot: ClusterSnapshot, run: Run) -> bool:
-    functions = {c.request_id: c.function for c in snapshot.calls_of(run.job_id)}
-    return bool(run.request_ids) and all(
-        functions.get(rid) == Function.SAMPLE for rid in run.request_ids
-    )
+    # A Run is a prefix of its job's pending calls (the policies' `run_of`).
+    ids = run.request_ids
+    calls = snapshot.calls_view(run.job_id)
+    if not ids or len(ids) > len(calls):
+        return False
+    for rid, call in zip(ids, calls, strict=False):
+        if call.request_id != rid or call.function != _SAMPLE:
+            return False
+    return True
 
 
 def _extended(snapshot: ClusterSnapshot, run: Run, running: set[str], max_calls: int) -> Run:
@@ -41,11 +56,11 @@ def _extended(snapshot: ClusterSnapshot, run: Run, running: set[str], max_calls:
     if own is None:
         return run
     joiners = []
-    for job in snapshot.homed(run.worker_id):
+    for job in snapshot.homed_view(run.worker_id):
         if job.job_id in running or not _joinable(job, own):
             continue
-        for call in snapshot.calls_of(job.job_id):
-            if call.function != Function.SAMPLE:
+        for call in snapshot.calls_view(job.job_id):
+            if call.function != _SAMPLE:
                 break  # later calls of the job wait for this one: keep its order
             joiners.append(call)
     joiners.sort(key=lambda c: (c.arrival_time, c.request_id))

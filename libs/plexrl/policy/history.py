@@ -72,8 +72,12 @@ class CallHistory:
     step_calls: tuple[Function, ...] = ()
     """The calls of its last whole training step, sample first (empty until one step
     has been seen from one sample to the next)."""
+    tail_s: float = 0.0
+    """Running mean of the seconds its rollouts' stragglers decoded after the release
+    (0: none seen)."""
     version: int = 0
-    """Counts changes to `durations` and `step_calls` (a cache key for their readers)."""
+    """Counts changes to `durations`, `step_calls` and `tail_s` (a cache key for their
+    readers)."""
     _since_sample: list[Function] = field(default_factory=list)
 
     def homed(self, now: float) -> None:
@@ -103,6 +107,12 @@ class CallHistory:
         self.busy_s += compute_s + swap_s
         self.queued_s += queue_s
 
+    def tail(self, seconds: float) -> None:
+        """A rollout's stragglers, released, ended `seconds` after the release."""
+        old = self.tail_s
+        self.tail_s = seconds if old <= 0 else old + EWMA * (seconds - old)
+        self.version += 1
+
     def has_history(self, now: float, min_history_s: float) -> bool:
         return self.first_seen is not None and now - self.first_seen >= min_history_s
 
@@ -125,6 +135,7 @@ class Prior:
     duty_cycle: float
     durations: dict[Function, float]
     step_calls: tuple[Function, ...] = ()
+    tail_s: float = 0.0
 
 
 def priors(
@@ -135,10 +146,13 @@ def priors(
     duties: dict[Kind, list[float]] = {}
     durations: dict[Kind, dict[Function, list[float]]] = {}
     steps: dict[Kind, tuple[Function, ...]] = {}
+    tails: dict[Kind, list[float]] = {}
     for kind, history in histories:
         if not history.has_history(now, min_history_s):
             continue
         duties.setdefault(kind, []).append(history.duty_cycle(now, min_history_s))
+        if history.tail_s > 0:
+            tails.setdefault(kind, []).append(history.tail_s)
         by_function = durations.setdefault(kind, {})
         for function, seconds in history.durations.items():
             by_function.setdefault(function, []).append(seconds)
@@ -149,6 +163,7 @@ def priors(
             duty_cycle=sum(values) / len(values),
             durations={f: sum(v) / len(v) for f, v in durations[kind].items()},
             step_calls=steps.get(kind, ()),
+            tail_s=sum(tails[kind]) / len(tails[kind]) if kind in tails else 0.0,
         )
         for kind, values in duties.items()
     }
@@ -162,6 +177,7 @@ class Described:
     duty_cycle: float
     durations: dict[Function, float]
     step_calls: tuple[Function, ...]
+    tail_s: float = 0.0
 
 
 def describe(
@@ -170,11 +186,13 @@ def describe(
     """The job's own figures; its kind's (`prior`) for the duty cycle until it has a
     history, and for any function or step loop it has not shown yet (a job that has
     only sampled so far would otherwise look as if its training took no time)."""
-    step = history.step_calls
+    step, tail = history.step_calls, history.tail_s
     if prior is None:
-        return Described(history.duty_cycle(now, min_history_s), dict(history.durations), step)
+        duty = history.duty_cycle(now, min_history_s)
+        return Described(duty, dict(history.durations), step, tail)
     if history.has_history(now, min_history_s):
         duty = history.duty_cycle(now, min_history_s)
     else:
         duty = prior.duty_cycle
-    return Described(duty, prior.durations | history.durations, step or prior.step_calls)
+    durations = prior.durations | history.durations
+    return Described(duty, durations, step or prior.step_calls, tail or prior.tail_s)

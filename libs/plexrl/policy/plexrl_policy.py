@@ -37,14 +37,16 @@ p_k, phases q of l_q seconds, mean remaining call c_k) in three ways:
                                              x, else i waits for its call in progress)
     k starts a shorter phase during x:       max(x - l_q, 0) * l_q / p_k   (it cuts in)
 
-    slow_i = sum_x sum_k wait(x, k) / p_i / (1 - sum_k duty_k / 2)
+    slow_i = (sum_x sum_k wait(x, k) / (1 - sum_k duty_k / 2) + sum_k cost(i, k)) / p_i
 
 The pairwise terms are first order (neighbours do not meet each other); the
-denominator amplifies them with the group's load, at half the M/G/1 rate, since RLVR
-jobs are periodic and queue far less than Poisson arrivals would. Calibrated on the
-simulator with the paper mix's profiles (measured against predicted mean slowdown,
-pairs: 7B 3.2% / 3.8%, 30B 6.6% / 9.4%, 235B 3.3% / 4.0%; triples 7.8% / 8.9%,
-21% / 24%, 9.5% / 9.3%): slightly pessimistic for pairs, close for triples.
+denominator amplifies the waits with the group's load, at half the M/G/1 rate, since
+RLVR jobs are periodic and queue far less than Poisson arrivals would. `cost(i, k)` is
+what sharing costs beyond the waits (`sharing_cost_s`: engine switches, Runs beside the
+neighbour's stragglers, its own stragglers slowed beside the neighbour's Runs), with
+the parameters the simulator's executor charges (`PolicyConfig.sharing`). Against jobs
+of the H200 profiles forced onto one group in the simulator (`bench/sim_interference.py`,
+docs/simulator.md) it is within a point or two, pessimistic by 0.7 points on average.
 """
 
 from __future__ import annotations
@@ -66,13 +68,17 @@ from plexrl.policy.common import (
     waiting_jobs,
 )
 from plexrl.policy.config import PolicyConfig
+from plexrl.policy.costs import SharingCosts
+from plexrl.policy.defer import not_passed_over
 from plexrl.policy.fifo import last_served
 from plexrl.policy.frozen import quick_init
+from plexrl.policy.roam import roaming_runs, with_roaming
 from plexrl.policy.share import tenant_order
 from plexrl.policy.snapshot import ClusterSnapshot, JobView, WorkerView
 
 _TRAIN = (Function.FORWARD_BACKWARD, Function.OPTIM_STEP, Function.SAVE)
 _UNBOUNDED = float("inf")
+_SAMPLE = Function.SAMPLE
 _DEVICE = Tier.DEVICE
 
 
@@ -129,17 +135,35 @@ class Figures:
     """Seconds of one step (its busy seconds over its duty cycle); 0 if unknown."""
     residual: float
     duty: float
+    tail: float = 0.0
+    """Seconds its rollouts' stragglers decode in the background after the release."""
+    sample: float = 0.0
+    """Seconds of its sample phase (the call its stragglers follow)."""
+    critical: tuple[float, ...] = ()
+    """Its phases on its step's critical path, whose waits and costs lengthen its steps:
+    all of them for a synchronous job; an asynchronous one's sample alone (its training
+    waits within its slack, `plexrl.policy.defer`), and they are also the phases it runs
+    beside a neighbour's stragglers (its training waits them out)."""
     shape: int = 0
-    """Which (phases, residual), to 1%, this is among the jobs one `InterferenceFit`
+    """Which (phases, residual, tail), to 1%, this is among the jobs one `InterferenceFit`
     has seen: jobs of one shape meet a neighbour alike, so a meeting of two shapes is
     computed once (from the first job of each) per admission pass."""
+
+    @property
+    def busy(self) -> float:
+        return sum(self.phases)
 
 
 def figures_of(job: JobView) -> Figures:
     phases = step_phases(job)
     busy = sum(phases)
     period = busy / job.duty_cycle if job.duty_cycle > 0 and busy > 0 else 0.0
-    return Figures(phases, period, call_residual_s(job), job.duty_cycle)
+    sampled = job.estimates.expected_s(Function.SAMPLE)
+    sample = sampled if job.tail_s > 0 else 0.0
+    critical = phases if job.staleness <= 0 else tuple(s for s in (sampled,) if s > 0)
+    return Figures(
+        phases, period, call_residual_s(job), job.duty_cycle, job.tail_s, sample, critical
+    )
 
 
 def _to_1pct(seconds: float) -> int:
@@ -147,23 +171,64 @@ def _to_1pct(seconds: float) -> int:
     return round(math.log(seconds) * 100) if seconds > 0 else -(10**9)
 
 
-def _slowdown(me: Figures, waits: float, others: float) -> float:
+def _slowdown(me: Figures, waits: float, others: float, costs: float = 0.0) -> float:
+    """`waits` (first order, seconds per step) amplified by the neighbours' load, plus
+    the costs of sharing (seconds per step), over the step."""
     if others >= 1.0:
         return _UNBOUNDED
     if me.period <= 0:
         return 0.0
-    return waits / me.period / (1.0 - others / 2)
+    return (waits / (1.0 - others / 2) + costs) / me.period
 
 
-def predicted_slowdown(job: JobView, neighbours: Sequence[JobView]) -> float:
-    """Expected fractional step-time increase of `job` from sharing with `neighbours`."""
+def sharing_cost_s(me: Figures, neighbour: Figures, costs: SharingCosts) -> float:
+    """Seconds per step `me` loses to the costs of sharing beside `neighbour` (besides
+    waiting for it; `plexrl.policy.costs`):
+
+    - engine switches: one per critical phase of `me` that follows a Run of the
+      neighbour, at most one per phase: `switch_s * min(n_me, n_k * p_me / p_k)`;
+    - its critical Runs beside the neighbour's stragglers, at `1 - tail_min_share` of
+      the group: the fraction of its busy seconds inside the neighbour's tail is about
+      `(tail_k + sample_k) / p_k` (a phase that waited for the neighbour's sample
+      starts with its tail), each second of it costing `share / (1 - share)`;
+    - its own stragglers slowed beside the neighbour's Runs: the neighbour's busy
+      seconds (those it runs beside stragglers: `critical`) fall in its tail about
+      `tail / p_k` of the time, and the phases queued behind its sample (`sample / p_k`
+      each) run at its tail's start; each second of overlap delays the tail by
+      `1 - 1 / tail_contention`."""
+    pk = neighbour.period
+    if pk <= 0:
+        return 0.0
+    cost = 0.0
+    mine = me.critical
+    if costs.switch_s > 0 and mine:
+        n_me, n_k = len(mine), len(neighbour.phases)
+        follows = n_k * me.period / pk if me.period > 0 else float(n_me)
+        cost += costs.switch_s * min(float(n_me), follows)
+    if neighbour.tail > 0 and costs.tail_min_share > 0:
+        inside = min(1.0, (neighbour.tail + neighbour.sample) / pk)
+        cost += sum(mine) * inside * costs.stretch()
+    if me.tail > 0 and costs.tail_contention > 1:
+        beside = neighbour.critical
+        queued = sum(min(x, me.tail) for x in beside) * me.sample / pk
+        overlap = min(me.tail, me.tail * sum(beside) / pk + queued)
+        cost += overlap * (1.0 - 1.0 / costs.tail_contention)
+    return cost
+
+
+def predicted_slowdown(
+    job: JobView, neighbours: Sequence[JobView], costs: SharingCosts | None = None
+) -> float:
+    """Expected fractional step-time increase of `job` from sharing with `neighbours`
+    (with `costs`, the costs of sharing too)."""
     if not neighbours:
         return 0.0
-    fit = InterferenceFit(budget=0.0)
+    fit = InterferenceFit(budget=0.0, costs=costs or SharingCosts(0.0, 0.0, 1.0))
     me = fit.figures(job)
     others = [fit.figures(k) for k in neighbours]
     waits = sum(fit.pair(me, k) for k in others)
-    return _slowdown(me, waits, sum(k.duty for k in others))
+    extra = sum(fit.cost(me, k) for k in others)
+    return _slowdown(me, waits, sum(k.duty for k in others), extra)
 
 
 @dataclass
@@ -174,6 +239,8 @@ class _Group:
     members: list[Figures] = field(default_factory=list)
     waits: list[float] = field(default_factory=list)
     """Each member's summed first-order wait behind the others (seconds per step)."""
+    costs: list[float] = field(default_factory=list)
+    """Each member's summed costs of sharing beside the others (seconds per step)."""
     tenants: dict[str, float] = field(default_factory=dict)
     """Sum of the duty cycles per tenant."""
 
@@ -182,14 +249,18 @@ class _Group:
         fig: Figures,
         state_bytes: int,
         pair: Callable[[Figures, Figures], float],
+        cost: Callable[[Figures, Figures], float],
         tenant: str = "",
     ) -> None:
-        mine = 0.0
+        mine = mine_cost = 0.0
         for i, other in enumerate(self.members):
             self.waits[i] += pair(other, fig)
+            self.costs[i] += cost(other, fig)
             mine += pair(fig, other)
+            mine_cost += cost(fig, other)
         self.members.append(fig)
         self.waits.append(mine)
+        self.costs.append(mine_cost)
         self.load += fig.duty
         self.reserved += state_bytes
         self.tenants[tenant] = self.tenants.get(tenant, 0.0) + fig.duty
@@ -217,22 +288,29 @@ class InterferenceFit:
     """
 
     def __init__(
-        self, budget: float, pack: bool = True, fair_share: bool = False, max_load: float = 1.0
+        self,
+        budget: float,
+        pack: bool = True,
+        fair_share: bool = False,
+        max_load: float = 1.0,
+        costs: SharingCosts | None = None,
     ) -> None:
         self.budget = budget
+        self.costs = costs if costs is not None else SharingCosts()
         self.pack = pack
         self.fair_share = fair_share
         self.max_load = max_load
         self._figures: dict[str, Figures] = {}
-        self._shapes: dict[tuple[tuple[int, ...], int], int] = {}
+        self._shapes: dict[tuple[tuple[int, ...], int, int, int, int], int] = {}
         self._representatives: list[Figures] = []
         self._meetings: dict[tuple[int, int], float] = {}
         self._groups: dict[str, _Group] = {}
-        self._classes: dict[tuple[int, str], list[WorkerView]] = {}
+        self._classes: dict[tuple[int, str, int, int], list[WorkerView]] = {}
         self._placed = 0
         """Jobs placed so far in this pass: the groups' totals change only when one is."""
-        self._refused: dict[tuple[Figures, int, str, int], int] = {}
-        """Figures and size (devices, base model, state bytes) of a job no group took,
+        self._refused: dict[tuple[Figures, int, str, int, int], int] = {}
+        """Figures and size (devices, base model, state and replicated bytes) of a job no
+        group took,
         with `_placed` then. The answer rests on nothing else, so a later job alike gets
         the same None until a job is placed: jobs waiting for admission are mostly of a
         few kinds described alike (their kind's `priors`), and each would otherwise be
@@ -242,11 +320,26 @@ class InterferenceFit:
         cached = self._figures.get(job.job_id)
         if cached is None:
             fig = figures_of(job)
-            key = (tuple(_to_1pct(x) for x in fig.phases), _to_1pct(fig.residual))
+            key = (
+                tuple(_to_1pct(x) for x in fig.phases),
+                _to_1pct(fig.residual),
+                _to_1pct(fig.tail),
+                _to_1pct(fig.sample),
+                len(fig.critical),
+            )
             shape = self._shapes.setdefault(key, len(self._shapes))
             if shape == len(self._representatives):
                 self._representatives.append(fig)
-            cached = Figures(fig.phases, fig.period, fig.residual, fig.duty, shape)
+            cached = Figures(
+                fig.phases,
+                fig.period,
+                fig.residual,
+                fig.duty,
+                fig.tail,
+                fig.sample,
+                fig.critical,
+                shape,
+            )
             self._figures[job.job_id] = cached
         return cached
 
@@ -259,8 +352,14 @@ class InterferenceFit:
         meeting = self._meetings.get(key)
         if meeting is None:
             mine, theirs = self._representatives[me.shape], self._representatives[neighbour.shape]
-            meeting = self._meetings[key] = _meeting_s(mine.phases, theirs.phases, theirs.residual)
+            meeting = self._meetings[key] = _meeting_s(
+                mine.critical, theirs.phases, theirs.residual
+            )
         return meeting / neighbour.period
+
+    def cost(self, me: Figures, neighbour: Figures) -> float:
+        """Seconds per step `me` loses to the costs of sharing beside `neighbour`."""
+        return sharing_cost_s(me, neighbour, self.costs)
 
     def _within_adding(self, group: _Group, fig: Figures) -> bool:
         """Whether `group` plus `fig` stays within budget: the mean predicted slowdown
@@ -269,13 +368,19 @@ class InterferenceFit:
         guard = 2 * self.budget
         if not group.members:
             return True
-        pair = self.pair
+        pair, cost = self.pair, self.cost
         mine = sum(pair(fig, other) for other in group.members)
-        total = _slowdown(fig, mine, group.load)
+        extra = sum(cost(fig, other) for other in group.members)
+        total = _slowdown(fig, mine, group.load, extra)
         if total > guard:
             return False
-        for other, waits in zip(group.members, group.waits, strict=True):
-            slow = _slowdown(other, waits + pair(other, fig), group.load - other.duty + fig.duty)
+        for other, waits, costs in zip(group.members, group.waits, group.costs, strict=True):
+            slow = _slowdown(
+                other,
+                waits + pair(other, fig),
+                group.load - other.duty + fig.duty,
+                costs + cost(other, fig),
+            )
             if slow > guard:
                 return False
             total += slow
@@ -286,10 +391,20 @@ class InterferenceFit:
         group's load would reach 1: it would not drain)."""
         if not group.members:
             return 0.0
-        pair = self.pair
-        total = _slowdown(fig, sum(pair(fig, other) for other in group.members), group.load)
-        for other, waits in zip(group.members, group.waits, strict=True):
-            total += _slowdown(other, waits + pair(other, fig), group.load - other.duty + fig.duty)
+        pair, cost = self.pair, self.cost
+        total = _slowdown(
+            fig,
+            sum(pair(fig, other) for other in group.members),
+            group.load,
+            sum(cost(fig, other) for other in group.members),
+        )
+        for other, waits, costs in zip(group.members, group.waits, group.costs, strict=True):
+            total += _slowdown(
+                other,
+                waits + pair(other, fig),
+                group.load - other.duty + fig.duty,
+                costs + cost(other, fig),
+            )
         return total / (len(group.members) + 1)
 
     def _least_slowed(self, snapshot: ClusterSnapshot, job: JobView, fig: Figures) -> str | None:
@@ -320,7 +435,7 @@ class InterferenceFit:
             if best is None or key < best:
                 best, chosen = key, worker
         assert chosen is not None
-        self._groups[chosen.worker_id].add(fig, job.state_bytes, self.pair, tenant)
+        self._groups[chosen.worker_id].add(fig, job.state_bytes, self.pair, self.cost, tenant)
         return chosen.worker_id
 
     def _group(self, snapshot: ClusterSnapshot, worker_id: str) -> _Group:
@@ -328,18 +443,19 @@ class InterferenceFit:
         if group is None:
             group = self._groups[worker_id] = _Group()
             for job in snapshot.homed_view(worker_id):
-                group.add(self.figures(job), job.state_bytes, self.pair, job.tenant)
+                group.add(self.figures(job), job.state_bytes, self.pair, self.cost, job.tenant)
         return group
 
     def _size_class(self, snapshot: ClusterSnapshot, job: JobView) -> list[WorkerView]:
-        key = (job.devices, job.base_model)
+        # By everything `size_class` reads of the job: which groups can hold it.
+        key = (job.devices, job.base_model, job.state_bytes, job.replicated_bytes)
         if key not in self._classes:
             self._classes[key] = size_class(snapshot, job)
         return self._classes[key]
 
     def __call__(self, snapshot: ClusterSnapshot, job: JobView) -> str | None:
         fig = self.figures(job)
-        alike = (fig, job.devices, job.base_model, job.state_bytes)
+        alike = (fig, job.devices, job.base_model, job.state_bytes, job.replicated_bytes)
         if self._refused.get(alike) == self._placed:
             return None
         if self.pack:
@@ -374,7 +490,7 @@ class InterferenceFit:
                 break
         if chosen is None:
             return None
-        self._groups[chosen.worker_id].add(fig, job.state_bytes, self.pair, tenant)
+        self._groups[chosen.worker_id].add(fig, job.state_bytes, self.pair, self.cost, tenant)
         return chosen.worker_id
 
 
@@ -432,7 +548,15 @@ def shortest_remaining_first(
     def key(job: JobView) -> tuple[float, int, float, str]:
         calls = snapshot.calls_view(job.job_id)
         seconds_of, default_s = job.estimates.seconds, job.estimates.default_s
-        service = sum([seconds_of.get(c.function, default_s) for c in calls])  # expected_s
+        # The work of its next Run: its calls up to where samples and others change
+        # (`common.run_of`), so an asynchronous job's sample is not weighed with the
+        # training queued behind it on its other lane.
+        sampling = calls[0].function == _SAMPLE
+        service = 0.0
+        for c in calls:
+            if (c.function == _SAMPLE) != sampling:
+                break
+            service += seconds_of.get(c.function, default_s)  # expected_s
         switch = switch_s(snapshot, job, ()) if job.tier != _DEVICE else 0.0
         resident = 0 if job.tier == _DEVICE else 1
         return (service + switch_weight * switch, resident, calls[0].arrival_time, job.job_id)
@@ -495,16 +619,20 @@ def plan_plexrl(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
     actions: list[Action] = []
     if waiting_jobs(snapshot):  # (most plans only dispatch: no placement to set up)
         place = InterferenceFit(
-            config.slowdown_budget, config.pack, config.fair_share, config.max_load
+            config.slowdown_budget, config.pack, config.fair_share, config.max_load, config.sharing
         )
         admitted, snapshot = admit_waiting(snapshot, place, backfill=True)
         actions.extend(admitted)
-    order = partial(
+    srf = partial(
         shortest_remaining_first,
         switch_weight=config.switch_weight,
         burst=(config.hold_s, config.quantum_s),
         fair_share=config.fair_share,
     )
+
+    def order(snap: ClusterSnapshot, worker: WorkerView, jobs: list[JobView]) -> Sequence[JobView]:
+        return srf(snap, worker, not_passed_over(snap, worker, jobs))
+
     prefetch = config.prefetch and _off_device(snapshot)
     runs, snapshot = dispatch(
         snapshot,
@@ -516,6 +644,11 @@ def plan_plexrl(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
         tenant_quantum_s=config.tenant_quantum_s if config.fair_share else None,
     )
     actions.extend(runs)
+    roaming = roaming_runs(snapshot, config, runs)
+    if roaming:
+        actions.extend(roaming)
+        if prefetch:
+            snapshot = with_roaming(snapshot, roaming)
     if prefetch:
         actions.extend(prefetches(snapshot, config, runs))
     return tuple(actions)

@@ -14,10 +14,17 @@ and the batch has run at least `preempt_after_s`. The waiting job with the least
 work goes next (the dispatch then picks it by the same rule). A batch is asked once,
 so the yielding job waits at most one such dispatch: at most `preempt_ratio` of its own
 remaining sampling, as far as the estimates go.
+
+A group whose in-flight Run is *sliced* training (`WorkerView.sliced`: an asynchronous
+job's `forward_backward`, run in micro-batches the worker can pause between) yields at
+the next slice to a job whose next call is a sample, whatever their lengths: the
+sample is on its job's critical path, the training within its job's slack. Only the
+simulator slices training (`Profile.fb_slices`); the live worker runs it whole.
 """
 
 from __future__ import annotations
 
+from plexrl.messages import Function
 from plexrl.policy.actions import Preempt
 from plexrl.policy.anticipate import pending_s
 from plexrl.policy.common import make_room, switch_s
@@ -54,6 +61,15 @@ def _yields_to(
     for job in snapshot.homed_view(worker.worker_id):
         calls = snapshot.calls_view(job.job_id)
         if job.job_id == worker.running or not calls:
+            continue
+        if worker.sliced:
+            # Sliced training (an asynchronous job's: within its slack) yields to a
+            # sample, which is on its job's critical path, however long it is.
+            if calls[0].function != Function.SAMPLE:
+                continue
+            key = (pending_s(snapshot, job), job.job_id)
+            if best is None or key < best:
+                best, chosen = key, job
             continue
         evict = make_room(snapshot, worker.worker_id, job)
         if evict is None:

@@ -85,6 +85,15 @@ class WorkerView:
     """The job whose calls are in flight here, if any."""
     busy_until: float = 0.0
     """Expected end of the in-flight work (snapshot clock)."""
+    tail_until: float = 0.0
+    """When the stragglers decoding on the group in the background (released rollouts,
+    its jobs' or roaming ones') are expected to end, by their jobs' mean tails (snapshot
+    clock); 0: none decoding (`plexrl.policy.defer`)."""
+    sliced: bool = False
+    """The in-flight Run is an asynchronous job's training, which the worker runs in
+    micro-batch slices and can pause between two: it yields to a waiting sample
+    (`plexrl.policy.preempt`). Only the simulator sets it; the live worker runs a
+    `forward_backward` call whole."""
     preemptible_since: float | None = None
     """When the in-flight Run began, if it is sample calls only and not yet asked to
     yield (`plexrl.policy.preempt`); None otherwise. Only the live scheduler sets it."""
@@ -117,6 +126,11 @@ class JobView:
     tier: Tier | None = None
     """Where its state is on the home group now; None until created."""
     devices: int = 1
+    """The fewest devices (ranks) a group must have to run it."""
+    replicated_bytes: int = 0
+    """Of `state_bytes`, what every rank of a group holds whole (a LoRA adapter and its
+    moments are replicated; the rest is sharded over the ranks): on a group of n ranks
+    the job takes `group_bytes(n)` of its device tier."""
     base_model: str = ""
     last_active: float = 0.0
     """When its last call ended (snapshot clock): the LRU key for eviction."""
@@ -147,6 +161,22 @@ class JobView:
     last_started: float = 0.0
     """When its latest Run began (snapshot clock; 0: none seen): one turn of its tenant
     on its group (`policy.share`)."""
+    sampler_bytes: int = 0
+    """Bytes a sampling engine on another group loads to sample its saved weights
+    (`plexrl.policy.roam`); 0: nothing to load (a LoRA adapter's few MB count as none)."""
+    staleness: int = 0
+    """The steps its rollouts may lag its training (declared, `/plexrl/v1`): 0, a
+    synchronous loop; k >= 1, it samples its next rollout while it trains on the last,
+    so waits of its training calls up to about k steps are off its critical path."""
+    tail_s: float = 0.0
+    """Seconds its rollouts' stragglers go on decoding after the group is released to
+    others (`TailReleased` to the last answer), as observed; 0: none seen. The plexrl
+    policy predicts the costs of sharing from it (`plexrl.policy.costs`)."""
+
+    def group_bytes(self, devices: int) -> int:
+        """Device bytes the job takes on a group of `devices` ranks, all ranks together:
+        each holds its share of the sharded part and the whole replicated part."""
+        return self.state_bytes + self.replicated_bytes * (devices - 1)
 
 
 @quick_init
@@ -158,6 +188,10 @@ class PendingCall:
     job_id: str
     function: Function
     arrival_time: float
+    portable: bool = False
+    """It reads nothing of the job's training state (a sample of saved sampler weights,
+    or of the base): it may run before the job's earlier calls, on any group that
+    serves the job's base model (`plexrl.policy.roam`)."""
 
 
 @quick_init

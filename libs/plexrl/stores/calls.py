@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
+from typing import Any
 
 import msgspec
 
@@ -54,6 +55,12 @@ class CallStore(RedisStore):
         existing = await self.get_completion(completion.request_id)
         await self._keys.replicated()  # its first writer may have died before waiting
         return existing if existing is not None else completion
+
+    def queue_completion(self, pipe: Any, completion: PhaseCompletion) -> None:
+        """`record_completion` on a pipeline (`RedisStore.pipeline`); its reply is True if
+        this record stands, None if one stood already (then read it: `get_completion`)."""
+        key = self._k("done", completion.request_id)
+        pipe.set(key, encode(completion), ex=self._keys.ttl_s, nx=True)
 
     async def get_completion(self, request_id: str) -> PhaseCompletion | None:
         return await self._get(self._k("done", request_id), PhaseCompletion)

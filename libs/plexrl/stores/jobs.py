@@ -40,6 +40,8 @@ class JobRecord(msgspec.Struct, frozen=True):
     """For a sampling job over a training job's checkpoint: that job (same home group)."""
     unloaded: bool = False
     metadata: dict[str, str] = {}
+    staleness: int = 0
+    """The job's declared loop (`JobOptions`): 0 synchronous, k asynchronous."""
 
 
 class JobStore(RedisStore):

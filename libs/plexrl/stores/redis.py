@@ -7,7 +7,7 @@ older version wrote; key names and encodings are a wire format too, never rename
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 
@@ -82,6 +82,11 @@ class RedisStore:
     async def ping(self) -> bool:
         """Whether Redis answers (for health checks)."""
         return await self._keys.ping()
+
+    def pipeline(self) -> Any:
+        """A pipeline (no transaction) on the shared connection: several stores' writes
+        queued with their `queue_*` methods go out in one round trip."""
+        return self._redis.pipeline(transaction=False)
 
     async def _get(self, key: str, type_: type[T]) -> T | None:
         raw = await self._redis.get(key)

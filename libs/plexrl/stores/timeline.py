@@ -37,6 +37,10 @@ class TimelineStore(RedisStore):
             self._k("timeline"), {"e": encode(entry)}, maxlen=max_len, approximate=True
         )
 
+    def queue_timeline(self, pipe: Any, entry: TimelineEntry, max_len: int = 100_000) -> None:
+        """`append_timeline` on a pipeline (`RedisStore.pipeline`)."""
+        pipe.xadd(self._k("timeline"), {"e": encode(entry)}, maxlen=max_len, approximate=True)
+
     async def timeline(self, since: float = 0.0, limit: int = 1000) -> list[TimelineEntry]:
         """Entries whose call started at or after `since`, oldest first."""
         start = f"{int(since * 1000)}-0" if since > 0 else "-"

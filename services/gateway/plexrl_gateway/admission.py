@@ -12,14 +12,14 @@ is forgotten after `forget_after_s`, so a lost message cannot lock a tenant out.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from plexrl.limits import CallLimits
-from plexrl.messages import PayloadRef, PhaseRequest
+from plexrl.messages import Dispatch, PayloadRef, PhaseRequest
 from plexrl_gateway.errors import ApiError, Category
 from plexrl_gateway.submitter import RequestPublisher
 
@@ -105,7 +105,8 @@ class CountingPublisher:
     """The gateway's Kafka edge, noting each phase request it sends as pending.
 
     Counting at the edge (not in the submitter) counts every path that publishes a
-    request: the request path and the outbox's re-publication alike.
+    request: the request path and the outbox's re-publication alike, to the scheduler
+    or straight to a worker.
     """
 
     def __init__(self, inner: RequestPublisher, pending: PendingCalls, requests_topic: str):
@@ -115,8 +116,21 @@ class CountingPublisher:
 
     async def publish(self, topic: str, key: str | bytes | None, message: Any) -> None:
         await self._inner.publish(topic, key, message)
+        self._count(topic, message)
+
+    async def publish_deferred(
+        self, topic: str, key: str | bytes | None, message: Any
+    ) -> Awaitable[Any]:
+        ack = await self._inner.publish_deferred(topic, key, message)
+        self._count(topic, message)  # pending from now: a failed send is sent again
+        return ack
+
+    def _count(self, topic: str, message: Any) -> None:
         if topic == self._requests_topic and isinstance(message, PhaseRequest):
             self._pending.published(message.tenant, message.request_id, payload_bytes(message))
+        elif isinstance(message, Dispatch):  # calls sent straight to a worker (plexrl.direct)
+            for call in message.calls:
+                self._pending.published(call.tenant, call.request_id, payload_bytes(call))
 
     async def ping(self, timeout_s: float = 2.0) -> bool:
         return await self._inner.ping(timeout_s)

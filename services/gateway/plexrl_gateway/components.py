@@ -24,6 +24,7 @@ from plexrl_gateway.cluster import ClusterView
 from plexrl_gateway.exports import ExportFiles
 from plexrl_gateway.futures import FutureWaiter
 from plexrl_gateway.outbox import Outbox
+from plexrl_gateway.placement import Placement
 from plexrl_gateway.registry import Registry
 from plexrl_gateway.sequencer import Sequencer
 from plexrl_gateway.signing import UrlSigner, signing_secret
@@ -53,6 +54,7 @@ class Gateway:
     usage: UsageStore
     """Each job's device-time counters."""
     catalog: ModelCatalog
+    placement: Placement
     """Base models by name."""
     registry: Registry
     """Sessions, jobs and checkpoints, per tenant."""
@@ -109,6 +111,7 @@ class Gateway:
             timeline=stores.timeline,
             usage=stores.usage,
             catalog=ModelCatalog(ModelRegistry(settings.model_registry)),
+            placement=Placement(stores.workers, settings.worker_timeout_s),
             registry=Registry(
                 stores.sessions,
                 stores.jobs,

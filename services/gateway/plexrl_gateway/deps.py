@@ -14,6 +14,7 @@ from plexrl.stores import CallStore, PayloadStore, TimelineStore, UsageStore
 from plexrl_gateway.catalog import ModelCatalog
 from plexrl_gateway.components import Gateway
 from plexrl_gateway.futures import FutureWaiter
+from plexrl_gateway.placement import Placement
 from plexrl_gateway.registry import Registry
 from plexrl_gateway.submitter import Submitter
 
@@ -54,6 +55,10 @@ async def _catalog(gateway: GatewayDep) -> ModelCatalog:
     return gateway.catalog
 
 
+async def _placement(gateway: GatewayDep) -> Placement:
+    return gateway.placement
+
+
 async def _submitter(gateway: GatewayDep, tenant: Annotated[str, Depends(_tenant)]) -> Submitter:
     """The submitter, for a tenant under its pending-calls quota (429 otherwise)."""
     gateway.pending.admit(tenant)
@@ -71,5 +76,6 @@ Timeline = Annotated[TimelineStore, Depends(_timeline)]
 Usage = Annotated[UsageStore, Depends(_usage)]
 Jobs = Annotated[Registry, Depends(_registry)]
 Catalog = Annotated[ModelCatalog, Depends(_catalog)]
+Placements = Annotated[Placement, Depends(_placement)]
 Submit = Annotated[Submitter, Depends(_submitter)]
 Futures = Annotated[FutureWaiter, Depends(_futures)]

@@ -13,6 +13,14 @@ calls of the model are not held back, and whichever gateway runs next publishes 
 outbox). A request published but not yet removed from the outbox is published again;
 the request id makes that a no-op downstream (the scheduler and worker answer a
 known request id from its record instead of running it twice).
+
+The same script reads the job's direct lease (`plexrl.direct`): while the scheduler
+has granted one, it numbers each call in the job's ledger there and then and marks its
+outbox entry with the route (the worker, the epoch, the lease, the seq), and the flush
+publishes it as a one-call Dispatch to that worker. An entry keeps its route however
+late it is published (by this gateway or, after a crash, by the next one): its seq
+and epoch decide at the worker, and the scheduler waits for it before it dispatches
+anything of the job after revoking the lease.
 """
 
 from __future__ import annotations
@@ -21,23 +29,31 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
-
-from plexrl.messages import PhaseRequest, decode, encode
+from plexrl.direct import ACCEPT_LUA, LEASED, OutboxEntry, Route, read_element
+from plexrl.failpoints import failpoint
+from plexrl.ledger import SEQUENCED
+from plexrl.messages import PhaseRequest, encode
 from plexrl.stores import FutureRecord, RedisKeys
 
 log = logging.getLogger(__name__)
 
-# KEYS: outbox list, outbox job set, seq cursor, retry key, future keys (n)
+# KEYS: outbox list, outbox job set, seq cursor, retry key, ledger head, ledger ids,
+#       direct lease, direct calls, future keys (n)
 # ARGV: has retry key ("1"/"0"), request id for the retry key, ttl, seq_id (-1: none),
-#       job id, n, future records (n), outbox entries (m)
+#       job id, n, kinds (one letter per request: see `_kind`), future records (n),
+#       request ids (m), outbox entries (m)
 # Returns {standing request id} when the retry key was claimed already (nothing written),
 # else {'', the outbox's head}: the first entry to publish, read in the same round trip.
-_ACCEPT = """
+_ACCEPT = (
+    """
+local head, ids, lease, calls = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+"""
+    + ACCEPT_LUA
+    + """
 local ttl = tonumber(ARGV[3])
 if ARGV[1] == '1' then
   local standing = redis.call('GET', KEYS[4])
@@ -45,7 +61,7 @@ if ARGV[1] == '1' then
 end
 local n = tonumber(ARGV[6])
 for i = 1, n do
-  redis.call('SET', KEYS[4 + i], ARGV[6 + i], 'EX', ttl)
+  redis.call('SET', KEYS[8 + i], ARGV[7 + i], 'EX', ttl)
 end
 if ARGV[1] == '1' then
   redis.call('SET', KEYS[4], ARGV[2], 'EX', ttl)
@@ -57,33 +73,42 @@ if seq >= 0 then
     redis.call('SET', KEYS[3], seq + 1, 'EX', ttl)
   end
 end
-for i = 7 + n, #ARGV do
-  redis.call('RPUSH', KEYS[1], ARGV[i])
+local kinds = ARGV[7]
+local m = #kinds
+local rids, entries = 7 + n, 7 + n + m
+-- One submission takes one path: direct only if every call of it may.
+local l = nil
+if not string.find(kinds, '[^nu]') then l = lease_live() end
+for i = 1, m do
+  local kind = string.sub(kinds, i, i)
+  local entry = ARGV[entries + i]
+  if l then
+    entry = route(l, ARGV[rids + i], kind == 'n', entry)
+  else
+    wait(kind == 'n' or kind == 'N')
+  end
+  redis.call('RPUSH', KEYS[1], entry)
 end
 redis.call('SADD', KEYS[2], ARGV[5])
 return {'', redis.call('LINDEX', KEYS[1], 0)}
 """
+)
 
-# KEYS: outbox list, outbox job set; ARGV: the published entry ("" for none), job id.
-# Returns the next entry to publish, or nil (and the job leaves the set) when none is left.
+# KEYS: outbox list, outbox job set; ARGV: job id, how many to return, the published
+# entries. Removes those; returns the next entries to publish, oldest first (none left:
+# the job leaves the set).
 _DONE = """
-if ARGV[1] ~= '' then
-  redis.call('LREM', KEYS[1], 1, ARGV[1])
+for i = 3, #ARGV do
+  redis.call('LREM', KEYS[1], 1, ARGV[i])
 end
-local head = redis.call('LINDEX', KEYS[1], 0)
-if not head then
-  redis.call('SREM', KEYS[2], ARGV[2])
+local n = tonumber(ARGV[2])
+if n < 1 then return {} end
+local next = redis.call('LRANGE', KEYS[1], 0, n - 1)
+if #next == 0 then
+  redis.call('SREM', KEYS[2], ARGV[1])
 end
-return head
+return next
 """
-
-
-class OutboxEntry(msgspec.Struct, frozen=True):
-    """A phase request accepted but maybe not yet acknowledged by Kafka."""
-
-    request: PhaseRequest
-    queued_at: float
-    """Wall-clock seconds when it was accepted."""
 
 
 @dataclass(frozen=True)
@@ -110,14 +135,32 @@ class Accepted:
     process could have moved it since: `flush` starts from it without reading it again."""
 
 
-Send = Callable[[PhaseRequest], Any]
-"""Publishes one request to Kafka (awaitable), raising if the broker did not take it."""
+Send = Callable[[PhaseRequest, Route | None], Awaitable[Awaitable[Any]]]
+"""Queues one request on the Kafka producer and returns its acknowledgement, which
+raises if the broker did not take it: to `plexrl.requests`, or with a route straight
+to its worker (`plexrl.direct`). A job's entries are queued in order and acknowledged
+together (one producer keeps their order on a partition)."""
+
+
+def _kind(request: PhaseRequest) -> str:
+    """The acceptance script's letter for a request: `n` numbered and may go direct, `u`
+    unnumbered and may go direct, `N` numbered but never direct, `-` neither."""
+    numbered = request.function in SEQUENCED
+    if request.function in LEASED:
+        return "n" if numbered else "u"
+    return "N" if numbered else "-"
 
 
 class Outbox:
-    def __init__(self, keys: RedisKeys, clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, keys: RedisKeys, clock: Callable[[], float] = time.time, batch: int = 64
+    ) -> None:
         """`keys`: the outbox writes the call store's records (future, retry key, seq
-        cursor) in its own transaction, so it names their keys itself."""
+        cursor) in its own transaction, so it names their keys itself. `batch`: entries a
+        flush publishes before it waits for their acknowledgements."""
+        if batch < 1:
+            raise ValueError(f"batch is {batch}; a flush publishes at least one entry at a time")
+        self._batch = batch
         self._keys = keys
         self._redis = keys.redis
         self._accept = keys.redis.register_script(_ACCEPT)
@@ -144,6 +187,11 @@ class Outbox:
             self._jobs_key,
             self._keys.key("seq", accept.job_id),
             self._keys.key("idem", accept.retry_key or ""),
+            # The job's ledger and direct lease (layouts: plexrl.ledger, plexrl.direct).
+            self._keys.key("ledger", accept.job_id),
+            self._keys.key("ledger", accept.job_id, "ids"),
+            self._keys.key("direct", accept.job_id),
+            self._keys.key("direct", accept.job_id, "calls"),
             *(self._keys.key("future", f.request_id) for f in accept.futures),
         ]
         args: list[Any] = [
@@ -153,7 +201,9 @@ class Outbox:
             -1 if accept.seq_id is None else accept.seq_id,
             accept.job_id,
             len(accept.futures),
+            "".join(_kind(r) for r in accept.requests),
             *(encode(f) for f in accept.futures),
+            *(r.request_id for r in accept.requests),
             *(encode(OutboxEntry(r, now)) for r in accept.requests),
         ]
         reply: list[Any] = await self._accept(keys=keys, args=args)
@@ -170,23 +220,60 @@ class Outbox:
         what `send` raised (what is left stays for the next flush). `min_age_s` leaves
         an outbox whose oldest entry is younger alone (its gateway is publishing it);
         once started, a flush goes to the end, so nothing accepted meanwhile waits.
-        `head`: the head `accept` just read (`Accepted.head`), saving a round trip."""
+        `head`: the head `accept` just read (`Accepted.head`), saving a round trip.
+
+        Entries go out a batch at a time: all queued on the producer, then their
+        acknowledgements awaited, then removed together (one round trip each way,
+        however many calls of the job arrived together)."""
         if job_id in self._users:  # a flush of the job runs: it may publish that head
             head = None
         async with self._lock(job_id):
             published = 0
             keys = [self._list_key(job_id), self._jobs_key]
-            raw = head
-            if raw is None:
-                raw = await self._done(keys=keys, args=[b"", job_id])  # the head, if any
-            while raw is not None:
-                entry: OutboxEntry = decode(_raw(raw), OutboxEntry)
-                if published == 0 and self._clock() - entry.queued_at < min_age_s:
+            batch: list[Any] = [head] if head is not None else []
+            if not batch:
+                batch = await self._done(keys=keys, args=[job_id, self._batch])
+            while batch:
+                entries = [(_raw(raw), *read_element(_raw(raw))) for raw in batch]
+                if published == 0 and self._clock() - entries[0][2].queued_at < min_age_s:
                     return published  # young: the gateway that accepted it is publishing it
-                await send(entry.request)
-                published += 1
-                raw = await self._done(keys=keys, args=[raw, job_id])  # and the next
+                acked = await self._publish(keys, job_id, entries, send)
+                published += len(acked)
+                # Removed, and the next ones read, in one round trip.
+                batch = await self._done(keys=keys, args=[job_id, self._batch, *acked])
             return published
+
+    async def _publish(
+        self,
+        keys: list[str],
+        job_id: str,
+        entries: list[tuple[bytes, Route | None, OutboxEntry]],
+        send: Send,
+    ) -> list[bytes]:
+        """Queue every entry, then wait for each acknowledgement in order; returns the
+        entries acknowledged. If one failed, those before it are removed from the outbox
+        and the failure raised (it and those after it stay, for the next flush)."""
+        acks = []
+        for raw, route, entry in entries:
+            if route is not None:
+                failpoint("gateway.direct_before_publish")
+            acks.append((raw, route, await send(entry.request, route)))
+        acked: list[bytes] = []
+        try:
+            for raw, route, ack in acks:
+                await ack
+                acked.append(raw)
+                if route is not None:
+                    failpoint("gateway.direct_published")
+        except BaseException:
+            for _, _, ack in acks[len(acked) + 1 :]:  # never awaited: collect their outcome
+                if isinstance(ack, asyncio.Future):
+                    ack.add_done_callback(_ignore)
+            if acked:
+                with contextlib.suppress(Exception):
+                    await self._done(keys=keys, args=[job_id, 0, *acked])
+            raise
+        return acked
 
     async def pending_jobs(self) -> list[str]:
         members = await self._redis.smembers(self._jobs_key)
@@ -208,6 +295,11 @@ class Outbox:
             self._users[job_id] -= 1
             if self._users[job_id] == 0:
                 del self._users[job_id], self._locks[job_id]
+
+
+def _ignore(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _raw(value: bytes | str) -> bytes:

@@ -10,12 +10,12 @@ import msgspec
 from fastapi import APIRouter, Query
 
 from plexrl.limits import LATEST_TIMESTAMP
-from plexrl.messages import Function, IdleHint, JobSpec, NoopInput
+from plexrl.messages import Function, IdleHint, JobOptions, JobSpec, NoopInput
 from plexrl_gateway.cluster import NO_ACTIVITY, activity
 from plexrl_gateway.deps import Futures, GatewayDep, Jobs, Submit, Tenant, Timeline
 from plexrl_gateway.errors import ApiError, Category, not_found
 from plexrl_gateway.render import ResponseKind
-from plexrl_gateway.schemas import IdleBody
+from plexrl_gateway.schemas import IdleBody, JobOptionsBody
 from plexrl_gateway.submitter import Call, Submission, ready
 
 router = APIRouter(prefix="/plexrl/v1")
@@ -152,6 +152,23 @@ async def idle(
     hint = IdleHint(job_id=job_id, tenant=tenant, seconds=body.seconds, at=time.time())
     await gateway.publisher.publish(gateway.topics.events, job_id, hint)
     return {"job_id": job_id, "seconds": body.seconds, "accepted": True}
+
+
+@router.post("/jobs/{job_id}/options")
+async def options(
+    job_id: str, body: JobOptionsBody, tenant: Tenant, jobs: Jobs, gateway: GatewayDep
+) -> dict[str, Any]:
+    """How the job's loop runs: `staleness` k >= 1 declares an asynchronous loop, whose
+    training calls may wait about k steps and whose samples of saved sampler weights may
+    run on another worker while it trains (docs/scheduling.md, "Asynchronous jobs").
+    Kept in the job's record; the running scheduler hears it at once."""
+    job = await jobs.find_job(tenant, job_id)
+    if job is None:
+        raise not_found(f"unknown job {job_id!r}")
+    await jobs.put_job(msgspec.structs.replace(job, staleness=body.staleness))
+    event = JobOptions(job_id=job_id, tenant=tenant, staleness=body.staleness, at=time.time())
+    await gateway.publisher.publish(gateway.topics.events, job_id, event)
+    return {"job_id": job_id, "staleness": body.staleness}
 
 
 @router.post("/echo")

@@ -30,7 +30,7 @@ from plexrl.stores.checkpoints import EPHEMERAL_PREFIX
 from plexrl_gateway.body_limit import BodyParser, Parser, is_json_media
 from plexrl_gateway.codec import PROTOBUF, decode_forward_backward
 from plexrl_gateway.codec_json import forward_backward_from_json
-from plexrl_gateway.deps import Catalog, Jobs, Submit, Tenant
+from plexrl_gateway.deps import Catalog, Jobs, Placements, Submit, Tenant
 from plexrl_gateway.errors import bad_request
 from plexrl_gateway.proto import tinker_public_pb2 as pb
 from plexrl_gateway.registry import metadata_strings, new_job
@@ -77,7 +77,12 @@ def future_ref(request_id: str, model_id: str) -> dict[str, Any]:
 
 @router.post("/create_model")
 async def create_model(
-    body: CreateModelBody, tenant: Tenant, jobs: Jobs, catalog: Catalog, submit: Submit
+    body: CreateModelBody,
+    tenant: Tenant,
+    jobs: Jobs,
+    catalog: Catalog,
+    placement: Placements,
+    submit: Submit,
 ) -> dict[str, Any]:
     await jobs.session(tenant, body.session_id)
     model_id = training_model_id(body.session_id, check_seq("model_seq_id", body.model_seq_id))
@@ -86,6 +91,7 @@ async def create_model(
         spec = job_spec(body, state_bytes=0)
         info = await catalog.info(body.base_model)
         spec = msgspec.structs.replace(spec, state_bytes=state_bytes(info, spec.lora))
+        await placement.check(model_id, spec)  # 400 if no worker group could hold it
         metadata = metadata_strings(body.user_metadata)
         job = new_job(JobKind.TRAINING, model_id, tenant, body.session_id, spec, metadata=metadata)
         await jobs.put_job(job)

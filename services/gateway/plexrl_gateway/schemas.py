@@ -181,6 +181,15 @@ class IdleBody(Body):
     seconds: float = Field(gt=0, le=24 * 3600, description="expected stall, seconds")
 
 
+class JobOptionsBody(Body):
+    staleness: int = Field(
+        ge=0,
+        le=8,
+        description="0: a synchronous loop; k: the job samples its next rollouts with "
+        "sampler weights up to k steps older than its newest, while it trains",
+    )
+
+
 # forward / forward_backward ------------------------------------------------------------
 
 TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]

@@ -24,10 +24,13 @@ from typing import Any, Protocol
 
 from opentelemetry import trace
 
-from plexrl import tracing
+from plexrl import direct, tracing
+from plexrl.direct import Route
 from plexrl.messages import (
+    Dispatch,
     Function,
     JobSpec,
+    Lease,
     PhaseInput,
     PhaseRequest,
     WorkHint,
@@ -49,6 +52,10 @@ class RequestPublisher(Protocol):
     """The part of plexrl.kafka.Publisher the gateway uses (tests fake only this edge)."""
 
     async def publish(self, topic: str, key: str | bytes | None, message: Any) -> None: ...
+
+    async def publish_deferred(
+        self, topic: str, key: str | bytes | None, message: Any
+    ) -> Awaitable[Any]: ...
 
     async def ping(self, timeout_s: float = 2.0) -> bool: ...
 
@@ -95,6 +102,19 @@ class Submission:
 
 def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex}"
+
+
+def direct_dispatch(request: PhaseRequest, route: Route, traceparent: str) -> Dispatch:
+    """A call accepted under its job's direct lease, as its worker runs it: one call,
+    numbered and fenced as the scheduler's dispatches are (`Lease`)."""
+    return Dispatch(
+        dispatch_id=direct.dispatch_id(route.lease_id, request.request_id),
+        worker_id=route.worker_id,
+        calls=[request],
+        traceparents=[traceparent],
+        issued_at=time.time(),
+        lease=Lease(route.epoch, [route.seq]),
+    )
 
 
 class Submitter:
@@ -214,7 +234,9 @@ class Submitter:
             spec=call.spec,
         )
 
-    async def _send(self, request: PhaseRequest) -> None:
+    async def _send(self, request: PhaseRequest, route: Route | None) -> Awaitable[Any]:
+        """Queue the request on the producer (to the scheduler, or straight to its worker
+        under a direct lease); returns the broker's acknowledgement to await."""
         start = time.perf_counter()
         with _tracer.start_as_current_span(
             "gateway.publish",
@@ -223,10 +245,23 @@ class Submitter:
                 "plexrl.request_id": request.request_id,
                 "plexrl.job_id": request.job_id,
                 "plexrl.function": str(request.function),
+                "plexrl.direct": route is not None,
             },
         ):
-            await self._publisher.publish(self._topics.requests, request.job_id, request)
-        metrics.PUBLISH_LATENCY.labels(str(request.function)).observe(time.perf_counter() - start)
+            if route is None:
+                ack = await self._publisher.publish_deferred(
+                    self._topics.requests, request.job_id, request
+                )
+            else:
+                ack = await self._publisher.publish_deferred(
+                    self._topics.dispatch(route.worker_id),
+                    request.job_id,
+                    direct_dispatch(request, route, tracing.traceparent_of() or ""),
+                )
+        latency = metrics.PUBLISH_LATENCY.labels(str(request.function))
+        if isinstance(ack, asyncio.Future):
+            ack.add_done_callback(lambda _: latency.observe(time.perf_counter() - start))
+        return ack
 
     async def deliver(self, min_age_s: float) -> int:
         """Publish what any gateway accepted but did not publish (it died, or Kafka was

@@ -356,7 +356,10 @@ def sample_input(
         topk_prompt_logprobs=body.topk_prompt_logprobs,
     )
     work = WorkHint(
-        tokens=len(prompt) + body.num_samples * params.max_tokens, sequences=body.num_samples
+        tokens=len(prompt) + body.num_samples * params.max_tokens,
+        sequences=body.num_samples,
+        # A checkpoint's weights never change: any worker serving the base reads them alike.
+        portable=weights_path is not None,
     )
     return inp, work
 

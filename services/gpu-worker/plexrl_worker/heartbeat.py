@@ -1,4 +1,5 @@
-"""Announces this worker (capacity, base models, resident states) every few seconds."""
+"""Announces this worker group (its ranks and their memory, base models, resident
+states) every few seconds."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import logging
 import time
 
 from plexrl.kafka import Publisher
-from plexrl.messages import WorkerHeartbeat, encode
+from plexrl.messages import RankMemory, Tier, WorkerHeartbeat, encode
 from plexrl.settings import WorkerSettings
 from plexrl.stores import WorkerStore
 from plexrl_worker.residency import StateManager
@@ -22,6 +23,7 @@ class Heartbeat:
         *,
         settings: WorkerSettings,
         base_models: list[str],
+        rank_devices: list[str],
         states: StateManager,
         workers: WorkerStore,
         publisher: Publisher,
@@ -29,6 +31,7 @@ class Heartbeat:
     ) -> None:
         self._settings = settings
         self._base_models = base_models
+        self._rank_devices = rank_devices
         self._states = states
         self._workers = workers
         self._publisher = publisher
@@ -37,17 +40,27 @@ class Heartbeat:
         self.busy = False
 
     def beat(self) -> WorkerHeartbeat:
+        settings = self._settings
+        ranks = len(self._rank_devices)
+        on_device = self._states.rank_bytes_in(Tier.DEVICE)
+        on_host = self._states.rank_bytes_in(Tier.HOST)
         return WorkerHeartbeat(
-            worker_id=self._settings.worker_id,
-            device=self._settings.worker_device,
-            device_bytes=self._settings.worker_device_bytes,
-            host_bytes=self._settings.worker_host_bytes,
+            worker_id=settings.worker_id,
+            device=settings.worker_device,
+            # The group's capacity is its ranks' together; each holds its share of a job.
+            device_bytes=settings.worker_device_bytes * ranks,
+            host_bytes=settings.worker_host_bytes * ranks,
             base_models=self._base_models,
             resident=self._states.resident(),
             busy=self.busy,
             started_at=self._started_at,
             sent_at=time.time(),
-            sampler=self._settings.sampler,
+            devices=ranks,
+            sampler=settings.sampler,
+            ranks=[
+                RankMemory(r, device, settings.worker_device_bytes, on_device[r], on_host[r])
+                for r, device in enumerate(self._rank_devices)
+            ],
         )
 
     async def send(self) -> None:

@@ -93,11 +93,14 @@ class ResultRecorder:
             tail_released_at=ran.tail_released_at,
             preempted=ran.preempted,
         )
-        # Two independent writes, one round trip's wait (a retry of the whole record
-        # may append the timeline entry twice, as it could before; the record is NX).
-        completion, _ = await asyncio.gather(
-            self._calls.record_completion(completion), self._timeline.append_timeline(entry)
-        )
+        # Two independent writes in one round trip (a retry of the whole record may
+        # append the timeline entry twice, as it could before; the record is NX).
+        async with self._calls.pipeline() as pipe:
+            self._calls.queue_completion(pipe, completion)
+            self._timeline.queue_timeline(pipe, entry)
+            stands, _ = await pipe.execute()
+        if not stands:  # recorded before (a replay that ran again): that record stands
+            completion = await self._calls.get_completion(completion.request_id) or completion
         await self.publish(completion)
         metrics.CALLS.labels(str(request.function), str(completion.status)).inc()
         metrics.BUSY_SECONDS.labels(str(request.function)).inc(ran.swap_s + ran.compute_s)

@@ -1,23 +1,22 @@
-"""Numbered calls, applied once and recoverably: the worker's side of `plexrl.ledger`.
+"""A job's recovery: restore from the ledger, snapshot after commits, archive results.
 
-A numbered call (one a Dispatch's Lease gives a seq) runs only as its job's next
-call under the dispatch's epoch; one that applied before is answered from the
-ledger. Before running, the worker makes sure its copy of the job is the ledger's
-latest: if it holds none (it restarted, or the job was re-homed here) or an older
-one, it rebuilds the job from its snapshot plus the logged calls since, replayed in
-order on the engine, which is deterministic, so the result is bit for bit the state
-the dead worker had. After a mutating call commits, the job is snapshotted to the
-disk tier every `SnapshotConfig.every_calls` logged calls (and after CREATE and
-LOAD): the copy is taken before the next call runs, the upload goes on behind. Once a
-snapshot is recorded (and when the job ends), the results of the calls it covers move
-from Redis to an archive blob beside it, from which a call replayed later is answered.
+Before a numbered call runs (`plexrl_worker.numbering`), the worker makes sure its copy
+of the job is the ledger's latest: if it holds none (it restarted, or the job was
+re-homed here) or an older one, it rebuilds the job from its snapshot plus the logged
+calls since, replayed in order on the engine, which is deterministic, so the result is
+bit for bit the state the dead worker had. The snapshot may come from a group of any
+size (`plexrl_worker.stored`). After a mutating call commits, the job is snapshotted
+to the disk tier every `SnapshotConfig.every_calls` logged calls (and after CREATE and
+LOAD): the copy is taken before the next call runs, the write goes on behind (on a
+group every rank writes its own shard). Once a snapshot is recorded (and when the job
+ends), the results of the calls it covers move from Redis to an archive blob beside
+it, from which a call replayed later is answered.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 import uuid
@@ -26,10 +25,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from plexrl.ledger import MUTATING, Committed, Ledger, LedgerState, Verdict, verdict
+from plexrl.ledger import MUTATING, Ledger, LedgerState
 from plexrl.messages import (
-    ErrorCode,
-    ErrorInfo,
     Function,
     PayloadRef,
     PhaseCompletion,
@@ -39,15 +36,11 @@ from plexrl.messages import (
     encode,
 )
 from plexrl.payloads import resolve
-from plexrl.retry import is_transient
-from plexrl.state_store_client import Fence, StateStoreClient, blob_tenant
+from plexrl.state_store_client import StateStoreClient, blob_tenant
 from plexrl.stores.calls import PayloadStore
-from plexrl_worker.engine import TorchEngine
-from plexrl_worker.engine.state import JobTensors, StateStream, state_from_bytes, state_stream
-from plexrl_worker.engine_thread import EngineThread
-from plexrl_worker.recorder import ResultRecorder
+from plexrl_worker import stored
+from plexrl_worker.executor import Executor, HeldSnapshot
 from plexrl_worker.residency import StateManager
-from plexrl_worker.runner import CallRunner, Ran
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +85,7 @@ class JobRecovery:
         *,
         worker_id: str,
         ledger: Ledger,
-        engine: TorchEngine,
-        thread: EngineThread,
+        executor: Executor,
         states: StateManager,
         store: StateStoreClient,
         config: SnapshotConfig,
@@ -102,8 +94,7 @@ class JobRecovery:
         self._worker_id = worker_id
         self._payloads = payloads
         self._ledger = ledger
-        self._engine = engine
-        self._thread = thread
+        self._executor = executor
         self._states = states
         self._store = store
         self._config = config
@@ -134,11 +125,8 @@ class JobRecovery:
             return 0.0
         point = await self._ledger.recovery_point(job_id)
         if point.state.snap_blob:
-            state = await asyncio.to_thread(
-                state_from_bytes, await self._store.get_blob(point.state.snap_blob)
-            )
-            await self._thread.call(self._engine.onload, job_id, state)
-            await self._states.restored(job_id, self._engine.state_bytes(job_id))
+            nbytes = await self._executor.restore(job_id, point.state.snap_blob)
+            await self._states.restored(job_id, nbytes)
         for request in point.log:
             await replay(request)
         self._copies[job_id] = _Copy(
@@ -180,17 +168,15 @@ class JobRecovery:
             copy.logged_since_snap = 0
             copy.snap_seq = seq
             # The copy is taken now, before the next call can change the job.
-            state = await self._thread.call(
-                self._engine.export_state, job_id, optimizer=True, gradients=True
-            )
-            task = asyncio.create_task(self._upload(job_id, epoch, seq, state))
+            held = await self._executor.snapshot(job_id)
+            task = asyncio.create_task(self._upload(job_id, epoch, seq, held))
             self._uploads.add(task)
             task.add_done_callback(self._uploads.discard)
 
-    async def _upload(self, job_id: str, epoch: int, seq: int, state: JobTensors) -> None:
-        key = f"snapshot/{job_id}/e{epoch}-s{seq}.safetensors"
+    async def _upload(self, job_id: str, epoch: int, seq: int, copy: HeldSnapshot) -> None:
+        key = self._executor.stored_key(f"snapshot/{job_id}/e{epoch}-s{seq}")
         try:
-            await self._put_named(job_id, epoch, key, state_stream(state))
+            await self._put_named(job_id, epoch, key, lambda: copy.write(key))
             await self._ledger.record_snapshot(job_id, epoch, seq, key)
         except Exception:  # the log still holds every call: a later snapshot catches up
             log.exception("snapshot of %s at call %d failed", job_id, seq)
@@ -199,16 +185,14 @@ class JobRecovery:
         await self._delete_unreferenced(job_id)
 
     async def _put_named(
-        self, job_id: str, epoch: int, key: str, data: bytes | StateStream
+        self, job_id: str, epoch: int, key: str, write: Callable[[], Awaitable[object]]
     ) -> None:
-        """Write a blob the ledger will record, named in its blob book first (so a kill
-        before the record leaves it findable); a failed write is marked for deletion."""
+        """Write a blob (or blob set) the ledger will record, named in its blob book first
+        (so a kill before the record leaves it findable); a failed write is marked for
+        deletion."""
         await self._ledger.writing(job_id, epoch, key)
         try:
-            if isinstance(data, StateStream):
-                await self._store.put_stream(key, data.chunks(), data.size)
-            else:
-                await self._store.put_blob(key, data)
+            await write()
         except BaseException:
             with contextlib.suppress(Exception):
                 await self._ledger.abandon(job_id, key)
@@ -221,7 +205,7 @@ class JobRecovery:
             keys = await self._ledger.unreferenced(job_id)
             for key in keys:
                 # A checkpoint blob a fenced or killed save left is its tenant's to delete.
-                await self._store.delete_blob(key, blob_tenant(key))
+                await stored.delete(self._store, key, blob_tenant(key))
             await self._ledger.deleted(job_id, keys)
         except Exception:  # they stay in the book: the next sweep deletes them
             log.warning("deleting unreferenced blobs of %s failed", job_id, exc_info=True)
@@ -237,7 +221,8 @@ class JobRecovery:
             kept = {s: await self._inlined(raw) for s, raw in results.items()}
             # Unique per attempt: a refused one deletes its own blob, never one recorded.
             key = f"results/{job_id}/e{epoch}-s{lo}-{upto}-{uuid.uuid4().hex[:8]}.msgpack"
-            await self._put_named(job_id, epoch, key, msgspec.msgpack.encode(kept))
+            data = msgspec.msgpack.encode(kept)
+            await self._put_named(job_id, epoch, key, lambda: self._store.put_blob(key, data))
             # Refused (fenced, or archived meanwhile): the book marks it for deletion.
             await self._ledger.record_archive(job_id, epoch, lo, upto, key)
         except Exception:
@@ -263,146 +248,3 @@ class JobRecovery:
         """Wait for snapshot uploads in flight (at shutdown, and in tests)."""
         if self._uploads:
             await asyncio.gather(*list(self._uploads), return_exceptions=True)
-
-
-class NumberedCalls:
-    """Runs one numbered call of a dispatch: verdict, restore, run, commit, answer."""
-
-    def __init__(
-        self,
-        *,
-        ledger: Ledger,
-        recovery: JobRecovery,
-        runner: CallRunner,
-        recorder: ResultRecorder,
-        retry_s: float = 60.0,
-    ) -> None:
-        self._ledger = ledger
-        self._recovery = recovery
-        self._runner = runner
-        self._recorder = recorder
-        # How long a call failing for a transient reason (a service away) is retried
-        # before it is answered with that error (and counts as applied, without
-        # effect): the worker, and every job homed on it, waits meanwhile.
-        self._retry_s = retry_s
-        self.applied = 0
-        self.answered = 0
-        self.fenced = 0
-
-    async def _run_retrying(self, request: PhaseRequest, head: LedgerState, fence: Fence) -> Ran:
-        """Restore if need be and run; a transient failure (the state-store or Redis away,
-        say) is retried from a fresh restore until `retry_s` has passed, so the call is
-        answered late rather than wrongly. Anything else (bad input, a request the
-        state-store refuses, a full disk, a bug) fails at once: retrying cannot change
-        it, and the worker must not be held for it."""
-        deadline = time.monotonic() + self._retry_s
-        pause_s = 0.5
-        while True:
-            try:
-                restore_s = await self._recovery.ensure(
-                    request.job_id, request.function, head, self._runner.replay
-                )
-                ran = await self._runner.run(request, fence)
-                ran = dataclasses.replace(ran, swap_s=ran.swap_s + restore_s)
-            except Exception as exc:
-                log.warning("restoring %s failed", request.job_id, exc_info=True)
-                ran = dataclasses.replace(
-                    _failed(f"restoring {request.job_id} failed: {type(exc).__name__}: {exc}"),
-                    transient=is_transient(exc),
-                )
-            if ran.error is None or not ran.transient:
-                return ran
-            if time.monotonic() + pause_s > deadline:
-                return ran
-            log.warning("call of %s failed (%s); retrying", request.job_id, ran.error.message)
-            # The failed call may have changed the job halfway: start again from its ledger.
-            with contextlib.suppress(Exception):
-                await self._recovery.forget(request.job_id)
-            await asyncio.sleep(pause_s)
-            pause_s = min(2 * pause_s, 5.0)
-
-    async def stale(self, job_id: str, epoch: int) -> bool:
-        """True when the job was re-homed since this dispatch was issued: drop our copy."""
-        return await self._fenced(job_id, epoch, await self._ledger.head(job_id))
-
-    async def _fenced(self, job_id: str, epoch: int, head: LedgerState) -> bool:
-        """True when the job was re-homed since `epoch`: the scheduler requeued its calls
-        for the new home, which answers them; this worker drops its copy of the job."""
-        if epoch >= head.epoch:
-            return False
-        self.fenced += 1
-        log.warning(
-            "calls of %s under epoch %d are stale (epoch %d, owner %r): left to the new home",
-            job_id,
-            epoch,
-            head.epoch,
-            head.owner,
-        )
-        await self._recovery.forget(job_id)
-        return True
-
-    async def run(
-        self, request: PhaseRequest, seq: int, epoch: int, dispatch_id: str, last: bool
-    ) -> None:
-        job_id = request.job_id
-        head = await self._ledger.head(job_id)
-        # Checked per call, not only per dispatch: re-homed while this dispatch ran, a
-        # later call answered here would race the new home (and be AHEAD of its fenced
-        # predecessor).
-        if await self._fenced(job_id, epoch, head):
-            return
-        match verdict(seq, head.applied):
-            case Verdict.ANSWERED:
-                stored = await self._ledger.result(job_id, seq)
-                if stored is None:
-                    stored = await self._recovery.archived_result(job_id, seq)
-                if stored is not None:
-                    self.answered += 1
-                    await self._recorder.answer(stored)
-                    return
-                # Applied before results were kept in the ledger: nothing to answer with.
-                ran = _failed(f"call {seq} of {job_id} applied before, its result is gone")
-                await self._recorder.record(request, ran, dispatch_id, last)
-                return
-            case Verdict.AHEAD:
-                log.error("call %d of %s came before call %d", seq, job_id, head.applied + 1)
-                ran = _failed(
-                    f"call {seq} of {job_id} arrived before call {head.applied + 1}; "
-                    "the scheduler dispatches a job's calls in order, so this is a bug"
-                )
-                await self._recorder.record(request, ran, dispatch_id, last)
-                return
-            case Verdict.APPLY:
-                pass
-        resolved = await self._runner.resolved(request)
-        ran = await self._run_retrying(resolved, head, Fence(job_id, epoch))
-        ok = ran.error is None
-        logged = resolved if ok and request.function in MUTATING else None
-
-        async def commit(completion: PhaseCompletion) -> bool:
-            outcome = await self._ledger.commit(job_id, epoch, seq, completion, logged)
-            if outcome == Committed.OK:
-                return True
-            log.warning("call %d of %s not committed: %s", seq, job_id, outcome)
-            self.fenced += 1
-            await self._recovery.forget(job_id)
-            return False
-
-        try:
-            recorded = await self._recorder.record(request, ran, dispatch_id, last, commit=commit)
-        except BaseException:
-            # The call ran on this worker's copy of the job, but whether it was committed
-            # is unknown (Redis or Kafka went away under the record): the redelivery must
-            # not run it again on top of itself, so the copy goes and the next attempt
-            # restores from the ledger (snapshot + logged calls) and asks it again.
-            if request.function in MUTATING:
-                with contextlib.suppress(Exception):
-                    await self._recovery.forget(job_id)
-            raise
-        if recorded:
-            self.applied += 1
-            await self._recovery.committed(request, seq, epoch, ok)
-
-
-def _failed(message: str) -> Ran:
-    return Ran(None, ErrorInfo(ErrorCode.INTERNAL, message), 0.0, 0.0, time.time())

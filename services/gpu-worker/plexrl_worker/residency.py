@@ -1,13 +1,14 @@
 """Where each job's state lives on this worker (device, host, disk), and moving it.
 
-Device: the engine holds the job. Host: a CPU copy kept here, out of the engine.
-Disk: safetensors bytes in the state-store. Every move is recorded in Redis with a
-compare-and-set on the state's version and announced as a ResidencyChanged event.
+Device: the engine holds the job. Host: each rank's CPU copy of its shard, out of the
+engine. Disk: the state in the state-store (a blob, or a blob set for a group). The
+executor moves the shards, every rank its own at once; this records each move in Redis
+with a compare-and-set on the state's version and announces it as a ResidencyChanged
+event.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass
@@ -16,10 +17,8 @@ from plexrl.kafka import Publisher
 from plexrl.messages import ResidencyChanged, ResidentState, StateComponent, Tier
 from plexrl.state_store_client import StateStoreClient
 from plexrl.stores import Residency, ResidencyStore
-from plexrl_worker import metrics
-from plexrl_worker.engine import TorchEngine
-from plexrl_worker.engine.state import JobTensors, state_from_bytes, state_stream
-from plexrl_worker.engine_thread import EngineThread
+from plexrl_worker import metrics, stored
+from plexrl_worker.executor import Executor
 
 log = logging.getLogger(__name__)
 
@@ -34,26 +33,28 @@ class ResidencyConflictError(RuntimeError):
 class _Held:
     tier: Tier
     bytes: int
+    """The whole state's bytes (each rank holds its share, `Executor.rank_bytes`)."""
     version: int
-    host: JobTensors | None = None
     blob_key: str | None = None
+    """Where the state is on the disk tier (a blob, or a blob set's manifest)."""
 
 
 class StateManager:
+    """The leader's record of where each job's state is (tier, bytes, version) and of
+    the moves that change it; the executor moves the shards themselves."""
+
     def __init__(
         self,
         *,
         worker_id: str,
-        engine: TorchEngine,
-        thread: EngineThread,
+        executor: Executor,
         residency: ResidencyStore,
         store: StateStoreClient,
         publisher: Publisher,
         events_topic: str,
     ) -> None:
         self._worker_id = worker_id
-        self._engine = engine
-        self._thread = thread
+        self._executor = executor
         self._residency = residency
         self._store = store
         self._publisher = publisher
@@ -71,6 +72,15 @@ class StateManager:
 
     def bytes_in(self, tier: Tier) -> int:
         return sum(h.bytes for h in self._held.values() if h.tier == tier)
+
+    def rank_bytes_in(self, tier: Tier) -> list[int]:
+        """Each rank's bytes of job state in `tier`."""
+        out = [0] * self._executor.ranks
+        for job_id, held in self._held.items():
+            if held.tier == tier:
+                for rank, n in enumerate(self._executor.rank_bytes(job_id, held.bytes)):
+                    out[rank] += n
+        return out
 
     async def created(self, job_id: str, nbytes: int) -> None:
         """A job's state now exists on the device tier (after CREATE)."""
@@ -90,9 +100,9 @@ class StateManager:
         """Drop this worker's copy of a job without touching its records: the copy is
         stale, or the job is another worker's now (whose residency record stands)."""
         held = self._held.pop(job_id, None)
-        await self._thread.call(self._engine.drop, job_id)
+        await self._executor.drop(job_id)
         if held is not None and held.blob_key:
-            await self._store.delete_blob(held.blob_key)
+            await stored.delete(self._store, held.blob_key)
 
     async def reannounce(self) -> int:
         """Write back the residency record of each state held here that Redis lacks (it
@@ -115,7 +125,7 @@ class StateManager:
         if held is None:
             return
         if held.blob_key:
-            await self._store.delete_blob(held.blob_key)
+            await stored.delete(self._store, held.blob_key)
         await self._residency.drop_residency(job_id)
         await self._announce(job_id, held.tier, None, 0, held.version + 1, 0.0)
 
@@ -125,14 +135,11 @@ class StateManager:
         if held is None or held.tier == Tier.DEVICE:
             return 0.0
         start = time.perf_counter()
-        state = held.host
-        if state is None:
+        if held.tier == Tier.DISK:
             assert held.blob_key is not None
-            state = await asyncio.to_thread(
-                state_from_bytes, await self._store.get_blob(held.blob_key)
-            )
-        await self._thread.call(self._engine.onload, job_id, state)
-        return await self._moved(job_id, held, Tier.DEVICE, start, host=None, blob_key=None)
+            await self._executor.fetch(job_id, held.blob_key)
+        await self._executor.onload(job_id)
+        return await self._moved(job_id, held, Tier.DEVICE, start, blob_key=None)
 
     async def move(self, job_id: str, to_tier: Tier) -> float:
         """Move a job's state down (or up, to device); returns seconds spent."""
@@ -142,37 +149,25 @@ class StateManager:
         if to_tier == Tier.DEVICE:
             return await self.onload(job_id)
         start = time.perf_counter()
-        state = held.host
         if held.tier == Tier.DEVICE:
-            state = await self._thread.call(self._engine.offload, job_id)
+            await self._executor.offload(job_id)
         if to_tier == Tier.HOST:
-            if state is None:
+            if held.tier == Tier.DISK:
                 assert held.blob_key is not None
-                state = await asyncio.to_thread(
-                    state_from_bytes, await self._store.get_blob(held.blob_key)
-                )
-            return await self._moved(job_id, held, Tier.HOST, start, host=state, blob_key=None)
-        assert state is not None
-        key = f"offload/{self._worker_id}/{job_id}/v{held.version + 1}.safetensors"
-        stream = state_stream(state)  # sent piece by piece: the loop runs between them
-        await self._store.put_stream(key, stream.chunks(), stream.size)
+                await self._executor.fetch(job_id, held.blob_key)
+            return await self._moved(job_id, held, Tier.HOST, start, blob_key=None)
+        key = self._executor.stored_key(f"offload/{self._worker_id}/{job_id}/v{held.version + 1}")
+        await self._executor.spill(job_id, key)
         if held.blob_key:
-            await self._store.delete_blob(held.blob_key)
-        return await self._moved(job_id, held, Tier.DISK, start, host=None, blob_key=key)
+            await stored.delete(self._store, held.blob_key)
+        return await self._moved(job_id, held, Tier.DISK, start, blob_key=key)
 
     async def _moved(
-        self,
-        job_id: str,
-        held: _Held,
-        to_tier: Tier,
-        start: float,
-        *,
-        host: JobTensors | None,
-        blob_key: str | None,
+        self, job_id: str, held: _Held, to_tier: Tier, start: float, *, blob_key: str | None
     ) -> float:
         version = await self._record(job_id, held, to_tier, held.bytes)
         seconds = time.perf_counter() - start
-        self._held[job_id] = _Held(to_tier, held.bytes, version, host, blob_key)
+        self._held[job_id] = _Held(to_tier, held.bytes, version, blob_key)
         await self._announce(job_id, held.tier, to_tier, held.bytes, version, seconds)
         metrics.swapped(held.tier, to_tier, held.bytes, seconds)
         log.debug("moved %s %s -> %s in %.3fs", job_id, held.tier, to_tier, seconds)

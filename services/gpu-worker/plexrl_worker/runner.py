@@ -64,12 +64,12 @@ from plexrl.stores import (
     PayloadStore,
     is_ephemeral,
 )
-from plexrl_worker.engine import BASE_PREFIX, EngineError, EngineInputError, TorchEngine
-from plexrl_worker.engine.cobatch import SampleCall
-from plexrl_worker.engine.state import WEIGHTS, JobTensors, state_from_bytes, state_stream
-from plexrl_worker.engine_thread import EngineThread
+from plexrl_worker.engine import BASE_PREFIX, EngineError, EngineInputError
+from plexrl_worker.engine.state import WEIGHTS, JobTensors, state_stream
+from plexrl_worker.executor import Executor, SampleHandle, StateSource
 from plexrl_worker.residency import StateManager
 from plexrl_worker.samplers import SGLangSampling
+from plexrl_worker.tail import TailHook, TailWatch
 
 log = logging.getLogger(__name__)
 
@@ -93,17 +93,15 @@ class Ran:
     away): the only kind worth running the call again for."""
 
 
-TailHook = Callable[[list[int], int, int], Awaitable[None]]
-"""Told once, when a sample batch is down to its tail: the indices of the calls still
-running, their sequences still decoding, and the batch's sequences in all."""
-
-
 class CallRunner:
+    """Runs each kind of call on the executor (the ranks), with its state brought onto
+    the device first and what it reads or writes outside the engine (payloads,
+    checkpoints) through Redis and the state-store."""
+
     def __init__(
         self,
         *,
-        engine: TorchEngine,
-        thread: EngineThread,
+        executor: Executor,
         states: StateManager,
         payloads: PayloadStore,
         checkpoints: CheckpointStore,
@@ -113,13 +111,12 @@ class CallRunner:
         ephemeral_keep: int = 8,
         retry_s: float = 60.0,
     ) -> None:
-        self._engine = engine
+        self._executor = executor
         # How long a call waits in place for Redis or the state-store to come back
         # before it fails (transient): the worker is held meanwhile.
         self._retry_s = retry_s
         self._ephemeral_keep = ephemeral_keep
         self._sglang = sglang
-        self._thread = thread
         self._states = states
         self._payloads = payloads
         self._checkpoints = checkpoints
@@ -176,15 +173,15 @@ class CallRunner:
         match payload:
             case CreateInput(spec=spec):
                 self._specs[job_id] = spec
-                created = await self._thread.call(self._engine.create, job_id, spec)
+                created = await self._executor.create(job_id, spec)
                 await self._states.created(job_id, created.state_bytes)
                 return created
             case ForwardBackwardInput():
                 await self._train_on_device()
-                return await self._thread.call(self._engine.forward_backward, job_id, payload)
+                return await self._executor.forward_backward(job_id, payload)
             case OptimStepInput():
                 await self._train_on_device()
-                return await self._thread.call(self._engine.optim_step, job_id, payload)
+                return await self._executor.optim_step(job_id, payload)
             case SampleInput():
                 return await self._sample(request, payload)
             case SaveInput():
@@ -193,7 +190,7 @@ class CallRunner:
                 return await self._load(request, payload)
             case UnloadInput():
                 await self._retire_ephemeral(job_id, request.tenant, 0, fence)
-                await self._thread.call(self._engine.drop, job_id)
+                await self._executor.drop(job_id)
                 await self._states.dropped(job_id)
                 self._specs.pop(job_id, None)
                 return UnloadOutput()
@@ -231,12 +228,12 @@ class CallRunner:
             )
         started_at = time.time()
         done: dict[int, Ran] = {}
-        joined: list[tuple[int, SampleCall, float]] = []
+        joined: list[tuple[int, SampleHandle, float]] = []
         for i, request in enumerate(requests):
             t0 = time.perf_counter()
             try:
                 payload, weights_id, swap_s = await self._prepare_sample(request)
-                call = await self._thread.call(self._engine.begin_sample, weights_id, payload)
+                call = await self._executor.begin_sample(weights_id, payload)
                 joined.append((i, call, swap_s))
             except Exception as exc:
                 done[i] = Ran(None, _error(request, exc), 0.0, time.perf_counter() - t0, started_at)
@@ -245,7 +242,7 @@ class CallRunner:
         # group add up to the group's seconds.
         share = {i: 0.0 for i, _, _ in joined}
         total_rows = sum(call.inp.num_samples for _, call, _ in joined)
-        released_at: float | None = None
+        tail = TailWatch(tail_threshold, total_rows, on_tail, release)
         waiting = list(joined)
         while waiting:
             if gate is not None:
@@ -253,7 +250,7 @@ class CallRunner:
             rows = {i: call.remaining for i, call, _ in waiting}
             t0 = time.perf_counter()
             try:
-                await self._thread.call(self._engine.sample_step)
+                await self._executor.sample_step()
             except Exception as exc:  # every call in the batch fails with it
                 for i, _call, swap_s in waiting:
                     done[i] = Ran(None, _error(requests[i], exc), swap_s, share[i], started_at)
@@ -263,6 +260,7 @@ class CallRunner:
             still = []
             for i, call, swap_s in waiting:
                 share[i] += step_s * rows[i] / total
+                released_at = tail.released_at
                 if not call.done:
                     still.append((i, call, swap_s))
                 elif call.abandoned is not None:
@@ -277,15 +275,7 @@ class CallRunner:
                         await on_done(i, done[i])
             waiting = still
             remaining = sum(call.remaining for _, call, _ in waiting)
-            asked = release is not None and release.is_set()
-            if (
-                on_tail is not None
-                and released_at is None
-                and waiting
-                and (asked or remaining < tail_threshold * total_rows)
-            ):
-                released_at = time.time()
-                await on_tail([i for i, _, _ in waiting], remaining, total_rows)
+            await tail.check([i for i, _, _ in waiting], remaining)
         return [done[i] for i in range(len(requests))]
 
     async def _run_sglang(
@@ -315,11 +305,11 @@ class CallRunner:
             task = asyncio.create_task(asyncio.to_thread(sglang.sample, weights_id, payload))
             running[task] = (i, payload.num_samples, swap_s, time.perf_counter() - paused())
         total_rows = sum(rows for _, rows, _, _ in running.values())
-        released_at: float | None = None
+        tail = TailWatch(tail_threshold, total_rows, on_tail, release)
         asked = asyncio.ensure_future(release.wait()) if release is not None else None
         while running:
             watch: set[asyncio.Future[Any]] = set(running)
-            if asked is not None and released_at is None:
+            if asked is not None and tail.released_at is None:
                 watch.add(asked)
             finished, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
             for task in [t for t in running if t in finished]:
@@ -327,6 +317,7 @@ class CallRunner:
                 wall = time.perf_counter() - paused() - t0  # not the pause's seconds
                 compute_s = wall * rows / max(1, total_rows)
                 failure = task.exception()
+                released_at = tail.released_at
                 done[i] = (
                     Ran(
                         None,
@@ -343,15 +334,7 @@ class CallRunner:
                 if on_done is not None:
                     await on_done(i, done[i])
             remaining = sum(rows for _, rows, _, _ in running.values())
-            preempted = asked is not None and asked.done()
-            if (
-                on_tail is not None
-                and released_at is None
-                and running
-                and (preempted or remaining < tail_threshold * total_rows)
-            ):
-                released_at = time.time()
-                await on_tail([i for i, _, _, _ in running.values()], remaining, total_rows)
+            await tail.check([i for i, _, _, _ in running.values()], remaining)
         if asked is not None:
             asked.cancel()
         return [done[i] for i in range(len(requests))]
@@ -379,18 +362,17 @@ class CallRunner:
         weights_id = await self._sample_weights(request, inp)
         if self._sglang is not None:
             return await asyncio.to_thread(self._sglang.sample, weights_id, inp)
-        return await self._thread.call(self._engine.sample, weights_id, inp)
+        return await self._executor.sample(weights_id, inp)
 
     async def _sample_weights(self, request: PhaseRequest, inp: SampleInput) -> str:
         """The engine's id of the weights a sample call reads (installed if need be)."""
         if inp.weights_path is None:
             return BASE_PREFIX + (await self._spec(request)).base_model
         weights_id = inp.weights_path
-        if not await self._thread.call(self._engine.touch_sampler, weights_id):
+        if not await self._executor.has_sampler(weights_id):
             record = await self._checkpoint(inp.weights_path, request.tenant)
-            data = await self._store.get_blob(record.blob_key, record.tenant)
-            state = await asyncio.to_thread(state_from_bytes, data)
-            await self._thread.call(self._engine.install_sampler, weights_id, state)
+            source = StateSource(record.blob_key, record.tenant)
+            await self._executor.install_sampler(weights_id, source)
         return weights_id
 
     async def _save(
@@ -399,9 +381,7 @@ class CallRunner:
         if inp.kind == SaveKind.EXTERNAL:
             return await self._export(request, inp, fence)
         full = inp.kind == SaveKind.STATE
-        state = await self._thread.call(
-            self._engine.export_state, request.job_id, optimizer=full, gradients=False
-        )
+        state = await self._executor.export_state(request.job_id, optimizer=full)
         # Sent piece by piece from the tensors' own memory: building one buffer of a
         # large state would stall the event loop (heartbeats, health) while it copies.
         stream = state_stream(state)
@@ -428,7 +408,8 @@ class CallRunner:
             )
         if not full:
             # Sampling clients of this path will most likely run here next: keep it warm.
-            await self._thread.call(self._engine.install_sampler, inp.path, state)
+            source = StateSource(blob_key, request.tenant, state)
+            await self._executor.install_sampler(inp.path, source)
         return SaveOutput(path=inp.path, size_bytes=stream.size)
 
     async def _export(
@@ -437,11 +418,9 @@ class CallRunner:
         """The job's weights as Hugging Face files (plexrl.hf_export), encrypted to the
         call's age recipients if it names any, stored as one blob: the files one after
         another, each a byte range the record lists."""
-        state = await self._thread.call(
-            self._engine.export_state, request.job_id, optimizer=False, gradients=False
-        )
+        state = await self._executor.export_state(request.job_id, optimizer=False)
         spec = state.spec
-        info = await self._thread.call(self._engine.model_info, spec.base_model)
+        info = self._executor.model_info(spec.base_model)
         options = inp.export or ExportOptions()
         # Building the files copies the weights and may encrypt them: off the event loop.
         files = await asyncio.to_thread(_export_files, state, info, options.age_recipients)
@@ -470,11 +449,8 @@ class CallRunner:
 
     async def _load(self, request: PhaseRequest, inp: LoadInput) -> PhaseOutput:
         record = await self._checkpoint(inp.path, request.tenant)
-        data = await self._store.get_blob(record.blob_key, record.tenant)
-        state = await asyncio.to_thread(state_from_bytes, data)
-        await self._thread.call(
-            self._engine.import_weights, request.job_id, state, optimizer=inp.with_optimizer
-        )
+        source = StateSource(record.blob_key, record.tenant)
+        await self._executor.import_weights(request.job_id, source, optimizer=inp.with_optimizer)
         return LoadOutput(path=inp.path)
 
     async def _retire_ephemeral(
@@ -487,7 +463,7 @@ class CallRunner:
         paths = await self._checkpoints.ephemeral_beyond(job_id, keep)
         for path in paths:
             await self._store.delete_checkpoint(path, tenant, fence)
-            await self._thread.call(self._engine.drop_sampler, path)
+            await self._executor.drop_sampler(path)
         for session in await self._checkpoints.ephemeral_sessions(job_id, paths):
             await self._jobs.delete_job(session)
         await self._checkpoints.unrank_ephemeral(job_id, paths)

@@ -29,17 +29,24 @@ from __future__ import annotations
 import hashlib
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
-from plexrl.messages import SampleInput, SampleOutput
+import torch
+
+from plexrl.messages import JobSpec, SampleInput, SampleOutput
 from plexrl.models import ModelRegistry
 from plexrl_worker import metrics
-from plexrl_worker.engine import BASE_PREFIX, TorchEngine
+from plexrl_worker.engine import BASE_PREFIX
 from plexrl_worker.sglang.files import write_full_weights, write_lora_adapter
 from plexrl_worker.sglang.sampler import SGLangSampler
 from plexrl_worker.sglang.server import SGLangServerConfig
 
 SAMPLERS = ("torch", "sglang")
+
+SamplerWeights = Callable[[str], tuple[JobSpec, Path, dict[str, torch.Tensor]]]
+"""An installed sampler set's spec, base directory and weights, by its id (the torch
+side installs every set; SGLang loads them from there)."""
 
 
 class SGLangSampling:
@@ -49,7 +56,7 @@ class SGLangSampling:
 
     def __init__(
         self,
-        engine: TorchEngine,
+        weights: SamplerWeights,
         registry: ModelRegistry,
         workdir: Path,
         *,
@@ -58,6 +65,7 @@ class SGLangSampling:
         yield_device: bool = False,
         max_adapters: int = 64,
         attach_url: str | None = None,
+        tp_size: int = 1,
     ) -> None:
         self.yield_device = yield_device
         self._max_adapters = max_adapters
@@ -69,12 +77,14 @@ class SGLangSampling:
         first."""
         self._reading: dict[str, int] = {}
         """Calls sampling through each adapter now: never unloaded under them."""
-        self._engine = engine
+        self._weights = weights
         self._registry = registry
         self._workdir = workdir
         self._device = device
         self._max_lora_rank = max_lora_rank
         self._attach_url = attach_url
+        self._tp_size = tp_size
+        """Tensor-parallel ranks of each server: a worker group's devices."""
         self._servers: dict[Path, SGLangSampler] = {}
         self._pushed: dict[Path, Path | None] = {}
         """Per base model, the full weights pushed into its server last (absent: its own;
@@ -155,7 +165,7 @@ class SGLangSampling:
                     server.push_weights(base)
                     self._pushed[base] = base
                 return server.sample(inp)
-        spec, base, tensors = self._engine.sampler_weights(weights_id)
+        spec, base, tensors = self._weights(weights_id)
         server = self._server(base)
         name = "w" + hashlib.sha256(weights_id.encode()).hexdigest()[:16]
         if spec.lora is not None:
@@ -217,6 +227,7 @@ class SGLangSampling:
                     # The tinker SDK trains the unembedding by default (train_unembed).
                     lora_target_modules=(*SGLangServerConfig.lora_target_modules, "lm_head"),
                     log_path=self._workdir / f"sglang-{base.name}.log",
+                    tp_size=self._tp_size,
                 )
                 self._workdir.mkdir(parents=True, exist_ok=True)
                 server = self._servers[base] = SGLangSampler(config)

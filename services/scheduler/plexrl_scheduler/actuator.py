@@ -30,6 +30,7 @@ from plexrl.retry import retrying
 from plexrl.stores import CallStore, JobStore
 from plexrl.topics import Topics
 from plexrl_scheduler import metrics
+from plexrl_scheduler.direct import DirectPath
 from plexrl_scheduler.state import ClusterState, Pending
 
 log = logging.getLogger(__name__)
@@ -73,8 +74,12 @@ class Actuator:
         topics: Topics,
         finished: Committer,
         ledger: Ledger,
+        direct: DirectPath | None = None,
     ) -> None:
+        """`direct`: the direct leases, revoked (and waited out) before the actuator
+        acts on a worker one holds."""
         self._state = state
+        self._direct = direct
         self._publisher = publisher
         self._jobs = jobs
         self._calls = calls
@@ -85,6 +90,8 @@ class Actuator:
 
     async def carry_out(self, plan: Plan) -> None:
         for action in plan:
+            if isinstance(action, Run | Prefetch | Preempt) and not await self._clear(action):
+                continue  # decided again once the calls sent direct there are answered
             match action:
                 case Admit():
                     await self._admit(action)
@@ -96,6 +103,11 @@ class Actuator:
                     await self._prefetch(action)
                 case Preempt():
                     await self._preempt(action)
+
+    async def _clear(self, action: Run | Prefetch | Preempt) -> bool:
+        """No direct lease holds the action's worker (one is revoked first, before any
+        swap or preemption there; the policy sees a held worker busy and rarely asks)."""
+        return self._direct is None or await self._direct.clear(action.worker_id)
 
     async def _preempt(self, action: Preempt) -> None:
         """Ask the worker to let the next dispatch in beside its running sample batch."""
@@ -168,12 +180,21 @@ class Actuator:
         metrics.CALLS_FAILED.labels(str(error.code)).inc()
         await self._finished(pending.delivery)
 
-    async def _run(self, action: Run) -> None:
+    async def follow_up(self, worker_id: str, request_ids: list[str]) -> None:
+        """Send the worker's job's next calls behind its dispatch in flight (numbered and
+        fenced as any dispatch; `ClusterState.follow_up_calls` says which)."""
+        run = self._state.inflight[worker_id]
+        await self._run(Run(worker_id, run.job_id, tuple(request_ids)), follow_up=True)
+
+    async def _run(self, action: Run, follow_up: bool = False) -> None:
         chosen = [self._state.pending[r] for r in action.request_ids if r in self._state.pending]
         if not chosen:
             return
-        # Numbered before they leave the queue: a failed ledger write loses no call.
-        lease = await self._lease(action.job_id, action.worker_id, chosen)
+        roaming = self._state.jobs[action.job_id].home != action.worker_id
+        # Numbered before they leave the queue: a failed ledger write loses no call. A
+        # roaming sample (`plexrl.policy.roam`) is not numbered and takes no lease: the
+        # job's lease stays with its home.
+        lease = None if roaming else await self._lease(action.job_id, action.worker_id, chosen)
         taken = self._state.take_pending(action.request_ids)
         dispatch_id = uuid.uuid4().hex
         traceparents = [dispatch_span(p, action) for p in taken]
@@ -194,7 +215,11 @@ class Actuator:
             issued_at=time.time(),
             lease=lease,
         )
-        self._state.apply_run(dispatch_id, action.worker_id, action.job_id, taken, action.evict)
+        if follow_up:
+            self._state.apply_follow_up(dispatch_id, action.worker_id, action.job_id, taken)
+            metrics.FOLLOW_UPS.labels(action.worker_id).inc()
+        else:
+            self._state.apply_run(dispatch_id, action.worker_id, action.job_id, taken, action.evict)
         first = taken[0].delivery.context if taken[0].delivery else None
         with _tracer.start_as_current_span("scheduler.publish_dispatch", context=first):
             await self._publisher.publish(
@@ -202,6 +227,9 @@ class Actuator:
             )
         self.dispatches += 1
         metrics.DISPATCHES.labels(action.worker_id).inc()
+        if roaming:
+            metrics.ROAMED_CALLS.labels(action.worker_id).inc(len(taken))
+            log.info("%s's sample roams to %s", action.job_id, action.worker_id)
         for move in action.evict:
             metrics.EVICTIONS.labels(str(move.to_tier)).inc()
 

@@ -14,6 +14,7 @@ import logging
 from dataclasses import dataclass
 
 from plexrl.ledger import Ledger
+from plexrl_scheduler.direct import DirectPath
 from plexrl_scheduler.state import ClusterState
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,15 @@ class LivenessConfig:
 
 
 class Liveness:
-    def __init__(self, state: ClusterState, ledger: Ledger, config: LivenessConfig) -> None:
+    def __init__(
+        self,
+        state: ClusterState,
+        ledger: Ledger,
+        config: LivenessConfig,
+        direct: DirectPath | None = None,
+    ) -> None:
         self._state = state
+        self._direct = direct
         self._ledger = ledger
         self._config = config
         self.rehomed = 0
@@ -46,6 +54,8 @@ class Liveness:
                     await self._ledger.bump_epoch(job_id, "")
                 except Exception:  # admission bumps it again before any new dispatch
                     log.exception("could not fence %s off %s yet", job_id, worker_id)
+            if self._direct is not None:  # its direct calls back to the queue, in order
+                await self._direct.worker_lost(worker_id)
             self.rehomed += len(jobs)
             log.warning("worker %s is dead: re-homing %d jobs %s", worker_id, len(jobs), jobs)
         for worker_id in self._state.expired_leases(self._config.lease_grace_s):

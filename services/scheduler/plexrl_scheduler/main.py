@@ -13,25 +13,33 @@ import msgspec
 from fastapi import HTTPException
 
 from plexrl.dead_letters import DeadLetters
+from plexrl.direct import DirectLeases
 from plexrl.health import HttpServer, health_app
-from plexrl.kafka import ConsumerTuning, MessageConsumer, Publisher, ensure_topics
+from plexrl.kafka import ConsumerTuning, FetchTuning, MessageConsumer, Publisher, ensure_topics
 from plexrl.lease import Fence, Term
 from plexrl.ledger import Ledger
 from plexrl.messages import Dispatch, Event, PhaseCompletion, PhaseRequest
-from plexrl.policy import PolicyConfig, decide_holding
+from plexrl.policy import PolicyConfig, decide
 from plexrl.service import join_cluster
 from plexrl.settings import SchedulerSettings
 from plexrl.stores import JobStore, Stores
 from plexrl.topics import Topics
 from plexrl_scheduler import metrics
 from plexrl_scheduler.actuator import Actuator
+from plexrl_scheduler.direct import DirectConfig, DirectPath
 from plexrl_scheduler.leadership import SchedulerLeadership
 from plexrl_scheduler.liveness import Liveness, LivenessConfig
 from plexrl_scheduler.loop import ControlLoop, Step
+from plexrl_scheduler.pipeline import FollowUps, PipelineConfig
 from plexrl_scheduler.receiver import Receiver
 from plexrl_scheduler.state import ClusterState
 
 log = logging.getLogger("plexrl.scheduler")
+
+COMPLETIONS_FETCH = FetchTuning(max_wait_ms=5, min_bytes=16 * 1024)
+"""The scheduler's completions: a fetch waits up to 5 ms for 16 KiB (some 40 completions)
+of records, so at thousands of calls a second it fetches a few hundred times a second,
+not once per record; a dispatch's end is seen at most 5 ms later."""
 
 
 async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
@@ -110,8 +118,15 @@ async def lead(
         hold_s=settings.hold_s,
         preempt_ratio=settings.preempt_ratio,
         fair_share=settings.fair_share,
+        roam=settings.roam_samples,
     )
-    receiver = Receiver(state, stores.jobs, stores.usage)
+    direct = DirectPath(
+        state,
+        DirectLeases(stores.keys.redis, settings.cluster_id),
+        DirectConfig(ttl_s=settings.direct_lease_s, grace_s=settings.lease_grace_s),
+    )
+    await direct.restore(list(state.jobs))  # leases this scheduler knows nothing of
+    receiver = Receiver(state, stores.jobs, stores.usage, direct)
     # Fenced: once a newer scheduler took the lease, this one numbers and fences nothing.
     ledger = Ledger(stores.keys.redis, settings.cluster_id, stores.keys.replicated, fence)
     actuator = Actuator(
@@ -122,8 +137,14 @@ async def lead(
         topics,
         finished=receiver.finished,
         ledger=ledger,
+        direct=direct,
     )
-    liveness = Liveness(state, ledger, LivenessConfig(lease_grace_s=settings.lease_grace_s))
+    liveness = Liveness(state, ledger, LivenessConfig(lease_grace_s=settings.lease_grace_s), direct)
+    follow_ups = FollowUps(
+        state,
+        actuator,
+        PipelineConfig(depth=settings.dispatch_depth, max_calls=settings.max_calls_per_run),
+    )
     receiver.use(actuator)
     # Dispatches and answers must go out: wait out a broker that is away (for this term).
     publisher.retry_until(stop)
@@ -143,6 +164,10 @@ async def lead(
             # Dead workers and lost dispatches give calls back (timeouts of seconds).
             Step("reap", liveness.reap, every_s=0.1),
             Step("decide and act", lambda: decide_and_act(state, policy, actuator, pace)),
+            # A running job's next calls behind its dispatch, when no other job waits there.
+            Step("follow-ups", follow_ups.step),
+            # Grants where a job's dispatch just ended, renewals, revocations on demand.
+            Step("direct leases", direct.step),
             Step("record", record, every_s=0.5),
         ]
     )
@@ -152,7 +177,7 @@ async def lead(
     status_out, inflight_out = shown
 
     def refresh() -> None:
-        status_out.update(status(state, actuator, liveness, loop))
+        status_out.update(status(state, actuator, liveness, loop) | {"direct": direct.status()})
         inflight_out.update(inflight(state))
 
     refresh()
@@ -235,6 +260,9 @@ class Inbox:
                 lambda m, d: self.receiver.on_completion(m, d),
                 # One Redis round trip per poll.
                 after_batch=lambda: self.receiver.flush_usage(),
+                # Fuller fetches, fewer of them: the gateways answer calls from their own
+                # consumers; the scheduler may see a completion a few milliseconds late.
+                fetch=COMPLETIONS_FETCH,
             ),
             consumer(
                 topics.events,
@@ -274,7 +302,7 @@ def stamp_dispatch(message: Any, token: int) -> Any:
 
 class Pace:
     """How long the loop waits for news before deciding again: half a second, or until
-    the earliest hold on a group ends (`plexrl.policy.decide_holding`); and when a
+    the earliest hold on a group ends (`plexrl.policy.Decision.wake_at`); and when a
     decision looks at every group rather than only those events touched.
 
     A decision on the whole cluster costs time in its size (tens of milliseconds at a
@@ -325,12 +353,12 @@ async def decide_and_act(
     if groups is not None and not groups:
         pace.wake_at = None
         return  # nothing touched since the last decision
-    plan, held = decide_holding(state.snapshot(groups), policy)
-    pace.wake_at = min((until for _, until in held.values()), default=None)
-    state.touch_again(held)  # decided again at the next pass, when its hold may end
+    decision = decide(state.snapshot(groups), policy)
+    pace.wake_at = decision.wake_at
+    state.touch_again(decision.held)  # decided again at the next pass, when its hold may end
     pace.decided(groups is None, time.perf_counter() - started)
-    await actuator.carry_out(plan)
-    if held:
+    await actuator.carry_out(decision.plan)
+    if decision.held:
         metrics.HOLDING_PASSES.inc()
 
 
@@ -339,7 +367,8 @@ async def restore(state: ClusterState, jobs: JobStore) -> None:
     homes = await jobs.homes()
     for job in await jobs.all_jobs():
         if not job.unloaded and job.owner_job is None:
-            state.add_job(job.job_id, job.tenant, job.spec, homes.get(job.job_id))
+            added = state.add_job(job.job_id, job.tenant, job.spec, homes.get(job.job_id))
+            added.staleness = job.staleness
 
 
 async def ensure_worker_topics(
@@ -373,4 +402,4 @@ def status(
 def inflight(state: ClusterState) -> dict[str, Any]:
     """Which job each busy worker runs: on /status (beside the health body), for the
     gateway to show each tenant its own."""
-    return {"inflight": {w: r.job_id for w, r in state.inflight.items()}}
+    return {"inflight": {w: r.job_id for w, r in state.inflight.items()} | state.held}

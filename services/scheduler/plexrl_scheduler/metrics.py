@@ -38,6 +38,12 @@ PREEMPTS = Counter(
     "Preempts sent: a running sample batch asked to let a waiting job's calls in",
     ["worker"],
 )
+ROAMED_CALLS = Counter(
+    "plexrl_scheduler_roamed_calls_total",
+    "Sample calls on saved sampler weights sent to a worker other than their job's home "
+    "(plexrl policy, PLEXRL_ROAM_SAMPLES), by that worker",
+    ["worker"],
+)
 HOLDING_PASSES = Counter(
     "plexrl_scheduler_holding_passes_total",
     "Decision passes that held a free worker for a bursting job's next call "
@@ -68,10 +74,41 @@ CALLS_FAILED = Counter(
     ["code"],
 )
 
+DIRECT_LEASES = Counter(
+    "plexrl_scheduler_direct_leases_total",
+    "Direct leases granted (a job's calls sent straight to its worker by the gateways)",
+    ["worker"],
+)
+DIRECT_REVOKES = Counter(
+    "plexrl_scheduler_direct_revokes_total",
+    "Direct leases ended, by why: wanted (another call waits for the worker), acting "
+    "(the scheduler acts on the worker), lapsed, idle, gone (the job left its home), "
+    "lost (the worker died), restart (found by a restarted scheduler)",
+    ["reason"],
+)
+DIRECT_CALLS = Counter(
+    "plexrl_scheduler_direct_calls_total",
+    "Completions of calls sent straight to a worker under a direct lease, by function",
+    ["function"],
+)
+DIRECT_REQUEUED = Counter(
+    "plexrl_scheduler_direct_requeued_total",
+    "Calls handed out under a direct lease that the scheduler dispatched itself (their "
+    "worker died, or reported idle past the grace with them unanswered)",
+)
+FOLLOW_UPS = Counter(
+    "plexrl_scheduler_follow_ups_total",
+    "Dispatches sent to a worker behind its dispatch in flight (the same job's next calls, "
+    "no other job waiting there), by worker",
+    ["worker"],
+)
+HELD = Gauge("plexrl_scheduler_direct_held_workers", "Workers a direct lease holds now")
+
 
 def observe(state: ClusterState) -> None:
     """Set the gauges from the cluster view (the scheduler loop's record step)."""
     QUEUE_DEPTH.set(len(state.pending))
     INFLIGHT.set(len(state.inflight))
     JOBS.set(len(state.jobs))
+    HELD.set(len(state.held))
     WORKERS_HEALTHY.set(sum(1 for w in state.workers if state.healthy(w)))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from plexrl import direct
 from plexrl.kafka import Delivery, MessageConsumer
 from plexrl.messages import (
     ErrorCode,
@@ -11,6 +12,7 @@ from plexrl.messages import (
     Event,
     Function,
     IdleHint,
+    JobOptions,
     PhaseCompletion,
     PhaseRequest,
     ResidencyChanged,
@@ -21,6 +23,7 @@ from plexrl.retry import retrying
 from plexrl.stores import JobStore, UsageStore
 from plexrl_scheduler import metrics
 from plexrl_scheduler.actuator import Actuator
+from plexrl_scheduler.direct import DirectPath
 from plexrl_scheduler.offsets import OffsetTracker
 from plexrl_scheduler.state import ClusterState, Pending
 
@@ -28,8 +31,15 @@ log = logging.getLogger(__name__)
 
 
 class Receiver:
-    def __init__(self, state: ClusterState, jobs: JobStore, usage: UsageStore) -> None:
+    def __init__(
+        self,
+        state: ClusterState,
+        jobs: JobStore,
+        usage: UsageStore,
+        direct: DirectPath | None = None,
+    ) -> None:
         self._state = state
+        self._direct = direct
         self._jobs = jobs
         self._usage = usage
         self._actuator: Actuator | None = None
@@ -74,14 +84,25 @@ class Receiver:
 
     async def on_completion(self, completion: PhaseCompletion, delivery: Delivery) -> None:
         """Take the completion into the state now; its usage is written with the rest
-        of its poll's (`flush_usage`, before the poll's offsets are committed)."""
+        of its poll's (`flush_usage`, before the poll's offsets are committed). A call
+        sent straight to its worker (`plexrl.direct`) is seen here for the first time."""
+        # By what this scheduler dispatched first: a call answered from its ledger keeps
+        # the dispatch id it first ran under (a requeued direct call, say).
+        dispatched = self._state.dispatched(completion.request_id)
+        if not dispatched and direct.lease_of(completion.dispatch_id) is not None:
+            self._state.on_direct_completion(completion)
+            if self._direct is not None:
+                self._direct.on_completion(completion)
+            self._usage_due.add(completion)
+            return
         request_delivery = self._state.on_completion(completion)
         if request_delivery is None:
             return
         if completion.function == Function.UNLOAD:
             metrics.JOBS_FINISHED.inc()
         await self.finished(request_delivery)
-        self._usage_due.add(completion)
+        worker = self._state.workers.get(completion.worker_id)
+        self._usage_due.add(completion, worker.heartbeat.devices if worker is not None else 1)
 
     async def flush_usage(self) -> None:
         """Write the usage of the completions taken since the last flush: one Redis
@@ -103,6 +124,8 @@ class Receiver:
                     self.new_workers.append(event.worker_id)
             case IdleHint():
                 self._state.on_idle_hint(event.job_id, event.seconds)
+            case JobOptions():
+                self._state.on_job_options(event.job_id, event.staleness)
             case TailReleased():
                 if self._state.on_tail_released(event):
                     metrics.TAIL_RELEASES.labels(event.worker_id, str(event.reason)).inc()
@@ -118,7 +141,8 @@ class UsageDue:
     def __init__(self) -> None:
         self._due: dict[str, tuple[dict[str, float], float, float]] = {}
 
-    def add(self, completion: PhaseCompletion) -> None:
+    def add(self, completion: PhaseCompletion, devices: int = 1) -> None:
+        """`devices`: the ranks of the group that ran it, each a device held for its time."""
         t = completion.timings
         at = completion.finished_at
         due = self._due.get(completion.job_id)
@@ -132,7 +156,7 @@ class UsageDue:
         fields["queue_s"] += t.queue_s
         fields["swap_s"] += t.swap_s
         fields["compute_s"] += t.compute_s
-        fields["device_s"] += t.swap_s + t.compute_s
+        fields["device_s"] += devices * (t.swap_s + t.compute_s)
         self._due[completion.job_id] = (fields, first, last)
 
     def take(self) -> dict[str, tuple[dict[str, float], float, float]]:

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from plexrl.kafka import Delivery
 from plexrl.messages import (
@@ -32,6 +32,7 @@ from plexrl.policy import (
     SwapCosts,
     WorkerView,
 )
+from plexrl.policy.common import fewest_devices
 from plexrl.policy.history import CallHistory, Prior, RecentUse, describe, priors
 
 Clock = Callable[[], float]
@@ -73,6 +74,8 @@ class JobState:
     """Its recent engine seconds (`JobView.used_s`): its tenant's share of its group."""
     last_started: float = 0.0
     """When a dispatch with its calls was last sent (`JobView.last_started`)."""
+    staleness: int = 0
+    """Its declared loop (`JobOptions`, `JobView.staleness`): 0 synchronous."""
 
     @property
     def kind(self) -> Kind:
@@ -99,6 +102,11 @@ class InFlight:
     """The dispatched calls, in order: requeued as they were if the lease is lost."""
     preempt_asked: bool = False
     """A Preempt was sent for it (asked once; the worker's TailReleased answers it)."""
+    released_at: float = 0.0
+    """When the worker released it at its tail (0: not released): its sample calls'
+    answers after that time its stragglers (`CallHistory.tail`)."""
+    dispatches: int = 1
+    """Dispatches it stands for: the first and its follow-ups (`apply_follow_up`)."""
 
     @property
     def samples_only(self) -> bool:
@@ -136,6 +144,14 @@ class ClusterState:
         self.tails: dict[str, InFlight] = {}
         """By dispatch id: dispatches whose sample batch a worker released at its tail
         (TailReleased): still running there, beside whatever it was sent next."""
+        self.held: dict[str, str] = {}
+        """By worker id: the job whose direct lease holds it (live, or revoked with calls
+        handed out under it not answered yet; `plexrl_scheduler.direct`). The policy
+        sees that job running there, and the actuator sends the worker nothing."""
+        self._freed: dict[str, InFlight] = {}
+        """Workers whose dispatch just ended, and that dispatch (`take_freed`)."""
+        self._wanted: set[str] = set()
+        """Held workers a call was queued for since the last `take_wanted`."""
         self._inflight_requests: dict[str, tuple[str, Delivery | None]] = {}
         self._open: dict[str, int] = {}
         """Per job: its calls queued or running (in `pending` or `_inflight_requests`),
@@ -167,6 +183,10 @@ class ClusterState:
 
     def knows_request(self, request_id: str) -> bool:
         return request_id in self.pending or request_id in self._inflight_requests
+
+    def dispatched(self, request_id: str) -> bool:
+        """Whether the call is in a dispatch this scheduler sent and is unanswered."""
+        return request_id in self._inflight_requests
 
     def add_job(self, job_id: str, tenant: str, spec: JobSpec, home: str | None) -> JobState:
         job = self.jobs.get(job_id)
@@ -223,6 +243,9 @@ class ClusterState:
     def _queue(self, job_id: str, request_id: str, back: bool) -> None:
         """A call joins the queue, at its back or (requeued) at its front."""
         self._count(job_id, 1)
+        job = self.jobs.get(job_id)
+        if job is not None and job.home in self.held:
+            self._wanted.add(job.home)
         self._queued.setdefault(job_id, set()).add(request_id)
         low, high = self._places
         if back:
@@ -257,33 +280,53 @@ class ClusterState:
             return None
         self._count(completion.job_id, -1)
         worker_id, delivery = entry
-        job = self.jobs.get(completion.job_id)
-        if job is not None:
-            now, t = self._clock(), completion.timings
-            queued = _queued(job, t.queue_s, started=now - t.compute_s - t.swap_s)
-            job.history.observe(completion.function, t.compute_s, t.swap_s, queued)
-            job.used.add(t.compute_s + t.swap_s, now)
-            job.last_active = now
-            served = self._served.get(job.tenant)
-            if served is None or served.last_active <= now:
-                self._served[job.tenant] = job
-            if job.home is not None and job.home != worker_id:
-                self._touch(job.home)
-            if completion.function == Function.UNLOAD:
-                del self.jobs[job.job_id]
-                if self._served.get(job.tenant) is job:
-                    self._serve_again(job.tenant)
+        self._observe(completion, worker_id)
         run = self.inflight.get(worker_id)
         if run is not None and completion.request_id in run.remaining:
             run.remaining.discard(completion.request_id)
             if not run.remaining:
                 del self.inflight[worker_id]
+                self._freed[worker_id] = run
+        job = self.jobs.get(completion.job_id)
         for dispatch_id, tail in list(self.tails.items()):
+            if completion.request_id not in tail.remaining:
+                continue
             tail.remaining.discard(completion.request_id)
+            if job is not None and completion.function == Function.SAMPLE:
+                job.history.tail(self._clock() - tail.released_at)
             if not tail.remaining:
                 del self.tails[dispatch_id]
         self._touch(worker_id)
         return delivery
+
+    def on_direct_completion(self, completion: PhaseCompletion) -> None:
+        """A call that went straight to its worker under a direct lease ended: the
+        scheduler sees it here for the first time (its arrival and its end)."""
+        job = self.jobs.get(completion.job_id)
+        if job is not None:
+            job.history.arrived(completion.function)
+        self._observe(completion, completion.worker_id)
+        self._touch(completion.worker_id)
+
+    def _observe(self, completion: PhaseCompletion, worker_id: str) -> None:
+        """A call of the job ended: its history, recent use and activity."""
+        job = self.jobs.get(completion.job_id)
+        if job is None:
+            return
+        now, t = self._clock(), completion.timings
+        queued = _queued(job, t.queue_s, started=now - t.compute_s - t.swap_s)
+        job.history.observe(completion.function, t.compute_s, t.swap_s, queued)
+        job.used.add(t.compute_s + t.swap_s, now)
+        job.last_active = now
+        served = self._served.get(job.tenant)
+        if served is None or served.last_active <= now:
+            self._served[job.tenant] = job
+        if job.home is not None and job.home != worker_id:
+            self._touch(job.home)
+        if completion.function == Function.UNLOAD:
+            del self.jobs[job.job_id]
+            if self._served.get(job.tenant) is job:
+                self._serve_again(job.tenant)
 
     def _serve_again(self, tenant: str) -> None:
         """The tenant's last served job is gone: find the next one."""
@@ -331,6 +374,7 @@ class ClusterState:
         if run is None or run.dispatch_id != event.dispatch_id:
             return False
         del self.inflight[event.worker_id]
+        run.released_at = self._clock()
         self.tails[run.dispatch_id] = run
         self._touch(event.worker_id)
         return True
@@ -344,6 +388,12 @@ class ClusterState:
         run.preempt_asked = True
         return run.dispatch_id
 
+    def on_job_options(self, job_id: str, staleness: int) -> None:
+        job = self.jobs.get(job_id)
+        if job is not None:
+            job.staleness = staleness
+            self._touch(job.home)
+
     def on_idle_hint(self, job_id: str, seconds: float) -> None:
         job = self.jobs.get(job_id)
         if job is not None:
@@ -355,6 +405,8 @@ class ClusterState:
     def apply_admit(self, job_id: str, worker_id: str, epoch: int = 0) -> None:
         job = self.jobs[job_id]
         job.home = worker_id
+        if worker_id in self.held and job_id in self._queued:
+            self._wanted.add(worker_id)
         self._homed.setdefault(worker_id, set()).add(job_id)
         job.epoch = epoch
         # Its duty cycle counts from its first home: waiting for admission is not the
@@ -383,7 +435,9 @@ class ClusterState:
         for move in evict:
             if move.job_id in self.jobs:
                 self.jobs[move.job_id].tier = move.to_tier
-        self.jobs[job_id].tier = Tier.DEVICE
+        runner = self.jobs[job_id]
+        if runner.home == worker_id:  # (a roaming sample leaves the job's state at home)
+            runner.tier = Tier.DEVICE
         ids = {p.request.request_id for p in taken}
         now = self._clock()
         self.inflight[worker_id] = InFlight(dispatch_id, worker_id, job_id, ids, now, list(taken))
@@ -394,6 +448,91 @@ class ClusterState:
         for p in taken:
             self._inflight_requests[p.request.request_id] = (worker_id, p.delivery)
             self._count(p.request.job_id, 1)
+
+    # Follow-ups: more than one dispatch in flight per worker ---------------------
+
+    def follow_up_calls(self, worker_id: str, limit: int) -> list[str]:
+        """The calls that may follow the worker's dispatch in flight at once, before it
+        ends (a second dispatch behind it on the worker's topic): its job's next queued
+        calls, in order, up to `limit` and up to the first SAMPLE (co-batched and
+        preempted by the policy's own rules); none while another job homed there waits
+        (the policy chooses between them when the worker is free), or once that
+        dispatch was asked to yield."""
+        run = self.inflight.get(worker_id)
+        if run is None or run.preempt_asked or run.job_id not in self._queued:
+            return []
+        job = self.jobs.get(run.job_id)
+        if job is None or job.home != worker_id:
+            return []
+        if any(
+            j.job_id != job.job_id and j.job_id in self._queued for j in self._homed_on(worker_id)
+        ):
+            return []
+        calls = []
+        for rid in sorted(self._queued[job.job_id], key=self._place.__getitem__)[:limit]:
+            if self.pending[rid].request.function == Function.SAMPLE:
+                break
+            calls.append(rid)
+        return calls
+
+    def apply_follow_up(
+        self, dispatch_id: str, worker_id: str, job_id: str, taken: list[Pending]
+    ) -> None:
+        """`taken` went to the worker behind its dispatch in flight: the worker is free
+        once those are answered too. If that dispatch ended meanwhile (its completions
+        came in while the follow-up was numbered), the follow-up is a dispatch of its
+        own."""
+        run = self.inflight.get(worker_id)
+        if run is None:
+            self.apply_run(dispatch_id, worker_id, job_id, taken, ())
+            return
+        run.dispatches += 1
+        run.issued_at = self._clock()  # (a lost follow-up is seen from its own send)
+        run.calls += taken
+        for p in taken:
+            run.remaining.add(p.request.request_id)
+            self._inflight_requests[p.request.request_id] = (worker_id, p.delivery)
+            self._count(p.request.job_id, 1)
+        job = self.jobs.get(run.job_id)
+        if job is not None:
+            job.last_started = run.issued_at
+
+    # Direct leases ------------------------------------------------------------
+
+    def hold(self, worker_id: str, job_id: str) -> None:
+        """The job's direct lease holds the worker (`held`)."""
+        self.held[worker_id] = job_id
+        self._freed.pop(worker_id, None)
+
+    def release(self, worker_id: str) -> None:
+        """The worker's direct lease ended and every call handed out under it is answered
+        (or back in the queue): the worker is the policy's again."""
+        if self.held.pop(worker_id, None) is not None:
+            self._touch(worker_id)
+
+    def take_freed(self) -> dict[str, InFlight]:
+        """Workers whose dispatch ended since the last call, and that dispatch."""
+        freed, self._freed = self._freed, {}
+        return freed
+
+    def take_wanted(self) -> set[str]:
+        """Held workers a call was queued for since the last call."""
+        wanted, self._wanted = self._wanted, set()
+        return wanted
+
+    def wanted(self, worker_id: str) -> bool:
+        """Whether a call of any job homed on the worker waits in the queue."""
+        return any(j.job_id in self._queued for j in self._homed_on(worker_id))
+
+    def requeue_direct(self, calls: list[PhaseRequest]) -> None:
+        """Calls handed out under a direct lease that no worker will answer (it died, or
+        they were lost on the way) join the head of the queue, in this order, as
+        requests the scheduler dispatches itself (numbered ones keep their seq)."""
+        back = [Pending(r, None) for r in calls if not self.knows_request(r.request_id)]
+        for p in reversed(back):
+            self._queue(p.request.job_id, p.request.request_id, back=False)
+        self.pending = {p.request.request_id: p for p in back} | self.pending
+        self._touch(None)
 
     # Liveness -----------------------------------------------------------------
 
@@ -508,6 +647,8 @@ class ClusterState:
         return JobView(
             job_id=job.job_id,
             state_bytes=job.state_bytes,
+            # A LoRA adapter (and its moments) is whole on every rank of a group.
+            replicated_bytes=job.state_bytes if job.spec.lora is not None else 0,
             home=job.home,
             tier=job.tier,
             base_model=job.spec.base_model,
@@ -522,19 +663,33 @@ class ClusterState:
             burst_s=now - job.burst_since if job.burst_since else 0.0,
             used_s=job.used.as_of(now),
             last_started=job.last_started,
+            tail_s=seen.tail_s,
+            staleness=job.staleness,
+            # A LoRA job's sampler weights are its adapter: a few MB, nothing to plan.
+            sampler_bytes=job.state_bytes // 8 if job.spec.lora is None else 0,
         )
 
     def _worker_view(self, wid: str, w: WorkerState, jobs: dict[str, JobView]) -> WorkerView:
         run = self.inflight.get(wid)
         preemptible = run is not None and run.samples_only and not run.preempt_asked
+        tail_until = 0.0
+        for tail in self.tails.values():  # released batches: their jobs' mean tails
+            if tail.worker_id == wid:
+                for p in tail.calls:
+                    job = self.jobs.get(p.request.job_id)
+                    if job is not None and p.request.request_id in tail.remaining:
+                        ends = tail.released_at + job.history.tail_s
+                        tail_until = max(tail_until, ends, 1e-9)
+        running = run.job_id if run is not None else self.held.get(wid)
         return WorkerView(
             worker_id=wid,
             device_bytes=w.heartbeat.device_bytes,
             host_bytes=w.heartbeat.host_bytes,
             devices=w.heartbeat.devices,
             base_models=frozenset(w.heartbeat.base_models),
-            running=run.job_id if run is not None else None,
+            running=running,
             busy_until=_expected_end(run, jobs) if run is not None else 0.0,
+            tail_until=tail_until,
             preemptible_since=run.issued_at if run is not None and preemptible else None,
             healthy=self.healthy(wid),
         )
@@ -572,6 +727,12 @@ class ClusterState:
             for p in tail.calls
             if p.request.request_id in tail.remaining
         }
+        # A co-sampled job's sample runs in another job's dispatch: its state is in use
+        # there, though the worker runs "the other job" (never evicted for a prefetch).
+        for run in self.inflight.values():
+            for p in run.calls:
+                if p.request.job_id != run.job_id and p.request.request_id in run.remaining:
+                    pinned.add(p.request.job_id)
         jobs = {
             jid: self._view(j, now, learned, jid in pinned, jid in dormant)
             for jid, j in chosen.items()
@@ -581,6 +742,7 @@ class ClusterState:
             for wid, w in self.workers.items()
             if groups is None or wid in groups
         }
+        jobs = _sized(jobs, list(workers.values()))
         if groups is None:
             queue: Iterable[Pending] = self.pending.values()
         else:
@@ -588,7 +750,11 @@ class ClusterState:
             queue = [self.pending[rid] for rid in sorted(ids, key=self._place.__getitem__)]
         pending = tuple(
             PendingCall(
-                p.request.request_id, p.request.job_id, p.request.function, p.request.arrival_time
+                p.request.request_id,
+                p.request.job_id,
+                p.request.function,
+                p.request.arrival_time,
+                p.request.work.portable,
             )
             for p in queue
             if p.request.job_id in jobs
@@ -596,6 +762,29 @@ class ClusterState:
         return ClusterSnapshot(
             now=now, workers=workers, jobs=jobs, pending=pending, swap=self._swap
         )
+
+
+def _sized(jobs: dict[str, JobView], workers: list[WorkerView]) -> dict[str, JobView]:
+    """Each job sized for the groups: one waiting for a home needs the fewest ranks of a
+    group that holds it (`JobView.devices`: a simulated job's profile says how many
+    devices it needs, a live job's state size does; jobs of one size are sized once); a
+    homed job on a group of several ranks counts what it takes of that group's device
+    tier, its replicated part once per rank (`JobView.group_bytes`), so the policy's
+    memory bookkeeping of the group is its ranks' together."""
+    sizes: dict[tuple[int, int, str], int] = {}
+    ranks = {w.worker_id: w.devices for w in workers}
+    for job_id, job in jobs.items():
+        if job.home is not None:
+            n = ranks.get(job.home, 1)
+            if n > 1 and job.replicated_bytes:
+                jobs[job_id] = replace(job, state_bytes=job.group_bytes(n), replicated_bytes=0)
+            continue
+        key = (job.state_bytes, job.replicated_bytes, job.base_model)
+        if key not in sizes:
+            sizes[key] = fewest_devices(workers, job)
+        if sizes[key] != job.devices:
+            jobs[job_id] = replace(job, devices=sizes[key])
+    return jobs
 
 
 def _expected_end(run: InFlight, jobs: dict[str, JobView]) -> float:

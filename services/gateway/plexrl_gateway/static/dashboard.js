@@ -213,7 +213,7 @@ function renderWorkers(workers, cluster, t) {
     tr.dataset.worker = w.worker_id;
     text(tr, w.worker_id, "id");
     if (w.error) {
-      text(tr, w.error, "stale").colSpan = 6;
+      text(tr, w.error, "stale").colSpan = 7;
       body.appendChild(tr);
       continue;
     }
@@ -236,6 +236,15 @@ function renderWorkers(workers, cluster, t) {
     text(tr, tiers || "none");
     text(tr, `${fmtBytes(deviceUsed)} / ${fmtBytes(w.device_bytes)}`, "num");
     text(tr, `${fmtBytes(hostUsed)} / ${fmtBytes(w.host_bytes)}`, "num");
+    // A group's ranks each hold their shard of every job: device bytes used per rank.
+    const ranks = w.ranks || [];
+    text(
+      tr,
+      ranks.length
+        ? `${ranks.map((r) => fmtBytes(r.device_used)).join(" · ")} of ${fmtBytes(ranks[0].device_bytes)} each`
+        : "-",
+      "num",
+    );
     const age = w.age_s;
     text(tr, `${fmtDuration(age)} ago`, age > 15 ? "stale" : "");
     body.appendChild(tr);

@@ -85,6 +85,9 @@ class SampleCall:
     inp: SampleInput
     stop: sampling.StopRule
     seed: int
+    first_index: int = 0
+    """The call's index of its first sample here: a call split over several batchers
+    (a worker group's ranks) draws sample i from `row_seed(seed, i)` wherever it runs."""
     rows: list[_Row] = field(default_factory=list)
     """The admitted samples, by index (the rest wait for room in the batch)."""
     prompt_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -142,12 +145,20 @@ class Batcher:
         adapter: str,
         inp: SampleInput,
         stop: sampling.StopRule,
+        first_index: int = 0,
     ) -> SampleCall:
-        """Add a (validated) call: its prompt is run now, its rows join at the next step."""
+        """Add a (validated) call: its prompt is run now, its rows join at the next step.
+        `inp.num_samples` of them, numbered from `first_index` for their seeds."""
         params = inp.params
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         call = SampleCall(
-            weights_id=weights_id, model=model, adapter=adapter, inp=inp, stop=stop, seed=seed
+            weights_id=weights_id,
+            model=model,
+            adapter=adapter,
+            inp=inp,
+            stop=stop,
+            seed=seed,
+            first_index=first_index,
         )
         self._prefill(call)
         self._calls.append(call)
@@ -235,7 +246,7 @@ class Batcher:
             k[:, :, :prompt_len] = pk
             v[:, :, :prompt_len] = pv
         generator = torch.Generator(device=self._device)
-        generator.manual_seed(row_seed(call.seed, index))
+        generator.manual_seed(row_seed(call.seed, call.first_index + index))
         return _Row(call, index, generator, kv, prompt_len, call.first_logits)
 
     def _forward(self, rows: list[_Row]) -> None:

@@ -10,7 +10,8 @@ import torch
 
 @dataclass(frozen=True)
 class GroupConfig:
-    """One group of ranks on one host; rank r runs on device r of `device_type`."""
+    """One group of ranks; rank r runs on device r of `device_type` of the leader's
+    host, or (from `local_ranks` on) on another host's devices."""
 
     world_size: int = 2
     """Ranks in the group, one process and one device each; rank 0 leads."""
@@ -36,6 +37,10 @@ class GroupConfig:
     num_threads: int | None = None
     """Intra-op CPU threads per rank (None: torch's default). Ranks sharing a host's
     cores should split them: oversubscribed cores make each rank several times slower."""
+    local_ranks: int | None = None
+    """Ranks the leader starts on its own host (0 .. local_ranks - 1, None: all of them);
+    the others are started on their hosts (`launch.follow`) and join the rendezvous,
+    which then needs a fixed `master_port` reachable from there."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -44,20 +49,38 @@ class GroupConfig:
             if self.start_method != "spawn":
                 raise ValueError("CUDA ranks cannot be forked; use start_method='spawn'")
             have = torch.cuda.device_count()
-            if have < self.world_size:
+            if have < self.started_here:
                 raise ValueError(
-                    f"world_size {self.world_size} needs {self.world_size} CUDA devices, but "
-                    f"{have} are visible; lower world_size or use device_type='cpu'"
+                    f"{self.started_here} ranks on this host need as many CUDA devices, but "
+                    f"{have} are visible; lower world_size (or local_ranks) or use "
+                    "device_type='cpu'"
                 )
         if self.collective_timeout_s <= 0 or self.rendezvous_timeout_s <= 0:
             raise ValueError("timeouts must be positive seconds")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads is {self.num_threads}; use 1 or more, or None")
+        if self.local_ranks is not None and not 1 <= self.local_ranks <= self.world_size:
+            raise ValueError(
+                f"local_ranks is {self.local_ranks}; it must be 1 to world_size "
+                f"({self.world_size}), or None for every rank on this host"
+            )
+        if self.started_here < self.world_size and not self.master_port:
+            raise ValueError(
+                "ranks on other hosts need a fixed rendezvous port: set master_port "
+                "(PLEXRL_WORKER_RENDEZVOUS_PORT)"
+            )
+
+    @property
+    def started_here(self) -> int:
+        """Ranks the leader starts on its own host."""
+        return self.world_size if self.local_ranks is None else self.local_ranks
 
     @property
     def backend(self) -> str:
         return "nccl" if self.device_type == "cuda" else "gloo"
 
     def device(self, rank: int) -> str:
-        """The torch device of `rank`."""
-        return f"cuda:{rank}" if self.device_type == "cuda" else "cpu"
+        """The torch device of `rank` (on another host: its index among that host's)."""
+        if self.device_type != "cuda":
+            return "cpu"
+        return f"cuda:{rank if rank < self.started_here else rank - self.started_here}"

@@ -1,471 +1,306 @@
-"""One rank's executor: its shard of every resident job, trained with FSDP2.
+"""The worker's rank side on a group of N ranks: the `Executor` the leader's parts speak
+to, over `Leader.call` (every rank runs each call, in step).
 
-Every rank of a group holds one of these and runs each call the leader broadcasts, in
-the same order, with the same arguments. Two rules keep the ranks in step:
+Every call goes through the engine thread, one at a time, so the ranks see them in one
+order. Training is FSDP2 over the ranks (`group.rank`); a job's state moves shard by
+shard, every rank moving its own at once (host copies in each rank's memory, disk as a
+blob set each rank writes its member of, `plexrl_worker.stored`); snapshots are sharded
+the same way, and a state stored by a group of any size restores here. Sampling is
+data-parallel (`group.sampling`): each call's samples are split over the ranks.
 
-- an input error (`EngineError`) is raised before the call's first collective, and
-  identically on every rank (each sees the whole input and the same job state), so a
-  refused call leaves no rank waiting in a collective;
-- every rank makes the same collectives in the same order: a rank with less data runs
-  masked idle micro-batches so that FSDP2's all-gathers and reduce-scatters pair up.
-
-A full job is its own copy of the model, `fully_shard`-ed per decoder layer and at the
-root; its parameters, gradients and Adam moments are DTensors sharded by rows. A LoRA
-job's adapter sits in a base model loaded and sharded once per base (frozen, so FSDP2
-only all-gathers it); the adapters are small and replicated, their gradients summed
-over ranks after each `forward_backward`, and each rank exports only its rows of them,
-so swaps and snapshots have one layout for both kinds (`shards`).
-
-Gradients are sums over every datum of the call (Tinker semantics), never averages:
-FSDP2's divide factor is 1 and its reductions pure sums (gloo has no PREMUL_SUM).
+When a rank is lost, every later call raises `RankLostError` (not an `Exception`: no
+call is answered from a broken group), and `watch` raises it too, so the service stops
+and the scheduler re-homes its jobs. An idle group is pinged every `ping_s`, which also
+keeps the followers' waits for the next call shorter than their collective timeout.
 """
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import secrets
 import time
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
+import msgspec
 import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, Shard
 
 from plexrl.messages import (
+    CreateOutput,
     ForwardBackwardInput,
+    ForwardBackwardOutput,
     JobSpec,
     OptimStepInput,
+    OptimStepOutput,
+    SampleInput,
+    SampleOutput,
 )
-from plexrl.models import BaseModelInfo, ModelRegistry, UnknownModelError
-from plexrl_worker.engine import state
-from plexrl_worker.engine.batch import MicroBatch, ModelLimits, batch_loss, checked_loss, prepare
-from plexrl_worker.engine.config import EngineConfig
-from plexrl_worker.engine.errors import (
-    EngineError,
-    EngineInputError,
-    JobExistsError,
-    NotFoundError,
-    UnknownJobError,
-)
-from plexrl_worker.engine.state import JobTensors, NamedParams, host_copy
-from plexrl_worker.engine.torch_engine import check_adam
-from plexrl_worker.engine.weights import (
-    FullWeights,
-    LoraWeights,
-    SharedBase,
-    Weights,
-    empty_model,
-    load_model,
-)
-from plexrl_worker.group import calls, shards
-from plexrl_worker.group.calls import Call, Reply
+from plexrl.models import BaseModelInfo
+from plexrl_worker import shards, stored
+from plexrl_worker.engine.errors import NotFoundError
+from plexrl_worker.engine.state import JobTensors, state_from_bytes
+from plexrl_worker.engine_thread import EngineThread
+from plexrl_worker.executor import HeldSnapshot, SampleHandle, StateSource
+from plexrl_worker.group import calls
+from plexrl_worker.group.launch import Leader, RankLostError
+from plexrl_worker.group.rank import RankEngine
 
-_ModelBuilder = Callable[[Path, EngineConfig], nn.Module]
-"""`load_model` (pretrained weights) or `empty_model` (a state is about to be copied in)."""
+log = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-@dataclass
-class _Job:
-    spec: JobSpec
-    info: BaseModelInfo
-    weights: Weights
-    optimizer: torch.optim.AdamW
-    steps: int = 0
+class GroupSample:
+    """A sample call split over the ranks: done once every rank's slice is."""
 
+    def __init__(self, call_id: int, inp: SampleInput, slices: list[tuple[int, int]]) -> None:
+        self.call_id = call_id
+        self._inp = inp
+        self._first = {r: lo for r, (lo, _) in enumerate(slices)}
+        self._remaining = {r: hi - lo for r, (lo, hi) in enumerate(slices) if hi > lo}
+        self._outputs: dict[int, SampleOutput] = {}
+        self._abandoned: str | None = None
 
-class RankEngine:
-    """This rank's share of the group's jobs (see the module docstring)."""
+    @property
+    def inp(self) -> SampleInput:
+        return self._inp
 
-    def __init__(
-        self,
-        registry: ModelRegistry,
-        config: EngineConfig,
-        mesh: DeviceMesh,
-    ) -> None:
-        self._registry = registry
-        self._config = config
-        self._mesh = mesh
-        self.rank = mesh.get_local_rank()
-        self.world_size = mesh.size()
-        self._bases: dict[Path, SharedBase] = {}
-        self._jobs: dict[str, _Job] = {}
-        self._host: dict[str, JobTensors] = {}
-        """Offloaded shards (this rank's host tier)."""
+    @property
+    def done(self) -> bool:
+        return self._abandoned is not None or len(self._outputs) == len(self._remaining)
 
-    def execute(self, call: Call) -> Reply:
-        """Run one call on this rank; an `EngineError` comes back as an ErrorReply."""
-        try:
-            return self._dispatch(call)
-        except EngineError as exc:
-            return calls.ErrorReply(code=exc.code, message=str(exc))
+    @property
+    def remaining(self) -> int:
+        return 0 if self._abandoned is not None else sum(self._remaining.values())
 
-    def _dispatch(self, call: Call) -> Reply:
-        match call:
-            case calls.CreateCall(job_id, spec):
-                return self.create(job_id, spec)
-            case calls.ForwardBackwardCall(job_id, inp):
-                return self.forward_backward(job_id, inp)
-            case calls.OptimStepCall(job_id, inp):
-                return self.optim_step(job_id, inp)
-            case calls.OffloadCall(job_id):
-                return self.offload(job_id)
-            case calls.OnloadCall(job_id):
-                return self.onload(job_id)
-            case calls.SaveCall(job_id, directory):
-                return self.save(job_id, Path(directory))
-            case calls.RestoreCall(job_id, directory):
-                return self.restore(job_id, Path(directory))
-            case calls.GatherCall(job_id):
-                return calls.StateReply(state.state_to_bytes(self.export_shard(job_id)))
-            case calls.DropCall(job_id):
-                self.drop(job_id)
-                return calls.DoneReply()
-            case calls.ShutdownCall():
-                return calls.DoneReply()
-        raise EngineInputError(f"no call named {type(call).__name__}")
+    @property
+    def abandoned(self) -> str | None:
+        return self._abandoned
 
-    # ---- model functions -------------------------------------------------------------
+    def update(self, rank: int, part: calls.SamplePart) -> None:
+        self._remaining[rank] = part.remaining
+        if part.abandoned is not None:
+            self._abandoned = part.abandoned
+        if part.output is not None:
+            self._outputs[rank] = part.output
 
-    def create(self, job_id: str, spec: JobSpec) -> calls.CreateReply:
-        """Fresh adapters seeded by `spec.seed` (bit-identical to the one-device engine's),
-        or a sharded full copy of the base weights; a fresh AdamW either way."""
-        if job_id in self._jobs or job_id in self._host:
-            raise JobExistsError(job_id)
-        info = self._info(spec.base_model)
-        weights = self._weights(spec, info, load_model)
-        job = self._jobs[job_id] = _Job(spec, info, weights, _adamw(weights))
-        return calls.CreateReply(
-            trainable_params=sum(p.numel() for _, p in weights.params()),
-            shard_bytes=4 * _local_bytes(job.weights.params(), self.rank, self.world_size),
+    def output(self) -> SampleOutput:
+        if self._abandoned is not None:
+            raise NotFoundError(self._abandoned)
+        ranks = sorted(self._outputs, key=self._first.__getitem__)  # in sample order
+        first = self._outputs[ranks[0]]
+        return SampleOutput(
+            sequences=[s for r in ranks for s in self._outputs[r].sequences],
+            prompt_logprobs=first.prompt_logprobs,
+            topk_prompt_logprobs=first.topk_prompt_logprobs,
         )
 
-    def forward_backward(
-        self, job_id: str, inp: ForwardBackwardInput
-    ) -> calls.ForwardBackwardReply:
-        """This rank's contiguous slice of the data; gradients summed over every rank."""
-        job = self._job(job_id)
-        loss_fn, config = checked_loss(inp.loss_fn, inp.loss_fn_config)
-        limits = ModelLimits(job.info.vocab_size, job.info.max_positions)
-        batch_tokens = self._config.max_batch_tokens
-        # The whole input is checked on every rank, so all refuse it alike.
-        whole = prepare(inp.data, loss_fn, limits, batch_tokens)
-        lo, hi = shards.row_range(len(inp.data), self.rank, self.world_size)
-        mine = prepare(inp.data[lo:hi], loss_fn, limits, batch_tokens) if hi > lo else []
-        count = torch.tensor([len(mine)], dtype=torch.int64)
-        if self.world_size > 1:
-            dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        idle = _idle(mine[0] if mine else whole[0])
 
-        trained = isinstance(job.weights, LoraWeights) and inp.backward
-        carried = _take_grads(job.weights.params()) if trained else {}
-        model = job.weights.module()
-        device = self._config.torch_device
-        outputs: list[dict[str, calls.TensorArray]] = [{} for _ in range(hi - lo)]
-        total, tokens = 0.0, 0
-        for i in range(int(count)):
-            mb = mine[i] if i < len(mine) else idle
-            run = batch_loss(model, mb, loss_fn, config, device, inp.backward)
-            if i >= len(mine):
-                continue
-            total += float(run.loss.detach())
-            tokens += int(run.mask.sum())
-            outputs[mb.first : mb.first + len(mb.lengths)] = run.outputs(mb)
-        if trained:
-            self._sum_replicated_grads(job.weights.params(), carried)
-        return calls.ForwardBackwardReply(first=lo, outputs=outputs, loss=total, tokens=tokens)
+class _GroupSnapshot:
+    def __init__(self, executor: GroupExecutor, token: str) -> None:
+        self._executor = executor
+        self._token = token
 
-    def optim_step(self, job_id: str, inp: OptimStepInput) -> calls.OptimStepReply:
-        """One AdamW step, each rank on its shard (full) or on the replicated adapter."""
-        job = self._job(job_id)
-        adam = inp.adam
-        check_adam(adam)
-        params = [p for _, p in job.weights.params()]
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        if adam.grad_clip_norm > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, norm)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        for group in job.optimizer.param_groups:
-            group.update(
-                lr=adam.learning_rate,
-                betas=(adam.beta1, adam.beta2),
-                eps=adam.eps,
-                weight_decay=adam.weight_decay,
-            )
-        job.optimizer.step()
-        job.optimizer.zero_grad(set_to_none=True)
-        job.steps += 1
-        return calls.OptimStepReply(
-            metrics={
-                "grad_norm:mean": float(norm),
-                "step:max": float(job.steps),
-                "learning_rate:mean": adam.learning_rate,
-            }
-        )
+    async def write(self, key: str) -> int:
+        replies = await self._executor.call(calls.WriteSnapshotCall(self._token, key))
+        return await self._executor.write_manifest(key, replies)
 
-    # ---- state movement --------------------------------------------------------------
 
-    def export_shard(self, job_id: str) -> JobTensors:
-        """A host copy of this rank's rows of the job's weights, gradients and moments."""
-        job = self._job(job_id)
-        params = job.weights.params()
-        tensors: dict[str, torch.Tensor] = {}
-        shapes: dict[str, list[int]] = {}
+class GroupExecutor:
+    """The group's ranks behind the `Executor` interface (see the module docstring)."""
 
-        def put(key: str, t: torch.Tensor) -> None:
-            shapes[key] = list(t.shape)
-            tensors[key] = host_copy(self._local(t))
+    def __init__(self, leader: Leader, thread: EngineThread, ping_s: float = 5.0) -> None:
+        self._leader = leader
+        self._thread = thread
+        self._ping_s = ping_s
+        self.ranks = leader.world_size
+        self._rank_bytes: dict[str, list[int]] = {}
+        self._samples: dict[int, GroupSample] = {}
+        self._ids = itertools.count()
+        self._turn = itertools.count()
+        """Which rank takes the first slice of the next sample call (rotating, so
+        one-sample calls spread over the ranks)."""
+        self._last_call = time.monotonic()
+        self._lost: RankLostError | None = None
 
-        for name, p in params:
-            put(state.WEIGHTS + name, p.detach())
-            if p.grad is not None:
-                put(state.GRADS + name, p.grad)
-            for key, value in job.optimizer.state.get(p, {}).items():
-                if key in state.ADAM_KEYS:
-                    put(f"{state.OPTIM}{name}.{key}", value)
-        state.wait_for_copies(self._config.torch_device)
-        meta = shards.shard_metadata(
-            state.make_metadata(job.spec, job.steps), self.rank, self.world_size, shapes
-        )
-        return JobTensors(tensors, meta)
+    @property
+    def rank0(self) -> RankEngine:
+        """Rank 0, in this process (read its introspection only)."""
+        return self._leader.engine
 
-    def import_shard(self, job_id: str, shard: JobTensors) -> None:
-        """Put this rank's shard back into a resident job (weights, gradients, moments),
-        in place; a collective for LoRA jobs, whose replicated adapters are rebuilt
-        from every rank's rows."""
-        job = self._job(job_id)
-        params = job.weights.params()
-        expected = {state.WEIGHTS + name for name, _ in params}
-        given = {k for k in shard.tensors if k.startswith(state.WEIGHTS)}
-        if expected != given:
-            raise EngineInputError(
-                f"the shard does not fit this job: missing {sorted(expected - given)[:3]}, "
-                f"unexpected {sorted(given - expected)[:3]}"
-            )
-        full = self._whole if isinstance(job.weights, LoraWeights) else self._sharded
-        job.optimizer.state.clear()
-        with torch.no_grad():
-            for name, p in params:
-                local = shard.tensors[state.WEIGHTS + name]
-                if list(local.shape) != list(self._local(p).shape):
-                    raise EngineInputError(
-                        f"weight {name} has {list(local.shape)} rows on rank {self.rank}, the "
-                        f"job's shard has {list(self._local(p).shape)}; restore it with "
-                        "RestoreCall, which reshards a snapshot of any group size"
-                    )
-                if isinstance(p, DTensor):
-                    p.to_local().copy_(local)
-                else:
-                    p.copy_(self._whole(local, p))
-                grad = shard.tensors.get(state.GRADS + name)
-                p.grad = None if grad is None else full(grad, p)
-                keys = [f"{state.OPTIM}{name}.{k}" for k in state.ADAM_KEYS]
-                if all(k in shard.tensors for k in keys):
-                    exp_avg, exp_avg_sq, step = (shard.tensors[k] for k in keys)
-                    job.optimizer.state[p] = {
-                        "step": step.clone(),
-                        "exp_avg": full(exp_avg, p),
-                        "exp_avg_sq": full(exp_avg_sq, p),
-                    }
-        job.steps = shard.steps
+    async def call(self, call: calls.Call) -> list[calls.Reply]:
+        """Run `call` on every rank; every rank's reply in rank order."""
+        return await self._on_thread(self._leader.call, call)
 
-    def offload(self, job_id: str) -> calls.SwapReply:
-        """This rank's shard to host memory; the job then leaves the device."""
-        start = time.perf_counter()
-        shard = self.export_shard(job_id)
-        seconds = time.perf_counter() - start
-        self.drop(job_id)
-        self._host[job_id] = shard
-        return _swap_reply(shard, seconds)
-
-    def onload(self, job_id: str) -> calls.SwapReply:
-        """Rebuild the job from its offloaded shard, exactly as it left."""
-        shard = self._host.get(job_id)
-        if shard is None:
-            raise UnknownJobError(job_id, sorted(self._host))
-        seconds = self._rebuild(job_id, shard)
-        del self._host[job_id]
-        return _swap_reply(shard, seconds)
-
-    def save(self, job_id: str, directory: Path) -> calls.SavedReply:
-        """This rank's file of a sharded snapshot (the leader writes the manifest)."""
-        name, nbytes, digest = shards.write_shard(directory, self.export_shard(job_id))
-        return calls.SavedReply(file=name, nbytes=nbytes, digest=digest)
-
-    def restore(self, job_id: str, directory: Path) -> calls.DoneReply:
-        """Make the job from a snapshot saved by a group of any size."""
-        if job_id in self._jobs or job_id in self._host:
-            raise JobExistsError(job_id)
+    async def _on_thread(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """A Leader method on the engine thread; a lost rank marks the group lost."""
+        if self._lost is not None:
+            raise self._lost
+        self._last_call = time.monotonic()
         try:
-            manifest = shards.read_manifest(directory)
-            shard = shards.read_shard(directory, manifest, self.rank, self.world_size)
-        except ValueError as exc:
-            raise NotFoundError(str(exc)) from exc
-        self._rebuild(job_id, shard)
-        return calls.DoneReply()
-
-    def drop(self, job_id: str) -> bool:
-        job = self._jobs.pop(job_id, None)
-        host = self._host.pop(job_id, None)
-        if job is not None:
-            job.weights.release()
-        return job is not None or host is not None
-
-    def resident_jobs(self) -> list[str]:
-        return sorted(self._jobs)
-
-    # ---- internals -------------------------------------------------------------------
-
-    def _rebuild(self, job_id: str, shard: JobTensors) -> float:
-        """A new job from a shard; the seconds its tensor copies took."""
-        try:
-            spec = shard.spec
-        except (KeyError, ValueError) as exc:
-            raise EngineInputError(f"the shard carries no valid JobSpec: {exc}") from exc
-        info = self._info(spec.base_model)
-        weights = self._weights(spec, info, empty_model)
-        self._jobs[job_id] = _Job(spec, info, weights, _adamw(weights))
-        start = time.perf_counter()
-        try:
-            self.import_shard(job_id, shard)
-        except EngineError:
-            self.drop(job_id)
+            return await self._thread.call(fn, *args, **kwargs)
+        except RankLostError as exc:
+            self._lost = exc
             raise
-        return time.perf_counter() - start
 
-    def _weights(self, spec: JobSpec, info: BaseModelInfo, build: _ModelBuilder) -> Weights:
-        if spec.lora is None:
-            return FullWeights(self._shard(build(info.path, self._config)))
-        base = self._bases.get(info.path)
-        if base is None:
-            model = self._shard(load_model(info.path, self._config))
-            base = self._bases[info.path] = SharedBase(info, model)
-        return LoraWeights(base, base.add_adapter(spec.lora, spec.seed))
+    async def watch(self, stop: asyncio.Event) -> None:
+        """Ping the group while it is idle until `stop`; raises RankLostError when a
+        rank is lost (then the service stops)."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self._ping_s / 2)
+            if self._lost is not None:
+                raise self._lost
+            if not stop.is_set() and time.monotonic() - self._last_call >= self._ping_s:
+                await self.call(calls.PingCall())
 
-    def _shard(self, model: nn.Module) -> nn.Module:
-        """FSDP2 over every decoder layer, then the root (embeddings, norm, head)."""
-        layers = getattr(getattr(model, "model", None), "layers", None)
-        if not isinstance(layers, nn.ModuleList):
-            raise EngineInputError(
-                f"{type(model).__name__} has no `model.layers`; the group shards decoder "
-                "models laid out as Hugging Face's Llama and Qwen families are"
-            )
-        for layer in layers:
-            fully_shard(layer, mesh=self._mesh)
-        fully_shard(model, mesh=self._mesh)
-        # Each FSDP module keeps its own reduction settings: set them on every one.
-        for module in model.modules():
-            if isinstance(module, FSDPModule):
-                module.set_gradient_divide_factor(1.0)
-                module.set_force_sum_reduction_for_comms(True)
-        return model
+    async def close(self) -> None:
+        await self._thread.call(self._leader.close)
 
-    def _local(self, t: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of a sharded (DTensor) or replicated tensor."""
-        if isinstance(t, DTensor):
-            return t.to_local()
-        return shards.shard_of(t, self.rank, self.world_size)
+    # ---- training ----------------------------------------------------------------------
 
-    def _sharded(self, local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """A DTensor laid out as `like` over this rank's rows (a copy on the device)."""
-        if local.dim() == 0 or not isinstance(like, DTensor):
-            return local.to(self._config.torch_device, copy=True)
-        return DTensor.from_local(
-            local.to(self._config.torch_device, copy=True),
-            self._mesh,
-            [Shard(0)],
-            run_check=False,
-            shape=like.shape,
-            stride=like.stride(),
-        )
+    async def create(self, job_id: str, spec: JobSpec) -> CreateOutput:
+        replies = await self.call(calls.CreateCall(job_id, spec))
+        self._rank_bytes[job_id] = [_of(r, calls.CreateReply).shard_bytes for r in replies]
+        first = _of(replies[0], calls.CreateReply)
+        return CreateOutput(trainable_params=first.trainable_params, state_bytes=first.state_bytes)
 
-    def _whole(self, local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """The whole replicated tensor from every rank's rows (a collective)."""
-        device = self._config.torch_device
-        if local.dim() == 0 or self.world_size == 1:
-            return local.to(device, copy=True)
-        rows = like.shape[0]
-        chunk = shards.row_range(rows, 0, self.world_size)[1]
-        padded = torch.zeros((chunk, *local.shape[1:]), dtype=local.dtype, device=device)
-        padded[: local.shape[0]] = local
-        out = torch.empty(
-            (chunk * self.world_size, *local.shape[1:]), dtype=local.dtype, device=device
-        )
-        dist.all_gather_into_tensor(out, padded)
-        return out[:rows].clone()
+    async def forward_backward(
+        self, job_id: str, inp: ForwardBackwardInput
+    ) -> ForwardBackwardOutput:
+        return await self._on_thread(self._leader.forward_backward, job_id, inp)
 
-    def _sum_replicated_grads(
-        self, params: NamedParams, carried: dict[int, torch.Tensor | None]
-    ) -> None:
-        """Sum this call's adapter gradients over ranks, then add the earlier calls'
-        (already summed) ones: each rank ends with the same, whole gradient."""
-        live = [p for _, p in params if p.grad is not None]
-        if self.world_size > 1 and live:
-            flat = torch.cat([p.grad.reshape(-1) for p in live if p.grad is not None])
-            dist.all_reduce(flat)
-            offset = 0
-            for p in live:
-                assert p.grad is not None
-                n = p.grad.numel()
-                p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
-                offset += n
-        for _, p in params:
-            before = carried.get(id(p))
-            if before is not None:
-                p.grad = before if p.grad is None else before + p.grad
+    async def optim_step(self, job_id: str, inp: OptimStepInput) -> OptimStepOutput:
+        replies = await self.call(calls.OptimStepCall(job_id, inp))
+        return OptimStepOutput(metrics=_of(replies[0], calls.OptimStepReply).metrics)
 
-    def _job(self, job_id: str) -> _Job:
-        job = self._jobs.get(job_id)
-        if job is None:
-            raise UnknownJobError(job_id, sorted(self._jobs))
-        return job
+    async def export_state(self, job_id: str, *, optimizer: bool) -> JobTensors:
+        replies = await self.call(calls.GatherCall(job_id, optimizer=optimizer, gradients=False))
+        parts = [state_from_bytes(_of(r, calls.StateReply).data) for r in replies]
+        return await asyncio.to_thread(shards.merge, parts)
 
-    def _info(self, name: str) -> BaseModelInfo:
-        try:
-            return self._registry.info(name)
-        except UnknownModelError as exc:
-            raise NotFoundError(str(exc)) from exc
+    async def import_weights(self, job_id: str, source: StateSource, *, optimizer: bool) -> None:
+        await self.call(calls.ImportCall(job_id, source.blob_key, source.tenant, optimizer))
+
+    async def drop(self, job_id: str) -> None:
+        self._rank_bytes.pop(job_id, None)
+        await self.call(calls.DropCall(job_id))
+
+    def rank_bytes(self, job_id: str, whole: int) -> list[int]:
+        known = self._rank_bytes.get(job_id)
+        if known is not None:
+            return known
+        return [len(chunk) for chunk in _even(whole, self.ranks)]
+
+    # ---- tiers -------------------------------------------------------------------------
+
+    def stored_key(self, prefix: str) -> str:
+        return stored.set_key(prefix, self.ranks)
+
+    async def offload(self, job_id: str) -> None:
+        await self.call(calls.OffloadCall(job_id))
+
+    async def spill(self, job_id: str, key: str) -> None:
+        await self.write_manifest(key, await self.call(calls.SpillCall(job_id, key)))
+
+    async def fetch(self, job_id: str, key: str) -> None:
+        await self.call(calls.FetchCall(job_id, key))
+
+    async def onload(self, job_id: str) -> None:
+        await self.call(calls.OnloadCall(job_id))
+
+    async def snapshot(self, job_id: str) -> HeldSnapshot:
+        token = uuid.uuid4().hex
+        await self.call(calls.SnapshotCall(job_id, token))
+        return _GroupSnapshot(self, token)
+
+    async def restore(self, job_id: str, key: str) -> int:
+        replies = await self.call(calls.RestoreCall(job_id, key))
+        restored = [_of(r, calls.RestoredReply) for r in replies]
+        self._rank_bytes[job_id] = [r.shard_bytes for r in restored]
+        return restored[0].state_bytes
+
+    async def write_manifest(self, key: str, replies: list[calls.Reply]) -> int:
+        """Complete a blob set every rank wrote its member of; the set's bytes."""
+        return await self._on_thread(self._leader.write_manifest, key, replies)
+
+    # ---- sampling ----------------------------------------------------------------------
+
+    async def begin_sample(self, weights_id: str, inp: SampleInput) -> SampleHandle:
+        if inp.params.seed is None:  # every rank's slice draws from the same seed
+            params = msgspec.structs.replace(inp.params, seed=secrets.randbits(63))
+            inp = msgspec.structs.replace(inp, params=params)
+        first = next(self._turn) % self.ranks
+        pieces = _even(range(inp.num_samples), self.ranks)
+        slices = [(0, 0)] * self.ranks
+        for k, piece in enumerate(pieces):
+            slices[(first + k) % self.ranks] = (piece.start, piece.stop)
+        call_id = next(self._ids)
+        await self.call(calls.BeginSampleCall(call_id, weights_id, inp, slices))
+        sample = self._samples[call_id] = GroupSample(call_id, inp, slices)
+        return sample
+
+    async def sample_step(self) -> None:
+        replies = await self.call(calls.SampleStepCall())
+        for rank, reply in enumerate(replies):
+            for part in _of(reply, calls.SampleStepReply).parts:
+                sample = self._samples.get(part.call_id)
+                if sample is not None:
+                    sample.update(rank, part)
+        for call_id in [i for i, s in self._samples.items() if s.done]:
+            del self._samples[call_id]
+
+    async def sample(self, weights_id: str, inp: SampleInput) -> SampleOutput:
+        handle = await self.begin_sample(weights_id, inp)
+        while not handle.done:
+            await self.sample_step()
+        return handle.output()
+
+    async def has_sampler(self, weights_id: str) -> bool:
+        replies = await self.call(calls.TouchSamplerCall(weights_id))
+        return _of(replies[0], calls.FlagReply).value
+
+    async def install_sampler(self, weights_id: str, source: StateSource) -> None:
+        await self.call(calls.InstallSamplerCall(weights_id, source.blob_key, source.tenant))
+
+    async def drop_sampler(self, weights_id: str) -> None:
+        await self.call(calls.DropSamplerCall(weights_id))
+
+    def sampler_weights(self, weights_id: str) -> tuple[JobSpec, Path, dict[str, torch.Tensor]]:
+        # Rank 0's replica, read on the engine thread (never beside a call changing it).
+        return self._thread.submit(self.rank0.sampling.samplers.weights, weights_id).result()
+
+    # ---- introspection -----------------------------------------------------------------
+
+    def pids(self) -> list[int]:
+        return [os.getpid(), *self._leader.follower_pids]
+
+    def model_info(self, name: str) -> BaseModelInfo:
+        return self.rank0.sampling.bases.info(name)
+
+    def installed_samplers(self) -> list[str]:
+        return self.rank0.sampling.samplers.ids()
+
+    def loaded_bases(self) -> list[str]:
+        return self.rank0.loaded_bases()
 
 
-def _adamw(weights: Weights) -> torch.optim.AdamW:
-    # lr and the rest are set on every optim_step; these are placeholders.
-    return torch.optim.AdamW([p for _, p in weights.params()], lr=0.0)
+def _of(reply: calls.Reply, kind: type[R]) -> R:
+    assert isinstance(reply, kind), f"expected {kind.__name__}, got {type(reply).__name__}"
+    return reply
 
 
-def _idle(batch: MicroBatch) -> MicroBatch:
-    """A one-token micro-batch that counts for nothing (its only token masked out): a
-    rank with no more data runs it so its collectives pair up with the others'."""
-    return MicroBatch(
-        first=0,
-        lengths=[],
-        tokens=batch.tokens[:1, :1].clone(),
-        mask=torch.zeros((1, 1), dtype=torch.bool),
-        inputs={k: v[:1, :1].clone() for k, v in batch.inputs.items()},
-    )
-
-
-def _take_grads(params: NamedParams) -> dict[int, torch.Tensor | None]:
-    """Set the gradients aside (they are already summed over ranks) and clear them."""
-    out: dict[int, torch.Tensor | None] = {}
-    for _, p in params:
-        out[id(p)] = p.grad
-        p.grad = None
-    return out
-
-
-def _local_bytes(params: NamedParams, rank: int, world_size: int) -> int:
-    total = 0
-    for _, p in params:
-        local = p.to_local() if isinstance(p, DTensor) else shards.shard_of(p, rank, world_size)
-        total += local.numel() * local.element_size()
-    return total
-
-
-def _swap_reply(shard: JobTensors, seconds: float) -> calls.SwapReply:
-    digest = hashlib.sha256(state.state_to_bytes(shard)).hexdigest()
-    return calls.SwapReply(nbytes=shard.nbytes(), seconds=seconds, digest=digest)
+def _even(items: range | int, parts: int) -> list[range]:
+    """`items` (or range(items)) cut into `parts` contiguous pieces, sizes differing by
+    at most one."""
+    whole = range(items) if isinstance(items, int) else items
+    n = len(whole)
+    cuts = [whole.start + (n * k) // parts for k in range(parts + 1)]
+    return [range(cuts[k], cuts[k + 1]) for k in range(parts)]

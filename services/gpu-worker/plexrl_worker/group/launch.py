@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import logging
 import multiprocessing as mp
 import multiprocessing.process
 import os
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,36 +30,51 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from plexrl.messages import ErrorCode, ForwardBackwardOutput
 from plexrl.models import ModelRegistry
+from plexrl_worker import shards
 from plexrl_worker.engine.config import EngineConfig
 from plexrl_worker.engine.errors import EngineError
 from plexrl_worker.engine.state import JobTensors, state_from_bytes
-from plexrl_worker.group import calls, shards
+from plexrl_worker.group import calls
+from plexrl_worker.group.blobs import BlobPlace
 from plexrl_worker.group.calls import Call, Reply
 from plexrl_worker.group.channel import Channel
 from plexrl_worker.group.config import GroupConfig
-from plexrl_worker.group.executor import RankEngine
+from plexrl_worker.group.rank import RankEngine
 
 log = logging.getLogger(__name__)
 
 
 class GroupCallError(EngineError):
-    """A call every rank refused alike (bad input, unknown job); the group is fine."""
+    """A call a rank refused (bad input, unknown job, the state-store away); the group is
+    fine. `status_code` 503 marks one a later attempt may pass (`plexrl.retry`)."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, transient: bool = False) -> None:
         super().__init__(message)
         self.code = code
+        self.status_code = 503 if transient else 0
 
 
-class RankLostError(RuntimeError):
-    """A rank died or stopped answering; the group can run nothing more."""
+class RankLostError(BaseException):
+    """A rank died or stopped answering; the group can run nothing more.
+
+    Not an `Exception`, like `asyncio.CancelledError`: the worker's handlers answer a
+    failed call with its error, but a call the group could not run must not be answered
+    at all. It goes up to the service, which stops; the scheduler re-homes its jobs, and
+    their calls run again from their snapshots on a whole group."""
 
 
 def start_group(
-    config: GroupConfig, registry_root: Path, engine: EngineConfig | None = None
+    config: GroupConfig,
+    registry_root: Path,
+    engine: EngineConfig | None = None,
+    blobs: BlobPlace | None = None,
 ) -> Leader:
     """Start ranks 1..N-1, join them as rank 0, and return the leader. `engine` is each
-    rank's engine configuration; its device is replaced by the rank's own."""
+    rank's engine configuration (its device is replaced by the rank's own); `blobs`
+    where the ranks read and write the disk tier (default: a fresh temporary
+    directory)."""
     engine = engine or EngineConfig()
+    blobs = blobs or BlobPlace(directory=Path(tempfile.mkdtemp(prefix="plexrl-group-")))
     timeout = datetime.timedelta(seconds=config.rendezvous_timeout_s)
     store = dist.TCPStore(
         config.master_addr,
@@ -77,20 +94,21 @@ def start_group(
         # cheap fork of that clean process (never of this one, which may have run
         # autograd: a forked child cannot).
         context.set_forkserver_preload([__name__])
+    # Ranks from `local_ranks` on run on other hosts, started there (`follow`).
     followers = [
         context.Process(
             target=_follower_main,
-            args=(rank, config, store.port, registry_root, engine),
+            args=(rank, config, store.port, registry_root, engine, blobs),
             name=f"plexrl-rank-{rank}",
             daemon=True,
         )
-        for rank in range(1, config.world_size)
+        for rank in range(1, config.started_here)
     ]
     for process in followers:
         process.start()
     previous_threads = torch.get_num_threads()
     try:
-        rank_engine, channel = _join(0, config, store, registry_root, engine)
+        rank_engine, channel = _join(0, config, store, registry_root, engine, blobs)
     except Exception as exc:
         described = _describe_ranks(followers)
         for process in followers:
@@ -143,8 +161,12 @@ class Leader:
         replies = [calls.decode_reply(r) for r in gathered]
         for reply in replies:
             if isinstance(reply, calls.ErrorReply):
-                raise GroupCallError(reply.code, reply.message)
+                raise GroupCallError(reply.code, reply.message, reply.transient)
         return replies
+
+    def ping(self) -> None:
+        """Every rank answers, or RankLostError."""
+        self.call(calls.PingCall())
 
     # ---- the group's model functions, combined ----------------------------------------
 
@@ -180,18 +202,27 @@ class Leader:
     def onload(self, job_id: str) -> list[calls.SwapReply]:
         return _swaps(self.call(calls.OnloadCall(job_id)))
 
-    def save(self, job_id: str, directory: Path) -> None:
-        """A sharded snapshot; complete (its manifest written) only once every rank's
-        file is on disk."""
-        replies = self.call(calls.SaveCall(job_id, str(directory)))
+    def save(self, job_id: str, key: str) -> None:
+        """A sharded snapshot, the blob set `key` names (`stored.set_key`); complete
+        (its manifest written) only once every rank's blob is stored."""
+        self.write_manifest(key, self.call(calls.SaveCall(job_id, key)))
+
+    def write_manifest(self, key: str, replies: list[Reply]) -> int:
+        """The set's manifest, from every rank's SavedReply; the set's bytes in all."""
         files = []
         for r in replies:
             assert isinstance(r, calls.SavedReply)
             files.append((r.file, r.nbytes, r.digest))
-        shards.write_manifest(directory, files)
+        first = replies[0]
+        assert isinstance(first, calls.SavedReply)
+        data = shards.manifest_bytes(files, json.loads(first.metadata))
+        self.engine.blobs.put(key, [data], len(data))
+        return sum(n for _, n, _ in files) + len(data)
 
-    def restore(self, job_id: str, directory: Path) -> None:
-        self.call(calls.RestoreCall(job_id, str(directory)))
+    def restore(self, job_id: str, key: str) -> int:
+        """Make the job from a state stored under `key` (any group size); its bytes."""
+        replies = self.call(calls.RestoreCall(job_id, key))
+        return sum(r.shard_bytes for r in replies if isinstance(r, calls.RestoredReply))
 
     def gather(self, job_id: str) -> JobTensors:
         """The job's whole state on the leader, as the one-device engine names it."""
@@ -241,14 +272,25 @@ def _join(
     store: dist.Store,
     registry_root: Path,
     engine: EngineConfig,
+    blobs: BlobPlace,
+    device: str | None = None,
 ) -> tuple[RankEngine, Channel]:
-    """This process as `rank`: its threads, device, process group, mesh and channel."""
+    """This process as `rank` (on `device`, by default the config's for the rank): its
+    threads, device, process group, mesh and channel."""
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
-    device = config.device(rank)
+    device = device or config.device(rank)
+    # Every rank at the door first, within the rendezvous timeout: a rank still importing
+    # torch on a busy host is waited for here, not by the process group's first barrier,
+    # which only waits the (shorter) collective timeout.
+    store.set(f"plexrl/arrived/{rank}", "1")
+    store.wait(
+        [f"plexrl/arrived/{r}" for r in range(config.world_size)],
+        datetime.timedelta(seconds=config.rendezvous_timeout_s),
+    )
     kwargs: dict[str, object] = {}
     if config.device_type == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(torch.device(device))
         kwargs["device_id"] = torch.device(device)
     dist.init_process_group(
         config.backend,
@@ -271,11 +313,37 @@ def _join(
         max_batch_tokens=engine.max_batch_tokens,
         attn_implementation=engine.attn_implementation,
     )
-    return RankEngine(ModelRegistry(registry_root), rank_config, mesh), Channel(channel_group)
+    rank_engine = RankEngine(ModelRegistry(registry_root), rank_config, mesh, blobs.open())
+    return rank_engine, Channel(channel_group)
+
+
+def follow(
+    rank: int,
+    config: GroupConfig,
+    registry_root: Path,
+    engine: EngineConfig,
+    blobs: BlobPlace,
+    device: str | None = None,
+) -> None:
+    """Run rank `rank` of a group whose leader serves its rendezvous at
+    `config.master_addr:master_port` (a rank on another host than the leader's), on
+    `device` (`cuda:k` of this host; None: the config's guess)."""
+    if not config.master_port:
+        raise ValueError(
+            "a rank started on its own needs the leader's rendezvous port; set "
+            "PLEXRL_WORKER_RENDEZVOUS_PORT to the same fixed port on every rank"
+        )
+    _follower_main(rank, config, config.master_port, registry_root, engine, blobs, device)
 
 
 def _follower_main(
-    rank: int, config: GroupConfig, port: int, registry_root: Path, engine: EngineConfig
+    rank: int,
+    config: GroupConfig,
+    port: int,
+    registry_root: Path,
+    engine: EngineConfig,
+    blobs: BlobPlace,
+    device: str | None = None,
 ) -> None:
     """A follower's life: join, then run each broadcast call until told to stop."""
     os.environ.update(
@@ -291,7 +359,7 @@ def _follower_main(
         is_master=False,
         timeout=datetime.timedelta(seconds=config.rendezvous_timeout_s),
     )
-    rank_engine, channel = _join(rank, config, store, registry_root, engine)
+    rank_engine, channel = _join(rank, config, store, registry_root, engine, blobs, device)
     while True:
         call = calls.decode_call(channel.broadcast(None))
         reply = rank_engine.execute(call)

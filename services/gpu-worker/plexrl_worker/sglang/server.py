@@ -79,6 +79,14 @@ class SGLangServerConfig:
     """Share of device memory for weights and KV cache (SGLang's default when None)."""
     enable_memory_saver: bool = False
     """CUDA only: lets release_memory_occupation hand device memory back (torch_memory_saver)."""
+    tp_size: int = 1
+    """Tensor-parallel ranks (`--tp-size`): a worker group's devices, one rank each."""
+    nnodes: int = 1
+    """Hosts the tensor-parallel ranks span (`--nnodes`); with more than one, every host
+    runs the same command with its own `node_rank` and one `dist_init_addr`."""
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    """`host:port` where SGLang's ranks meet across hosts (`--dist-init-addr`)."""
     startup_timeout_s: float = 600.0
     """How long a start may take before it counts as failed (CPU imports alone take minutes
     on a busy 2-core machine)."""
@@ -123,6 +131,12 @@ class SGLangServerConfig:
             cmd += ["--mem-fraction-static", str(self.mem_fraction_static)]
         if self.enable_memory_saver:
             cmd += ["--enable-memory-saver"]
+        if self.tp_size > 1:
+            cmd += ["--tp-size", str(self.tp_size)]
+        if self.nnodes > 1:
+            cmd += ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank)]
+        if self.dist_init_addr is not None:
+            cmd += ["--dist-init-addr", self.dist_init_addr]
         return [*cmd, *self.extra_args]
 
     def environment(self) -> dict[str, str]:

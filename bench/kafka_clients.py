@@ -1,0 +1,175 @@
+"""Kafka client cost per message: aiokafka (what the services use) beside confluent-kafka.
+
+    .venv/bin/python bench/kafka_clients.py [--messages 2000] [--rounds 2]
+        [--confluent-path DIR]
+
+confluent-kafka is not a dependency: install it beside the project to measure it
+(`pip install --target DIR confluent-kafka`, then `--confluent-path DIR`); without it
+only aiokafka is measured. Both run the same ping on the shared broker, in
+alternating rounds, each on a fresh topic: a producer sends one small message (a NOOP
+completion's size, key and idempotence as the services set them), a consumer in the
+same process receives it, and the next is sent once it arrived (latency one at a
+time); then `--messages` are sent back to back and received (throughput). Reports p50
+latency, messages/s and this process's CPU per message (producer and consumer
+together, librdkafka's threads included: what one hop costs a service's client); ends
+with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from plexrl.kafka import ensure_topics
+
+PAYLOAD = b"x" * 300
+
+
+def cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+async def aiokafka_round(bootstrap: str, topic: str, n: int) -> dict[str, float]:
+    producer = AIOKafkaProducer(
+        bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=0
+    )
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=None,
+        auto_offset_reset="earliest",
+        fetch_max_wait_ms=500,
+    )
+    await producer.start()
+    await consumer.start()
+    try:
+        latencies = []
+        c0 = cpu()
+        for _ in range(min(n, 300)):
+            start = time.perf_counter()
+            await producer.send_and_wait(topic, PAYLOAD, key=b"job")
+            await consumer.getone()
+            latencies.append(time.perf_counter() - start)
+        one_at_a_time_cpu = (cpu() - c0) / len(latencies)
+        c0, start = cpu(), time.perf_counter()
+        acks = [await producer.send(topic, PAYLOAD, key=b"job") for _ in range(n)]
+        got = 0
+        while got < n:
+            batch = await consumer.getmany(timeout_ms=1000)
+            got += sum(len(v) for v in batch.values())
+        await asyncio.gather(*acks)
+        wall = time.perf_counter() - start
+        return {
+            "p50_ms": statistics.median(latencies) * 1000,
+            "cpu_ms_per_message_one_at_a_time": one_at_a_time_cpu * 1000,
+            "messages_per_s": n / wall,
+            "cpu_ms_per_message_streaming": (cpu() - c0) / n * 1000,
+        }
+    finally:
+        await consumer.stop()
+        await producer.stop()
+
+
+def confluent_round(bootstrap: str, topic: str, n: int) -> dict[str, float]:
+    from confluent_kafka import Consumer, Producer
+
+    producer = Producer(
+        {"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True, "linger.ms": 0}
+    )
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"bench-{uuid.uuid4().hex[:8]}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "fetch.wait.max.ms": 500,
+        }
+    )
+    consumer.subscribe([topic])
+    deadline = time.monotonic() + 30
+    while not consumer.assignment() and time.monotonic() < deadline:
+        consumer.poll(0.1)
+    try:
+        latencies = []
+        delivered: list[Any] = []
+        c0 = cpu()
+        for _ in range(min(n, 300)):
+            start = time.perf_counter()
+            delivered.clear()
+            producer.produce(
+                topic, PAYLOAD, key=b"job", on_delivery=lambda e, m: delivered.append(e)
+            )
+            while not delivered:
+                producer.poll(0.01)
+            while consumer.poll(1.0) is None:
+                pass
+            latencies.append(time.perf_counter() - start)
+        one_at_a_time_cpu = (cpu() - c0) / len(latencies)
+        c0, start = cpu(), time.perf_counter()
+        for _ in range(n):
+            producer.produce(topic, PAYLOAD, key=b"job")
+            producer.poll(0)
+        got = 0
+        while got < n:
+            got += len(consumer.consume(num_messages=500, timeout=1.0))
+        producer.flush(10)
+        wall = time.perf_counter() - start
+        return {
+            "p50_ms": statistics.median(latencies) * 1000,
+            "cpu_ms_per_message_one_at_a_time": one_at_a_time_cpu * 1000,
+            "messages_per_s": n / wall,
+            "cpu_ms_per_message_streaming": (cpu() - c0) / n * 1000,
+        }
+    finally:
+        consumer.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--messages", type=int, default=2000)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--confluent-path", default=None, help="where confluent-kafka is installed")
+    args = p.parse_args()
+    bootstrap = os.environ.get("PLEXRL_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
+    if args.confluent_path:
+        sys.path.insert(0, args.confluent_path)
+    try:
+        import confluent_kafka  # noqa: F401
+
+        clients = ["aiokafka", "confluent"]
+    except ImportError:
+        clients = ["aiokafka"]
+    load = os.getloadavg()
+    runs: dict[str, list[dict[str, float]]] = {c: [] for c in clients}
+    for n in range(args.rounds):
+        for client in clients if n % 2 == 0 else list(reversed(clients)):
+            topic = f"bench-kafka-{uuid.uuid4().hex[:8]}"  # empty: read from its start
+            asyncio.run(ensure_topics(bootstrap, {topic: 1}))
+            if client == "aiokafka":
+                runs[client].append(asyncio.run(aiokafka_round(bootstrap, topic, args.messages)))
+            else:
+                runs[client].append(confluent_round(bootstrap, topic, args.messages))
+    result: dict[str, Any] = {
+        "benchmark": "kafka_clients",
+        "messages": args.messages,
+        "rounds": args.rounds,
+        "load_average": [round(v, 2) for v in (*load, *os.getloadavg())],
+    }
+    for client, rounds in runs.items():
+        result[client] = {k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]}
+        print(client, result[client])
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

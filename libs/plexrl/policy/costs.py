@@ -1,0 +1,79 @@
+"""What sharing a group costs beyond moving states between tiers: one definition, which
+the simulator's executor charges (`plexrl_sim.executor`) and the plexrl policy's
+interference model predicts with (`plexrl.policy.plexrl_policy`).
+
+Three costs, each a figure to set from a measurement of the worker:
+
+- **Engine switch.** A Run whose job is not the job of the group's previous Run pays
+  `switch_s` before its calls (the inference engine's sleep / wake, the KV cache handed
+  over, communicators re-bound), though both states are on the device.
+- **Stragglers' memory.** A rollout released at its tail (`TailReleased`) goes on
+  decoding its stragglers in the background. While a Run is in flight on the group, the
+  stragglers keep at least `tail_min_share` of it (their KV cache's memory and the
+  engine's batch), so the Run computes at `1 - share` of the group's speed.
+- **Tail contention.** While a Run is in flight on its group, a straggler tail decodes
+  `tail_contention` times slower (its decode steps interleaved with the Run's kernels).
+  Alone on an idle group it decodes at full speed.
+
+`bench/tail_cost.py` measures the last two on the live CPU engine (a straggler beside
+another job's calls took 25-28% of the device and decoded 1.39-1.47x slower); the
+defaults are assumptions for a GPU, not GPU measurements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_TAIL_SHARE = 0.9
+"""The most of a group stragglers may hold beside a Run (however many tails): a Run
+always makes some progress."""
+
+CONTENTION_SCOPES = ("run", "shared")
+
+
+@dataclass(frozen=True)
+class SharingCosts:
+    switch_s: float = 1.0
+    """Seconds a group spends when a Run's job is not the job of its previous Run, both
+    states on the device already. Calibrate from the live worker's timeline (the gap
+    between two jobs' calls on one worker, swaps excluded)."""
+    tail_min_share: float = 0.25
+    """The least share of the group a rollout's stragglers take while a Run is in flight
+    beside them, however few sequences are left. Calibrate from the engine's KV cache
+    reservation against the group's memory."""
+    tail_contention: float = 1.25
+    """How many times slower a straggler tail decodes while a Run is in flight on its
+    group; 1.0: no contention. `bench/tail_cost.py` measures it on the live engine."""
+    contention_while: str = "run"
+    """When a tail pays `tail_contention` and holds `tail_min_share`: `run`, while a Run
+    is in flight on its group (what `bench/tail_cost.py` measures); `shared`, for the
+    whole tail whenever another job is homed on the group, whether or not it runs (a
+    pessimistic bound, kept for sensitivity runs)."""
+
+    def __post_init__(self) -> None:
+        if self.switch_s < 0:
+            raise ValueError(f"switch_s is {self.switch_s}; use 0 or more (seconds)")
+        if not 0 <= self.tail_min_share < MAX_TAIL_SHARE:
+            raise ValueError(
+                f"tail_min_share is {self.tail_min_share}; use 0 up to {MAX_TAIL_SHARE}"
+            )
+        if self.tail_contention < 1:
+            raise ValueError(f"tail_contention is {self.tail_contention}; use 1.0 (none) or more")
+        if self.contention_while not in CONTENTION_SCOPES:
+            raise ValueError(
+                f"contention_while is {self.contention_while!r}; use one of {CONTENTION_SCOPES}"
+            )
+
+    def tail_share(self, util: float) -> float:
+        """The share of the group a tail using `util` of it alone holds beside a Run."""
+        return util if util > self.tail_min_share else self.tail_min_share
+
+    @staticmethod
+    def run_speed(tail_shares: float) -> float:
+        """The fraction of its speed a Run keeps beside tails holding `tail_shares`."""
+        return 1.0 - (tail_shares if tail_shares < MAX_TAIL_SHARE else MAX_TAIL_SHARE)
+
+    def stretch(self) -> float:
+        """Extra seconds per second of a Run beside one tail at the least share."""
+        share = min(self.tail_min_share, MAX_TAIL_SHARE)
+        return share / (1.0 - share)

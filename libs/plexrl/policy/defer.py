@@ -1,0 +1,63 @@
+"""Asynchronous jobs' training waits out a rollout's stragglers.
+
+A rollout released at its tail (`TailReleased`) decodes its stragglers in the
+background; a Run beside them slows them (`plexrl.policy.costs`: `tail_contention`) and
+runs slower itself (they hold `tail_min_share` of the group). The stragglers are on
+their job's critical path: its next step waits for them. An asynchronous job's training
+(`JobView.staleness` >= 1) is not: it trains on one rollout while it samples the next,
+so its training calls may wait about `staleness` steps less their own length before
+its rollouts wait for them.
+
+So while stragglers decode on a group (`WorkerView.tail_until`), the plexrl policy
+passes over a job whose next calls are training calls of an asynchronous loop, as
+long as the time its call has waited and the stragglers' expected rest fit within that
+job's slack; the group's
+other work (samples, a synchronous job's training) runs as usual. When the stragglers
+end, the worker's answer wakes the group and the training runs at full speed beside
+nothing. A job with a sample waiting, or with a slack shorter than the stragglers'
+remaining time, is never passed over; nor is anything when no straggler decodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from plexrl.messages import Function
+from plexrl.policy.snapshot import ClusterSnapshot, JobView, WorkerView
+
+_SAMPLE = Function.SAMPLE
+_STEP = (Function.SAMPLE, Function.FORWARD_BACKWARD, Function.OPTIM_STEP, Function.SAVE)
+
+
+def slack_s(job: JobView) -> float:
+    """Seconds the job's training may wait without its rollouts waiting for it: its
+    staleness in steps, less one step's busy seconds (0 for a synchronous job or one
+    without figures yet)."""
+    if job.staleness <= 0 or job.duty_cycle <= 0:
+        return 0.0
+    busy = sum(job.estimates.expected_s(f) for f in job.step_calls or _STEP)
+    period = busy / job.duty_cycle
+    return max(0.0, job.staleness * period - busy)
+
+
+def passed_over(snapshot: ClusterSnapshot, worker: WorkerView, job: JobView) -> bool:
+    """Whether the job's calls wait for the group's stragglers (see the module)."""
+    until = worker.tail_until
+    if until <= 0 or job.staleness <= 0:
+        return False
+    calls = snapshot.calls_view(job.job_id)
+    if not calls or calls[0].function == _SAMPLE:
+        return False
+    # Its call has waited since it arrived: that wait and the stragglers' rest together
+    # stay within its slack, so passing it over never makes its rollouts wait.
+    waited = snapshot.now - calls[0].arrival_time
+    return waited + max(0.0, until - snapshot.now) <= slack_s(job)
+
+
+def not_passed_over(
+    snapshot: ClusterSnapshot, worker: WorkerView, jobs: Sequence[JobView]
+) -> list[JobView]:
+    """`jobs` but those whose training waits out the group's stragglers."""
+    if worker.tail_until <= 0:
+        return list(jobs)
+    return [j for j in jobs if not passed_over(snapshot, worker, j)]

@@ -1,0 +1,294 @@
+"""The leader's call pipeline: a dispatch's calls numbered and recovered, run, recorded.
+
+What feeds it is a `plexrl_worker.intake.DispatchSource` (today the worker's dispatch
+topic); it handles one dispatch at a time, and returns only once every completion of it
+is in Kafka (or, given a `PollIntake`, leaves that to the intake's `settle` after the
+poll's last dispatch), so the source may acknowledge the dispatch then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import logging
+import time
+from collections.abc import Callable
+
+from opentelemetry import trace
+
+from plexrl import direct, tracing
+from plexrl.failpoints import failpoint
+from plexrl.kafka import Delivery
+from plexrl.messages import (
+    Dispatch,
+    Function,
+    PhaseCompletion,
+    ReleaseReason,
+    TailReleased,
+)
+from plexrl.retry import retrying
+from plexrl_worker import metrics
+from plexrl_worker.heartbeat import Heartbeat
+from plexrl_worker.intake import PollIntake
+from plexrl_worker.leader import LeaderFence
+from plexrl_worker.numbering import NumberedCalls, Turn
+from plexrl_worker.preemption import Preemption
+from plexrl_worker.recorder import ResultRecorder
+from plexrl_worker.residency import StateManager
+from plexrl_worker.runner import CallRunner, Ran
+from plexrl_worker.tail import TailRelease
+
+log = logging.getLogger("plexrl.worker")
+_tracer = tracing.tracer("plexrl.worker")
+
+
+def _finished_tail(tails: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[None]], None]:
+    def done(task: asyncio.Task[None]) -> None:
+        tails.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("a sample batch's tail failed", exc_info=task.exception())
+
+    return done
+
+
+class DispatchPipeline:
+    """One dispatch at a time: its evictions, then each call — numbered and recovered
+    (`NumberedCalls`), run (`CallRunner`), recorded (`ResultRecorder`) — then its
+    prefetches. Consecutive sample calls run co-batched and may leave their tail running
+    in the background (`TailRelease`, `Preemption`)."""
+
+    def __init__(
+        self,
+        states: StateManager,
+        runner: CallRunner,
+        recorder: ResultRecorder,
+        heartbeat: Heartbeat,
+        numbered: NumberedCalls,
+        tail: TailRelease,
+        preemption: Preemption | None = None,
+        intake: PollIntake | None = None,
+        leader: LeaderFence | None = None,
+    ) -> None:
+        """`intake`: reads a poll's recorded completions ahead and settles its
+        completions after its last dispatch (None: each dispatch reads and settles its
+        own); `leader`: skips a deposed scheduler's dispatches."""
+        self._intake = intake
+        self._leader = leader
+        self._preemption = preemption or Preemption()
+        self._states = states
+        self._runner = runner
+        self._recorder = recorder
+        self._heartbeat = heartbeat
+        self._numbered = numbered
+        self._tail = tail
+        self.calls = 0
+        self.tails: set[asyncio.Task[None]] = set()
+        """Sample batches left to finish their tails in the background."""
+
+    async def __call__(self, dispatch: Dispatch, delivery: Delivery) -> None:
+        if direct.lease_of(dispatch.dispatch_id) is not None:
+            failpoint("worker.direct_received")
+        if self._leader is not None and await self._leader.deposed(dispatch):
+            return
+        self._heartbeat.busy = True
+        # A batch preempted for this dispatch stays paused until it lets go (below).
+        claimed = self._preemption.claim() if dispatch.calls else None
+        try:
+            for move in dispatch.evict:
+                await self._states.move(move.job_id, move.to_tier)
+            lease = dispatch.lease
+            # A dispatch's numbered calls are of one job (its lease's): its ledger head is
+            # read once, beside the replays' records (one Redis round trip's wait).
+            recorded = self._intake.recorded if self._intake else self._recorder.recorded
+            turn, replayed = await asyncio.gather(
+                self._numbered.open(dispatch.calls[0].job_id, lease.epoch)
+                if lease is not None and dispatch.calls
+                else _none(),
+                recorded(dispatch.calls),
+            )
+            if lease is not None and dispatch.calls and turn is None:
+                return  # re-homed since it was issued: the new home answers its calls
+            seqs = [
+                lease.seqs[i] if lease is not None and i < len(lease.seqs) else 0
+                for i in range(len(dispatch.calls))
+            ]
+            groups = _groups(dispatch, seqs, replayed)
+            for n, (group, cobatched) in enumerate(groups):
+                # Only the last group may leave its tail running: calls after it would
+                # otherwise overtake it.
+                releasable = cobatched and n == len(groups) - 1
+                await self._run_group(
+                    dispatch, delivery, group, cobatched, releasable, seqs, replayed, turn
+                )
+            # Every completion of the dispatch is in Kafka before its offset is committed
+            # (with an intake, once the poll's last dispatch ran).
+            if self._intake is None:
+                await self._recorder.settle()
+            for move in dispatch.prefetch:
+                await self._states.move(move.job_id, move.to_tier)
+        finally:
+            self._heartbeat.busy = False
+            if claimed is not None:
+                await self._preemption.open(claimed)
+
+    async def _run_group(
+        self,
+        dispatch: Dispatch,
+        delivery: Delivery,
+        group: list[int],
+        cobatched: bool,
+        releasable: bool,
+        seqs: list[int],
+        replayed: dict[str, PhaseCompletion],
+        turn: Turn | None,
+    ) -> None:
+        """Run calls `group` of the dispatch: one call, or sample calls co-batched (and
+        with `releasable`, left to finish in the background once down to their tail)."""
+        with contextlib.ExitStack() as spans:
+            for i in group:
+                request = dispatch.calls[i]
+                # One dispatch batches calls of several API calls: each call's own
+                # trace rides in the message, the Kafka header has only the first's.
+                parent = (
+                    tracing.context_of_traceparent(dispatch.traceparents[i])
+                    if i < len(dispatch.traceparents)
+                    else delivery.context
+                )
+                spans.enter_context(
+                    _tracer.start_as_current_span(
+                        f"worker.{request.function}",
+                        context=parent,
+                        kind=trace.SpanKind.CONSUMER,
+                        attributes={
+                            "plexrl.request_id": request.request_id,
+                            "plexrl.job_id": request.job_id,
+                            "plexrl.co_batched": len(group),
+                        },
+                    )
+                )
+            last_i = len(dispatch.calls) - 1
+            if cobatched:
+                metrics.SAMPLE_BATCH_CALLS.observe(len(group))
+                # Sample calls join a preempted batch rather than wait for it.
+                await self._preemption.open()
+                await self._run_samples(dispatch, group, releasable)
+                return
+            i = group[0]
+            request = dispatch.calls[i]
+            if turn is not None and seqs[i] > 0:  # exactly once by the job's ledger
+                await self._numbered.run(turn, request, seqs[i], dispatch.dispatch_id, i == last_i)
+                self.calls += 1
+                return
+            done = replayed.get(request.request_id)
+            if done is not None:  # a replay: answer with the recorded result
+                await self._recorder.publish(done)
+                metrics.REPLAYED_CALLS.inc()
+                return
+            await self._record(dispatch, i, await self._runner.run(request), i == last_i)
+
+    async def _run_samples(self, dispatch: Dispatch, group: list[int], releasable: bool) -> None:
+        """Run a co-batched group and record its calls. When it is releasable, return as
+        soon as the batch is down to its tail (with the tail release on) or the scheduler
+        preempts it (announced on the events topic) and let it finish in the background:
+        the consumer takes the next dispatch, whose calls run beside it (a preempted
+        batch pauses meanwhile, `Preemption`)."""
+        released = asyncio.Event()
+        preemption = self._preemption
+        asked = preemption.yieldable(dispatch.dispatch_id) if releasable else None
+
+        async def on_tail(running: list[int], remaining: int, total: int) -> None:
+            calls = [dispatch.calls[group[k]] for k in running]
+            preempted = asked is not None and asked.is_set()
+            preemption.finished(dispatch.dispatch_id)
+            if preempted:
+                await preemption.hold()
+                metrics.PREEMPTED_BATCHES.inc()
+            await self._tail.announce(
+                TailReleased(
+                    worker_id=dispatch.worker_id,
+                    dispatch_id=dispatch.dispatch_id,
+                    request_ids=[c.request_id for c in calls],
+                    job_ids=sorted({c.job_id for c in calls}),
+                    remaining=remaining,
+                    total=total,
+                    at=time.time(),
+                    reason=ReleaseReason.PREEMPT if preempted else ReleaseReason.TAIL,
+                )
+            )
+            if not preempted:
+                metrics.TAIL_RELEASES.inc()
+            released.set()
+
+        last_i = len(dispatch.calls) - 1
+        recorded: set[int] = set()
+
+        async def record(k: int, ran: Ran) -> None:
+            recorded.add(k)
+            if ran.tail_released_at is not None and asked is not None and asked.is_set():
+                ran = dataclasses.replace(ran, preempted=True)
+            await self._record(dispatch, group[k], ran, group[k] == last_i)
+
+        async def run_and_record() -> None:
+            try:
+                rans = await self._runner.run_samples(
+                    [dispatch.calls[i] for i in group],
+                    tail_threshold=self._tail.threshold,
+                    on_tail=on_tail if releasable else None,
+                    on_done=record,
+                    release=asked,
+                    gate=preemption.wait_open,
+                    paused_s=preemption.paused_seconds,
+                )
+            finally:
+                preemption.finished(dispatch.dispatch_id)
+            for k, ran in enumerate(rans):  # those that failed before running
+                if k not in recorded:
+                    await record(k, ran)
+            await self._recorder.settle()  # a tail left running settles its own
+
+        task = asyncio.create_task(run_and_record())
+        waiter = asyncio.create_task(released.wait())
+        await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if task.done():
+            task.result()
+            return
+        self.tails.add(task)
+        task.add_done_callback(_finished_tail(self.tails))
+
+    async def _record(self, dispatch: Dispatch, i: int, ran: Ran, last: bool) -> None:
+        # Retried in place while Redis is away: the call ran, only its record is
+        # missing, and running it again would apply it twice.
+        await retrying(
+            functools.partial(
+                self._recorder.record, dispatch.calls[i], ran, dispatch.dispatch_id, last
+            ),
+            what=f"recording {dispatch.calls[i].request_id}",
+        )
+        self.calls += 1
+
+
+async def _none() -> None:
+    return None
+
+
+def _groups(
+    dispatch: Dispatch, seqs: list[int], replayed: dict[str, PhaseCompletion]
+) -> list[tuple[list[int], bool]]:
+    """The dispatch's calls in order, in groups: each run of consecutive sample calls that
+    are neither numbered nor replays is one co-batched group (flag True); every other
+    call is a group of its own."""
+    groups: list[tuple[list[int], bool]] = []
+    for i, request in enumerate(dispatch.calls):
+        joinable = (
+            request.function == Function.SAMPLE
+            and seqs[i] == 0
+            and request.request_id not in replayed
+        )
+        if joinable and groups and groups[-1][1]:
+            groups[-1][0].append(i)
+        else:
+            groups.append(([i], joinable))
+    return groups

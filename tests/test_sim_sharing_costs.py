@@ -1,0 +1,72 @@
+"""The costs of sharing a group, as the executor charges them and the policy predicts
+them: one definition (`plexrl.policy.costs.SharingCosts`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from plexrl_sim.multiplexed import MultiplexedSim
+from plexrl_sim.run import policy_config, prepare, run_deployment
+from tests.sim_fixtures import two_jobs_one_worker, write_workload
+
+
+def _tail_beside_runs(mode: str) -> dict:
+    # A samples 2 s, then its stragglers decode 4 s alone (10% of the worker) in the
+    # background; B (no stragglers) samples 1 s and trains 2 s beside them.
+    doc = two_jobs_one_worker()
+    doc["cluster"] = {"colocation": {"switch_s": 0.0, "contention_while": mode}}
+    doc["profiles"]["p"].update(
+        rollout={"sample_s": 2.0, "tail_s": 4.0, "tail_util": 0.1, "tail_threshold": 0.25},
+        reward_s=1.0,
+    )
+    doc["profiles"]["q"] = {
+        **doc["profiles"]["p"],
+        "rollout": {"sample_s": 1.0},
+        "reward_s": 0.0,
+        "train_s": 2.0,
+    }
+    doc["jobs"][1]["profile"] = "q"
+    for job in doc["jobs"]:
+        job["steps"] = 1
+    return doc
+
+
+def test_a_tail_slows_only_while_a_run_is_in_flight_beside_it(tmp_path):
+    # A's tail starts at 2. B samples [2, 3.33] (1 s of work at 75% of the worker: A's
+    # stragglers hold 25% beside it) and trains [3.33, 6]; meanwhile A's tail decodes at
+    # 1 / 1.25 of its speed: 4 s of it minus 3.2 s done by 6, the last 0.8 s alone
+    # [6, 6.8]. A's reward [6.8, 7.8], its training [7.8, 8.8].
+    setup = prepare(write_workload(tmp_path, _tail_beside_runs("run")))
+    result = run_deployment(setup, "fifo")
+    a, b = (next(j for j in result.jobs if j.job_id == x) for x in ("A", "B"))
+    assert (a.finish_s, b.finish_s) == pytest.approx((8.8, 6.0))
+    # A is charged its calls (3 s) and its tail: 10% of the worker for its 0.8 s alone,
+    # 25% for the 4 s beside B's Runs.
+    assert a.used_device_s == pytest.approx(3.0 + 0.1 * 0.8 + 0.25 * 4.0)
+
+
+def test_shared_scope_charges_the_whole_tail_whenever_another_job_is_homed(tmp_path):
+    # The pessimistic bound: 4 s x 1.25 = 5 s whatever runs, at 25% of the worker.
+    setup = prepare(write_workload(tmp_path, _tail_beside_runs("shared")))
+    result = run_deployment(setup, "fifo")
+    a = next(j for j in result.jobs if j.job_id == "A")
+    assert a.finish_s == pytest.approx(9.0)
+    assert a.used_device_s == pytest.approx(3.0 + 0.25 * 5.0)
+
+
+def test_the_policy_predicts_with_the_costs_the_executor_charges(tmp_path):
+    doc = two_jobs_one_worker()
+    doc["cluster"] = {"colocation": {"switch_s": 2.5, "tail_contention": 1.5}}
+    setup = prepare(write_workload(tmp_path, doc))
+    sim = MultiplexedSim(
+        setup.factory, setup.jobs, setup.groups, policy_config(setup, "plexrl", {}), setup.gpus
+    )
+    assert sim.config.sharing is sim.executor.costs
+    assert (sim.config.sharing.switch_s, sim.config.sharing.tail_contention) == (2.5, 1.5)
+
+
+def test_a_bad_cost_says_what_to_change(tmp_path):
+    doc = two_jobs_one_worker()
+    doc["cluster"] = {"colocation": {"contention_while": "always"}}
+    with pytest.raises(ValueError, match=r"cluster\.colocation: contention_while"):
+        prepare(write_workload(tmp_path, doc))
