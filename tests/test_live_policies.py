@@ -46,8 +46,9 @@ def run_jobs(cluster: LocalCluster, policy: str) -> list[list[float]]:
         },
     )
     if policy == "fifo":
-        # A job no worker can ever hold is refused with what to change, not an OOM.
-        with pytest.raises(tinker.RequestFailedError, match="PLEXRL_WORKER_DEVICE_BYTES"):
+        # A job no worker can ever hold is refused at once (a 400 at create_model) with
+        # what to change, not an OOM.
+        with pytest.raises(tinker.BadRequestError, match="PLEXRL_WORKER_DEVICE_BYTES"):
             service.create_lora_training_client(base_model="plexrl/tiny-qwen3", rank=64).result()
     losses: list[list[float]] = [[] for _ in clients]
     for _ in range(3):
