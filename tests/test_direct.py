@@ -18,6 +18,7 @@ from msgspec.structs import replace
 
 from plexrl import direct
 from plexrl.direct import DirectLeases, Granted, Route
+from plexrl.lease import Fence
 from plexrl.ledger import Ledger
 from plexrl.messages import (
     AdamParams,
@@ -243,6 +244,23 @@ async def test_renewal_extends_the_lease_and_forgets_the_answered_calls(
         assert await leases.renew({JOB: granted.lease_id}, 0.3) == {JOB: True}
     calls = await stores.keys.redis.hkeys(leases.calls_key(JOB))
     assert calls == [second.encode()]
+
+
+async def test_a_deposed_scheduler_neither_grants_nor_renews(
+    ledger: Ledger, leases: DirectLeases, stores: Stores, cluster_id: str
+) -> None:
+    token_key = f"{cluster_id}:lease:scheduler:token"
+    await stores.keys.redis.set(token_key, 1)
+    first_term = DirectLeases(stores.keys.redis, cluster_id, Fence(token_key, 1))
+    epoch = await ledger.bump_epoch(JOB, WORKER)
+    granted = await first_term.grant(JOB, WORKER, epoch, 30.0)
+    assert isinstance(granted, Granted)
+    await stores.keys.redis.set(token_key, 2)  # a newer term began
+    assert await first_term.renew({JOB: granted.lease_id}, 30.0) == {JOB: False}
+    await leases.revoke(JOB)
+    assert await first_term.grant(JOB, WORKER, epoch, 30.0) == "fenced"
+    second_term = DirectLeases(stores.keys.redis, cluster_id, Fence(token_key, 2))
+    assert isinstance(await second_term.grant(JOB, WORKER, epoch, 30.0), Granted)
 
 
 # The scheduler's part ----------------------------------------------------------------

@@ -48,6 +48,7 @@ from typing import Any
 import msgspec
 import redis.asyncio as aioredis
 
+from plexrl.lease import FENCE_CHECK, Fence
 from plexrl.messages import Function, PhaseRequest, decode
 
 LEASED = frozenset(
@@ -153,9 +154,13 @@ local function wait(numbered)
 end
 """
 
-# KEYS: ledger head, direct. ARGV: worker, epoch, ttl ms.
-# Returns {lease id, until ms} or {0, why}.
-_GRANT = """
+# KEYS: ledger head, direct, the scheduler lease's token key. ARGV: worker, epoch, ttl
+# ms, the granting scheduler's token ('' for none). Returns {lease id, until ms} or
+# {0, why}; a deposed scheduler grants nothing.
+_GRANT = (
+    FENCE_CHECK
+    + """
+if fenced_by(KEYS[3], ARGV[4]) then return {0, 'fenced'} end
 local h = redis.call('HMGET', KEYS[1], 'epoch', 'owner', 'next', 'applied', 'waiting')
 if tonumber(h[1] or '0') ~= tonumber(ARGV[2]) or (h[2] or '') ~= ARGV[1] then
   return {0, 'epoch'}
@@ -171,6 +176,7 @@ redis.call('HSET', KEYS[2], 'on', '1', 'worker', ARGV[1], 'epoch', ARGV[2],
   'until', until_ms, 'high', h[3] or '0')
 return {id, until_ms}
 """
+)
 
 # Trims the calls whose completion is recorded (KEYS calls; ARGV[n] the done-key prefix).
 _TRIM = """
@@ -187,11 +193,14 @@ local function trim(calls, prefix)
 end
 """
 
-# KEYS: direct, calls. ARGV: lease id, ttl ms, done-key prefix. Returns 1 if it still
-# holds (until moved on), 0 if it lapsed, was revoked or ended by a waiting call.
+# KEYS: direct, calls, the scheduler lease's token key. ARGV: lease id, ttl ms, done-key
+# prefix, the renewing scheduler's token. Returns 1 if it still holds (until moved on),
+# 0 if it lapsed, was revoked or ended by a waiting call, or its renewer was deposed.
 _RENEW = (
     _TRIM
+    + FENCE_CHECK
     + """
+if fenced_by(KEYS[3], ARGV[4]) then return 0 end
 local l = redis.call('HMGET', KEYS[1], 'on', 'id', 'until')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -242,9 +251,13 @@ class DirectLeases:
     """The Redis side of direct leases (the scheduler's; gateways only read them, in
     their acceptance script)."""
 
-    def __init__(self, redis: aioredis.Redis, cluster_id: str) -> None:
+    def __init__(self, redis: aioredis.Redis, cluster_id: str, fence: Fence | None = None) -> None:
+        """`fence`: the leading scheduler's term; once a newer term began, this one's
+        grants and renewals are refused (its revocations stand: they only end a lease)."""
         self._redis = redis
         self._p = cluster_id
+        self._fence_key = fence.token_key if fence else f"{cluster_id}:unfenced"
+        self._fence_arg = fence.arg if fence else ""
         self._grant = redis.register_script(_GRANT)
         self._renew = redis.register_script(_RENEW)
         self._revoke = redis.register_script(_REVOKE)
@@ -264,10 +277,11 @@ class DirectLeases:
     async def grant(self, job_id: str, worker_id: str, epoch: int, ttl_s: float) -> Granted | str:
         """A lease on `job_id` for its home `worker_id` under `epoch`; or why not: the
         epoch moved on (`epoch`), numbered calls have not all applied (`unapplied`), a
-        sequenced call waits unnumbered (`waiting`), a lease stands (`held`)."""
+        sequenced call waits unnumbered (`waiting`), a lease stands (`held`), this
+        scheduler was deposed (`fenced`)."""
         reply: Any = await self._grant(
-            keys=[f"{self._p}:ledger:{job_id}", self.key(job_id)],
-            args=[worker_id, epoch, max(1, round(ttl_s * 1000))],
+            keys=[f"{self._p}:ledger:{job_id}", self.key(job_id), self._fence_key],
+            args=[worker_id, epoch, max(1, round(ttl_s * 1000)), self._fence_arg],
         )
         if int(reply[0]) == 0:
             return _text(reply[1])
@@ -282,8 +296,8 @@ class DirectLeases:
         async with self._redis.pipeline(transaction=False) as pipe:
             for job_id, lease_id in leases.items():
                 await self._renew(
-                    keys=[self.key(job_id), self.calls_key(job_id)],
-                    args=[lease_id, ttl_ms, self._done_prefix],
+                    keys=[self.key(job_id), self.calls_key(job_id), self._fence_key],
+                    args=[lease_id, ttl_ms, self._done_prefix, self._fence_arg],
                     client=pipe,
                 )
             replies = await pipe.execute()

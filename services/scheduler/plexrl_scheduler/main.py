@@ -122,7 +122,7 @@ async def lead(
     )
     direct = DirectPath(
         state,
-        DirectLeases(stores.keys.redis, settings.cluster_id),
+        DirectLeases(stores.keys.redis, settings.cluster_id, fence),
         DirectConfig(ttl_s=settings.direct_lease_s, grace_s=settings.lease_grace_s),
     )
     await direct.restore(list(state.jobs))  # leases this scheduler knows nothing of

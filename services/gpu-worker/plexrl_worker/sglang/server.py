@@ -92,6 +92,9 @@ class SGLangServerConfig:
     on a busy 2-core machine)."""
     log_path: Path | None = None
     """Where the child's stdout and stderr go; None discards them."""
+    sleep_on_idle: bool = True
+    """`--sleep-on-idle`: the server's scheduler waits on its sockets when it has nothing
+    to do, instead of polling them in a loop (which holds a whole CPU core)."""
     extra_args: tuple[str, ...] = ()
     """More `sglang serve` flags, appended last."""
 
@@ -110,6 +113,8 @@ class SGLangServerConfig:
             self.device,
             "--skip-server-warmup",
         ]
+        if self.sleep_on_idle:
+            cmd += ["--sleep-on-idle"]
         if self.device == "cpu":
             cmd += ["--attention-backend", "torch_native", "--disable-cuda-graph"]
         if self.max_lora_rank > 0:
