@@ -2,7 +2,7 @@
 
 One local cluster (two workers) on a Kafka broker and a Redis of its own (the shared
 pair is never touched), one undisturbed run of the fixed workload of
-`plexrl.faults` as the reference, then, per process kind, N runs of it with one
+`plexrl_tools.faults` as the reference, then, per process kind, N runs of it with one
 process killed (SIGKILL) at a random moment and restarted with the same id (the broker
 and Redis on the same data). Two more kinds are not kills:
 
@@ -24,9 +24,9 @@ duration — the stall a job saw. Ends with one JSON line.
     .venv/bin/python bench/chaos.py --injections 3 \
         --kinds worker,scheduler,gateway,state-store,broker,redis,hung-worker,store-outage-delete
 
-With `--hosts` (root) it runs on the host bed instead (plexrl.hostbed: six network
+With `--hosts` (root) it runs on the host bed instead (plexrl_tools.hostbed: six network
 namespaces, three Kafka brokers, Redis with Sentinels, SeaweedFS, two of every service)
-and injects host and link faults (plexrl.host_faults: a worker's host cut off, the
+and injects host and link faults (plexrl_tools.host_faults: a worker's host cut off, the
 leading scheduler's host cut off, a lossy slow link for `--lossy-s`, a broker's host
 killed, the Redis primary's host killed) `--injections` times each, in a random order at
 random points of the run; per kind it reports the stall and the failover time. Before
@@ -56,10 +56,10 @@ from typing import Any
 
 import tinker
 
-from plexrl.cluster import ClusterConfig, LocalCluster
-from plexrl.faults import JobOutcome, Workload, compare, run_workload
 from plexrl.models import init_tiny
-from plexrl.private_infra import Part, PrivateInfra
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
+from plexrl_tools.faults import JobOutcome, Workload, compare, run_workload
+from plexrl_tools.private_infra import Part, PrivateInfra
 
 KEY, TENANT = "tml-chaos", "chaos"
 MAIN_KEY = "tml-main"
@@ -217,10 +217,10 @@ def main_job(args: argparse.Namespace, gateway_url: str, which: int) -> dict[str
 
 def main_hosts(args: argparse.Namespace, rng: random.Random, seed: int) -> dict[str, Any]:
     """The host bed: the main job on one host and across hosts, then the host faults."""
-    from plexrl.faults import StoreCheckpoints
-    from plexrl.host_faults import KINDS as HOST_KINDS
-    from plexrl.host_faults import FaultConfig, HostFaults
-    from plexrl.hostbed import HostBed
+    from plexrl_tools.faults import StoreCheckpoints
+    from plexrl_tools.host_faults import KINDS as HOST_KINDS
+    from plexrl_tools.host_faults import FaultConfig, HostFaults
+    from plexrl_tools.hostbed import HostBed
 
     sys.path.insert(0, str(ROOT / "examples"))
     from rlvr_demo import ensure_model

@@ -37,7 +37,7 @@ from typing import Any
 
 import httpx
 
-from plexrl.cluster import ClusterConfig, LocalCluster
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
 
 KEY = "tml-bench"
 IDLE_S = 1.5

@@ -45,7 +45,7 @@ from plexrl.messages import (  # noqa: E402
     TensorArray,
 )
 from plexrl.models import ModelRegistry, init_tiny  # noqa: E402
-from plexrl.pretrain import WARM_STEPS, pretrain  # noqa: E402
+from plexrl_tools.pretrain import WARM_STEPS, pretrain  # noqa: E402
 from plexrl_worker.engine import EngineConfig, TorchEngine  # noqa: E402
 from plexrl_worker.engine.arrays import to_tensor  # noqa: E402
 

@@ -47,8 +47,8 @@ import httpx
 import tinker
 from tinker import types
 
-from plexrl.cluster import ClusterConfig, LocalCluster
 from plexrl.models import init_tiny
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
 
 LIGHT_KEY, HEAVY_KEY, BASE = "tml-fair-light", "tml-fair-heavy", "plexrl/tiny-qwen3"
 ADAM = types.AdamParams(learning_rate=1e-3)

@@ -40,9 +40,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 import torch.distributed as dist
 
-from plexrl.cluster import free_port
 from plexrl.messages import SampleInput, SamplingParams
 from plexrl.models import ModelRegistry, TinyShape, init_tiny
+from plexrl_tools.cluster import free_port
 from plexrl_worker.engine import EngineConfig
 from plexrl_worker.engine_thread import EngineThread
 from plexrl_worker.group import GroupConfig, start_group

@@ -28,12 +28,12 @@ import httpx
 import tinker
 from tinker import types
 
-from plexrl.cluster import ClusterConfig, LocalCluster
 from plexrl.kafka import Publisher
 from plexrl.messages import Dispatch, StateMove, Tier
 from plexrl.models import init_tiny
 from plexrl.stores import Stores
 from plexrl.topics import Topics
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
 
 KEY = "tml-jaeger"
 KAFKA = os.environ.get("PLEXRL_KAFKA_BOOTSTRAP", "127.0.0.1:9092")

@@ -3,7 +3,7 @@
     .venv/bin/python bench/load.py [--jobs 8] [--calls 100] [--clients 16]
         [--gateways 1,2] [--workers 1] [--previous REV] [--rounds 2]
 
-Starts a Kafka broker and a Redis of its own (`plexrl.private_infra`: their CPU is this
+Starts a Kafka broker and a Redis of its own (`plexrl_tools.private_infra`: their CPU is this
 run's alone) and a local cluster with `max(--gateways)` gateways and `--workers`
 workers. Each job is a tenant's echo job (`POST /plexrl/v1/echo`: a NOOP through
 gateway → Kafka → scheduler or, under a direct lease, straight → worker → gateway; the
@@ -45,8 +45,8 @@ from typing import Any
 import httpx
 from control_plane import SOURCE_DIRS, cpu_s, percentile, service_pids, worktree
 
-from plexrl.cluster import ClusterConfig, LocalCluster
-from plexrl.private_infra import PrivateInfra
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
+from plexrl_tools.private_infra import PrivateInfra
 
 IDLE_S = 1.5
 """Before each measured phase: how long every process's idle CPU rate is measured."""

@@ -231,8 +231,8 @@ def main() -> None:
     for need, how in ((PEER_PYTHON, "scripts/peer.sh"), (SDK, "scripts/sdk_matrix.sh")):
         if not need.exists():
             raise SystemExit(f"{need} is missing; run {how} first")
-    from plexrl.cluster import ClusterConfig, LocalCluster
     from plexrl.models import init_tiny
+    from plexrl_tools.cluster import ClusterConfig, LocalCluster
 
     ks = [int(k) for k in args.jobs.split(",")]
     figures: dict[str, dict[int, dict[str, Any]]] = {"plexrl": {}, "peer": {}}

@@ -45,7 +45,7 @@ import numpy as np  # noqa: E402
 import tinker  # noqa: E402
 from tinker import types  # noqa: E402
 
-from plexrl.cluster import ClusterConfig, LocalCluster  # noqa: E402
+from plexrl_tools.cluster import ClusterConfig, LocalCluster  # noqa: E402
 from tests import cookbook_data  # noqa: E402
 from tests.sdk_support import (  # noqa: E402
     COOKBOOK,

@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))  # tests.sdk_support
 
 import httpx  # noqa: E402
 
-from plexrl.cluster import ClusterConfig, LocalCluster  # noqa: E402
 from plexrl.models import init_tiny  # noqa: E402
 from plexrl_gateway.sdk import sdk_version  # noqa: E402
+from plexrl_tools.cluster import ClusterConfig, LocalCluster  # noqa: E402
 from tests.sdk_support import (  # noqa: E402
     SDK_DIR,
     installed,

@@ -38,7 +38,7 @@ def run(args: list[str], out: Path, compiled: bool) -> tuple[float, dict[str, An
     env = {**os.environ, native.ENV: "1" if compiled else "0"}
     before = children_cpu()
     done = subprocess.run(
-        [sys.executable, "-m", "plexrl.cli", "sim", *args, "--out", str(out), "--no-charts"],
+        [sys.executable, "-m", "plexrl_tools.cli", "sim", *args, "--out", str(out), "--no-charts"],
         env=env,
         capture_output=True,
         text=True,

@@ -41,9 +41,9 @@ import redis
 import tinker
 from tinker import types
 
-from plexrl.cluster import ClusterConfig, LocalCluster
-from plexrl.faults import batch
 from plexrl.models import init_tiny
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
+from plexrl_tools.faults import batch
 
 KEY, TENANT, BASE = "tml-soak", "soak", "plexrl/tiny-qwen3"
 

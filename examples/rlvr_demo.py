@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rlvr import CLEAR_GAIN, SOLVED, JobResult, RlvrConfig, RlvrJob, learned
 
-from plexrl.cluster import ClusterConfig, LocalCluster
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
 
 ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "tml-demo"
@@ -39,7 +39,7 @@ def ensure_model(registry: Path) -> Path:
     """The warmed tiny base model, built once (a minute on 2 cores)."""
     from plexrl import hf_cache
     from plexrl.models import init_tiny
-    from plexrl.pretrain import COPY_MAX, WARM_STEPS, pretrain
+    from plexrl_tools.pretrain import COPY_MAX, WARM_STEPS, pretrain
 
     path = registry / "tiny-qwen3"
     done = path / ".warmed"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The host bed: a PlexRL cluster over several hosts, each a network namespace on a bridge
-# with its own address (plexrl.hostbed, plexrl.hostnet; docs/deploy.md, "The host bed").
+# with its own address (plexrl_tools.hostbed, plexrl_tools.hostnet; docs/deploy.md, "The host bed").
 #
 #   scripts/hosts.sh up       build the hosts, start Kafka (3 brokers), Redis (primary,
 #                             replica, 3 Sentinels), SeaweedFS and the services; print where
@@ -38,12 +38,12 @@ case ${1:-} in
   up)
     need_root
     prepare
-    exec .venv/bin/python -m plexrl.hostbed up "${@:2}"
+    exec .venv/bin/python -m plexrl_tools.hostbed up "${@:2}"
     ;;
-  status) exec .venv/bin/python -m plexrl.hostbed status ;;
+  status) exec .venv/bin/python -m plexrl_tools.hostbed status ;;
   down)
     need_root
-    exec .venv/bin/python -m plexrl.hostbed down
+    exec .venv/bin/python -m plexrl_tools.hostbed down
     ;;
   *) die "usage: scripts/hosts.sh up|status|down|prepare   (see docs/deploy.md)" ;;
 esac

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import pytest
 import pytest_asyncio
 
-from plexrl.cluster import ClusterConfig, LocalCluster
-from plexrl.cluster import free_port as free_port  # re-exported to the tests
 from plexrl.models import PLEXRL_JSON
 from plexrl.service_auth import new_token
 from plexrl.stores import Stores
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
+from plexrl_tools.cluster import free_port as free_port  # re-exported to the tests
 
 if TYPE_CHECKING:
-    from plexrl.private_infra import SeaweedFs
+    from plexrl_tools.private_infra import SeaweedFs
     from plexrl_worker.sglang import SGLangSampler
 
 # No model hub is reachable: every Hugging Face lookup must stay local (read at import).
@@ -239,7 +239,7 @@ def shared_cluster(shared_services: LocalCluster) -> ClusterConfig:
 def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFs]:
     """SeaweedFS with its S3 gateway on loopback, for the object-store disk tier (the
     binary scripts/seaweedfs.sh builds; skipped without it, except under CI=true)."""
-    from plexrl.private_infra import SeaweedFs, seaweedfs_binary
+    from plexrl_tools.private_infra import SeaweedFs, seaweedfs_binary
 
     binary = seaweedfs_binary()
     if binary is None:

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plexrl import tracing
-from plexrl.cluster import free_port as free_port  # re-exported to the tests
 from plexrl.messages import (
     CompletionStatus,
     CreateOutput,
@@ -42,6 +41,7 @@ from plexrl.messages import (
 )
 from plexrl.payloads import resolve
 from plexrl.stores import CheckpointRecord, Stores
+from plexrl_tools.cluster import free_port as free_port  # re-exported to the tests
 
 TINY_MODEL = "plexrl/tiny-qwen3"
 """The name conftest's `tiny_registry` model answers to."""

@@ -17,9 +17,9 @@ from transformers import AutoTokenizer
 from typer.testing import CliRunner
 
 from plexrl import hf_cache
-from plexrl.cli import app
-from plexrl.cluster import ClusterConfig
 from plexrl.models import PLEXRL_JSON, ModelRegistry, UnknownModelError, init_tiny
+from plexrl_tools.cli import app
+from plexrl_tools.cluster import ClusterConfig
 from tests.conftest import SHARED_ALIASES
 
 CANONICAL = "plexrl/tiny-qwen3"

@@ -18,7 +18,7 @@ import redis
 import tinker
 from tinker import types
 
-from plexrl.cluster import LocalCluster
+from plexrl_tools.cluster import LocalCluster
 from plexrl_worker.runner import key_part
 
 pytestmark = pytest.mark.integration

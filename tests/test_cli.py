@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from plexrl.cli import app
 from plexrl.models import ModelRegistry
+from plexrl_tools.cli import app
 
 runner = CliRunner()
 

@@ -23,16 +23,6 @@ from gateway_support import FakePublisher, drop_cluster_keys, free_port, unique_
 from rich.console import Console
 from typer.testing import CliRunner
 
-from plexrl.cli import app
-from plexrl.cli_status import (
-    Snapshot,
-    gantt,
-    human_bytes,
-    human_duration,
-    jobs_table,
-    parse_duration,
-    totals,
-)
 from plexrl.dead_letters import DeadLetters
 from plexrl.health import HttpServer
 from plexrl.messages import (
@@ -48,6 +38,16 @@ from plexrl.settings import GatewaySettings
 from plexrl.stores import Residency, Stores, TimelineEntry
 from plexrl_gateway.app import build_app
 from plexrl_gateway.components import Gateway
+from plexrl_tools.cli import app
+from plexrl_tools.cli_status import (
+    Snapshot,
+    gantt,
+    human_bytes,
+    human_duration,
+    jobs_table,
+    parse_duration,
+    totals,
+)
 
 KEY = "tml-alice"
 runner = CliRunner()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-from plexrl.cluster import ClusterConfig, free_ports
+from plexrl_tools.cluster import ClusterConfig, free_ports
 
 
 def test_free_ports_are_distinct_and_bindable() -> None:

@@ -169,7 +169,7 @@ def test_plexrl_model_cache_makes_a_copied_registry_resolvable_on_the_host(
     from typer.testing import CliRunner
 
     from plexrl import hf_cache
-    from plexrl.cli import app
+    from plexrl_tools.cli import app
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     assert not hf_cache.is_registered("plexrl/tiny-qwen3")

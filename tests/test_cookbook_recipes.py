@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from plexrl.cluster import ClusterConfig, LocalCluster
 from plexrl.models import init_tiny
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
 from tests.sdk_support import (
     COOKBOOK,
     GUESS_NUMBER_ARGS,

@@ -22,11 +22,11 @@ import tinker
 from gateway_support import FakePublisher, drop_cluster_keys, unique_cluster
 from tinker import types
 
-from plexrl.cluster import ClusterConfig, LocalCluster
 from plexrl.settings import GatewaySettings
 from plexrl.stores import Stores, TimelineEntry
 from plexrl_gateway.app import build_app
 from plexrl_gateway.components import Gateway
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
 from tests.conftest import ROOT
 
 KEY = "tml-dash"

@@ -12,8 +12,8 @@ import pytest
 import tinker
 from tinker import types
 
-from plexrl.cluster import LocalCluster
 from plexrl.settings import WorkerSettings
+from plexrl_tools.cluster import LocalCluster
 
 pytestmark = pytest.mark.integration
 

@@ -37,7 +37,7 @@ from safetensors.torch import load_file
 from tinker import types
 from transformers import AutoModelForCausalLM
 
-from plexrl.cluster import LocalCluster
+from plexrl_tools.cluster import LocalCluster
 from tests.sdk_support import COOKBOOK, side_install
 
 pytestmark = pytest.mark.integration

@@ -27,11 +27,11 @@ from peft import PeftModel
 from tinker import types
 from transformers import AutoModelForCausalLM
 
-from plexrl.cluster import LocalCluster
 from plexrl.messages import decode
 from plexrl.settings import GatewaySettings
 from plexrl.stores import CheckpointRecord
 from plexrl_gateway.signing import UrlSigner, signing_secret
+from plexrl_tools.cluster import LocalCluster
 
 pytestmark = pytest.mark.integration
 

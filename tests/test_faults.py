@@ -31,9 +31,12 @@ import tinker
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 
-from plexrl.cluster import ClusterConfig, LocalCluster
 from plexrl.failpoints import arm, armed
-from plexrl.faults import (
+from plexrl.kafka import Publisher
+from plexrl.messages import CompletionStatus, PhaseCompletion, decode
+from plexrl.topics import Topics
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
+from plexrl_tools.faults import (
     JobOutcome,
     Workload,
     checkpoint_sha256,
@@ -41,10 +44,7 @@ from plexrl.faults import (
     run_job,
     run_workload,
 )
-from plexrl.kafka import Publisher
-from plexrl.messages import CompletionStatus, PhaseCompletion, decode
-from plexrl.private_infra import PrivateInfra
-from plexrl.topics import Topics
+from plexrl_tools.private_infra import PrivateInfra
 
 pytestmark = pytest.mark.integration
 

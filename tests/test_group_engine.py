@@ -28,7 +28,6 @@ from typing import Any
 import pytest
 import torch
 
-from plexrl.cluster import free_port
 from plexrl.messages import (
     AdamParams,
     Datum,
@@ -44,6 +43,7 @@ from plexrl.messages import (
     SamplingParams,
 )
 from plexrl.models import ModelRegistry
+from plexrl_tools.cluster import free_port
 from plexrl_worker import stored
 from plexrl_worker.engine import EngineConfig, TorchEngine
 from plexrl_worker.engine.arrays import to_array, to_tensor

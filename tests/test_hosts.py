@@ -1,5 +1,5 @@
 """The host bed: the cluster across hosts that are network namespaces on a bridge, each
-with its own address (plexrl.hostbed). Kafka is three brokers on three hosts (every
+with its own address (plexrl_tools.hostbed). Kafka is three brokers on three hosts (every
 topic three copies, two in sync), Redis a primary and a replica watched by three
 Sentinels, the disk tier SeaweedFS's S3 on a host of its own, the workers on two more,
 two schedulers (one leading), two gateways behind one address, two state-stores.
@@ -9,7 +9,7 @@ undisturbed one (no call lost, no step applied twice, losses and checkpoint byte
 bit-identical): a worker's host cut off past the heartbeat timeout, the leading
 scheduler's host cut off, and the Redis primary's host killed, which is also a Kafka
 broker's host (every process on it: a broker, a Sentinel, a gateway, a state-store).
-plexrl.host_faults has two more kinds, a lossy slow link and a broker's host killed and
+plexrl_tools.host_faults has two more kinds, a lossy slow link and a broker's host killed and
 revived; `bench/chaos.py --hosts` runs every kind, at random, with the link lossy for a
 minute (the suite's time budget holds three).
 
@@ -29,10 +29,10 @@ import pytest
 import tinker
 from aiokafka.admin import AIOKafkaAdminClient
 
-from plexrl.faults import JobOutcome, StoreCheckpoints, Workload, run_workload
-from plexrl.host_faults import FaultConfig, HostFaults
-from plexrl.hostbed import KAFKA_PORT, HostBed
-from plexrl.hostnet import can_build
+from plexrl_tools.faults import JobOutcome, StoreCheckpoints, Workload, run_workload
+from plexrl_tools.host_faults import FaultConfig, HostFaults
+from plexrl_tools.hostbed import KAFKA_PORT, HostBed
+from plexrl_tools.hostnet import can_build
 
 pytestmark = pytest.mark.integration
 
@@ -50,7 +50,7 @@ new leader's start."""
 def host_bed(tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostBed]:
     """A bed of six hosts with the whole cluster on it, removed (namespaces, interfaces,
     processes) when the module ends, also when it fails."""
-    from plexrl.private_infra import seaweedfs_binary
+    from plexrl_tools.private_infra import seaweedfs_binary
 
     missing = can_build() or (None if seaweedfs_binary() else "no SeaweedFS binary")
     if missing:

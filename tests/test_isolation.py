@@ -19,7 +19,6 @@ import pytest_asyncio
 from gateway_harness import ALICE, BOB, gateway
 from gateway_support import TINY_MODEL, free_port
 
-from plexrl.cluster import ClusterConfig, LocalCluster
 from plexrl.health import HttpServer, health_app
 from plexrl.messages import Function, ResidentState, Tier, WorkerHeartbeat, encode
 from plexrl.service_auth import auth_headers, bearer_matches, is_loopback
@@ -29,6 +28,7 @@ from plexrl.stores import CheckpointRecord, Stores
 from plexrl_state_store.app import build_app
 from plexrl_state_store.blobs import BlobDir
 from plexrl_state_store.main import NoTokenError, check_exposure
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
 
 TOKEN = "test-service-token"
 

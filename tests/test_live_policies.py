@@ -19,7 +19,7 @@ import pytest
 import tinker
 from tinker import types
 
-from plexrl.cluster import ClusterConfig, LocalCluster
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
 
 pytestmark = pytest.mark.integration
 

@@ -17,13 +17,13 @@ import torch
 from tinker import types
 from tinker.proto import request_conv
 
-from plexrl.cluster import ClusterConfig
 from plexrl.losses import LOSS_CONFIG_DEFAULTS, LOSS_INPUTS, loss_config
 from plexrl.messages import Datum, ForwardBackwardInput, JobSpec, LoraSpec, LossFn, TensorArray
 from plexrl.models import ModelRegistry, init_tiny
 from plexrl_gateway.errors import ApiError
 from plexrl_gateway.proto import tinker_public_pb2 as pb
 from plexrl_gateway.translate import ModelLimits, forward_backward_input
+from plexrl_tools.cluster import ClusterConfig
 from plexrl_worker.engine import EngineConfig, TorchEngine
 from plexrl_worker.engine.arrays import to_tensor
 from plexrl_worker.engine.losses import elementwise_loss

@@ -18,9 +18,9 @@ import tinker
 from prometheus_client.parser import text_string_to_metric_families
 from tinker import types
 
-from plexrl.cluster import ClusterConfig, LocalCluster
 from plexrl.kafka import Publisher
 from plexrl.topics import Topics
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
 
 pytestmark = pytest.mark.integration
 

@@ -14,15 +14,15 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from plexrl.cluster import free_port
 from plexrl.lease import Leadership, Lease, LeaseConfig, Term
-from plexrl.private_infra import SeaweedFs
 from plexrl.retry import is_transient
 from plexrl.state_store_client import StateStoreClient, StateStoreError
 from plexrl.stores import CheckpointRecord, Stores
 from plexrl_state_store.app import build_app
 from plexrl_state_store.records import CheckpointRecords
 from plexrl_state_store.s3 import S3Blobs, S3Config
+from plexrl_tools.cluster import free_port
+from plexrl_tools.private_infra import SeaweedFs
 
 pytestmark = pytest.mark.integration
 

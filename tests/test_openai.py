@@ -26,7 +26,7 @@ import tinker
 from tinker import types
 from transformers import AutoTokenizer
 
-from plexrl.cluster import ClusterConfig, LocalCluster
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
 from tests.conftest import SHARED_ALIASES, SHARED_NO_CHAT
 
 pytestmark = pytest.mark.integration

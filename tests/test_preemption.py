@@ -13,7 +13,7 @@ import pytest
 from preempt_support import Scene, check_a_rollout_yields, tokens
 from tinker import types
 
-from plexrl.cluster import ClusterConfig, LocalCluster
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
 from plexrl_worker.preemption import Preemption
 
 

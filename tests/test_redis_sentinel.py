@@ -21,11 +21,11 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from plexrl.private_infra import RedisGroup
 from plexrl.redis_target import UNREPLICATED, RedisTarget, ReplicaWait
 from plexrl.settings import CommonSettings, parse_sentinels
 from plexrl.stores import Stores
 from plexrl_gateway.replicas import WaitForReplicas
+from plexrl_tools.private_infra import RedisGroup
 
 
 def test_sentinels_are_parsed_and_a_bad_entry_is_named() -> None:

@@ -20,11 +20,11 @@ import httpx
 import pytest
 
 from plexrl.messages import JobSpec, LoraSpec, Tier
-from plexrl.private_infra import PrivateInfra
 from plexrl.stores import JobKind, JobRecord, SessionRecord, Stores
 from plexrl_state_store.app import build_app
 from plexrl_state_store.blobs import BlobDir
 from plexrl_state_store.records import CheckpointRecords
+from plexrl_tools.private_infra import PrivateInfra
 from plexrl_worker.residency import StateManager
 
 pytestmark = pytest.mark.integration

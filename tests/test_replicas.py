@@ -21,7 +21,6 @@ import pytest_asyncio
 import uvicorn
 from fastapi import FastAPI, Response
 
-from plexrl.cluster import free_port
 from plexrl.endpoints import FailoverTransport, failover_client, split_urls
 from plexrl.lease import SCHEDULER, FencedError, Lease, LeaseConfig, lease_key
 from plexrl.ledger import Ledger
@@ -29,6 +28,7 @@ from plexrl.messages import Dispatch
 from plexrl.stores import Stores
 from plexrl_gateway.sequencer import Sequencer
 from plexrl_scheduler.main import stamp_dispatch
+from plexrl_tools.cluster import free_port
 from plexrl_worker.leader import LeaderFence
 
 # Gateways ---------------------------------------------------------------------------

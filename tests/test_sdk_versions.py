@@ -17,7 +17,6 @@ from typing import Any
 import pytest
 import tinker
 
-from plexrl.cluster import ClusterConfig
 from plexrl.messages import (
     CompletionStatus,
     ForwardBackwardOutput,
@@ -50,6 +49,7 @@ from plexrl_gateway.sdk import (
     sdk_version,
 )
 from plexrl_gateway.translate import ModelLimits, forward_backward_input
+from plexrl_tools.cluster import ClusterConfig
 from tests.sdk_support import MIDDLE, NEWEST, OLDEST, loop_result, run_sdk_loop, side_install
 
 # What each SDK sends -------------------------------------------------------------------

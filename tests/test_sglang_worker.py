@@ -16,7 +16,7 @@ import tinker
 from preempt_support import check_a_rollout_yields
 from tinker import types
 
-from plexrl.cluster import ClusterConfig, LocalCluster
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
 from plexrl_worker.sglang import SGLangSampler
 
 pytestmark = pytest.mark.integration

@@ -54,7 +54,7 @@ def test_only_plexrl_sim_itself_runs_again_over_a_build() -> None:
 
 
 def sim(out: Path, env: dict[str, str]) -> tuple[dict[str, object], str]:
-    command = [sys.executable, "-m", "plexrl.cli", "sim", "--workload"]
+    command = [sys.executable, "-m", "plexrl_tools.cli", "sim", "--workload"]
     command += ["workloads/small-demo.yaml", "--policy", "fifo,plexrl", "--no-charts"]
     done = subprocess.run(
         [*command, "--out", str(out)],

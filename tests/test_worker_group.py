@@ -27,9 +27,9 @@ import pytest
 import tinker
 from tinker import types
 
-from plexrl.cluster import ClusterConfig, LocalCluster
-from plexrl.faults import checkpoint_sha256
 from plexrl.models import ModelRegistry
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
+from plexrl_tools.faults import checkpoint_sha256
 
 KEY, TENANT = "tml-group", "group"
 BASE = "plexrl/tiny-qwen3"

@@ -148,8 +148,8 @@ def wanted(environ: dict[str, str], argv: Sequence[str]) -> bool:
 
 
 def rerun_over(target: Path) -> None:
-    """Replace this process by `python -m plexrl.cli sim ...` over the build."""
-    argv = [sys.executable, "-m", "plexrl.cli", *sys.argv[1:]]
+    """Replace this process by `python -m plexrl_tools.cli sim ...` over the build."""
+    argv = [sys.executable, "-m", "plexrl_tools.cli", *sys.argv[1:]]
     os.execve(sys.executable, argv, rerun_env(target, dict(os.environ)))
 
 

@@ -5,7 +5,7 @@
 `redis-PORT`, or a directory of the caller's): configured exactly as the shared pair is,
 and the shared pair other runs use is never touched. Used by the fault suite and
 `bench/chaos.py` to kill -9 the broker or Redis in the middle of a run, and by the
-Sentinel tests to fail a primary over; the host bed (`plexrl.hostbed`) runs the same
+Sentinel tests to fail a primary over; the host bed (`plexrl_tools.hostbed`) runs the same
 script inside its hosts.
 """
 
@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Literal
 
-from plexrl.cluster import free_port, free_ports
+from plexrl_tools.cluster import free_port, free_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 INFRA = ROOT / "scripts" / "infra.sh"

@@ -6,7 +6,7 @@ iptables rule in a host's namespace hands each packet leaving the host to this p
 (`-j NFQUEUE --queue-num N --queue-bypass`), which drops a share of them and lets the
 rest go after a delay. One process per degraded host, in that host's namespace:
 
-    ip netns exec HOST python -m plexrl.netem --queue 7 --delay-ms 50 --loss 0.1
+    ip netns exec HOST python -m plexrl_tools.netem --queue 7 --delay-ms 50 --loss 0.1
 
 It speaks the kernel's nfnetlink_queue protocol over a raw netlink socket (standard
 library only). Only packet ids and verdicts travel (copy mode META: no payload is

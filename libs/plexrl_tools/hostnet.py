@@ -12,7 +12,7 @@ Faults are iptables rules inside the host's namespace, never outside it:
 - `partition`: every packet in or out of `eth0` dropped (loopback still works), as if
   its cable were cut: connections hang until their timeouts, nothing is refused;
 - `degrade`: a share of the packets in and out dropped, and those leaving held back a
-  while (`plexrl.netem`: the kernel here has no `netem` qdisc);
+  while (`plexrl_tools.netem`: the kernel here has no `netem` qdisc);
 - `heal` removes them all.
 
 Everything is undone by `destroy`: processes still in a namespace are killed, the
@@ -179,7 +179,7 @@ class HostNetwork:
                     *self.hosts[name].prefix(),
                     sys.executable,
                     "-m",
-                    "plexrl.netem",
+                    "plexrl_tools.netem",
                     *("--queue", str(NETEM_QUEUE), "--delay-ms", str(delay_ms)),
                     *("--loss", str(loss)),
                 ],

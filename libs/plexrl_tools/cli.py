@@ -10,10 +10,10 @@ app = typer.Typer(no_args_is_help=True, help="PlexRL: many RLVR jobs on one acce
 def _mount_subcommands() -> None:
     # Each sub-app lives beside the code it drives; importing them lazily keeps
     # `plexrl --help` fast (no torch import).
-    from plexrl.cli_model import app as model_app
-    from plexrl.cli_serve import serve
-    from plexrl.cli_status import register as register_status
     from plexrl_sim.cli import sim, sim_build
+    from plexrl_tools.cli_model import app as model_app
+    from plexrl_tools.cli_serve import serve
+    from plexrl_tools.cli_status import register as register_status
 
     app.add_typer(model_app, name="model")
     app.command("serve")(serve)

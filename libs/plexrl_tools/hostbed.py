@@ -1,6 +1,6 @@
 """The host bed: a PlexRL cluster spread over several hosts of this one machine.
 
-Hosts are network namespaces on a bridge (`plexrl.hostnet`), each with its own address.
+Hosts are network namespaces on a bridge (`plexrl_tools.hostnet`), each with its own address.
 On them run what a real deployment runs on separate machines:
 
 - Kafka as a three-node KRaft quorum, one broker per host (`scripts/infra.sh` with
@@ -38,9 +38,9 @@ from typing import Any
 
 import httpx
 
-from plexrl.cluster import ClusterConfig, LocalCluster
-from plexrl.hostnet import HostNetwork, beds, free_subnet, remove
-from plexrl.private_infra import SeaweedFs, infra_sh, seaweedfs_binary
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
+from plexrl_tools.hostnet import HostNetwork, beds, free_subnet, remove
+from plexrl_tools.private_infra import SeaweedFs, infra_sh, seaweedfs_binary
 
 KAFKA_PORT = 9092
 CONTROLLER_PORT = 9093
@@ -189,7 +189,7 @@ class Balancer:
         servers = "\n".join(
             f"  server {name} {url.removeprefix('http://')} check" for name, url in self._backends
         )
-        return f"""# Written by plexrl.hostbed.Balancer.
+        return f"""# Written by plexrl_tools.hostbed.Balancer.
 global
   maxconn 4096
 defaults

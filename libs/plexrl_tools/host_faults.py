@@ -1,6 +1,6 @@
 """Host and link faults on the host bed, Jepsen style: a fixed workload runs while a host
 is cut off, killed, or its link made lossy and slow, and is compared with an undisturbed
-run (plexrl.faults: calls lost, optimizer steps applied twice, jobs not bit-identical).
+run (plexrl_tools.faults: calls lost, optimizer steps applied twice, jobs not bit-identical).
 
 The kinds (`KINDS`):
 
@@ -33,8 +33,8 @@ from typing import Any
 
 import httpx
 
-from plexrl.faults import Checkpoints, Comparison, JobOutcome, Workload, compare, run_workload
-from plexrl.hostbed import HostBed
+from plexrl_tools.faults import Checkpoints, Comparison, JobOutcome, Workload, compare, run_workload
+from plexrl_tools.hostbed import HostBed
 
 KINDS = (
     "worker-partition",

@@ -40,7 +40,7 @@ def init_tiny(
     ] = False,
     warm_steps: Annotated[
         int, typer.Option(help="Steps of warm-up on synthetic digit tasks (0: random weights).")
-    ] = 1000,  # plexrl.pretrain.WARM_STEPS, the demo's base (not imported: it pulls in torch)
+    ] = 1000,  # plexrl_tools.pretrain.WARM_STEPS, the demo's base (not imported: it pulls in torch)
     hf_cache: Annotated[
         bool, typer.Option(help="Also make the name resolvable offline via the HF cache.")
     ] = True,
@@ -68,7 +68,7 @@ def init_tiny(
         think_tokens=think_tokens,
     )
     if warm_steps > 0:
-        from plexrl.pretrain import pretrain
+        from plexrl_tools.pretrain import pretrain
 
         loss = pretrain(path, steps=warm_steps, seed=seed)
         typer.echo(f"warmed for {warm_steps} steps (last loss {loss:.3f})")
