@@ -11,6 +11,7 @@ while it trains at home, against the same job with roaming off.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,8 +32,15 @@ def run_jobs(cluster: LocalCluster, policy: str) -> list[list[float]]:
     if policy != config.policy:  # a new scheduler over the same cluster
         cluster.kill("scheduler", graceful=True)
         cluster.restart("scheduler", env={"PLEXRL_POLICY": policy})
-        ups = [x for x in cluster.logs()["scheduler"].read_text().splitlines() if "up: " in x]
-        assert f"policy={policy} " in ups[-1], ups
+        # Healthy as a standby first: it leads once it holds the lease.
+        deadline = time.monotonic() + 30.0
+        while True:
+            log = cluster.logs()["scheduler"].read_text().splitlines()
+            ups = [x for x in log if "scheduler leads (token" in x]
+            if (ups and f"policy={policy} " in ups[-1]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert ups and f"policy={policy} " in ups[-1], ups
     service = tinker.ServiceClient(base_url=config.gateway_url, api_key=KEY)
     clients = [
         service.create_lora_training_client(base_model="plexrl/tiny-qwen3", rank=4, seed=i).result()
