@@ -40,7 +40,7 @@ import httpx
 
 from plexrl_tools.cluster import ClusterConfig, LocalCluster
 from plexrl_tools.hostnet import HostNetwork, beds, free_subnet, remove
-from plexrl_tools.private_infra import SeaweedFs, infra_sh, seaweedfs_binary
+from plexrl_tools.private_infra import SeaweedFs, infra_sh, seaweedfs_binary, wait_sentinels_ready
 
 KAFKA_PORT = 9092
 CONTROLLER_PORT = 9093
@@ -419,6 +419,9 @@ class HostBed:
             started.append(pool.submit(self.object_store.up))
             for future in started:
                 future.result()
+        wait_sentinels_ready(
+            [(self.address(h), SENTINEL_PORT) for h in self.layout.sentinels], MASTER
+        )
 
     # Lifecycle ----------------------------------------------------------------------
 

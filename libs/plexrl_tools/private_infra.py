@@ -148,6 +148,46 @@ class PrivateInfra:
         infra_sh(command, env, timeout_s)
 
 
+def wait_sentinels_ready(
+    sentinels: list[tuple[str, int]], master: str, replicas: int = 1, timeout_s: float = 60.0
+) -> None:
+    """Until every Sentinel knows the primary's `replicas` (linked and not down) and the
+    other Sentinels. A Sentinel learns a replica from the primary's INFO, every 10 s, and
+    fails over only to a replica it knows: a primary lost before that ends every
+    failover with "no good slave", however long one waits."""
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    missing: list[str] = []
+    while True:
+        missing = []
+        for host, port in sentinels:
+            try:
+                with redis.Redis(host=host, port=port, socket_timeout=2) as sentinel:
+                    known = sentinel.sentinel_slaves(master)
+                    peers = sentinel.sentinel_sentinels(master)
+            except (redis.exceptions.RedisError, OSError):
+                missing.append(f"{host}:{port} does not answer")
+                continue
+            good = [
+                r
+                for r in known
+                if not r.get("is_sdown")
+                and not r.get("is_disconnected")
+                and r.get("master-link-status") == "ok"
+            ]
+            if len(good) < replicas or len(peers) < len(sentinels) - 1:
+                missing.append(
+                    f"{host}:{port} knows {len(good)} of {replicas} replica(s) and "
+                    f"{len(peers)} of {len(sentinels) - 1} other Sentinel(s)"
+                )
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the Sentinels of {master!r} are not ready: {'; '.join(missing)}")
+        time.sleep(0.5)
+
+
 class RedisGroup:
     """A Redis primary, one replica and three Sentinels on loopback ports of their own,
     with state under `root`: `up`, `kill_primary` (SIGKILL; the Sentinels promote the
@@ -209,6 +249,7 @@ class RedisGroup:
             started += [pool.submit(self._sentinel, "up", p) for p in self.sentinel_ports]
             for future in started:
                 future.result()
+        wait_sentinels_ready([("127.0.0.1", p) for p in self.sentinel_ports], self.MASTER)
 
     def down(self) -> None:
         with ThreadPoolExecutor() as pool:
