@@ -193,7 +193,9 @@ def test_a_two_rank_group_trains_lora_and_full_jobs_bigger_than_a_rank(
         # Every rank holds its share of what is on the device, within its own memory.
         assert rank["device_bytes"] == per_rank and rank["device_used"] <= per_rank
     used = [r["device_used"] for r in group["ranks"]]
-    assert used[0] > 0 and used[0] == used[1]
+    # Equal shares on both ranks (none at all if the heartbeat came while every job was
+    # off the device).
+    assert used[0] == used[1]
 
 
 def test_two_jobs_multiplexed_on_the_group_match_each_alone(
