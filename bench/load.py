@@ -66,6 +66,12 @@ class Phase:
     wall_s: float = 0.0
     rates: list[float] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)
+    routed: dict[str, float] = field(default_factory=dict)
+    """Calls the scheduler counted over the phase: `direct` (under a lease), `dispatched`."""
+
+    def add_routed(self, before: dict[str, float], after: dict[str, float]) -> None:
+        for name in after:
+            self.routed[name] = self.routed.get(name, 0.0) + after[name] - before.get(name, 0.0)
 
     def add_cpu(self, spent: dict[str, float]) -> None:
         for name, seconds in spent.items():
@@ -87,6 +93,10 @@ class Phase:
         if self.plain:
             out["plain_p50_ms"] = round(statistics.median(self.plain) * ms, 3)
             out["added_p50_ms"] = round(out["p50_ms"] - out["plain_p50_ms"], 3)
+        if self.routed:
+            direct, dispatched = self.routed.get("direct", 0.0), self.routed.get("dispatched", 0.0)
+            out["direct_calls"] = int(direct)
+            out["direct_share"] = round(direct / max(direct + dispatched, 1.0), 3)
         if self.rates:
             out["calls_per_s"] = round(self.calls / self.wall_s, 1)
             out["calls_per_s_by_round"] = [round(r, 1) for r in self.rates]
@@ -98,6 +108,21 @@ class Cluster:
     config: ClusterConfig
     pids: dict[str, int]
     http: list[httpx.AsyncClient]
+
+    async def routed(self) -> dict[str, float]:
+        """The scheduler's own counts of calls so far: under a direct lease, and dispatched."""
+        url = f"http://127.0.0.1:{self.config.scheduler_port}/metrics"
+        async with httpx.AsyncClient(timeout=10) as http:
+            text = (await http.get(url)).text
+        out = {"direct": 0.0, "dispatched": 0.0}
+        for line in text.splitlines():
+            for name, metric in (
+                ("direct", "plexrl_scheduler_direct_calls_total{"),
+                ("dispatched", "plexrl_scheduler_dispatched_calls_total{"),
+            ):
+                if line.startswith(metric):
+                    out[name] += float(line.rsplit(" ", 1)[1])
+        return out
 
 
 class Meter:
@@ -141,11 +166,13 @@ async def sequential(cluster: Cluster, calls: int, into: Phase) -> None:
         into.plain.append(time.perf_counter() - start)
     meter = Meter(cluster.pids)
     await meter.measure_idle()
+    routed = await cluster.routed()
     with meter.phase(into):
         for _ in range(calls):
             start = time.perf_counter()
             (await http.post("/plexrl/v1/echo", headers={"X-API-Key": key(0)})).raise_for_status()
             into.latencies.append(time.perf_counter() - start)
+    into.add_routed(routed, await cluster.routed())
     into.calls += calls
 
 
@@ -166,10 +193,12 @@ async def load(
 
     meter = Meter(cluster.pids)
     await meter.measure_idle()
+    routed = await cluster.routed()
     start = time.perf_counter()
     with meter.phase(into):
         await asyncio.gather(*(client() for _ in range(clients)))
     wall = time.perf_counter() - start
+    into.add_routed(routed, await cluster.routed())
     into.wall_s += wall
     into.calls += jobs * calls
     into.rates.append(jobs * calls / wall)
@@ -245,7 +274,8 @@ def summary(name: str, g: int, f: dict[str, dict[str, Any]]) -> str:
         f"{lo['p99_ms']} ms under load; one at a time p50 {seq['p50_ms']} ms (added "
         f"{seq['added_p50_ms']} ms over plain HTTP {seq['plain_p50_ms']} ms); CPU ms per call "
         f"under load {lo['cpu_ms_per_call_all']} in all, services {lo['cpu_ms_per_call_services']}"
-        f", {cpu}"
+        f", {cpu}; under a direct lease {seq.get('direct_share')} of calls one at a time, "
+        f"{lo.get('direct_share')} under load"
     )
 
 
