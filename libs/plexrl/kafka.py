@@ -25,6 +25,7 @@ from typing import Any, Generic, TypeVar
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import ConsumerStoppedError, KafkaConnectionError, TopicAlreadyExistsError
+from aiokafka.protocol.metadata import MetadataRequest
 from opentelemetry.context import Context
 from prometheus_client import Counter
 
@@ -266,12 +267,38 @@ class Publisher:
         await self._producer.send_and_wait(topic, value, key=key)
 
     async def ping(self, timeout_s: float = 2.0) -> bool:
-        """True when the broker answers a metadata request within `timeout_s` (health checks)."""
+        """True when a broker answers a metadata request within `timeout_s` (health checks).
+
+        Every broker the producer knows is asked at once and the first answer counts: one
+        broker's host lost (the cluster still serves, its partitions led elsewhere) must
+        not make every service look unhealthy while a request to it times out."""
+        client = self._producer.client
+        nodes = [b.nodeId for b in client.cluster.brokers()]
+        if not nodes:  # no metadata yet: ask the bootstrap servers
+            try:
+                await asyncio.wait_for(client.fetch_all_metadata(), timeout_s)
+            except Exception:
+                return False
+            return True
+        asks = [asyncio.ensure_future(client.send(n, MetadataRequest([]))) for n in nodes]
         try:
-            await asyncio.wait_for(self._producer.client.fetch_all_metadata(), timeout_s)
-        except Exception:
+            for answer in asyncio.as_completed(asks, timeout=timeout_s):
+                with contextlib.suppress(Exception):
+                    await answer
+                    return True
             return False
-        return True
+        except TimeoutError:
+            return False
+        finally:
+            for ask in asks:
+                ask.cancel()
+                ask.add_done_callback(_quiet)
+
+
+def _quiet(future: asyncio.Future[Any]) -> None:
+    """Retrieve an outcome nobody awaits (no 'exception was never retrieved')."""
+    if not future.cancelled():
+        future.exception()
 
 
 def _log_failure(delivery: asyncio.Future[Any]) -> None:
