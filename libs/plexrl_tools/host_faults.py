@@ -12,7 +12,7 @@ The kinds (`KINDS`):
 - `broker-host-kill`: every process of a Kafka broker's host killed at once (the host
   is also cut off: a dead machine answers nothing), then the host revived;
 - `redis-primary-host-kill`: the same for the Redis primary's host; the Sentinels
-  promote the replica, and the host comes back with a replica;
+  promote a replica (the other follows it), and the host comes back as a replica;
 - `lossy-link`: `loss` of the packets in and out of the first job's worker host
   dropped and those it sends held `delay_ms`, for `lossy_s`.
 
@@ -172,17 +172,21 @@ class HostFaults:
             undo()
             self._undo(kind, injected, revive)
         stall = self._stall(done_at, injected)
+        notes = {
+            k: v
+            for k, v in injected.items()
+            if k in ("leader", "primary", "worker", "fenced", "revive_s")
+        }
+        errors = [e for o in outcomes for e in o.errors]
+        if errors:  # what the client saw: a lost call says why
+            notes["errors"] = errors
         return FaultRun(
             kind=kind,
             host=str(injected.get("host", "")),
             comparison=compare(self.reference, outcomes),
             stall_s=stall,
             failover_s=injected.get("failover_s"),
-            notes={
-                k: v
-                for k, v in injected.items()
-                if k in ("leader", "primary", "worker", "fenced", "revive_s")
-            },
+            notes=notes,
         )
 
     def _stall(self, done_at: dict[int, list[float]], injected: dict[str, Any]) -> float:
