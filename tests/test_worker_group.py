@@ -159,11 +159,6 @@ def service(cluster: LocalCluster) -> tinker.ServiceClient:
 
 
 @pytest.fixture(scope="module")
-def blobs(cluster: LocalCluster) -> Path:
-    return cluster.config.state_dir / "blobs"
-
-
-@pytest.fixture(scope="module")
 def alone(service: tinker.ServiceClient, blobs: Path) -> dict[tuple[str, int], Outcome]:
     """Each job alone on the group: a LoRA job and two full jobs, one after another."""
     return {key: train(service, blobs, *key) for key in (("lora", 1), ("full", 2), ("full", 3))}
