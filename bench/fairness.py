@@ -45,9 +45,9 @@ from typing import Any
 
 import httpx
 import tinker
+import tiny_cluster
 from tinker import types
 
-from plexrl.models import init_tiny
 from plexrl_tools.cluster import ClusterConfig, LocalCluster
 
 LIGHT_KEY, HEAVY_KEY, BASE = "tml-fair-light", "tml-fair-heavy", "plexrl/tiny-qwen3"
@@ -57,17 +57,10 @@ PHASES = {"control": (False, True), "fair": (True, False), "fair_stacked": (True
 """Name: (PLEXRL_FAIR_SHARE, heavy trainers homed on the light job's worker)."""
 
 
-def _datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": types.TensorData(data=tokens[1:], dtype="int64")},
-    )
-
-
 def heavy_batch(tokens: int, row: int = 128) -> list[types.Datum]:
     """`tokens` tokens in rows of `row` (at least one row): one long forward_backward."""
     rows = max(1, tokens // row)
-    return [_datum([5 + (i * 7 + j) % 200 for j in range(row)]) for i in range(rows)]
+    return [tiny_cluster.datum([5 + (i * 7 + j) % 200 for j in range(row)]) for i in range(rows)]
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -142,7 +135,7 @@ class Heavy:
 def light_steps(
     client: tinker.TrainingClient, steps: int, pause_s: float
 ) -> tuple[list[float], list[float]]:
-    datum = _datum([5, 6, 7, 8, 9, 10, 11, 12])
+    datum = tiny_cluster.datum([5, 6, 7, 8, 9, 10, 11, 12])
     step_s, fb_s = [], []
     for _ in range(steps):
         t0 = time.monotonic()
@@ -242,16 +235,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="plexrl-fair-") as tmp:
         root = Path(tmp)
-        init_tiny(root / "models" / "tiny-qwen3")
-        config = ClusterConfig.on_free_ports(
-            root / "models",
-            root / "cluster",
-            "fair",
-            workers=2,
-            api_keys=f"{LIGHT_KEY}=light,{HEAVY_KEY}=heavy",
-            worker_threads=1,
-            policy="plexrl",
-        )
+        config = tiny_cluster.config(root, "fair", 2, f"{LIGHT_KEY}=light,{HEAVY_KEY}=heavy")
         with LocalCluster(config) as cluster:
             alone = phase(cluster, args, None, False)
             print(f"alone: {alone['light']}", flush=True)

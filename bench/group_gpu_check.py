@@ -31,19 +31,15 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import bench_model
 import torch
 
 from plexrl.messages import (
     AdamParams,
-    Datum,
-    ForwardBackwardInput,
     JobSpec,
     LoraSpec,
-    LossFn,
     OptimStepInput,
-    TensorArray,
 )
-from plexrl.models import ModelRegistry, TinyShape, init_tiny
 from plexrl_worker import stored
 from plexrl_worker.engine import EngineConfig
 from plexrl_worker.engine.state import JobTensors, state_to_bytes
@@ -53,16 +49,6 @@ from plexrl_worker.group.blobs import BlobPlace
 
 GB = 1e9
 NAME = "plexrl/gpu-check-qwen3"
-
-
-def _batch(vocab: int, rows: int, length: int) -> ForwardBackwardInput:
-    g = torch.Generator().manual_seed(0)
-    data = []
-    for _ in range(rows):
-        seq = torch.randint(5, vocab - 1, (length + 1,), generator=g).tolist()
-        target = TensorArray.from_list(seq[1:], "int64")
-        data.append(Datum(tokens=seq[:-1], loss_fn_inputs={"target_tokens": target}))
-    return ForwardBackwardInput(data=data, loss_fn=LossFn.CROSS_ENTROPY)
 
 
 def _same(a: JobTensors, b: JobTensors) -> bool:
@@ -84,7 +70,7 @@ def _round_trip(leader: Leader, job: str, key: str) -> tuple[list[str], list[str
 def check(leader: Leader, vocab: int, args: argparse.Namespace) -> dict[str, object]:
     """Every check on a running group; the figures, with `failures` listing what failed."""
     failures: list[str] = []
-    batch = _batch(vocab, args.rows, args.length)
+    batch = bench_model.batch(vocab, args.rows, args.length)
     adam = OptimStepInput(adam=AdamParams(learning_rate=1e-4))
     specs = {
         "full": JobSpec(base_model=NAME, seed=1),
@@ -134,8 +120,7 @@ def check(leader: Leader, vocab: int, args: argparse.Namespace) -> dict[str, obj
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=512)
+    bench_model.add_shape_args(parser, layers=4)
     parser.add_argument("--rows", type=int, default=4, help="datums per forward_backward")
     parser.add_argument("--length", type=int, default=64, help="tokens per datum")
     parser.add_argument("--swaps", type=int, default=5)
@@ -145,15 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        shape = TinyShape(
-            hidden_size=args.hidden,
-            intermediate_size=3 * args.hidden,
-            num_layers=args.layers,
-            num_heads=8,
-            num_kv_heads=4,
-        )
-        init_tiny(root / "models" / "check", name=NAME, shape=shape)
-        info = ModelRegistry(root / "models").info(NAME)
+        info = bench_model.build(root / "models" / "check", NAME, args)
         config = GroupConfig(
             world_size=1,
             device_type=args.device,

@@ -37,15 +37,15 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import bench_model
 import torch
 import torch.distributed as dist
 
 from plexrl.messages import SampleInput, SamplingParams
-from plexrl.models import ModelRegistry, TinyShape, init_tiny
 from plexrl_tools.cluster import free_port
 from plexrl_worker.engine import EngineConfig
 from plexrl_worker.engine_thread import EngineThread
-from plexrl_worker.group import GroupConfig, start_group
+from plexrl_worker.group import start_group
 from plexrl_worker.group.blobs import BlobPlace
 from plexrl_worker.group.executor import GroupExecutor
 
@@ -73,13 +73,7 @@ async def _batch_s(executor: GroupExecutor, calls: list[SampleInput]) -> float:
 
 
 def data_parallel(ranks: int, root: Path, args: argparse.Namespace) -> dict[str, float]:
-    cores = os.cpu_count() or 1
-    config = GroupConfig(
-        world_size=ranks,
-        start_method="forkserver",
-        num_threads=args.threads or max(1, cores // ranks),
-        collective_timeout_s=300.0,
-    )
+    config = bench_model.cpu_group(ranks, args.threads)
     calls = _calls(args.calls, args.samples, args.tokens)
     with start_group(config, root, EngineConfig(), BlobPlace(directory=root / "blobs")) as leader:
         thread = EngineThread()
@@ -134,27 +128,16 @@ def all_reduce_s(rows: int, hidden: int, repeats: int = 200) -> float:
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
+    bench_model.add_shape_args(parser, layers=8)
     parser.add_argument("--calls", type=int, default=4)
     parser.add_argument("--samples", type=int, default=4, help="samples per call")
     parser.add_argument("--tokens", type=int, default=24, help="tokens per sample")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument(
-        "--threads", type=int, default=0, help="threads per rank (0: cores // ranks)"
-    )
+    bench_model.add_threads_arg(parser)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        shape = TinyShape(
-            hidden_size=args.hidden,
-            intermediate_size=3 * args.hidden,
-            num_layers=args.layers,
-            num_heads=8,
-            num_kv_heads=4,
-        )
-        init_tiny(root / "bench", name=NAME, shape=shape)
-        params = ModelRegistry(root).info(NAME).num_params
+        params = bench_model.build(root / "bench", NAME, args).num_params
         dp = {n: data_parallel(n, root, args) for n in (1, 2)}
     rows = args.calls * args.samples
     reduce_s = all_reduce_s(rows, args.hidden)

@@ -29,46 +29,25 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import torch
+import bench_model
 
 from plexrl.messages import (
     AdamParams,
-    Datum,
-    ForwardBackwardInput,
     JobSpec,
-    LossFn,
     OptimStepInput,
-    TensorArray,
 )
-from plexrl.models import ModelRegistry, TinyShape, init_tiny
+from plexrl.models import ModelRegistry
 from plexrl_worker.engine import EngineConfig
-from plexrl_worker.group import GroupConfig, start_group
+from plexrl_worker.group import start_group
 
 GB = 1e9
 NAME = "plexrl/bench-qwen3-26m"
 
 
-def _batch(vocab: int, rows: int, length: int) -> ForwardBackwardInput:
-    g = torch.Generator().manual_seed(0)
-    data = []
-    for _ in range(rows):
-        seq = torch.randint(5, vocab - 1, (length + 1,), generator=g).tolist()
-        target = TensorArray.from_list(seq[1:], "int64")
-        data.append(Datum(tokens=seq[:-1], loss_fn_inputs={"target_tokens": target}))
-    return ForwardBackwardInput(data=data, loss_fn=LossFn.CROSS_ENTROPY)
-
-
 def run(world_size: int, root: Path, args: argparse.Namespace) -> dict[str, float]:
-    cores = os.cpu_count() or 1
-    # Threads are split, so 1 rank and 2 ranks use the same cores (unless --threads).
-    config = GroupConfig(
-        world_size=world_size,
-        start_method="forkserver",
-        num_threads=args.threads or max(1, cores // world_size),
-        collective_timeout_s=300.0,
-    )
+    config = bench_model.cpu_group(world_size, args.threads)
     vocab = ModelRegistry(root).info(NAME).vocab_size
-    batch = _batch(vocab, args.rows, args.length)
+    batch = bench_model.batch(vocab, args.rows, args.length)
     adam = OptimStepInput(adam=AdamParams(learning_rate=1e-4))
     with start_group(config, root, EngineConfig()) as leader:
         leader.create("job", JobSpec(base_model=NAME))
@@ -100,27 +79,16 @@ def run(world_size: int, root: Path, args: argparse.Namespace) -> dict[str, floa
 
 def main(argv: list[str] | None = None) -> dict[str, object]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
+    bench_model.add_shape_args(parser, layers=8)
     parser.add_argument("--rows", type=int, default=4, help="datums per forward_backward")
     parser.add_argument("--length", type=int, default=128, help="tokens per datum")
     parser.add_argument("--steps", type=int, default=3, help="timed steps (after a warm-up)")
     parser.add_argument("--swaps", type=int, default=3)
-    parser.add_argument(
-        "--threads", type=int, default=0, help="threads per rank (0: cores // ranks)"
-    )
+    bench_model.add_threads_arg(parser)
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        shape = TinyShape(
-            hidden_size=args.hidden,
-            intermediate_size=3 * args.hidden,
-            num_layers=args.layers,
-            num_heads=8,
-            num_kv_heads=4,
-        )
-        init_tiny(root / "bench", name=NAME, shape=shape)
-        params = ModelRegistry(root).info(NAME).num_params
+        params = bench_model.build(root / "bench", NAME, args).num_params
         per_size = {n: run(n, root, args) for n in (1, 2)}
     figures: dict[str, object] = {
         "benchmark": "group_step",

@@ -39,6 +39,20 @@ def cpu() -> float:
     return t.user + t.system
 
 
+def figures(
+    latencies: list[float], one_at_a_time_cpu: float, n: int, start: float, c0: float
+) -> dict[str, float]:
+    """A round's figures, once its `n` streamed messages (sent from `start`, with
+    `cpu()` at `c0`) have all arrived."""
+    wall = time.perf_counter() - start
+    return {
+        "p50_ms": statistics.median(latencies) * 1000,
+        "cpu_ms_per_message_one_at_a_time": one_at_a_time_cpu * 1000,
+        "messages_per_s": n / wall,
+        "cpu_ms_per_message_streaming": (cpu() - c0) / n * 1000,
+    }
+
+
 async def aiokafka_round(bootstrap: str, topic: str, n: int) -> dict[str, float]:
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=0
@@ -68,13 +82,7 @@ async def aiokafka_round(bootstrap: str, topic: str, n: int) -> dict[str, float]
             batch = await consumer.getmany(timeout_ms=1000)
             got += sum(len(v) for v in batch.values())
         await asyncio.gather(*acks)
-        wall = time.perf_counter() - start
-        return {
-            "p50_ms": statistics.median(latencies) * 1000,
-            "cpu_ms_per_message_one_at_a_time": one_at_a_time_cpu * 1000,
-            "messages_per_s": n / wall,
-            "cpu_ms_per_message_streaming": (cpu() - c0) / n * 1000,
-        }
+        return figures(latencies, one_at_a_time_cpu, n, start, c0)
     finally:
         await consumer.stop()
         await producer.stop()
@@ -123,13 +131,7 @@ def confluent_round(bootstrap: str, topic: str, n: int) -> dict[str, float]:
         while got < n:
             got += len(consumer.consume(num_messages=500, timeout=1.0))
         producer.flush(10)
-        wall = time.perf_counter() - start
-        return {
-            "p50_ms": statistics.median(latencies) * 1000,
-            "cpu_ms_per_message_one_at_a_time": one_at_a_time_cpu * 1000,
-            "messages_per_s": n / wall,
-            "cpu_ms_per_message_streaming": (cpu() - c0) / n * 1000,
-        }
+        return figures(latencies, one_at_a_time_cpu, n, start, c0)
     finally:
         consumer.close()
 

@@ -38,20 +38,13 @@ from typing import Any
 
 import httpx
 import tinker
+import tiny_cluster
 from tinker import types
 
-from plexrl.models import init_tiny
 from plexrl_tools.cluster import ClusterConfig, LocalCluster
 
 KEY, TENANT, BASE = "tml-preempt-bench", "preempt", "plexrl/tiny-qwen3"
 ADAM = types.AdamParams(learning_rate=1e-3)
-
-
-def _datum(tokens: list[int]) -> types.Datum:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": types.TensorData(data=tokens[1:], dtype="int64")},
-    )
 
 
 def roller(service: tinker.ServiceClient, args: argparse.Namespace, out: dict[str, Any]) -> None:
@@ -66,7 +59,9 @@ def roller(service: tinker.ServiceClient, args: argparse.Namespace, out: dict[st
         result = sampler.sample(prompt, args.samples, params).result()
         tokens = result.sequences[0].tokens
         seen.append(tokens[:8])
-        fb = client.forward_backward([_datum([21, 22, 15, 9, *tokens[:24]])], "cross_entropy")
+        fb = client.forward_backward(
+            [tiny_cluster.datum([21, 22, 15, 9, *tokens[:24]])], "cross_entropy"
+        )
         seen.append(fb.result().metrics["loss:sum"])
         client.optim_step(ADAM).result()
         steps.append(time.monotonic() - t0)
@@ -75,7 +70,7 @@ def roller(service: tinker.ServiceClient, args: argparse.Namespace, out: dict[st
 
 def trainer(service: tinker.ServiceClient, args: argparse.Namespace, out: dict[str, Any]) -> None:
     client = service.create_lora_training_client(base_model=BASE, rank=4, seed=2).result()
-    datum = _datum([5, 6, 7, 8, 9, 10, 11, 12])
+    datum = tiny_cluster.datum([5, 6, 7, 8, 9, 10, 11, 12])
     steps, calls, seen = [], [], []
     step = 0
     while step == 0 or (step < args.steps * 4 and "until" not in out):
@@ -152,16 +147,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with tempfile.TemporaryDirectory(prefix="plexrl-preempt-") as tmp:
         root = Path(tmp)
-        init_tiny(root / "models" / "tiny-qwen3")
-        config = ClusterConfig.on_free_ports(
-            root / "models",
-            root / "cluster",
-            "pre",
-            workers=1,
-            api_keys=f"{KEY}={TENANT}",
-            worker_threads=1,
-            policy="plexrl",
-        )
+        config = tiny_cluster.config(root, "pre", 1, f"{KEY}={TENANT}")
         with LocalCluster(config) as cluster:
             alone_r = phase(cluster, args, "roller", None)["roller"]
             print(f"roller alone: {_mean(alone_r['steps']):.3f} s/step", flush=True)

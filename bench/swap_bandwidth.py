@@ -29,16 +29,13 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import bench_model
 import torch
 
 from plexrl.messages import (
     AdamParams,
-    Datum,
-    ForwardBackwardInput,
     JobSpec,
-    LossFn,
     OptimStepInput,
-    TensorArray,
 )
 from plexrl.models import ModelRegistry, TinyShape, init_tiny
 from plexrl_worker.engine import EngineConfig, TorchEngine, state_from_bytes, state_to_bytes
@@ -62,16 +59,6 @@ def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> floa
         _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def _batch(vocab: int, rows: int = 4, length: int = 32) -> ForwardBackwardInput:
-    g = torch.Generator().manual_seed(0)
-    data = []
-    for _ in range(rows):
-        seq = torch.randint(5, vocab - 1, (length + 1,), generator=g).tolist()
-        target = TensorArray.from_list(seq[1:], "int64")
-        data.append(Datum(tokens=seq[:-1], loss_fn_inputs={"target_tokens": target}))
-    return ForwardBackwardInput(data=data, loss_fn=LossFn.CROSS_ENTROPY)
 
 
 def raw_copies(nbytes: int, device: torch.device, repeats: int) -> dict[str, float]:
@@ -122,9 +109,9 @@ def main(argv: list[str] | None = None) -> dict[str, object]:
         spec = JobSpec(base_model="plexrl/tiny-qwen3", lora=None, seed=1)
         engine.create("job", spec)
         # One training step so that gradients and AdamW moments exist: a full state.
-        engine.forward_backward("job", _batch(shape.vocab_size))
+        engine.forward_backward("job", bench_model.batch(shape.vocab_size, 4, 32))
         engine.optim_step("job", OptimStepInput(adam=AdamParams(learning_rate=1e-4)))
-        engine.forward_backward("job", _batch(shape.vocab_size))
+        engine.forward_backward("job", bench_model.batch(shape.vocab_size, 4, 32))
         state = engine.offload("job")
         nbytes = sum(t.numel() * t.element_size() for t in state.tensors.values())
         params = (

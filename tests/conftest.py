@@ -235,6 +235,13 @@ def shared_cluster(shared_services: LocalCluster) -> ClusterConfig:
     return shared_services.config
 
 
+@pytest.fixture(scope="module")
+def blobs(cluster: LocalCluster) -> Path:
+    """The state-store's blob directory of the module's own `cluster` (a module that
+    starts one defines that fixture): where `plexrl_tools.faults` reads checkpoints."""
+    return cluster.config.state_dir / "blobs"
+
+
 @pytest.fixture(scope="session")
 def seaweedfs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedFs]:
     """SeaweedFS with its S3 gateway on loopback, for the object-store disk tier (the

@@ -193,9 +193,8 @@ def ran() -> Ran:
     return Ran(NoopOutput(), None, 0.0, 0.001, time.time())
 
 
-async def test_a_dispatch_settles_only_when_every_completion_is_acknowledged(
-    stores: Stores,
-) -> None:
+def flaky_recorder(stores: Stores) -> tuple[FlakyProducer, ResultRecorder]:
+    """A worker's recorder whose completions go to a producer the test acknowledges."""
     producer = FlakyProducer()
     recorder = ResultRecorder(
         worker_id="w",
@@ -206,6 +205,13 @@ async def test_a_dispatch_settles_only_when_every_completion_is_acknowledged(
         completions_topic="completions",
         inline_max_bytes=1024,
     )
+    return producer, recorder
+
+
+async def test_a_dispatch_settles_only_when_every_completion_is_acknowledged(
+    stores: Stores,
+) -> None:
+    producer, recorder = flaky_recorder(stores)
     for n in range(3):
         done = await recorder.record(request(n), ran(), "d1", last=n == 2)
         assert done is not None and done.status == CompletionStatus.OK
@@ -306,16 +312,7 @@ def dispatch(*ns: int) -> Dispatch:
 async def test_the_intake_reads_a_polls_records_once_and_settles_after_its_last_dispatch(
     stores: Stores,
 ) -> None:
-    producer = FlakyProducer()
-    recorder = ResultRecorder(
-        worker_id="w",
-        calls=stores.calls,
-        payloads=stores.payloads,
-        timeline=stores.timeline,
-        publisher=producer,  # type: ignore[arg-type]
-        completions_topic="completions",
-        inline_max_bytes=1024,
-    )
+    producer, recorder = flaky_recorder(stores)
     intake = PollIntake(recorder)
     await recorder.record(request(0), ran(), "d0", last=True)  # a replay in this poll
     producer.acks[0].set_result(None)

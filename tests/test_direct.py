@@ -295,14 +295,21 @@ async def resident_after_a_dispatch(s: Scheduler, ledger: Ledger) -> None:
     assert s.state.jobs[JOB].tier == Tier.DEVICE
 
 
-async def test_a_job_whose_dispatch_ends_with_nothing_queued_gets_a_lease(
-    gateway: Gateway, ledger: Ledger, leases: DirectLeases
-) -> None:
+@pytest.fixture
+async def leased(ledger: Ledger, leases: DirectLeases) -> Scheduler:
+    """A scheduler whose job ran a dispatch on its home, then got a direct lease there
+    (grace for calls on the way: 5 s)."""
     s = scheduler(leases)
     await resident_after_a_dispatch(s, ledger)
     await s.path.step()
-    assert s.state.held == {WORKER: JOB}
-    assert s.state.snapshot().workers[WORKER].running == JOB  # the policy sees it busy
+    return s
+
+
+async def test_a_job_whose_dispatch_ends_with_nothing_queued_gets_a_lease(
+    gateway: Gateway, leased: Scheduler
+) -> None:
+    assert leased.state.held == {WORKER: JOB}
+    assert leased.state.snapshot().workers[WORKER].running == JOB  # the policy sees it busy
     (fb,) = await gateway.call(Function.FORWARD_BACKWARD)
     assert [(rid, route.seq if route else None) for rid, route in await gateway.flush()] == [
         (fb, 2)
@@ -310,77 +317,66 @@ async def test_a_job_whose_dispatch_ends_with_nothing_queued_gets_a_lease(
 
 
 async def test_a_call_queued_for_a_held_worker_revokes_and_it_stays_held_until_answered(
-    gateway: Gateway, ledger: Ledger, leases: DirectLeases
+    gateway: Gateway, leased: Scheduler
 ) -> None:
-    s = scheduler(leases)
-    await resident_after_a_dispatch(s, ledger)
-    await s.path.step()
     fb, opt = await gateway.call(Function.FORWARD_BACKWARD, Function.OPTIM_STEP)
     sent = await gateway.flush()
     # Another job homed there has a call: the lease ends, the direct calls still run.
-    s.state.add_job("job-2", "t", JobSpec(base_model="m"), home=WORKER)
-    s.state.on_request(request(9, Function.NOOP, job="job-2"), delivery(9))
-    await s.path.step()
+    leased.state.add_job("job-2", "t", JobSpec(base_model="m"), home=WORKER)
+    leased.state.on_request(request(9, Function.NOOP, job="job-2"), delivery(9))
+    await leased.path.step()
     (late,) = await gateway.call(Function.FORWARD_BACKWARD)
     assert (await gateway.flush())[0] == (late, None)  # revoked: the normal way
-    assert s.state.held == {WORKER: JOB}
-    assert not await s.path.clear(WORKER)  # the actuator waits
+    assert leased.state.held == {WORKER: JOB}
+    assert not await leased.path.clear(WORKER)  # the actuator waits
     for rid, route in sent:
         assert route is not None
-        s.state.on_direct_completion(completion(rid, direct.dispatch_id(route.lease_id, rid)))
-        s.path.on_completion(completion(rid, direct.dispatch_id(route.lease_id, rid)))
-    assert s.state.held == {} and await s.path.clear(WORKER)
+        leased.state.on_direct_completion(completion(rid, direct.dispatch_id(route.lease_id, rid)))
+        leased.path.on_completion(completion(rid, direct.dispatch_id(route.lease_id, rid)))
+    assert leased.state.held == {} and await leased.path.clear(WORKER)
     assert {rid for rid, _ in sent} == {fb, opt}
 
 
 async def test_a_dead_workers_direct_calls_go_back_to_the_queue_in_seq_order(
-    gateway: Gateway, ledger: Ledger, leases: DirectLeases, stores: Stores
+    gateway: Gateway, ledger: Ledger, stores: Stores, leased: Scheduler
 ) -> None:
-    s = scheduler(leases)
-    await resident_after_a_dispatch(s, ledger)
-    await s.path.step()
     noop, fb, opt = await gateway.call(
         Function.NOOP, Function.FORWARD_BACKWARD, Function.OPTIM_STEP
     )
     await gateway.flush()
-    s.state.on_request(request(50, Function.FORWARD_BACKWARD), delivery(50))  # came after
+    leased.state.on_request(request(50, Function.FORWARD_BACKWARD), delivery(50))  # came after
     await answered(stores, fb)  # ran before the worker died; opt and noop did not
-    s.clock.t += 11
-    s.state.on_heartbeat(replace(beat("w1"), sent_at=s.clock.t))
-    assert s.state.lost_workers() == [WORKER]
-    s.state.on_worker_lost(WORKER)
+    leased.clock.t += 11
+    leased.state.on_heartbeat(replace(beat("w1"), sent_at=leased.clock.t))
+    assert leased.state.lost_workers() == [WORKER]
+    leased.state.on_worker_lost(WORKER)
     await ledger.bump_epoch(JOB, "")
-    await s.path.worker_lost(WORKER)
-    assert s.state.held == {}
+    await leased.path.worker_lost(WORKER)
+    assert leased.state.held == {}
     # Numbered first, in seq order, ahead of what came the normal way; then the noop.
-    assert list(s.state.pending)[:3] == [opt, noop, "req-50"]
-    assert s.path.requeued == 2
+    assert list(leased.state.pending)[:3] == [opt, noop, "req-50"]
+    assert leased.path.requeued == 2
 
 
 async def test_calls_lost_on_the_way_are_requeued_once_the_worker_reports_idle(
-    gateway: Gateway, ledger: Ledger, leases: DirectLeases
+    gateway: Gateway, leased: Scheduler
 ) -> None:
-    s = scheduler(leases, grace_s=5.0)
-    await resident_after_a_dispatch(s, ledger)
-    await s.path.step()
     (fb,) = await gateway.call(Function.FORWARD_BACKWARD)  # its gateway died: never sent
-    assert not await s.path.clear(WORKER)
-    s.clock.t += 3
-    s.state.on_heartbeat(replace(beat(WORKER), sent_at=s.clock.t))
-    await s.path.step()
-    assert s.state.held == {WORKER: JOB}  # inside the grace: it may still arrive
-    s.clock.t += 3
-    s.state.on_heartbeat(replace(beat(WORKER), sent_at=s.clock.t))
-    await s.path.step()
-    assert s.state.held == {} and list(s.state.pending) == [fb]
+    assert not await leased.path.clear(WORKER)
+    leased.clock.t += 3
+    leased.state.on_heartbeat(replace(beat(WORKER), sent_at=leased.clock.t))
+    await leased.path.step()
+    assert leased.state.held == {WORKER: JOB}  # inside the grace (5 s): it may still arrive
+    leased.clock.t += 3
+    leased.state.on_heartbeat(replace(beat(WORKER), sent_at=leased.clock.t))
+    await leased.path.step()
+    assert leased.state.held == {} and list(leased.state.pending) == [fb]
 
 
+@pytest.mark.usefixtures("leased")
 async def test_a_restarted_scheduler_revokes_what_it_finds_and_holds_until_answered(
-    gateway: Gateway, ledger: Ledger, leases: DirectLeases
+    gateway: Gateway, leases: DirectLeases
 ) -> None:
-    before = scheduler(leases)
-    await resident_after_a_dispatch(before, ledger)
-    await before.path.step()
     (fb,) = await gateway.call(Function.FORWARD_BACKWARD)
     sent = await gateway.flush()
     after = scheduler(leases)  # the first one died with the lease live
@@ -411,12 +407,10 @@ async def test_a_requeued_direct_call_answered_under_its_first_dispatch_id_frees
     assert "w1" not in s.state.inflight and not s.state.knows_request(call.request_id)
 
 
+@pytest.mark.usefixtures("leased")
 async def test_a_lease_found_on_a_worker_its_job_has_left_is_requeued_at_once(
-    gateway: Gateway, ledger: Ledger, leases: DirectLeases
+    gateway: Gateway, leases: DirectLeases
 ) -> None:
-    before = scheduler(leases)
-    await resident_after_a_dispatch(before, ledger)
-    await before.path.step()
     (fb,) = await gateway.call(Function.FORWARD_BACKWARD)
     await gateway.flush()
     # The worker died and the job went elsewhere; the scheduler died before requeueing.

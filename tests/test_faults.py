@@ -104,11 +104,6 @@ def service(cluster: LocalCluster) -> tinker.ServiceClient:
 
 
 @pytest.fixture(scope="module")
-def blobs(cluster: LocalCluster) -> Path:
-    return cluster.config.state_dir / "blobs"
-
-
-@pytest.fixture(scope="module")
 def reference(service: tinker.ServiceClient, blobs: Path) -> tuple[list[JobOutcome], float]:
     start = time.monotonic()
     outcomes = run_workload(service, WORKLOAD, blobs, TENANT)

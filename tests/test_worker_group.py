@@ -29,7 +29,7 @@ from tinker import types
 
 from plexrl.models import ModelRegistry
 from plexrl_tools.cluster import ClusterConfig, LocalCluster
-from plexrl_tools.faults import checkpoint_sha256
+from plexrl_tools.faults import checkpoint_sha256, random_data
 
 KEY, TENANT = "tml-group", "group"
 BASE = "plexrl/tiny-qwen3"
@@ -51,22 +51,7 @@ class Outcome:
 def batch(seed: int) -> list[types.Datum]:
     """A job's data, the same at every step (so its loss falls), enough of it that a
     forward_backward keeps each rank busy for a while (a kill lands inside one)."""
-    import random
-
-    rng = random.Random(seed)
-    data = []
-    for _ in range(32):
-        tokens = [rng.randrange(5, 600) for _ in range(rng.randrange(80, 120))]
-        data.append(
-            types.Datum(
-                model_input=types.ModelInput.from_ints(tokens[:-1]),
-                loss_fn_inputs={
-                    "target_tokens": types.TensorData(data=tokens[1:], dtype="int64"),
-                    "weights": types.TensorData(data=[1.0] * (len(tokens) - 1), dtype="float32"),
-                },
-            )
-        )
-    return data
+    return random_data(seed, 32, (80, 120))
 
 
 def full_client(service: tinker.ServiceClient) -> Any:
@@ -156,11 +141,6 @@ def cluster(
 def service(cluster: LocalCluster) -> tinker.ServiceClient:
     os.environ["HF_HUB_OFFLINE"] = "1"
     return tinker.ServiceClient(base_url=cluster.config.gateway_url, api_key=KEY)
-
-
-@pytest.fixture(scope="module")
-def blobs(cluster: LocalCluster) -> Path:
-    return cluster.config.state_dir / "blobs"
 
 
 @pytest.fixture(scope="module")

@@ -309,23 +309,11 @@ class GroupExecutor:
         seconds_of, useful_of = job.figures()
         planned = [seconds_of[c.function] for c in calls]
         work = sum(planned)
-        start = now + swap
-        if group.tails:
-            self._pace_tails(group, True)
-            end = self._stretched_end(group, start, work)
-        else:
-            end = start + work
-        group.running = job.job_id
-        group.busy_until = now + run.expected_swap_s + run.expected_compute_s
-        group.view = None
-        job.idle_until = 0.0
-        job.view = None
-        job.running += 1
-        job.sample_group = group.group_id
         r = job.result
-        ready = max(calls[0].arrival_time, r.start_s)
-        queued = max(0.0, now - ready)
-        r.call_queue_s += queued
+        start, end, queued = self._begin_run(
+            group, job, run, swap, work, max(calls[0].arrival_time, r.start_s)
+        )
+        job.sample_group = group.group_id
         r.swap_s += swap
         r.compute_s += end - start
         r.roamed += len(calls)
@@ -339,6 +327,30 @@ class GroupExecutor:
         group.inflight = flight
         self.roamed += len(calls)
         self.events.push(end, _RUN_DONE, flight)
+
+    def _begin_run(
+        self, group: SimGroup, job: SimJob, run: Run, swap: float, work: float, ready: float
+    ) -> tuple[float, float, float]:
+        """`group` starts `run` of `job` now: its calls begin after `swap` seconds and take
+        `work` (stretched by any stragglers beside them). Returns their start and end, and
+        the seconds the job waited since `ready` (time it was ready but the group was not),
+        which count in its call queue time."""
+        now = self.events.now
+        start = now + swap
+        if group.tails:
+            self._pace_tails(group, True)
+            end = self._stretched_end(group, start, work)
+        else:
+            end = start + work
+        group.running = job.job_id
+        group.busy_until = now + run.expected_swap_s + run.expected_compute_s
+        group.view = None
+        job.idle_until = 0.0
+        job.view = None
+        job.running += 1
+        queued = max(0.0, now - ready)
+        job.result.call_queue_s += queued
+        return start, end, queued
 
     def _riders(self, group: SimGroup, job: SimJob, ids: tuple[str, ...]) -> list[Rider]:
         """The co-sampled calls of a Run (`ids` past the leading job's own): other jobs'
@@ -435,24 +447,12 @@ class GroupExecutor:
                 useful += u
                 work = max(work, *rider.planned_s)
             work = max(work, useful)
-        start = now + swap
-        if group.tails:
-            self._pace_tails(group, True)
-            end = self._stretched_end(group, start, work)
-        else:
-            end = start + work
-        group.running = job.job_id
-        group.busy_until = now + run.expected_swap_s + run.expected_compute_s
-        group.view = None
-        job.idle_until = 0.0
-        job.view = None
-        job.running += 1
         r = job.result
-        # Time the job was ready but the group was not: from its oldest call's arrival
-        # (or its home, or the end of its own previous Run, whichever is later) to now.
-        ready = max(calls[0].arrival_time, r.start_s, job.last_active)
-        queued = max(0.0, now - ready)
-        r.call_queue_s += queued
+        # The job was ready from its oldest call's arrival (or its home, or the end of its
+        # own previous Run, whichever is later).
+        start, end, queued = self._begin_run(
+            group, job, run, swap, work, max(calls[0].arrival_time, r.start_s, job.last_active)
+        )
         devices = group.spec.devices
         flight = RunInFlight(job, calls, swap, start, planned, queued, end, now)
         flight.group = group

@@ -60,12 +60,18 @@ class Comparison:
 
 
 def batch(seed: int, step: int) -> list[Any]:
+    return random_data(seed * 1000 + step, 2, (6, 12))
+
+
+def random_data(seed: int, count: int, lengths: tuple[int, int]) -> list[Any]:
+    """`count` cross-entropy datums (SDK types) of random tokens drawn from `seed`, each
+    sequence `lengths[0]` to `lengths[1] - 1` tokens long, every target weighted 1."""
     from tinker import types
 
-    rng = random.Random(seed * 1000 + step)
+    rng = random.Random(seed)
     data = []
-    for _ in range(2):
-        tokens = [rng.randrange(5, 600) for _ in range(rng.randrange(6, 12))]
+    for _ in range(count):
+        tokens = [rng.randrange(5, 600) for _ in range(rng.randrange(*lengths))]
         data.append(
             types.Datum(
                 model_input=types.ModelInput.from_ints(tokens[:-1]),

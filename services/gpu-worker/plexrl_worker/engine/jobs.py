@@ -4,8 +4,6 @@ of the engine and back, which never change a bit of what the job computes next."
 
 from __future__ import annotations
 
-import torch
-
 from plexrl.messages import (
     CreateOutput,
     ForwardBackwardInput,
@@ -89,30 +87,10 @@ class TrainingJobs:
         adam = inp.adam
         weight_set.check_adam(adam)
         assert job.optimizer is not None  # trainable guarantees it
-        params = [p for _, p in job.weights.params()]
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        if adam.grad_clip_norm > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, norm)
-        # Hyperparameters arrive with every step (a schedule lives in the client).
-        for group in job.optimizer.param_groups:
-            group.update(
-                lr=adam.learning_rate,
-                betas=(adam.beta1, adam.beta2),
-                eps=adam.eps,
-                weight_decay=adam.weight_decay,
-            )
-        job.optimizer.step()
-        job.optimizer.zero_grad(set_to_none=True)
+        norm = weight_set.clip_grads([p for _, p in job.weights.params()], adam)
+        weight_set.adamw_step(job.optimizer, adam)
         job.steps += 1
-        return OptimStepOutput(
-            metrics={
-                # "name:reduction": the Tinker SDK splits metric keys on the colon.
-                "grad_norm:mean": float(norm),
-                "step:max": float(job.steps),
-                "learning_rate:mean": adam.learning_rate,
-            }
-        )
+        return OptimStepOutput(metrics=weight_set.step_metrics(norm, job.steps, adam))
 
     # ---- moves -------------------------------------------------------------------------
 

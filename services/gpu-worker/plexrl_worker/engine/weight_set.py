@@ -83,6 +83,39 @@ def check_adam(adam: AdamParams) -> None:
         raise EngineInputError("bad AdamParams: " + "; ".join(problems))
 
 
+def clip_grads(params: list[torch.nn.Parameter], adam: AdamParams) -> torch.Tensor:
+    """The gradients' total norm (zero when none has one), after scaling them down to
+    `adam.grad_clip_norm` where that is positive and the norm exceeds it."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+    if adam.grad_clip_norm > 0 and grads:
+        torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, norm)
+    return norm
+
+
+def adamw_step(optimizer: torch.optim.AdamW, adam: AdamParams) -> None:
+    """One AdamW step over the accumulated gradients, which it then clears."""
+    # Hyperparameters arrive with every step (a schedule lives in the client).
+    for group in optimizer.param_groups:
+        group.update(
+            lr=adam.learning_rate,
+            betas=(adam.beta1, adam.beta2),
+            eps=adam.eps,
+            weight_decay=adam.weight_decay,
+        )
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def step_metrics(norm: torch.Tensor, steps: int, adam: AdamParams) -> dict[str, float]:
+    # "name:reduction": the Tinker SDK splits metric keys on the colon.
+    return {
+        "grad_norm:mean": float(norm),
+        "step:max": float(steps),
+        "learning_rate:mean": adam.learning_rate,
+    }
+
+
 def describe(spec: JobSpec) -> str:
     if spec.lora is None:
         return f"full fine-tuning of {spec.base_model!r}"

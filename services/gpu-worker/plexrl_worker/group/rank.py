@@ -58,7 +58,14 @@ from plexrl_worker.engine.errors import (
     UnknownJobError,
 )
 from plexrl_worker.engine.state import JobTensors, NamedParams, host_copy
-from plexrl_worker.engine.weight_set import adamw, check_adam, describe
+from plexrl_worker.engine.weight_set import (
+    adamw,
+    adamw_step,
+    check_adam,
+    clip_grads,
+    describe,
+    step_metrics,
+)
 from plexrl_worker.engine.weights import (
     FullWeights,
     LoraWeights,
@@ -228,30 +235,12 @@ class RankEngine:
         job = self._job(job_id)
         adam = inp.adam
         check_adam(adam)
-        params = [p for _, p in job.weights.params()]
-        grads = [p.grad for p in params if p.grad is not None]
-        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        if adam.grad_clip_norm > 0 and grads:
-            torch.nn.utils.clip_grads_with_norm_(params, adam.grad_clip_norm, norm)
+        norm = clip_grads([p for _, p in job.weights.params()], adam)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
-        for group in job.optimizer.param_groups:
-            group.update(
-                lr=adam.learning_rate,
-                betas=(adam.beta1, adam.beta2),
-                eps=adam.eps,
-                weight_decay=adam.weight_decay,
-            )
-        job.optimizer.step()
-        job.optimizer.zero_grad(set_to_none=True)
+        adamw_step(job.optimizer, adam)
         job.steps += 1
-        return calls.OptimStepReply(
-            metrics={
-                "grad_norm:mean": float(norm),
-                "step:max": float(job.steps),
-                "learning_rate:mean": adam.learning_rate,
-            }
-        )
+        return calls.OptimStepReply(metrics=step_metrics(norm, job.steps, adam))
 
     # ---- state movement --------------------------------------------------------------
 
