@@ -1,6 +1,6 @@
 """The host bed: the cluster across hosts that are network namespaces on a bridge, each
 with its own address (plexrl_tools.hostbed). Kafka is three brokers on three hosts (every
-topic three copies, two in sync), Redis a primary and a replica watched by three
+topic three copies, two in sync), Redis a primary and two replicas watched by three
 Sentinels, the disk tier SeaweedFS's S3 on a host of its own, the workers on two more,
 two schedulers (one leading), two gateways behind one address, two state-stores.
 
@@ -109,11 +109,12 @@ def test_each_part_runs_on_its_own_host_and_every_topic_has_three_copies(
     assert brokers == {host_bed.address(h) for h in host_bed.layout.brokers}
     assert replicas and all(copies == {3} for copies in replicas.values()), replicas
     assert host_bed.bootstrap.count(f":{KAFKA_PORT}") == 3
-    # Redis: the primary where the layout put it, its replica in sync.
+    # Redis: the primary where the layout put it, its replicas in sync.
     assert host_bed.redis_primary() == host_bed.layout.redis_primary
     with host_bed.redis_target().connect_sync() as redis:
         replication = redis.info("replication")
-    assert replication["role"] == "master" and replication["connected_slaves"] == 1
+    assert replication["role"] == "master"
+    assert replication["connected_slaves"] == len(host_bed.layout.redis_replicas)
     # Every service answers at its own host's address, and nowhere else.
     with httpx.Client(timeout=3.0) as http:
         for name, _ in host_bed.layout.services:

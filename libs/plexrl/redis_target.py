@@ -58,8 +58,8 @@ class RedisTarget:
     wait_replicas: int = 0
     """Replicas a write that must survive a failover waits for (0: none, one machine)."""
     wait_timeout_ms: int = 1000
-    """Longest such a write waits for them; past it the write stands on the primary
-    alone (counted in plexrl_redis_unreplicated_writes_total and logged)."""
+    """Longest such a write waits for them; past it the write is not confirmed
+    (`ReplicaLagError`, counted in plexrl_redis_unreplicated_writes_total and logged)."""
     socket_timeout_s: float | None = 10.0
     """A command unanswered this long fails (and is retried on a new connection): a
     primary whose host vanished is given up on instead of waited for forever."""
@@ -153,6 +153,12 @@ class RedisTarget:
         return client
 
 
+class ReplicaLagError(redis.exceptions.ConnectionError):
+    """No replica confirmed a write that must survive a failover: the primary may be cut
+    off from its replicas (and about to be replaced), so the write is not confirmed to
+    anyone. Transient: the caller retries, on the promoted primary if it was replaced."""
+
+
 class ReplicaWait:
     """Waits until the replicas hold every write this process made so far (`WAIT`).
 
@@ -160,9 +166,13 @@ class ReplicaWait:
     the pool hands out any connection: so the wait first writes a mark (one `INCR` on the
     cluster's `replicated` key) on the connection it then waits on. Replication is one
     ordered stream, so the replicas holding the mark hold everything written before it,
-    by any client. With no replica to wait for, a write goes on after `timeout_ms`
-    (the cluster keeps running on its primary alone, at that cost per write): then, for
-    `recheck_s`, waits only look (a few milliseconds) until a replica is back.
+    by any client.
+
+    With fewer replicas than asked after `timeout_ms`, it raises `ReplicaLagError`: a
+    primary that reaches no replica may be one the Sentinels are replacing (its host cut
+    off), and what it alone holds is lost when it rejoins as a replica. Then, for
+    `recheck_s`, waits only look (a few milliseconds) before raising, until a replica is
+    back. Run two replicas (a write waits for one): one host lost then stops nothing.
     """
 
     def __init__(
@@ -190,7 +200,8 @@ class ReplicaWait:
 
     async def __call__(self) -> int:
         """The replicas that hold this process's writes now (`replicas` asked; 0 asked:
-        nothing is waited for and 0 is returned at once)."""
+        nothing is waited for and 0 is returned at once). Raises `ReplicaLagError` when
+        fewer than asked hold them."""
         if self._replicas <= 0:
             return 0
         degraded = self._clock() < self._short_until
@@ -210,12 +221,15 @@ class ReplicaWait:
         self.short += 1
         if not degraded:
             log.warning(
-                "a write waited %d ms for %d Redis replica(s) and got %d: it stands on the "
-                "primary alone (a failover now would lose it); checking again for %.0fs",
+                "a write waited %d ms for %d Redis replica(s) and got %d: not confirmed "
+                "(the primary may be cut off and replaced); the caller retries; checking "
+                "again for %.0fs",
                 timeout,
                 self._replicas,
                 acked,
                 self._recheck_s,
             )
         self._short_until = self._clock() + self._recheck_s
-        return acked
+        raise ReplicaLagError(
+            f"{acked} of {self._replicas} Redis replica(s) hold the write after {timeout} ms"
+        )

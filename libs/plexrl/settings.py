@@ -45,10 +45,10 @@ class CommonSettings(BaseSettings):
     redis_sentinel_master: str = "plexrl"
     # Replicas a write must reach before it is shown outside Redis (an accepted call, a
     # recorded result, a call number, a lease), so that a failover cannot lose it (Redis
-    # WAIT; docs/deploy.md says which writes wait). 0 on one machine; 1 with a replica.
+    # WAIT; docs/deploy.md says which writes wait). 0 on one machine; 1 with two replicas.
     redis_wait_replicas: int = Field(default=0, ge=0)
-    # Longest such a write waits, milliseconds; past it the write stands on the primary
-    # alone (logged, and counted in plexrl_redis_unreplicated_writes_total).
+    # Longest such a write waits, milliseconds; past it the write is not confirmed and
+    # its caller retries (logged, and counted in plexrl_redis_unreplicated_writes_total).
     redis_wait_timeout_ms: int = Field(default=1000, ge=1)
     # A Redis command unanswered this long fails and is sent again on a new connection
     # (a primary whose host vanished is given up on); 0: wait forever.

@@ -5,7 +5,7 @@ On them run what a real deployment runs on separate machines:
 
 - Kafka as a three-node KRaft quorum, one broker per host (`scripts/infra.sh` with
   `PLEXRL_KAFKA_VOTERS`): every topic with three replicas, two in sync for a write;
-- Redis, a primary and a replica on two hosts, and three Sentinels on three hosts that
+- Redis, a primary and two replicas on three hosts, and three Sentinels on three hosts that
   fail the primary over (Debian's `redis-sentinel`);
 - SeaweedFS on a host of its own, the S3 object store of the disk tier;
 - the services (`BedLayout.services`): gpu-workers on two hosts, the schedulers, gateways
@@ -66,7 +66,8 @@ class BedLayout:
     brokers: tuple[str, ...] = ("h1", "h2", "h3")
     """One Kafka broker (and KRaft controller) on each."""
     redis_primary: str = "h1"
-    redis_replica: str = "h2"
+    redis_replicas: tuple[str, ...] = ("h2", "h3")
+    """A write waits for one of them: one host lost leaves a replica to confirm writes."""
     sentinels: tuple[str, ...] = ("h1", "h2", "h3")
     object_store: str = "h6"
     services: tuple[tuple[str, str], ...] = (
@@ -412,15 +413,19 @@ class HostBed:
         infra_sh("prepare", {"PLEXRL_INFRA_PARTS": "kafka redis sentinel"}, 900.0)
         self._redis(self.layout.redis_primary)
         replica_of = f"{self.address(self.layout.redis_primary)} {REDIS_PORT}"
-        with ThreadPoolExecutor(max_workers=8) as pool:
+        with ThreadPoolExecutor(max_workers=9) as pool:
             started = [pool.submit(self._kafka, h) for h in self.layout.brokers]
-            started.append(pool.submit(self._redis, self.layout.redis_replica, "up", replica_of))
+            started += [
+                pool.submit(self._redis, h, "up", replica_of) for h in self.layout.redis_replicas
+            ]
             started += [pool.submit(self._sentinel, h) for h in self.layout.sentinels]
             started.append(pool.submit(self.object_store.up))
             for future in started:
                 future.result()
         wait_sentinels_ready(
-            [(self.address(h), SENTINEL_PORT) for h in self.layout.sentinels], MASTER
+            [(self.address(h), SENTINEL_PORT) for h in self.layout.sentinels],
+            MASTER,
+            replicas=len(self.layout.redis_replicas),
         )
 
     # Lifecycle ----------------------------------------------------------------------
@@ -492,7 +497,7 @@ class HostBed:
         with ThreadPoolExecutor(max_workers=6) as pool:
             if host in self.layout.brokers:
                 jobs.append(pool.submit(self._kafka, host))
-            if host in (self.layout.redis_primary, self.layout.redis_replica):
+            if host == self.layout.redis_primary or host in self.layout.redis_replicas:
                 jobs.append(pool.submit(self._revive_redis, host))
             if host in self.layout.sentinels:
                 jobs.append(pool.submit(self._sentinel, host))

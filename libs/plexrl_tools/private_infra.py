@@ -189,18 +189,18 @@ def wait_sentinels_ready(
 
 
 class RedisGroup:
-    """A Redis primary, one replica and three Sentinels on loopback ports of their own,
-    with state under `root`: `up`, `kill_primary` (SIGKILL; the Sentinels promote the
-    replica), `primary` (where the Sentinels say it is), `down`."""
+    """A Redis primary, two replicas and three Sentinels on loopback ports of their own,
+    with state under `root`: `up`, `kill_primary` (SIGKILL; the Sentinels promote a
+    replica), `primary` (where the Sentinels say it is), `replicas`, `pid`, `down`."""
 
     MASTER = "plexrl"
 
     def __init__(self, root: Path, down_after_ms: int = 1000) -> None:
         self.root = root
         self.down_after_ms = down_after_ms
-        ports = free_ports(5)
-        self.redis_ports = (ports[0], ports[1])
-        self.sentinel_ports = tuple(ports[2:])
+        ports = free_ports(6)
+        self.redis_ports = (ports[0], ports[1], ports[2])
+        self.sentinel_ports = tuple(ports[3:])
 
     @property
     def sentinels(self) -> str:
@@ -208,7 +208,7 @@ class RedisGroup:
         return ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
 
     def env(self) -> dict[str, str]:
-        """What a service needs to use this group (with one replica to wait for)."""
+        """What a service needs to use this group (a write waits for one replica)."""
         return {
             "PLEXRL_REDIS_SENTINELS": self.sentinels,
             "PLEXRL_REDIS_SENTINEL_MASTER": self.MASTER,
@@ -240,16 +240,18 @@ class RedisGroup:
         infra_sh(command, env, 120.0)
 
     def up(self) -> None:
-        primary, replica = self.redis_ports
-        # Installs once, before five starts at once would race them.
+        primary, *replicas = self.redis_ports
+        # Installs once, before six starts at once would race them.
         infra_sh("prepare", {"PLEXRL_INFRA_PARTS": "redis sentinel"}, 900.0)
         self._redis("up", primary)
-        with ThreadPoolExecutor() as pool:  # the replica syncs while the Sentinels start
-            started = [pool.submit(self._redis, "up", replica, f"127.0.0.1 {primary}")]
+        with ThreadPoolExecutor() as pool:  # the replicas sync while the Sentinels start
+            started = [pool.submit(self._redis, "up", r, f"127.0.0.1 {primary}") for r in replicas]
             started += [pool.submit(self._sentinel, "up", p) for p in self.sentinel_ports]
             for future in started:
                 future.result()
-        wait_sentinels_ready([("127.0.0.1", p) for p in self.sentinel_ports], self.MASTER)
+        wait_sentinels_ready(
+            [("127.0.0.1", p) for p in self.sentinel_ports], self.MASTER, replicas=len(replicas)
+        )
 
     def down(self) -> None:
         with ThreadPoolExecutor() as pool:
@@ -271,10 +273,19 @@ class RedisGroup:
                 continue
         raise RuntimeError(f"no Sentinel of {self.sentinel_ports} answers")
 
+    def replicas(self) -> list[int]:
+        """The ports of the servers that are not the primary now."""
+        primary = self.primary()
+        return [p for p in self.redis_ports if p != primary]
+
+    def pid(self, port: int) -> int | None:
+        """The process of the server on `port`, if it runs."""
+        return pid_alive(self._dir(port) / f"redis-{port}" / "redis.pid")
+
     def kill_primary(self) -> int:
         """SIGKILL the primary; returns its port."""
         port = self.primary()
-        pid = pid_alive(self._dir(port) / f"redis-{port}" / "redis.pid")
+        pid = self.pid(port)
         if pid is None:
             raise RuntimeError(f"the primary on {port} is not running")
         kill_and_wait(pid)

@@ -101,6 +101,9 @@ class ResultRecorder:
             stands, _ = await pipe.execute()
         if not stands:  # recorded before (a replay that ran again): that record stands
             completion = await self._calls.get_completion(completion.request_id) or completion
+        # The record (and the ledger commit and result before it) must outlive a
+        # failover before the completion is published.
+        await self._calls.replicated()
         await self.publish(completion)
         metrics.CALLS.labels(str(request.function), str(completion.status)).inc()
         metrics.BUSY_SECONDS.labels(str(request.function)).inc(ran.swap_s + ran.compute_s)
