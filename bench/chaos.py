@@ -28,7 +28,7 @@ With `--hosts` (root) it runs on the host bed instead (plexrl_tools.hostbed: six
 namespaces, three Kafka brokers, Redis with Sentinels, SeaweedFS, two of every service)
 and injects host and link faults (plexrl_tools.host_faults: a worker's host cut off, the
 leading scheduler's host cut off, a lossy slow link for `--lossy-s`, a broker's host
-killed, the Redis primary's host killed) `--injections` times each, in a random order at
+killed, the Redis primary's host killed or cut off) `--injections` times each, in a random order at
 random points of the run; per kind it reports the stall and the failover time. Before
 that, unless `--no-main`, the main job (examples/rlvr.py's RLVR jobs, as scripts/demo.sh
 runs them) runs once on one host (a LocalCluster over its own broker and Redis) and once
@@ -359,7 +359,7 @@ def main() -> None:
     parser.add_argument(
         "--host-kinds",
         default="worker-partition,leader-partition,lossy-link,"
-        "broker-host-kill,redis-primary-host-kill",
+        "broker-host-kill,redis-primary-host-kill,redis-primary-partition",
     )
     parser.add_argument("--lossy-s", type=float, default=60.0, help="how long a link is lossy")
     parser.add_argument("--no-main", action="store_true", help="skip the main job's runs")

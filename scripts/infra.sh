@@ -327,6 +327,8 @@ kafka_format() {
   rm -rf "$KAFKA_DIR/data"
   mkdir -p "$KAFKA_DIR/data"
   id=$KAFKA_CLUSTER_ID
+  [[ $id != -* ]] ||
+    die "kafka: PLEXRL_KAFKA_CLUSTER_ID '$id' starts with '-', which Kafka's storage tool reads as an option; use another (kafka-storage.sh random-uuid never makes one)"
   if [[ -z $id ]]; then
     id=$(kafka_tool kafka.tools.StorageTool random-uuid 2>>"$KAFKA_OUT") ||
       die "kafka: StorageTool random-uuid failed; see $KAFKA_OUT"

@@ -31,7 +31,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 
 from plexrl_tools.faults import JobOutcome, StoreCheckpoints, Workload, run_workload
 from plexrl_tools.host_faults import FaultConfig, HostFaults
-from plexrl_tools.hostbed import KAFKA_PORT, HostBed
+from plexrl_tools.hostbed import KAFKA_PORT, HostBed, kafka_cluster_id
 from plexrl_tools.hostnet import can_build
 
 pytestmark = pytest.mark.integration
@@ -44,6 +44,13 @@ FAULTS = ("worker-partition", "leader-partition", "redis-primary-host-kill")
 HANDOVER_TARGET_S = 10.0
 """A leader cut off is replaced within this: its lease's 4 s, half a second to ask, the
 new leader's start."""
+
+
+def test_kafka_cluster_ids_never_start_with_a_dash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Kafka's storage tool reads a leading '-' as an option (1 id in 64 would)."""
+    draws = iter([b"\xf8" + bytes(15), bytes(16)])  # '-' first, then 'A...'
+    monkeypatch.setattr("secrets.token_bytes", lambda n: next(draws))
+    assert kafka_cluster_id() == "A" * 22
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,9 @@ The kinds (`KINDS`):
   is also cut off: a dead machine answers nothing), then the host revived;
 - `redis-primary-host-kill`: the same for the Redis primary's host; the Sentinels
   promote a replica (the other follows it), and the host comes back as a replica;
+- `redis-primary-partition`: the Redis primary's host cut off until the Sentinels
+  promote a replica (and a little longer), then healed: the old primary rejoins as a
+  replica, and what it alone took meanwhile (nothing confirmed) is dropped;
 - `lossy-link`: `loss` of the packets in and out of the first job's worker host
   dropped and those it sends held `delay_ms`, for `lossy_s`.
 
@@ -42,6 +45,7 @@ KINDS = (
     "lossy-link",
     "broker-host-kill",
     "redis-primary-host-kill",
+    "redis-primary-partition",
 )
 
 
@@ -242,6 +246,19 @@ class HostFaults:
             )
             bed.kill_host(host)
             return {"host": host}
+        if kind == "redis-primary-partition":
+            host = bed.redis_primary()
+            bed.partition(host)
+            try:
+                failover = wait_until(
+                    lambda: _primary_or_none(bed) not in (None, host),
+                    config.failover_limit_s,
+                    0.2,
+                )
+                time.sleep(config.leader_grace_s)
+            finally:
+                bed.heal(host)
+            return {"host": host, "failover_s": failover, "primary": host}
         # redis-primary-host-kill
         host = bed.redis_primary()
         bed.kill_host(host)

@@ -98,8 +98,12 @@ def kind_of(service: str) -> str:
 
 
 def kafka_cluster_id() -> str:
-    """A KRaft cluster id: 16 random bytes, base64url without padding (as Kafka's own)."""
-    return base64.urlsafe_b64encode(secrets.token_bytes(16)).decode().rstrip("=")
+    """A KRaft cluster id: 16 random bytes, base64url without padding, never starting
+    with '-' (as Kafka's own: the storage tool would read such an id as an option)."""
+    while True:
+        text = base64.urlsafe_b64encode(secrets.token_bytes(16)).decode().rstrip("=")
+        if not text.startswith("-"):
+            return text
 
 
 class HostCluster(LocalCluster):
