@@ -26,7 +26,7 @@ from plexrl.messages import (
     PhaseRequest,
 )
 from plexrl.state_store_client import Fence
-from plexrl_worker.numbering import NumberedCalls
+from plexrl_worker.numbering import LedgerMovedError, NumberedCalls
 from plexrl_worker.runner import Ran
 
 
@@ -35,10 +35,17 @@ class Ledger:
         self.applied = 4
         self.epoch = 1
         self.heads_read = 0
+        self.results: dict[int, PhaseCompletion] = {}
 
     async def head(self, job_id: str) -> LedgerState:
         self.heads_read += 1
         return LedgerState(epoch=self.epoch, owner="worker-0", applied=self.applied)
+
+    async def head_and_result(
+        self, job_id: str, seq: int
+    ) -> tuple[LedgerState, PhaseCompletion | None]:
+        head = await self.head(job_id)
+        return head, (self.results.get(seq) if seq <= head.applied else None)
 
     async def commit(
         self, job_id: str, epoch: int, seq: int, completion: PhaseCompletion, logged: Any
@@ -221,3 +228,28 @@ def test_calls_of_a_dispatch_re_homed_while_it_ran_are_left_to_the_new_home() ->
     # Call 5 ran on the old copy but its commit was refused; call 6 never ran.
     assert answers.answered == [] and recovery.events == ["run", "forget"]
     assert calls.fenced == 1 and ledger.applied == 4
+
+
+def test_a_call_the_head_said_applied_but_a_failover_took_back_is_taken_again() -> None:
+    """The turn's head was read from a Redis primary that a failover then replaced (it
+    held call 5's commit, the promoted replica does not): call 5 is not answered with
+    a made-up failure; the dispatch is taken again (a transient error) from the ledger,
+    and this worker's copy, which may hold what the old primary held, goes."""
+    ledger, recovery = Ledger(), Recovery()
+    answers = Answers(ledger)
+    calls = _calls(ledger, recovery, answers)
+
+    async def run() -> None:
+        ledger.applied = 5  # the old primary's head
+        turn = await calls.open("job", 1)
+        assert turn is not None
+        ledger.applied = 4  # the promoted replica's ledger
+        with pytest.raises(LedgerMovedError, match="a Redis failover"):
+            await calls.run(turn, _forward_backward(), 5, "d1", False)
+
+    asyncio.run(run())
+    assert answers.answered == [] and recovery.events == ["forget"]
+    assert isinstance(LedgerMovedError("x"), redis.exceptions.ConnectionError)  # transient
+    # Taken again: call 5 runs from the ledger's head.
+    assert _dispatch(calls, 1, (_forward_backward(), 5), (_optim(), 6))
+    assert answers.answered == ["r5", "r6"] and ledger.applied == 6

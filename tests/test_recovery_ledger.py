@@ -90,6 +90,9 @@ async def test_commits_go_in_order_under_the_current_epoch_only(ledger: Ledger) 
     assert (head.applied, head.epoch, head.owner) == (2, newer, "w1")
     stored = await ledger.result("j", 1)
     assert stored is not None and stored.request_id == "a"
+    head, both = await ledger.head_and_result("j", 2)  # one read of one server
+    assert head.applied == 2 and both is not None and both.request_id == "b"
+    assert (await ledger.head_and_result("j", 3))[1] is None
 
 
 @pytest.mark.integration

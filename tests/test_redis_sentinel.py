@@ -16,8 +16,10 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+from redis import exceptions as redis_exceptions
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse
@@ -188,3 +190,48 @@ async def test_no_replica_asked_sends_nothing() -> None:
 
     wait = ReplicaWait(Unreachable(), "k", replicas=0, timeout_ms=10)  # type: ignore[arg-type]
     assert await wait() == 0
+
+
+class _Sentinel:
+    """The edge of redis-py's Sentinel: one Sentinel's answer, after `delay_s`."""
+
+    def __init__(self, ip: str, epoch: int, delay_s: float = 0.0, down: bool = False) -> None:
+        self.state = {
+            "ip": ip,
+            "port": 6379,
+            "config-epoch": epoch,
+            "is_master": True,
+            "is_sdown": False,
+            "is_odown": False,
+            "num-other-sentinels": 2,
+        }
+        self.delay_s = delay_s
+        self.down = down
+
+    async def sentinel_masters(self) -> dict[str, Any]:
+        await asyncio.sleep(self.delay_s)
+        if self.down:
+            raise redis_exceptions.TimeoutError("Timeout connecting to server")
+        return {"plexrl": self.state}
+
+
+async def test_a_sentinel_that_missed_the_failover_does_not_name_the_primary() -> None:
+    """The Sentinel of a host just healed from a partition answers first and still names
+    the old primary (config epoch 1); the majority's newer failover (epoch 2) wins."""
+    target = RedisTarget(sentinels=(("10.0.0.1", 1), ("10.0.0.2", 2), ("10.0.0.3", 3)))
+    sentinel = target.connect().connection_pool.sentinel_manager  # type: ignore[attr-defined]
+    sentinel.sentinels = [
+        _Sentinel("10.0.0.1", 1),
+        _Sentinel("10.0.0.2", 2, delay_s=0.05),
+        _Sentinel("10.0.0.3", 2, delay_s=0.1),
+    ]
+    assert await sentinel.discover_master("plexrl") == ("10.0.0.2", 6379)
+    # One Sentinel down: the two that answer are a majority; nobody waits for the third.
+    sentinel.sentinels = [
+        _Sentinel("10.0.0.1", 2, delay_s=30, down=True),
+        _Sentinel("10.0.0.2", 3),
+        _Sentinel("10.0.0.3", 3, delay_s=0.05),
+    ]
+    started = time.monotonic()
+    assert await sentinel.discover_master("plexrl") == ("10.0.0.2", 6379)
+    assert time.monotonic() - started < 1.0

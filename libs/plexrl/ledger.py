@@ -338,6 +338,17 @@ class Ledger:
         raw = await self._redis.hget(self._k(job_id, "results"), str(seq))
         return None if raw is None else decode(_bytes(raw), PhaseCompletion)
 
+    async def head_and_result(
+        self, job_id: str, seq: int
+    ) -> tuple[LedgerState, PhaseCompletion | None]:
+        """The head and call `seq`'s result in one read of one server (a commit writes
+        both at once, so they agree unless the server changed between two reads)."""
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.hgetall(self._k(job_id))
+            pipe.hget(self._k(job_id, "results"), str(seq))
+            raw_head, raw = await pipe.execute()
+        return _head(raw_head), None if raw is None else decode(_bytes(raw), PhaseCompletion)
+
     async def archive_range(
         self, job_id: str, upto: int, at_least: int = 1
     ) -> tuple[int, dict[int, bytes]]:

@@ -14,6 +14,7 @@ survives a failover; docs/deploy.md lists which writes wait and why the others n
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -26,7 +27,7 @@ import redis.asyncio as aioredis
 import redis.exceptions
 from prometheus_client import Counter
 from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
+from redis.asyncio.sentinel import MasterNotFoundError, Sentinel
 from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry as SyncRetry
 from redis.sentinel import Sentinel as SyncSentinel
@@ -42,6 +43,77 @@ UNREPLICATED = Counter(
 )
 
 _RETRIED = [redis.exceptions.ConnectionError, redis.exceptions.TimeoutError]
+
+
+def newest_primary(
+    states: list[Any], check: Callable[[dict[str, Any], str], bool], master: str
+) -> tuple[str, int]:
+    """Of what Sentinels answered (each its `SENTINEL MASTERS` state of `master`, or an
+    error), the primary of the newest failover (the highest config epoch). A Sentinel
+    that was cut off from the others still names the primary it knew: the first answer
+    alone could send a client to a demoted primary that has not been told yet, whose
+    reads are stale and whose writes are dropped when it resyncs. A majority of the
+    Sentinels always includes one that took part in the newest failover."""
+    best: dict[str, Any] | None = None
+    for state in states:
+        if not isinstance(state, dict) or not check(state, master):
+            continue
+        if best is None or int(state.get("config-epoch", 0)) > int(best.get("config-epoch", 0)):
+            best = state
+    if best is None:
+        raise MasterNotFoundError(f"no Sentinel names a primary for {master!r}: {states}")
+    return str(best["ip"]), int(best["port"])
+
+
+def _majority(sentinels: list[Any]) -> int:
+    return len(sentinels) // 2 + 1
+
+
+class NewestSentinel(Sentinel):
+    """Asks every Sentinel at once and, once a majority answered, follows the newest
+    failover among their answers (`newest_primary`)."""
+
+    async def discover_master(self, service_name: str) -> tuple[str, int]:
+        async def ask(sentinel: Any) -> Any:
+            masters = await sentinel.sentinel_masters()
+            return masters.get(service_name)
+
+        asks = [asyncio.ensure_future(ask(s)) for s in self.sentinels]
+        states: list[Any] = []
+        try:
+            for answer in asyncio.as_completed(asks):
+                try:
+                    states.append(await answer)
+                except (redis.exceptions.RedisError, OSError) as exc:
+                    states.append(exc)
+                    continue
+                if sum(isinstance(x, dict) for x in states) >= _majority(self.sentinels):
+                    break
+        finally:
+            for pending in asks:
+                pending.cancel()
+        return newest_primary(states, self.check_master_state, service_name)
+
+
+class NewestSyncSentinel(SyncSentinel):
+    """The blocking client's `NewestSentinel`: Sentinels asked in turn until a majority
+    answered, those that answered asked first next time."""
+
+    def discover_master(self, service_name: str) -> tuple[str, int]:
+        states: list[Any] = []
+        answered: list[Any] = []
+        for sentinel in list(self.sentinels):
+            try:
+                masters: Any = sentinel.sentinel_masters()
+            except (redis.exceptions.RedisError, OSError) as exc:
+                states.append(exc)
+                continue
+            states.append(masters.get(service_name))
+            answered.append(sentinel)
+            if len(answered) >= _majority(self.sentinels):
+                break
+        self.sentinels = answered + [s for s in self.sentinels if s not in answered]
+        return newest_primary(states, self.check_master_state, service_name)
 
 
 @dataclass(frozen=True)
@@ -134,7 +206,9 @@ class RedisTarget:
         options = {**self._common(), "retry": retry, "retry_on_error": list(_RETRIED)}
         if not self.sentinels:
             return aioredis.Redis.from_url(self.url, **options)
-        sentinel = Sentinel(list(self.sentinels), sentinel_kwargs=self._sentinel_kwargs(False))
+        sentinel = NewestSentinel(
+            list(self.sentinels), sentinel_kwargs=self._sentinel_kwargs(False)
+        )
         client: aioredis.Redis = sentinel.master_for(
             self.master, redis_class=aioredis.Redis, **options, **self._server_kwargs()
         )
@@ -146,7 +220,9 @@ class RedisTarget:
         options = {**self._common(), "retry": retry, "retry_on_error": list(_RETRIED)}
         if not self.sentinels:
             return redis.Redis.from_url(self.url, **options)
-        sentinel = SyncSentinel(list(self.sentinels), sentinel_kwargs=self._sentinel_kwargs(True))
+        sentinel = NewestSyncSentinel(
+            list(self.sentinels), sentinel_kwargs=self._sentinel_kwargs(True)
+        )
         client: redis.Redis = sentinel.master_for(
             self.master, redis_class=redis.Redis, **options, **self._server_kwargs()
         )

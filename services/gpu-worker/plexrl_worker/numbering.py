@@ -17,6 +17,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import redis.exceptions
+
 from plexrl.direct import lease_of
 from plexrl.failpoints import failpoint
 from plexrl.ledger import MUTATING, Committed, Ledger, LedgerState, Verdict, verdict
@@ -28,6 +30,11 @@ from plexrl_worker.recovery import JobRecovery
 from plexrl_worker.runner import CallRunner, Ran
 
 log = logging.getLogger(__name__)
+
+
+class LedgerMovedError(redis.exceptions.ConnectionError):
+    """The ledger went back under a turn (a Redis failover replaced the primary its head
+    was read from): transient, the dispatch is taken again from a fresh head."""
 
 
 @dataclass
@@ -142,7 +149,17 @@ class NumberedCalls:
     async def _answer(self, request: PhaseRequest, seq: int, dispatch_id: str, last: bool) -> None:
         """A call applied before: answered with the result it had, never run again."""
         job_id = request.job_id
-        stored = await self._ledger.result(job_id, seq)
+        head, stored = await self._ledger.head_and_result(job_id, seq)
+        if head.applied < seq:
+            # The head this turn began with said applied, the ledger now says not: it was
+            # read from a primary that a Redis failover has since replaced. Start over,
+            # from the ledger (this worker's copy may hold what the old primary held).
+            await self._recovery.forget(job_id)
+            raise LedgerMovedError(
+                f"call {seq} of {job_id} was applied by the head read before, not by the "
+                f"ledger now (applied {head.applied}): a Redis failover; the dispatch "
+                "is taken again"
+            )
         if stored is None:
             stored = await self._recovery.archived_result(job_id, seq)
         if stored is not None:
