@@ -105,7 +105,9 @@ async def ensure_topics(
     """Create the topics that do not exist yet (idempotent, safe to race), replicated as
     `replication` says; raises saying what to change when the brokers refuse them."""
     replication = replication or TopicReplication()
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    # A broker whose host vanished must not hold the caller for aiokafka's 40 s default
+    # (the scheduler creates a joining worker's topics in its control loop).
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=REQUEST_TIMEOUT_MS)
     await admin.start()
     try:
         existing = set(await admin.list_topics())

@@ -1,4 +1,5 @@
-"""The producer's health check: any broker that answers counts, and it answers in time."""
+"""One broker's host gone silent: the producer's health check counts any broker that
+answers, in time, and no admin request waits out aiokafka's 40 s default."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from plexrl.kafka import Publisher
+import pytest
+
+from plexrl import kafka
+from plexrl.kafka import REQUEST_TIMEOUT_MS, Publisher
 
 BOOTSTRAP = "127.0.0.1:9"  # never dialled by the tests of the check alone
 
@@ -60,3 +64,26 @@ async def test_a_running_broker_answers(infra: dict[str, str]) -> None:
         assert await publisher.ping()  # now from the brokers the metadata named
     finally:
         await publisher.stop()
+
+
+async def test_creating_topics_waits_no_longer_than_a_request_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    made: list[dict[str, Any]] = []
+
+    class Admin:  # the edge: what the admin client is built with
+        def __init__(self, **options: Any) -> None:
+            made.append(options)
+
+        async def start(self) -> None:
+            pass
+
+        async def list_topics(self) -> list[str]:
+            return ["t"]
+
+        async def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(kafka, "AIOKafkaAdminClient", Admin)
+    await kafka.ensure_topics("10.0.0.1:9092", {"t": 1})
+    assert made and made[0]["request_timeout_ms"] == REQUEST_TIMEOUT_MS
