@@ -12,6 +12,7 @@ import pytest
 import redis.exceptions
 
 from plexrl.lease import FENCE_CHECK, Leadership, Lease, LeaseConfig, Term
+from plexrl.redis_target import ReplicaLagError
 from plexrl.stores import Stores
 
 pytestmark = pytest.mark.integration
@@ -139,3 +140,23 @@ async def test_a_leader_whose_work_ends_cancelled_seeks_the_lease_again(stores: 
     stop.set()
     await running  # the process's own loop never ended early
     assert len(terms) == 2 and terms[1] > terms[0]
+
+
+async def test_a_renewal_no_replica_confirms_fails(stores: Stores) -> None:
+    """A holder cut off together with the Redis primary renews on that primary alone:
+    unconfirmed, the renewal counts as failed, so the holder steps down in time."""
+    cut_off = False
+
+    async def replicated() -> int:
+        if cut_off:
+            raise ReplicaLagError("0 of 1 Redis replica(s) hold the write after 1000 ms")
+        return 1
+
+    lease = Lease(
+        stores.keys.redis, stores.keys.key("lease", "x"), "a", config=QUICK, replicated=replicated
+    )
+    term = await lease.try_acquire()
+    assert term is not None and await lease.renew(term)
+    cut_off = True
+    with pytest.raises(ReplicaLagError):
+        await lease.renew(term)

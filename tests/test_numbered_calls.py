@@ -9,6 +9,7 @@ later calls answered here."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any, cast
 
@@ -18,6 +19,8 @@ import redis.exceptions
 from plexrl.ledger import Committed, LedgerState
 from plexrl.messages import (
     AdamParams,
+    ErrorCode,
+    ErrorInfo,
     ForwardBackwardInput,
     Function,
     LossFn,
@@ -253,3 +256,46 @@ def test_a_call_the_head_said_applied_but_a_failover_took_back_is_taken_again() 
     # Taken again: call 5 runs from the ledger's head.
     assert _dispatch(calls, 1, (_forward_backward(), 5), (_optim(), 6))
     assert answers.answered == ["r5", "r6"] and ledger.applied == 6
+
+
+class FencedOnce(Runner):
+    """The state-store refuses the first write as fenced: its Redis is a demoted primary
+    holding a deposed scheduler's re-homing that the ledger never confirmed."""
+
+    def __init__(self, recovery: Recovery) -> None:
+        super().__init__(recovery)
+        self.refused = False
+
+    async def run(self, request: PhaseRequest, fence: Fence | None = None) -> Ran:
+        ran = await super().run(request, fence)
+        if self.refused:
+            return ran
+        self.refused = True
+        error = ErrorInfo(ErrorCode.CANCELLED, "the lease of epoch 1 no longer stands")
+        return dataclasses.replace(ran, error=error, fenced=True)
+
+
+def test_a_write_fenced_by_a_stale_view_while_the_ledger_says_the_lease_stands_is_retried() -> None:
+    ledger, recovery = Ledger(), Recovery()
+    answers = Answers(ledger)
+    calls = _calls(ledger, recovery, answers)
+    calls._runner = FencedOnce(recovery)  # type: ignore[assignment]
+    assert _dispatch(calls, 1, (_forward_backward(), 5))
+    assert answers.answered == ["r5"] and ledger.applied == 5
+    assert recovery.events.count("run") == 2  # refused once, then run again
+
+
+def test_a_write_fenced_because_the_job_was_re_homed_is_not_retried() -> None:
+    ledger, recovery = Ledger(), Recovery()
+    answers = Answers(ledger)
+    calls = _calls(ledger, recovery, answers)
+    calls._runner = FencedOnce(recovery)  # type: ignore[assignment]
+
+    async def run() -> None:
+        turn = await calls.open("job", 1)
+        assert turn is not None
+        ledger.epoch = 2  # re-homed, and the ledger says so too
+        await calls.run(turn, _forward_backward(), 5, "d1", True)
+
+    asyncio.run(run())
+    assert answers.answered == [] and recovery.events.count("run") == 1

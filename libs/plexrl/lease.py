@@ -196,9 +196,14 @@ class Lease:
         return Term(int(token), self.holder, sought_at)
 
     async def renew(self, term: Term) -> bool:
-        """Extend the lease's life; False when it is not this term's any more."""
+        """Extend the lease's life; False when it is not this term's any more. Raises
+        (a failed renewal) when no Redis replica confirms it: a holder cut off with its
+        Redis primary would otherwise renew on that primary, go on leading its side of
+        the partition, and never step down."""
         ttl_ms = int(self.config.ttl_s * 1000)
         done: Any = await self._renew(keys=[self.key], args=[term.holder, term.token, ttl_ms])
+        if int(done) and self._replicated is not None:
+            await self._replicated()
         return bool(int(done))
 
     async def release(self, term: Term) -> None:

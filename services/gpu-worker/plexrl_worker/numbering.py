@@ -185,6 +185,11 @@ class NumberedCalls:
                 )
                 ran = await self._runner.run(request, fence)
                 ran = dataclasses.replace(ran, swap_s=ran.swap_s + restore_s)
+                if ran.fenced and (await self._ledger.head(request.job_id)).epoch == fence.epoch:
+                    # The state-store read a newer epoch than the ledger holds: its Redis
+                    # is a primary a failover replaced (a deposed scheduler's unconfirmed
+                    # re-homing on it). The lease stands; the call is tried again.
+                    ran = dataclasses.replace(ran, transient=True)
             except Exception as exc:
                 log.warning("restoring %s failed", request.job_id, exc_info=True)
                 ran = dataclasses.replace(

@@ -91,6 +91,9 @@ class Ran:
     transient: bool = False
     """The error was an infrastructure fault a later attempt may not meet (a service
     away): the only kind worth running the call again for."""
+    fenced: bool = False
+    """The state-store refused a write of the call: by its reading of the ledger, the
+    call's lease no longer stands."""
 
 
 class CallRunner:
@@ -164,7 +167,16 @@ class CallRunner:
             return Ran(output, None, swap_s, time.perf_counter() - t0, started_at)
         except Exception as exc:
             error, transient = _error(request, exc), is_transient(exc)
-        return Ran(None, error, swap_s, time.perf_counter() - t0, started_at, transient=transient)
+            fenced = isinstance(exc, StateStoreFenced)
+        return Ran(
+            None,
+            error,
+            swap_s,
+            time.perf_counter() - t0,
+            started_at,
+            transient=transient,
+            fenced=fenced,
+        )
 
     async def _dispatch(
         self, request: PhaseRequest, payload: PhaseInput, fence: Fence | None = None
