@@ -84,10 +84,20 @@ class StateManager:
 
     async def created(self, job_id: str, nbytes: int) -> None:
         """A job's state now exists on the device tier (after CREATE)."""
-        # A re-created job (after a worker restart, say) continues its record's versions.
-        current = await self._residency.get_residency(job_id)
-        previous = _Held(current.tier, current.bytes, current.version) if current else None
-        version = await self._record(job_id, previous, Tier.DEVICE, nbytes)
+        # A re-created job (after a worker restart, say) continues its record's versions;
+        # the record moves here whoever wrote it last (a former home back from a cut-off
+        # may write it meanwhile: read it again). Failing, the engine's copy goes too, so
+        # the engine and this record never disagree on whether the state is here.
+        for attempt in range(3):
+            current = await self._residency.get_residency(job_id)
+            previous = _Held(current.tier, current.bytes, current.version) if current else None
+            try:
+                version = await self._record(job_id, previous, Tier.DEVICE, nbytes)
+                break
+            except ResidencyConflictError:
+                if attempt == 2:
+                    await self._executor.drop(job_id)
+                    raise
         self._held[job_id] = _Held(Tier.DEVICE, nbytes, version)
         await self._announce(job_id, None, Tier.DEVICE, nbytes, version, 0.0)
 
@@ -142,9 +152,20 @@ class StateManager:
         return await self._moved(job_id, held, Tier.DEVICE, start, blob_key=None)
 
     async def move(self, job_id: str, to_tier: Tier) -> float:
-        """Move a job's state down (or up, to device); returns seconds spent."""
+        """Move a job's state down (or up, to device); returns seconds spent. A state
+        the residency record gives to another worker (the job was re-homed while this
+        one was cut off) is not this worker's to move: its copy is dropped instead."""
         held = self._held.get(job_id)
         if held is None or held.tier == to_tier:
+            return 0.0
+        current = await self._residency.get_residency(job_id)
+        if current is not None and current.worker_id != self._worker_id:
+            log.warning(
+                "not moving %s: its state is %s's now (re-homed); this copy is dropped",
+                job_id,
+                current.worker_id,
+            )
+            await self.forget(job_id)
             return 0.0
         if to_tier == Tier.DEVICE:
             return await self.onload(job_id)
