@@ -253,10 +253,12 @@ class Outbox:
         """Queue every entry, then wait for each acknowledgement in order; returns the
         entries acknowledged. If one failed, those before it are removed from the outbox
         and the failure raised (it and those after it stay, for the next flush)."""
-        if any(route is not None for _, route, _ in entries):
-            # A direct call was numbered in the job's ledger at its acceptance: the
-            # number must outlive a failover before a worker runs the call under it.
-            await self._keys.replicated()
+        # Nothing leaves the outbox before a Redis replica holds it: an entry only a
+        # demoted primary holds (accepted on it while it was cut off, never confirmed to
+        # the client, who sent the call again elsewhere) would otherwise be published by
+        # this gateway's sweeper once the partition heals, and its call run twice. A
+        # direct call's number, written at its acceptance, is covered the same way.
+        await self._keys.replicated()
         acks = []
         for raw, route, entry in entries:
             if route is not None:
