@@ -29,7 +29,7 @@ import pytest
 import tinker
 from aiokafka.admin import AIOKafkaAdminClient
 
-from plexrl_tools.faults import JobOutcome, StoreCheckpoints, Workload, run_workload
+from plexrl_tools.faults import JobOutcome, StoreCheckpoints, Workload, differences, run_workload
 from plexrl_tools.host_faults import FaultConfig, HostFaults
 from plexrl_tools.hostbed import KAFKA_PORT, HostBed, kafka_cluster_id
 from plexrl_tools.hostnet import can_build
@@ -51,6 +51,21 @@ def test_kafka_cluster_ids_never_start_with_a_dash(monkeypatch: pytest.MonkeyPat
     draws = iter([b"\xf8" + bytes(15), bytes(16)])  # '-' first, then 'A...'
     monkeypatch.setattr("secrets.token_bytes", lambda n: next(draws))
     assert kafka_cluster_id() == "A" * 22
+
+
+def test_a_job_that_is_not_bit_identical_says_how() -> None:
+    ref = [JobOutcome(1, losses=[1.0, 2.0], checkpoint_sha256="a") for _ in range(4)]
+    got = [
+        JobOutcome(1, losses=[1.0, 2.0], checkpoint_sha256="a"),
+        JobOutcome(1, losses=[1.0, 2.5], checkpoint_sha256="a"),
+        JobOutcome(1, losses=[1.0, 2.0], checkpoint_sha256=""),
+        JobOutcome(1, losses=[1.0, 2.0], checkpoint_sha256="b"),
+    ]
+    assert differences(ref, got) == [
+        "job 1: losses differ from step 2",
+        "job 1: its final checkpoint was not found",
+        "job 1: its final checkpoint's bytes differ",
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -188,6 +188,23 @@ def run_workload(
     return [outcomes[s] for s in workload.seeds]
 
 
+def differences(reference: list[JobOutcome], disturbed: list[JobOutcome]) -> list[str]:
+    """How each job that is not bit-identical differs from its undisturbed run."""
+    found = []
+    for ref, got in zip(reference, disturbed, strict=True):
+        if got.losses != ref.losses:
+            first = next(
+                (i for i, (a, b) in enumerate(zip(ref.losses, got.losses, strict=False)) if a != b),
+                min(len(ref.losses), len(got.losses)),
+            )
+            found.append(f"job {got.seed}: losses differ from step {first + 1}")
+        elif got.checkpoint_sha256 == "":
+            found.append(f"job {got.seed}: its final checkpoint was not found")
+        elif got.checkpoint_sha256 != ref.checkpoint_sha256:
+            found.append(f"job {got.seed}: its final checkpoint's bytes differ")
+    return found
+
+
 def compare(reference: list[JobOutcome], disturbed: list[JobOutcome]) -> Comparison:
     lost = duplicated = not_identical = 0
     for ref, got in zip(reference, disturbed, strict=True):

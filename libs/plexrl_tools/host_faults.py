@@ -36,7 +36,15 @@ from typing import Any
 
 import httpx
 
-from plexrl_tools.faults import Checkpoints, Comparison, JobOutcome, Workload, compare, run_workload
+from plexrl_tools.faults import (
+    Checkpoints,
+    Comparison,
+    JobOutcome,
+    Workload,
+    compare,
+    differences,
+    run_workload,
+)
 from plexrl_tools.hostbed import HostBed
 
 KINDS = (
@@ -184,6 +192,9 @@ class HostFaults:
         errors = [e for o in outcomes for e in o.errors]
         if errors:  # what the client saw: a lost call says why
             notes["errors"] = errors
+        differ = differences(self.reference, outcomes)
+        if differ:
+            notes["differ"] = differ
         return FaultRun(
             kind=kind,
             host=str(injected.get("host", "")),
