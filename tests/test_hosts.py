@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,7 +30,14 @@ import pytest
 import tinker
 from aiokafka.admin import AIOKafkaAdminClient
 
-from plexrl_tools.faults import JobOutcome, StoreCheckpoints, Workload, differences, run_workload
+from plexrl_tools.faults import (
+    JobOutcome,
+    StoreCheckpoints,
+    Workload,
+    differences,
+    run_job,
+    run_workload,
+)
 from plexrl_tools.host_faults import FaultConfig, HostFaults
 from plexrl_tools.hostbed import KAFKA_PORT, HostBed, kafka_cluster_id
 from plexrl_tools.hostnet import can_build
@@ -66,6 +74,19 @@ def test_a_job_that_is_not_bit_identical_says_how() -> None:
         "job 1: its final checkpoint was not found",
         "job 1: its final checkpoint's bytes differ",
     ]
+
+
+def test_a_call_never_answered_is_a_lost_call_not_a_hang() -> None:
+    from concurrent.futures import Future
+
+    class Unanswered:  # the SDK's edge: a create whose result never comes
+        def create_lora_training_client(self, **_: object) -> Future[None]:
+            return Future()
+
+    started = time.monotonic()
+    out = run_job(Unanswered(), Workload(call_timeout_s=0.2), 1, None, "t")  # type: ignore[arg-type]
+    assert out.errors == ["a call was not answered within 0.2 s"]
+    assert time.monotonic() - started < 5
 
 
 @pytest.fixture(scope="module")

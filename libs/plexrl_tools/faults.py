@@ -31,6 +31,9 @@ class Workload:
     rank: int = 8
     base_model: str = BASE
     learning_rate: float = 5e-3
+    call_timeout_s: float = 300.0
+    """Longest the client waits for one call's result: a call never answered counts as
+    lost (and says so) instead of holding the run forever."""
 
 
 @dataclass
@@ -146,22 +149,25 @@ def run_job(
     out = JobOutcome(seed)
     adam = types.AdamParams(learning_rate=workload.learning_rate)
     try:
+        wait = workload.call_timeout_s
         client = service.create_lora_training_client(
             base_model=workload.base_model, rank=workload.rank, seed=seed
-        ).result()
+        ).result(timeout=wait)
         out.model_id, out.client = client.model_id, client
         for step in range(workload.steps):
             start = time.perf_counter()
             fb = client.forward_backward(batch(seed, step), "cross_entropy")
             opt = client.optim_step(adam)
-            out.losses.append(float(fb.result().metrics["loss:sum"]))
-            out.steps.append(int(opt.result().metrics["step:max"]))
+            out.losses.append(float(fb.result(timeout=wait).metrics["loss:sum"]))
+            out.steps.append(int(opt.result(timeout=wait).metrics["step:max"]))
             out.call_s.append(time.perf_counter() - start)
             if on_step is not None:  # after each step, from the job's own thread
                 on_step(out, step + 1)
         name = f"final-{seed}"
-        client.save_state(name).result()
+        client.save_state(name).result(timeout=wait)
         out.checkpoint_sha256 = checkpoint_sha256(blobs, tenant, out.model_id, name)
+    except TimeoutError:
+        out.errors.append(f"a call was not answered within {workload.call_timeout_s:g} s")
     except Exception as exc:  # the client saw an error: the fault lost a call
         out.errors.append(f"{type(exc).__name__}: {exc}")
     return out
