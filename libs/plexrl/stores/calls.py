@@ -56,11 +56,6 @@ class CallStore(RedisStore):
         await self._keys.replicated()  # its first writer may have died before waiting
         return existing if existing is not None else completion
 
-    async def replicated(self) -> int:
-        """Until the Redis replicas hold every write made so far (`queue_completion`'s
-        caller waits here before it publishes); see `RedisKeys.replicated`."""
-        return await self._keys.replicated()
-
     def queue_completion(self, pipe: Any, completion: PhaseCompletion) -> None:
         """`record_completion` on a pipeline (`RedisStore.pipeline`); its reply is True if
         this record stands, None if one stood already (then read it: `get_completion`)."""

@@ -83,6 +83,11 @@ class RedisStore:
         """Whether Redis answers (for health checks)."""
         return await self._keys.ping()
 
+    async def replicated(self) -> int:
+        """Until the Redis replicas hold every write made so far; see
+        `RedisKeys.replicated`."""
+        return await self._keys.replicated()
+
     def pipeline(self) -> Any:
         """A pipeline (no transaction) on the shared connection: several stores' writes
         queued with their `queue_*` methods go out in one round trip."""

@@ -320,6 +320,10 @@ def build_app(
             raise
         if replaced is not None and replaced.blob_key != record.blob_key:
             await asyncio.to_thread(records.forget, replaced.blob_key)
+        # Recorded only once a Redis replica holds it: a record written to a primary cut
+        # off from its replicas (this replica's side of a partition) is lost when that
+        # primary rejoins, and the worker, told it stood, would answer the save.
+        await c.replicated()
         metrics.CHECKPOINTS_RECORDED.inc()
         return {"path": record.path}
 
