@@ -41,6 +41,7 @@ device-seconds, savings and whether every job learned the same, side by side.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -50,6 +51,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -237,8 +239,7 @@ def main_hosts(args: argparse.Namespace, rng: random.Random, seed: int) -> dict[
     device = {"PLEXRL_WORKER_DEVICE_BYTES": str(int(job_bytes * 1.5))}
     line: dict[str, Any] = {"benchmark": "chaos-hosts", "seed": seed, "steps": args.steps}
     keys = f"{KEY}={TENANT},{MAIN_KEY}=main"
-    with tempfile.TemporaryDirectory(prefix="plexrl-chaos-hosts-") as tmp:
-        root = Path(tmp)
+    with work_dir(args.keep, "plexrl-chaos-hosts-") as root:
         one_host = None
         if not args.no_main:
             infra = PrivateInfra()
@@ -319,6 +320,19 @@ def main_hosts(args: argparse.Namespace, rng: random.Random, seed: int) -> dict[
     return line
 
 
+@contextlib.contextmanager
+def work_dir(keep: Path | None, prefix: str) -> Iterator[Path]:
+    """Where a run's clusters write (their logs among it): `keep` if given, left there
+    for reading afterwards; otherwise a temporary directory removed at the end."""
+    if keep is None:
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+            yield Path(tmp)
+        return
+    keep.mkdir(parents=True, exist_ok=True)
+    print(f"keeping the run's logs under {keep}", flush=True)
+    yield keep
+
+
 def host_figures(runs: list[Any]) -> dict[str, Any]:
     stalls = [r.stall_s for r in runs]
     failovers = [r.failover_s for r in runs if r.failover_s is not None]
@@ -363,6 +377,12 @@ def main() -> None:
     )
     parser.add_argument("--lossy-s", type=float, default=60.0, help="how long a link is lossy")
     parser.add_argument("--no-main", action="store_true", help="skip the main job's runs")
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="write the clusters (their logs) under this directory and leave it there",
+    )
     parser.add_argument("--main-jobs", type=int, default=4)
     parser.add_argument("--main-sft-steps", type=int, default=10)
     parser.add_argument("--main-rl-steps", type=int, default=8)
@@ -390,8 +410,7 @@ def main() -> None:
     infra = PrivateInfra()
     print(f"private kafka {infra.bootstrap}, redis {infra.redis_url}: starting", flush=True)
     infra.up()
-    with tempfile.TemporaryDirectory(prefix="plexrl-chaos-") as tmp:
-        root = Path(tmp)
+    with work_dir(args.keep, "plexrl-chaos-") as root:
         init_tiny(root / "models" / "tiny-qwen3")
         config = ClusterConfig.on_free_ports(
             root / "models",

@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,7 +94,9 @@ def parse() -> argparse.Namespace:
         default="plexrl",
         help="the scheduler's policy (fifo, pack, spread, spread-backfill, plexrl), or a\n"
         "comma list (fifo,plexrl): the shared run once per policy, each on a fresh\n"
-        "cluster, against the one dedicated baseline, side by side",
+        "cluster, against the one dedicated baseline, side by side. A policy may\n"
+        "carry scheduler settings after colons, to switch its moves off one at a\n"
+        "time: plexrl:hold_s=0, plexrl:preempt_ratio=0:roam_samples=false",
     )
     p.add_argument(
         "--no-control",
@@ -118,12 +121,13 @@ def parse() -> argparse.Namespace:
 
 def main() -> int:
     args = parse()
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
-    from plexrl.policy import POLICIES
-
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown or not policies:
-        print(f"unknown policy {unknown}; choose from {sorted(POLICIES)}", file=sys.stderr)
+    try:
+        policies = [policy_variant(p) for p in args.policy.split(",") if p.strip()]
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if not policies:
+        print("--policy names no policy", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -132,7 +136,7 @@ def main() -> int:
     everyone = list(range(args.jobs))
     total = 1 + (not args.no_control) + len(policies)
     print(f"\n[1/{total}] dedicated baseline: each job alone, one worker to itself", flush=True)
-    with start_cluster(args, policies[0], "dedicated") as cluster:
+    with start_cluster(args, policies[0].name, "dedicated") as cluster:
         alone = [run_jobs(cluster, args, [i])[0][0] for i in everyone]
         busy_alone = busy_fractions(cluster, alone)
     print(
@@ -152,15 +156,16 @@ def main() -> int:
             results, _ = run_jobs(cluster, args, everyone)
             control = Control(results, workers_per_job(cluster, results))
     summaries = []
-    for n, policy in enumerate(policies, start=total - len(policies) + 1):
+    for n, variant in enumerate(policies, start=total - len(policies) + 1):
         print(
-            f"\n[{n}/{total}] PlexRL, policy {policy}: {args.jobs} jobs at once on "
+            f"\n[{n}/{total}] PlexRL, policy {variant.label}: {args.jobs} jobs at once on "
             f"{args.workers} workers (a fresh cluster)",
             flush=True,
         )
-        with start_cluster(args, policy, policy) as cluster:
+        phase = f"shared-{n}"
+        with start_cluster(args, variant.name, phase, env=variant.env) as cluster:
             shared, makespan = run_jobs(cluster, args, everyone)
-            summary = summarize(cluster, alone, control, shared, makespan, args, policy)
+            summary = summarize(cluster, alone, control, shared, makespan, args, variant.label)
             summary["busy_alone"] = [round(b, 3) for b in busy_alone]
             summaries.append(summary)
     if len(summaries) > 1:
@@ -234,11 +239,46 @@ def workers_per_job(cluster: LocalCluster, results: list[JobResult]) -> dict[str
     return homes
 
 
+@dataclass(frozen=True)
+class PolicyVariant:
+    """A policy of `--policy`, with the scheduler settings it runs under."""
+
+    label: str
+    name: str
+    env: dict[str, str]
+
+
+def policy_variant(text: str) -> PolicyVariant:
+    """`plexrl:hold_s=0:roam_samples=false`: the policy `plexrl` with the scheduler's
+    settings `hold_s` and `roam_samples` (`plexrl.settings.SchedulerSettings`) set."""
+    from plexrl.policy import POLICIES
+    from plexrl.settings import SchedulerSettings
+
+    name, *pairs = [part.strip() for part in text.strip().split(":")]
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r} in {text!r}; choose from {sorted(POLICIES)}")
+    env = {}
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq or key not in SchedulerSettings.model_fields or key == "policy":
+            raise ValueError(
+                f"{pair!r} in {text!r} is not a scheduler setting as key=value; the "
+                f"settings are {sorted(set(SchedulerSettings.model_fields) - {'policy'})}"
+            )
+        env[f"PLEXRL_{key.upper()}"] = value
+    return PolicyVariant(text.strip(), name, env)
+
+
 def start_cluster(
-    args: argparse.Namespace, policy: str, phase: str, workers: int | None = None
+    args: argparse.Namespace,
+    policy: str,
+    phase: str,
+    workers: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> LocalCluster:
     """A fresh cluster of `workers` (default `args.workers`) workers under `policy` (one
-    per phase, so no phase's jobs, history or placement carry into the next)."""
+    per phase, so no phase's jobs, history or placement carry into the next); `env`: the
+    services' extra settings."""
     from plexrl.models import ModelRegistry
 
     job_bytes = ModelRegistry(args.registry).info("plexrl/tiny-qwen3").state_bytes(16)
@@ -250,6 +290,7 @@ def start_cluster(
         worker_threads=1,
         worker_ranks=args.ranks,
         policy=policy,
+        env=env or {},
     )
     state_dir, prefix = args.state_dir / phase, f"demo-{phase}-"
     if args.free_ports:
@@ -273,14 +314,15 @@ def start_cluster(
 
 def side_by_side(summaries: list[dict[str, Any]]) -> None:
     print()
+    w = max(16, *(len(s["policy"]) for s in summaries))
     print(
-        f"{'policy':>16} {'saved':>7} {'mean slowdown':>14} {'makespan s':>11} "
+        f"{'policy':>{w}} {'saved':>7} {'mean slowdown':>14} {'makespan s':>11} "
         f"{'busy device-s':>14} {'swapped calls':>14} {'same as alone':>14} {'vs control':>11}"
     )
     for s in summaries:
         same = f"{sum(j['same_as_alone'] for j in s['jobs'])} of {len(s['jobs'])}"
         print(
-            f"{s['policy']:>16} {s['savings_fraction']:>7.1%} {s['mean_slowdown']:>14.3f} "
+            f"{s['policy']:>{w}} {s['savings_fraction']:>7.1%} {s['mean_slowdown']:>14.3f} "
             f"{s['makespan_s']:>11.1f} {s['busy_device_s']:>14.1f} {s['swapped_calls']:>14} "
             f"{same:>14} {vs_control(s):>11}"
         )

@@ -8,8 +8,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
+import pytest
 from rlvr import CLEAR_GAIN, SOLVED, JobResult, learned
-from rlvr_demo import Control
+from rlvr_demo import Control, policy_variant
 
 
 def _job(i: int, wall: float, rewards: tuple[float, ...] = (0.5, 0.6)) -> JobResult:
@@ -49,3 +50,20 @@ def test_learning_is_a_clear_rise_or_a_solved_task_held() -> None:
     assert not learned(0.99, 0.99 - CLEAR_GAIN - 0.01)  # RL undid part of it
     assert not learned(0.935, 0.852)  # measured at the old RL learning rate
     assert not learned(0.86, 0.88)  # neither risen nor solved
+
+
+def test_a_policy_variant_carries_its_scheduler_settings_and_a_wrong_one_says_what_to_change() -> (
+    None
+):
+    plain = policy_variant("fifo")
+    assert (plain.label, plain.name, plain.env) == ("fifo", "fifo", {})
+    variant = policy_variant(" plexrl:hold_s=0:roam_samples=false ")
+    assert variant.label == "plexrl:hold_s=0:roam_samples=false"
+    assert variant.name == "plexrl"
+    assert variant.env == {"PLEXRL_HOLD_S": "0", "PLEXRL_ROAM_SAMPLES": "false"}
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        policy_variant("nope")
+    with pytest.raises(ValueError, match=r"not a scheduler setting.*hold_s"):
+        policy_variant("plexrl:hold=0")
+    with pytest.raises(ValueError, match="not a scheduler setting"):
+        policy_variant("plexrl:hold_s")

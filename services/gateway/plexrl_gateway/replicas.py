@@ -12,9 +12,9 @@ HEAD) write nothing and are not held.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from plexrl.redis_target import ReplicaLagError
@@ -44,32 +44,22 @@ class WaitForReplicas:
                     await self._replicated()
                 except ReplicaLagError:
                     unconfirmed = True
-                    await _unconfirmed(send)
+                    await _unconfirmed()(scope, receive, send)
                     return
             await send(message)
 
         await self._app(scope, receive, send_replicated)
 
 
-async def _unconfirmed(send: Send) -> None:
-    """What the client is told when no replica confirmed the request's writes: nothing
-    it may rely on happened; sending it again (the SDK does on a 503) is safe."""
-    body = json.dumps(
-        error_body(
-            "no Redis replica confirmed this request's writes (the primary may be failing "
-            "over); send it again",
-            Category.SERVER,
-        )
-    ).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": 503,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"retry-after", b"1"),
-            ],
-        }
+_UNCONFIRMED = (
+    "no Redis replica confirmed this request's writes (the primary may be failing over); "
+    "send it again"
+)
+"""What the client is told when no replica confirmed the request's writes: nothing it
+may rely on happened; sending it again (the SDK does on a 503) is safe."""
+
+
+def _unconfirmed() -> JSONResponse:
+    return JSONResponse(
+        error_body(_UNCONFIRMED, Category.SERVER), 503, headers={"retry-after": "1"}
     )
-    await send({"type": "http.response.body", "body": body})
