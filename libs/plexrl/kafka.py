@@ -24,7 +24,14 @@ from typing import Any, Generic, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import ConsumerStoppedError, KafkaConnectionError, TopicAlreadyExistsError
+from aiokafka.errors import (
+    ConsumerStoppedError,
+    InvalidProducerEpoch,
+    KafkaConnectionError,
+    OutOfOrderSequenceNumber,
+    TopicAlreadyExistsError,
+    UnknownProducerId,
+)
 from aiokafka.protocol.metadata import MetadataRequest
 from opentelemetry.context import Context
 from prometheus_client import Counter
@@ -189,13 +196,32 @@ every send and fetch for that long when a broker's host vanishes (no reset, only
 silence), while the brokers elect new leaders in a few seconds."""
 
 
+PRODUCER_RENEWALS = Counter(
+    "plexrl_producer_renewals_total",
+    "Producers replaced after the brokers refused their sequence numbers",
+)
+
+DESYNCHRONIZED = (OutOfOrderSequenceNumber, UnknownProducerId, InvalidProducerEpoch)
+"""What the brokers answer an idempotent producer whose sequence numbers no longer match
+theirs (a batch failed after its number was spent: a leader that moved mid-send, say).
+The producer never recovers by itself: every later batch of that partition is refused
+the same way. `Publisher` starts a new one (a new producer id, numbers from 0)."""
+
+
 class Publisher:
-    """One producer per service; every message carries the current trace context."""
+    """One producer per service; every message carries the current trace context.
+
+    A producer the brokers refuse as out of sequence (`DESYNCHRONIZED`) is replaced by a
+    new one, and the send that met it fails as transient: its caller sends again
+    (`retry_until`, the gateway's outbox), on the new producer. What the old one had
+    written stays written; a message it wrote whose acknowledgement was lost may be
+    written again by the new one, which the consumers already take once (they dedupe
+    by request id and the job's ledger, as after any republish)."""
 
     def __init__(
         self, bootstrap: str, client_id: str, request_timeout_ms: int = REQUEST_TIMEOUT_MS
     ) -> None:
-        self._producer = AIOKafkaProducer(
+        self._settings: dict[str, Any] = dict(
             bootstrap_servers=bootstrap,
             client_id=client_id,
             request_timeout_ms=request_timeout_ms,
@@ -207,8 +233,12 @@ class Publisher:
             linger_ms=0,
             max_request_size=8 * 1024 * 1024,
         )
+        self._producer = AIOKafkaProducer(**self._settings)
+        self._renewing = asyncio.Lock()
+        self._retired: set[asyncio.Task[None]] = set()
         self._retry: tuple[asyncio.Event, Backoff] | None = None
         self._stamp: Callable[[Any], Any] | None = None
+        self.renewals = 0
 
     async def start(self) -> None:
         await self._producer.start()
@@ -223,6 +253,8 @@ class Publisher:
 
     async def stop(self) -> None:
         await self._producer.stop()
+        for retired in list(self._retired):
+            retired.cancel()
 
     def retry_until(self, stop: asyncio.Event, backoff: Backoff | None = None) -> None:
         """From now on `publish` waits out a broker that is away (transient errors are
@@ -246,12 +278,12 @@ class Publisher:
 
     async def _send(self, topic: str, key: str | bytes | None, message: Any) -> None:
         # The aiokafka instrumentation (plexrl.tracing) adds the trace context header.
-        await self._producer.send_and_wait(topic, self._encoded(message), key=_key_bytes(key))
+        await self.publish_raw(topic, _key_bytes(key), self._encoded(message))
 
     async def publish_soon(self, topic: str, key: str | bytes | None, message: Any) -> None:
         """Queue a message without waiting for the broker: for announcements whose loss
         a later one repairs (heartbeats, residency changes). Failures are logged."""
-        delivery = await self._producer.send(topic, self._encoded(message), key=_key_bytes(key))
+        delivery = await self.publish_deferred(topic, key, message)
         delivery.add_done_callback(_log_failure)
 
     async def publish_deferred(
@@ -263,10 +295,45 @@ class Publisher:
         producer is idempotent), so a caller with several messages to send queues them
         all and waits once, instead of one broker round trip each. Awaiting the result
         raises what the send met; the caller decides how to retry (see `publish`)."""
-        return await self._producer.send(topic, self._encoded(message), key=_key_bytes(key))
+        producer = self._producer
+        delivery: asyncio.Future[Any] = await producer.send(
+            topic, self._encoded(message), key=_key_bytes(key)
+        )
+        delivery.add_done_callback(lambda done: self._check(producer, done))
+        return delivery
 
     async def publish_raw(self, topic: str, key: bytes | None, value: bytes) -> None:
-        await self._producer.send_and_wait(topic, value, key=key)
+        producer = self._producer
+        try:
+            await producer.send_and_wait(topic, value, key=key)
+        except DESYNCHRONIZED as exc:
+            await self._renew(producer, exc)
+            raise
+
+    def _check(self, producer: AIOKafkaProducer, delivery: asyncio.Future[Any]) -> None:
+        """A queued send's outcome: a refused sequence renews the producer."""
+        if delivery.cancelled():
+            return
+        exc = delivery.exception()
+        if isinstance(exc, DESYNCHRONIZED):
+            renewal = asyncio.ensure_future(self._renew(producer, exc))
+            self._retired.add(renewal)
+            renewal.add_done_callback(self._retired.discard)
+
+    async def _renew(self, broken: AIOKafkaProducer, exc: BaseException) -> None:
+        """Replace `broken` (once, however many sends met it) with a fresh producer."""
+        async with self._renewing:
+            if self._producer is not broken:
+                return  # another send renewed it already
+            fresh = AIOKafkaProducer(**self._settings)
+            await fresh.start()
+            self._producer = fresh
+            self.renewals += 1
+            PRODUCER_RENEWALS.inc()
+        log.warning("the brokers refused this producer's sequence (%r): a new producer", exc)
+        retiring = asyncio.ensure_future(_stop_quietly(broken))
+        self._retired.add(retiring)
+        retiring.add_done_callback(self._retired.discard)
 
     async def ping(self, timeout_s: float = 2.0) -> bool:
         """True when a broker answers a metadata request within `timeout_s` (health checks).
@@ -295,6 +362,13 @@ class Publisher:
             for ask in asks:
                 ask.cancel()
                 ask.add_done_callback(_quiet)
+
+
+async def _stop_quietly(producer: AIOKafkaProducer, timeout_s: float = 10.0) -> None:
+    """Stop a replaced producer: what it still holds fails (its senders retry on the new
+    one); a stop that hangs on an unreachable broker is given up."""
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(producer.stop(), timeout_s)
 
 
 def _quiet(future: asyncio.Future[Any]) -> None:

@@ -20,7 +20,14 @@ from typing import TypeVar
 
 import httpx
 import redis.exceptions
-from aiokafka.errors import KafkaError, KafkaTimeoutError, RequestTimedOutError
+from aiokafka.errors import (
+    InvalidProducerEpoch,
+    KafkaError,
+    KafkaTimeoutError,
+    OutOfOrderSequenceNumber,
+    RequestTimedOutError,
+    UnknownProducerId,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +64,8 @@ def is_transient(exc: BaseException) -> bool:
         return True  # includes BusyLoadingError: Redis replaying its append-only file
     if isinstance(exc, KafkaTimeoutError | RequestTimedOutError):
         return True
+    if isinstance(exc, OutOfOrderSequenceNumber | UnknownProducerId | InvalidProducerEpoch):
+        return True  # the publisher replaced its producer (plexrl.kafka.Publisher): send again
     if isinstance(exc, KafkaError):
         return bool(getattr(exc, "retriable", False))
     if isinstance(exc, httpx.TransportError):
