@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -109,6 +109,13 @@ def parse() -> argparse.Namespace:
         action="store_true",
         help="run each phase's services on ports free now (beside another cluster on this\n"
         "machine) instead of 8000, 8100, 8200.. and 8300",
+    )
+    p.add_argument(
+        "--stuck-s",
+        type=float,
+        default=300.0,
+        help="give up (exit 1, saying where each job was) when no job finished a step\n"
+        "for this long",
     )
     p.add_argument("--state-dir", type=Path, default=ROOT / ".plexrl" / "demo")
     p.add_argument("--registry", type=Path, default=ROOT / ".plexrl" / "models")
@@ -362,6 +369,7 @@ def run_jobs(
     url = cluster.config.gateway_url
     http = httpx.Client(base_url=url, headers={"X-API-Key": API_KEY}, timeout=30)
     lock = threading.Lock()
+    progress = [time.monotonic()]  # when a job last finished a step
     steps = args.sft_steps + args.rl_steps
     bars = {
         i: tqdm(total=steps, desc=f"job {i}", position=n, leave=True, dynamic_ncols=True)
@@ -374,6 +382,7 @@ def run_jobs(
 
     def one(i: int) -> JobResult:
         def step(phase: str, stats: dict[str, float]) -> None:
+            progress[0] = time.monotonic()
             bars[i].update(1)
             bars[i].set_postfix({"phase": phase, **{k: f"{v:.3f}" for k, v in stats.items()}})
 
@@ -386,8 +395,23 @@ def run_jobs(
             return RlvrJob(service, config, on_step=step, on_idle=idle).run()
 
     start = time.monotonic()
-    with ThreadPoolExecutor(max_workers=len(which)) as pool:
-        results = list(pool.map(one, which))
+    progress[0] = start
+    pool = ThreadPoolExecutor(max_workers=len(which))
+    running = [pool.submit(one, i) for i in which]
+    while not all(f.done() for f in running):
+        wait(running, timeout=1.0, return_when=FIRST_EXCEPTION)
+        if any(f.done() and f.exception() is not None for f in running):
+            break
+        quiet = time.monotonic() - progress[0]
+        if quiet > args.stuck_s:
+            pool.shutdown(wait=False, cancel_futures=True)
+            where = ", ".join(f"job {i} at step {bars[i].n} of {steps}" for i in which)
+            raise Stuck(
+                f"no job finished a step in {quiet:.0f} s ({where}); the cluster's logs are "
+                f"under {cluster.config.state_dir / 'logs'}"
+            )
+    pool.shutdown(wait=True)
+    results = [f.result() for f in running]
     wall = time.monotonic() - start
     for bar in bars.values():
         bar.close()
@@ -484,5 +508,18 @@ def summarize(
     }
 
 
+class Stuck(RuntimeError):
+    """The jobs stopped making progress (`--stuck-s`)."""
+
+
+def entry() -> int:
+    try:
+        return main()
+    except Stuck as stuck:
+        print(f"\nFAILED: {stuck}", file=sys.stderr, flush=True)
+        # The jobs' threads still wait on calls of a cluster now stopped: leave them.
+        os._exit(1)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(entry())
