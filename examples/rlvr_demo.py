@@ -394,8 +394,7 @@ def run_jobs(
         with tinker.ServiceClient(base_url=url, api_key=API_KEY) as service:
             return RlvrJob(service, config, on_step=step, on_idle=idle).run()
 
-    start = time.monotonic()
-    progress[0] = start
+    start = progress[0] = time.monotonic()
     pool = ThreadPoolExecutor(max_workers=len(which))
     running = [pool.submit(one, i) for i in which]
     while not all(f.done() for f in running):

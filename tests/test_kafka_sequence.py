@@ -15,8 +15,9 @@ import time
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from plexrl.kafka import DESYNCHRONIZED, Publisher, ensure_topics
+from plexrl.kafka import Publisher, ensure_topics
 from plexrl.messages import Function, NoopInput, PhaseRequest, decode
+from plexrl.retry import DESYNCHRONIZED
 
 
 def _request(request_id: str) -> PhaseRequest:

@@ -24,14 +24,7 @@ from typing import Any, Generic, TypeVar
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import (
-    ConsumerStoppedError,
-    InvalidProducerEpoch,
-    KafkaConnectionError,
-    OutOfOrderSequenceNumber,
-    TopicAlreadyExistsError,
-    UnknownProducerId,
-)
+from aiokafka.errors import ConsumerStoppedError, KafkaConnectionError, TopicAlreadyExistsError
 from aiokafka.protocol.metadata import MetadataRequest
 from opentelemetry.context import Context
 from prometheus_client import Counter
@@ -39,7 +32,7 @@ from prometheus_client import Counter
 from plexrl import tracing
 from plexrl.kafka_replication import TopicReplication
 from plexrl.messages import DeadLetter, DeadLetterReason, MessageError, decode, encode
-from plexrl.retry import Backoff, is_transient, retrying
+from plexrl.retry import DESYNCHRONIZED, Backoff, is_transient, retrying
 
 log = logging.getLogger(__name__)
 
@@ -201,12 +194,6 @@ PRODUCER_RENEWALS = Counter(
     "Producers replaced after the brokers refused their sequence numbers",
 )
 
-DESYNCHRONIZED = (OutOfOrderSequenceNumber, UnknownProducerId, InvalidProducerEpoch)
-"""What the brokers answer an idempotent producer whose sequence numbers no longer match
-theirs (a batch failed after its number was spent: a leader that moved mid-send, say).
-The producer never recovers by itself: every later batch of that partition is refused
-the same way. `Publisher` starts a new one (a new producer id, numbers from 0)."""
-
 
 class Publisher:
     """One producer per service; every message carries the current trace context.
@@ -235,7 +222,7 @@ class Publisher:
         )
         self._producer = AIOKafkaProducer(**self._settings)
         self._renewing = asyncio.Lock()
-        self._retired: set[asyncio.Task[None]] = set()
+        self._background: set[asyncio.Future[None]] = set()
         self._retry: tuple[asyncio.Event, Backoff] | None = None
         self._stamp: Callable[[Any], Any] | None = None
         self.renewals = 0
@@ -253,8 +240,8 @@ class Publisher:
 
     async def stop(self) -> None:
         await self._producer.stop()
-        for retired in list(self._retired):
-            retired.cancel()
+        for task in list(self._background):
+            task.cancel()
 
     def retry_until(self, stop: asyncio.Event, backoff: Backoff | None = None) -> None:
         """From now on `publish` waits out a broker that is away (transient errors are
@@ -316,9 +303,7 @@ class Publisher:
             return
         exc = delivery.exception()
         if isinstance(exc, DESYNCHRONIZED):
-            renewal = asyncio.ensure_future(self._renew(producer, exc))
-            self._retired.add(renewal)
-            renewal.add_done_callback(self._retired.discard)
+            self._in_background(self._renew(producer, exc))
 
     async def _renew(self, broken: AIOKafkaProducer, exc: BaseException) -> None:
         """Replace `broken` (once, however many sends met it) with a fresh producer."""
@@ -331,9 +316,13 @@ class Publisher:
             self.renewals += 1
             PRODUCER_RENEWALS.inc()
         log.warning("the brokers refused this producer's sequence (%r): a new producer", exc)
-        retiring = asyncio.ensure_future(_stop_quietly(broken))
-        self._retired.add(retiring)
-        retiring.add_done_callback(self._retired.discard)
+        self._in_background(_stop_quietly(broken))
+
+    def _in_background(self, work: Awaitable[None]) -> None:
+        """Run `work` as a task held until it ends (cancelled by `stop`)."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def ping(self, timeout_s: float = 2.0) -> bool:
         """True when a broker answers a metadata request within `timeout_s` (health checks).

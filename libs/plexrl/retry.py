@@ -31,6 +31,13 @@ from aiokafka.errors import (
 
 log = logging.getLogger(__name__)
 
+DESYNCHRONIZED = (OutOfOrderSequenceNumber, UnknownProducerId, InvalidProducerEpoch)
+"""What the brokers answer an idempotent producer whose sequence numbers no longer match
+theirs (a batch failed after its number was spent: a leader that moved mid-send, say).
+The producer never recovers by itself: every later batch of that partition is refused
+the same way. `plexrl.kafka.Publisher` starts a new one (a new producer id, numbers
+from 0), so a send that met it is worth sending again."""
+
 T = TypeVar("T")
 
 
@@ -64,7 +71,7 @@ def is_transient(exc: BaseException) -> bool:
         return True  # includes BusyLoadingError: Redis replaying its append-only file
     if isinstance(exc, KafkaTimeoutError | RequestTimedOutError):
         return True
-    if isinstance(exc, OutOfOrderSequenceNumber | UnknownProducerId | InvalidProducerEpoch):
+    if isinstance(exc, DESYNCHRONIZED):
         return True  # the publisher replaced its producer (plexrl.kafka.Publisher): send again
     if isinstance(exc, KafkaError):
         return bool(getattr(exc, "retriable", False))
