@@ -85,7 +85,7 @@ def test_a_call_never_answered_is_a_lost_call_not_a_hang() -> None:
 
     started = time.monotonic()
     out = run_job(Unanswered(), Workload(call_timeout_s=0.2), 1, None, "t")  # type: ignore[arg-type]
-    assert out.errors == ["a call was not answered within 0.2 s"]
+    assert out.errors == ["a call was not answered within 0.2 s: create_lora_training_client"]
     assert time.monotonic() - started < 5
 
 

@@ -250,3 +250,35 @@ async def test_health_says_when_a_consumer_is_stuck_or_dead(env: Env) -> None:
         await asyncio.gather(task, return_exceptions=True)
         health = consumer.health()
         assert not health["ok"] and "loop ended" in health["problem"]
+
+
+async def test_a_last_commit_that_never_returns_does_not_keep_the_consumer_in_its_group(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """aiokafka retries a commit while the group's coordinator is away, for minutes; the
+    loop gives its last one up after `final_commit_s`, so its owner can stop it and the
+    group hands its partitions on."""
+    handled: list[str] = []
+
+    async def handler(request: PhaseRequest, _: Delivery) -> None:
+        handled.append(request.request_id)
+
+    tuning = ConsumerTuning(backoff=Backoff(first_s=0.01, max_s=0.05), final_commit_s=0.5)
+    consumer = env.consumer(handler, "last-commit", tuning=tuning, commit_interval_s=3600)
+    stop = asyncio.Event()
+    await consumer.start()
+    task = asyncio.create_task(consumer.run(stop))
+    try:
+        await env.publisher.publish(env.topics.requests, "job-1", call("a"))
+        await until(lambda: handled == ["a"])
+        unanswered: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        # The edge: the group's coordinator gone (its host cut off), the commit unanswered.
+        monkeypatch.setattr(consumer._consumer, "commit", lambda *_: unanswered)
+        started = time.monotonic()
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        assert time.monotonic() - started < 3
+    finally:
+        stop.set()
+        await asyncio.gather(task, return_exceptions=True)
+        await consumer.stop()

@@ -191,3 +191,53 @@ async def answer(worker: Publisher, stores: Stores, topics: Topics, dispatch: Di
         )
         await stores.calls.record_completion(completion)
         await worker.publish(topics.completions, call.job_id, completion)
+
+
+async def test_a_terms_end_is_bounded_when_its_consumers_hang(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With a group's coordinator on a host that is gone, a consumer's loop and its stop
+    can hang for minutes; a deposed leader still ends its term (so it can stand for the
+    lease again), leaving what hangs to finish in the background."""
+    from plexrl_scheduler import main
+
+    monkeypatch.setattr(main, "_CONSUMERS_END_S", 0.2)
+    forever = asyncio.Event()
+
+    class Stuck:  # the edge: aiokafka's stop waiting on a coordinator that never answers
+        name = "stuck"
+
+        async def stop(self) -> None:
+            await forever.wait()
+
+    async def loop_in_a_commit() -> None:
+        await forever.wait()
+
+    tasks = [asyncio.create_task(loop_in_a_commit())]
+    started = time.monotonic()
+    await main._leave_groups(tasks, [Stuck(), Stuck()])
+    assert time.monotonic() - started < 2
+    assert tasks[0].cancelled()  # the loop past the bound was cancelled
+    assert len(main._lingering) == 2  # the stops go on in the background
+
+    # The lease cancels a term's end that outlasts its step-down time: the consumers
+    # are still stopped.
+    stopped: list[str] = []
+
+    class Quick:
+        name = "quick"
+
+        async def stop(self) -> None:
+            stopped.append(self.name)
+
+    ending = asyncio.create_task(
+        main._leave_groups([asyncio.create_task(loop_in_a_commit())], [Quick()])
+    )
+    await asyncio.sleep(0.05)
+    ending.cancel()
+    await asyncio.gather(ending, return_exceptions=True)
+    await asyncio.sleep(0.05)
+    assert stopped == ["quick"]
+    for task in list(main._lingering):
+        task.cancel()
+    await asyncio.gather(*main._lingering, return_exceptions=True)

@@ -32,7 +32,7 @@ from prometheus_client import Counter
 from plexrl import tracing
 from plexrl.kafka_replication import TopicReplication
 from plexrl.messages import DeadLetter, DeadLetterReason, MessageError, decode, encode
-from plexrl.retry import DESYNCHRONIZED, Backoff, is_transient, retrying
+from plexrl.retry import DESYNCHRONIZED, Backoff, is_transient, retrieved, retrying
 
 log = logging.getLogger(__name__)
 
@@ -350,7 +350,7 @@ class Publisher:
         finally:
             for ask in asks:
                 ask.cancel()
-                ask.add_done_callback(_quiet)
+                ask.add_done_callback(retrieved)
 
 
 async def _stop_quietly(producer: AIOKafkaProducer, timeout_s: float = 10.0) -> None:
@@ -358,12 +358,6 @@ async def _stop_quietly(producer: AIOKafkaProducer, timeout_s: float = 10.0) -> 
     one); a stop that hangs on an unreachable broker is given up."""
     with contextlib.suppress(Exception):
         await asyncio.wait_for(producer.stop(), timeout_s)
-
-
-def _quiet(future: asyncio.Future[Any]) -> None:
-    """Retrieve an outcome nobody awaits (no 'exception was never retrieved')."""
-    if not future.cancelled():
-        future.exception()
 
 
 def _log_failure(delivery: asyncio.Future[Any]) -> None:
@@ -396,12 +390,23 @@ class ConsumerTuning:
     session_timeout_ms: int = 10000
     """A group member silent this long is dropped and its partitions go to the others
     (brokers accept 6000 at least, by default)."""
+    max_poll_interval_ms: int = 300000
+    """A member that has not polled for this long leaves its group (aiokafka's default).
+    A consumer whose stop was cut short keeps heartbeating, rejoins at the next
+    rebalance and takes partitions it never reads: this bounds how long they wait."""
+    final_commit_s: float = 5.0
+    """On the way out, the last commit is given up after this long (its messages are
+    handled again by the partition's next owner, as after a crash). aiokafka retries a
+    commit while the group's coordinator is away, for minutes, and a consumer not yet
+    stopped stays in its group meanwhile, holding partitions nobody reads."""
 
     def __post_init__(self) -> None:
         if self.handler_attempts < 1:
             raise ValueError(f"handler_attempts is {self.handler_attempts}; it must be >= 1")
         if self.stuck_after_s <= 0:
             raise ValueError(f"stuck_after_s is {self.stuck_after_s}; it must be positive")
+        if self.final_commit_s <= 0:
+            raise ValueError(f"final_commit_s is {self.final_commit_s}; it must be positive")
 
 
 @dataclass(frozen=True)
@@ -492,6 +497,7 @@ class MessageConsumer(Generic[T]):
             max_partition_fetch_bytes=16 * 1024 * 1024,
             fetch_max_bytes=64 * 1024 * 1024,
             session_timeout_ms=self._tuning.session_timeout_ms,
+            max_poll_interval_ms=self._tuning.max_poll_interval_ms,
             heartbeat_interval_ms=1000,
             request_timeout_ms=self._tuning.request_timeout_ms,
             metadata_max_age_ms=METADATA_MAX_AGE_MS,
@@ -578,7 +584,15 @@ class MessageConsumer(Generic[T]):
             committer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await committer
-            await self._flush_commits()
+            try:
+                await asyncio.wait_for(self._flush_commits(), self._tuning.final_commit_s)
+            except TimeoutError:
+                log.warning(
+                    "%s: the last commit took over %gs (the group's coordinator away?): "
+                    "left to the partitions' next owner, which handles those messages again",
+                    self._name,
+                    self._tuning.final_commit_s,
+                )
 
     async def _consume(self, stop: asyncio.Event) -> None:
         polls_failed = 0

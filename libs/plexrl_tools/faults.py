@@ -148,6 +148,8 @@ def run_job(
 
     out = JobOutcome(seed)
     adam = types.AdamParams(learning_rate=workload.learning_rate)
+    # The call whose answer the job waits for: a lost call's report names it.
+    waiting = "create_lora_training_client"
     try:
         wait = workload.call_timeout_s
         client = service.create_lora_training_client(
@@ -158,18 +160,24 @@ def run_job(
             start = time.perf_counter()
             fb = client.forward_backward(batch(seed, step), "cross_entropy")
             opt = client.optim_step(adam)
+            waiting = f"forward_backward of step {step + 1}"
             out.losses.append(float(fb.result(timeout=wait).metrics["loss:sum"]))
+            waiting = f"optim_step of step {step + 1}"
             out.steps.append(int(opt.result(timeout=wait).metrics["step:max"]))
             out.call_s.append(time.perf_counter() - start)
             if on_step is not None:  # after each step, from the job's own thread
                 on_step(out, step + 1)
         name = f"final-{seed}"
+        waiting = "save_state"
         client.save_state(name).result(timeout=wait)
         out.checkpoint_sha256 = checkpoint_sha256(blobs, tenant, out.model_id, name)
     except TimeoutError:
-        out.errors.append(f"a call was not answered within {workload.call_timeout_s:g} s")
+        out.errors.append(
+            f"a call was not answered within {workload.call_timeout_s:g} s: {waiting}"
+            + (f" of {out.model_id}" if out.model_id else "")
+        )
     except Exception as exc:  # the client saw an error: the fault lost a call
-        out.errors.append(f"{type(exc).__name__}: {exc}")
+        out.errors.append(f"{waiting}: {type(exc).__name__}: {exc}")
     return out
 
 

@@ -20,6 +20,7 @@ from plexrl.lease import Fence, Term
 from plexrl.ledger import Ledger
 from plexrl.messages import Dispatch, Event, PhaseCompletion, PhaseRequest
 from plexrl.policy import PolicyConfig, decide
+from plexrl.retry import retrieved
 from plexrl.service import join_cluster
 from plexrl.settings import SchedulerSettings
 from plexrl.stores import JobStore, Stores
@@ -196,11 +197,50 @@ async def lead(
         status_out.clear()
         inflight_out.clear()
         publisher.stamp_with(None)
-        # Out of the groups at once, all together: a consumer of a deposed leader left
-        # running would rejoin once its host is reachable again and take partitions.
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*(_stopped(c) for c in consumers))
+        await _leave_groups(tasks, consumers)
         log.info("scheduler's term (token %d) ended", held.token)
+
+
+_CONSUMERS_END_S = 4.0
+"""How long a term's end waits for its consumers' loops (a message in hand, the last
+commit: bounded by ConsumerTuning.final_commit_s), then as long for their stops: the
+two inside the lease's 10 s for a term's end, with the control loop's pass before."""
+
+_lingering: set[asyncio.Task[Any]] = set()
+"""A term's consumer loops and stops still ending, held until they are done."""
+
+
+async def _leave_groups(tasks: list[asyncio.Task[None]], consumers: list[Any]) -> None:
+    """Out of the groups at once, all together: a consumer of a deposed leader left
+    running would rejoin once its host is reachable again and take partitions.
+
+    Each wait is bounded, so the scheduler can stand for the lease again: with a group's
+    coordinator on a host that is gone, aiokafka's commits and stops can hang for
+    minutes. A loop that outlasts the bound is cancelled; a stop that does is left to
+    finish in the background (until then its consumer leaves its group once it has not
+    polled for `max_poll_interval_ms`). The stops start even if the term's end is
+    cancelled (the lease gives it `step_down_s`)."""
+    try:
+        if tasks:
+            await asyncio.wait(tasks, timeout=_CONSUMERS_END_S)
+    finally:
+        for task in tasks:
+            task.cancel()  # nothing, for a loop that ended
+        stops = [asyncio.create_task(_stopped(c)) for c in consumers]
+        for task in (*tasks, *stops):
+            task.add_done_callback(retrieved)  # a loop's failure was logged where it happened
+            if not task.done():
+                _lingering.add(task)
+                task.add_done_callback(_lingering.discard)
+    if not stops:
+        return
+    _, unfinished = await asyncio.wait(stops, timeout=_CONSUMERS_END_S)
+    if unfinished:
+        log.warning(
+            "%d of the term's consumers did not stop within %gs; they stop in the background",
+            len(unfinished),
+            _CONSUMERS_END_S,
+        )
 
 
 async def _stopped(consumer: MessageConsumer[Any], within_s: float = 10.0) -> None:
@@ -226,8 +266,14 @@ class Inbox:
         self._receiver: Receiver | None = None
         dead_letters = DeadLetters(stores.calls, stores.keys, publisher, topics.completions)
         # A leader cut off stays in the groups until its session times out: the new
-        # leader gets the partitions then. The brokers' least (6 s), not 10 s.
-        tuning = ConsumerTuning(session_timeout_ms=6000)
+        # leader gets the partitions then. The brokers' least (6 s), not 10 s. A deposed
+        # leader's consumer whose stop was cut short (its coordinator's host gone) leaves
+        # once it has not polled for 10 s, not aiokafka's 5 minutes; a term's handlers
+        # are short, so only an outage of Redis or Kafka makes a leader's consumer leave
+        # and rejoin.
+        tuning = ConsumerTuning(
+            session_timeout_ms=6000, max_poll_interval_ms=10000, final_commit_s=3.0
+        )
 
         def consumer(topic: str, group: str | None, type_: Any, handler: Any, **kw: Any) -> Any:
             return MessageConsumer(
