@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 from redis import exceptions as redis_exceptions
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -181,6 +182,102 @@ def test_the_blocking_client_finds_the_same_primary(group: RedisGroup) -> None:
         client.set("sentinel:sync", "1")
         info = client.info("server")
     assert int(info["tcp_port"]) == group.primary()
+
+
+@pytest.mark.integration
+async def test_concurrent_waits_share_rounds_and_each_covers_every_write_before_it(
+    group: RedisGroup,
+) -> None:
+    stores = _stores(group)
+    redis = stores.keys.redis
+    try:
+        await _replicated_within(stores, 30.0)
+        rounds = stores.keys.replica_waits
+
+        async def write_then_wait(i: int) -> int:
+            await redis.set(f"sentinel:group:{i}", str(i))
+            return await stores.keys.replicated()
+
+        acked = await asyncio.gather(*(write_then_wait(i) for i in range(40)))
+        assert all(a >= 1 for a in acked)
+        sent = stores.keys.replica_waits - rounds
+        assert 1 <= sent < 40, sent  # shared: far fewer rounds than callers
+        # Every write a wait confirmed is on a replica (read there, not on the primary).
+        replica = aioredis.Redis(port=group.replicas()[0])
+        try:
+            values = await replica.mget([f"sentinel:group:{i}" for i in range(40)])
+        finally:
+            await replica.aclose()
+        assert values == [str(i).encode() for i in range(40)]
+    finally:
+        await stores.close()
+
+
+class _Rounds:
+    """The edge of redis-py a `ReplicaWait` uses: a pipeline whose `WAIT` answers when
+    the test says, counting the rounds and the writes each round follows."""
+
+    def __init__(self) -> None:
+        self.started: list[int] = []
+        self.answers: asyncio.Queue[int | Exception] = asyncio.Queue()
+        self.writes = 0
+
+    def pipeline(self, transaction: bool) -> _Rounds:
+        return self
+
+    async def __aenter__(self) -> _Rounds:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+    def incr(self, key: str) -> None:
+        self.started.append(self.writes)
+
+    def execute_command(self, *args: object) -> None:
+        return None
+
+    async def execute(self) -> list[int]:
+        answer = await self.answers.get()
+        if isinstance(answer, Exception):
+            raise answer
+        return [0, answer]
+
+
+async def test_a_wait_that_arrives_mid_round_gets_the_next_round() -> None:
+    edge = _Rounds()
+    wait = ReplicaWait(edge, "k", replicas=1, timeout_ms=10)  # type: ignore[arg-type]
+    edge.writes = 1
+    first = asyncio.create_task(wait())
+    while not edge.started:  # until its round is in flight
+        await asyncio.sleep(0)
+    edge.writes = 2  # written after that round's mark: the round does not cover it
+    late = [asyncio.create_task(wait()) for _ in range(3)]
+    await asyncio.sleep(0)
+    await edge.answers.put(1)
+    assert await first == 1
+    assert not any(t.done() for t in late)  # they wait for a round of their own
+    await edge.answers.put(2)
+    assert await asyncio.gather(*late) == [2, 2, 2]
+    assert edge.started == [1, 2] and wait.waits == 2  # the second round after write 2
+
+
+async def test_a_rounds_failure_reaches_each_of_its_callers_and_a_cancelled_one_leaves_it() -> None:
+    edge = _Rounds()
+    wait = ReplicaWait(edge, "k", replicas=1, timeout_ms=10)  # type: ignore[arg-type]
+    callers = [asyncio.create_task(wait()) for _ in range(3)]
+    await asyncio.sleep(0)
+    callers[0].cancel()
+    await edge.answers.put(0)  # no replica: ReplicaLagError for every caller
+    for caller in callers[1:]:
+        with pytest.raises(ReplicaLagError):
+            await caller
+    assert callers[0].cancelled() and wait.short == 1
+    next_ = asyncio.create_task(wait())  # the next round goes on as usual
+    await asyncio.sleep(0)
+    await edge.answers.put(redis_exceptions.ConnectionError("gone"))
+    with pytest.raises(redis_exceptions.ConnectionError):
+        await next_
 
 
 async def test_no_replica_asked_sends_nothing() -> None:

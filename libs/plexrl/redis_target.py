@@ -32,6 +32,8 @@ from redis.backoff import ExponentialWithJitterBackoff, NoBackoff
 from redis.retry import Retry as SyncRetry
 from redis.sentinel import Sentinel as SyncSentinel
 
+from plexrl.retry import retrieved
+
 if TYPE_CHECKING:
     from plexrl.settings import CommonSettings
 
@@ -249,6 +251,11 @@ class ReplicaWait:
     off), and what it alone holds is lost when it rejoins as a replica. Then, for
     `recheck_s`, waits only look (a few milliseconds) before raising, until a replica is
     back. Run two replicas (a write waits for one): one host lost then stops nothing.
+
+    Concurrent callers share a wait (group commit): one `INCR` + `WAIT` is in flight at a
+    time, and every caller that arrives meanwhile is answered by the next one, which
+    starts once it ends, so it follows their writes. Under load a wait costs one round
+    trip per round, not per caller.
     """
 
     def __init__(
@@ -267,7 +274,11 @@ class ReplicaWait:
         self._recheck_s = recheck_s
         self._clock = clock
         self._short_until = 0.0
+        self._next: asyncio.Future[int] | None = None
+        """The round callers arriving now share; it starts once the one in flight ends."""
+        self._rounds: asyncio.Task[None] | None = None
         self.waits = 0
+        """Rounds sent (`INCR` + `WAIT`)."""
         self.short = 0
 
     @property
@@ -280,6 +291,33 @@ class ReplicaWait:
         fewer than asked hold them."""
         if self._replicas <= 0:
             return 0
+        loop = asyncio.get_running_loop()
+        if self._next is None or self._next.get_loop() is not loop:
+            self._next = loop.create_future()
+            self._next.add_done_callback(retrieved)  # its callers may all be cancelled
+        shared = self._next
+        if self._rounds is None or self._rounds.done() or self._rounds.get_loop() is not loop:
+            self._rounds = loop.create_task(self._run_rounds())
+        # A caller cancelled leaves the round to the others.
+        return await asyncio.shield(shared)
+
+    async def _run_rounds(self) -> None:
+        """Send rounds while callers wait for one; each answers those that arrived before
+        it started."""
+        while self._next is not None:
+            round_, self._next = self._next, None
+            try:
+                round_.set_result(await self._round())
+            except asyncio.CancelledError:  # the loop is ending: so are its callers
+                round_.cancel()
+                if self._next is not None:
+                    self._next.cancel()
+                    self._next = None
+                raise
+            except Exception as exc:  # every caller of the round gets it
+                round_.set_exception(exc)
+
+    async def _round(self) -> int:
         degraded = self._clock() < self._short_until
         timeout = 10 if degraded else self._timeout_ms
         async with self._redis.pipeline(transaction=False) as pipe:

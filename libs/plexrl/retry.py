@@ -16,7 +16,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import httpx
 import redis.exceptions
@@ -131,3 +131,10 @@ async def retrying(
 
 
 __all__ = ["Backoff", "is_transient", "retrying"]
+
+
+def retrieved(future: asyncio.Future[Any]) -> None:
+    """A done-callback for an outcome nobody awaits: reads it, so a failure is not logged
+    as 'exception was never retrieved'."""
+    if not future.cancelled():
+        future.exception()

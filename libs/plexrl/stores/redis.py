@@ -57,6 +57,11 @@ class RedisKeys:
         about to be shown outside Redis, so that a failover cannot take it back."""
         return await self._wait()
 
+    @property
+    def replica_waits(self) -> int:
+        """Rounds of waiting sent so far (concurrent `replicated` calls share one)."""
+        return self._wait.waits
+
     def key(self, *parts: str) -> str:
         """The Redis key of a record: `key("future", request_id)` is
         `<cluster>:future:<request_id>`. Also for code that writes several records in

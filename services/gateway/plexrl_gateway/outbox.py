@@ -37,6 +37,7 @@ from plexrl.direct import ACCEPT_LUA, LEASED, OutboxEntry, Route, read_element
 from plexrl.failpoints import failpoint
 from plexrl.ledger import SEQUENCED
 from plexrl.messages import PhaseRequest, encode
+from plexrl.retry import retrieved
 from plexrl.stores import FutureRecord, RedisKeys
 
 log = logging.getLogger(__name__)
@@ -274,7 +275,7 @@ class Outbox:
         except BaseException:
             for _, _, ack in acks[len(acked) + 1 :]:  # never awaited: collect their outcome
                 if isinstance(ack, asyncio.Future):
-                    ack.add_done_callback(_ignore)
+                    ack.add_done_callback(retrieved)
             if acked:
                 with contextlib.suppress(Exception):
                     await self._done(keys=keys, args=[job_id, 0, *acked])
@@ -301,11 +302,6 @@ class Outbox:
             self._users[job_id] -= 1
             if self._users[job_id] == 0:
                 del self._users[job_id], self._locks[job_id]
-
-
-def _ignore(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 def _raw(value: bytes | str) -> bytes:
