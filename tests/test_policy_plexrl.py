@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -23,7 +24,9 @@ from plexrl.policy import (
 from plexrl.policy.costs import SharingCosts
 from plexrl.policy.plexrl_policy import (
     InterferenceFit,
+    beyond_slack_s,
     call_residual_s,
+    figures_of,
     predicted_slowdown,
     step_phases,
 )
@@ -106,6 +109,48 @@ def test_the_costs_of_sharing_add_to_the_waits():
     assert predicted_slowdown(a, [b], costs) == pytest.approx(free + extra / 500)
     # Free costs predict the waits alone.
     assert predicted_slowdown(a, [b], SharingCosts(0.0, 0.0, 1.0)) == pytest.approx(free)
+
+
+def test_a_wait_runs_past_its_slack_less_the_more_slack_there_is():
+    assert beyond_slack_s(0.0, 10.0, 1.0) == 0.0
+    assert beyond_slack_s(50.0, 0.0, 1.0) == pytest.approx(50.0)
+    assert beyond_slack_s(50.0, 50.0, 1.0) == pytest.approx(50.0 * math.exp(-1.0))
+    # Met rarely, a wait of the same mean is longer when met, and runs past more often.
+    assert beyond_slack_s(50.0, 50.0, 0.5) > beyond_slack_s(50.0, 50.0, 1.0)
+
+
+def test_an_asynchronous_job_steps_by_its_rollout_cycle_not_its_learned_duty():
+    # Sample 60 + stragglers 200 + scores 300: a 560 s cycle; busy 100 s (sample 60,
+    # training 40). Its learned duty (0.5, queueing taken out) would make it 200 s.
+    a = job("a", duty=0.5, staleness=1, tail_s=200.0, stall_s=300.0)
+    fig = figures_of(a)
+    assert fig.period == pytest.approx(560.0)
+    assert fig.duty == pytest.approx(100 / 560)
+    assert fig.critical == (60.0,)
+    assert fig.training == (40.0,)
+    # Defer's own slack (200 - 100 = 100 s) lets its training wait out 40 s of its own
+    # stragglers after its sample; 560 - 100 - 40 s are left for its neighbours.
+    assert fig.slack == pytest.approx(420.0)
+    # A synchronous job keeps its learned figures.
+    s = figures_of(job("s", duty=0.5, tail_s=200.0, stall_s=300.0))
+    assert s.period == pytest.approx(200.0) and s.training == () and s.slack == 0.0
+
+
+def test_an_asynchronous_job_pays_its_trainings_waits_beyond_its_slack():
+    calls = (Function.SAMPLE, Function.FORWARD_BACKWARD, Function.OPTIM_STEP, Function.SAVE)
+    b = job("b", duty=0.4, step_calls=calls)
+    roomy = job("a", duty=0.2, staleness=1, step_calls=calls, stall_s=2000.0)
+    tight = job("a", duty=0.2, staleness=1, step_calls=calls, stall_s=45.0)
+    # The same sample waits in both; with hardly any slack its training's waits count too.
+    assert figures_of(tight).slack < figures_of(roomy).slack
+    # Its 40 s training meets b's 60 s sample (40^2 / 2 + 20 x 22.75 of b's call in
+    # progress) and b's 40 s training (40^2 / 2) once per b's 250 s step: 8.22 s a step,
+    # 10.275 s amplified by b's load (1 / (1 - 0.4 / 2)); b holds the group 40% of the
+    # time, so 10.275 x exp(-5 x 0.4 / 10.275) of it runs past its 5 s of slack.
+    seconds = {a.stall_s: predicted_slowdown(a, [b]) * figures_of(a).period for a in (tight, roomy)}
+    assert seconds[45.0] - seconds[2000.0] == pytest.approx(
+        10.275 * math.exp(-5 * 0.4 / 10.275), rel=1e-3
+    )
 
 
 def test_interference_grows_with_neighbours_and_their_load():

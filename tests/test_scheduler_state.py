@@ -497,3 +497,15 @@ def test_the_snapshot_sizes_jobs_for_groups_of_several_ranks() -> None:
     assert jobs["full"].devices == 2 and jobs["small"].devices == 1
     # A decision on the pair's group alone sees the adapter as the whole one does.
     assert state.snapshot(groups={"pair"}).jobs["adapter"].state_bytes == 40
+
+
+def test_a_jobs_stall_is_the_mean_of_its_idle_hints() -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock, worker_timeout_s=1e9)
+    state.add_job("j", "t", JobSpec(base_model="m"), home=None)
+    assert state.snapshot().jobs["j"].stall_s == 0.0  # none said yet
+    state.on_idle_hint("j", 2.0)
+    state.on_idle_hint("j", 4.0)
+    view = state.snapshot().jobs["j"]
+    assert view.stall_s == pytest.approx(3.0)
+    assert view.idle_until == pytest.approx(clock.t + 4.0)

@@ -80,21 +80,21 @@ PINNED: dict = {
     0: {
         "split_vs_isolated": {"7B": -0.1099, "30B": -0.1774, "235B": -0.1},
         "own": {
-            "occupied_vs_split_async": {"7B": -0.0166, "30B": -0.0438, "235B": -0.4523},
+            "occupied_vs_split_async": {"7B": -0.0538, "30B": -0.0438, "235B": -0.2135},
             "alone_billed_vs_split_async": {"7B": -0.7815, "30B": -0.6967, "235B": -0.8114},
-            "mean_slowdown": 0.022,
-            "mean_slowdown_vs_split_async": 0.1892,
-            "makespan_vs_isolated": 0.7238,
+            "mean_slowdown": 0.0197,
+            "mean_slowdown_vs_split_async": 0.1868,
+            "makespan_vs_isolated": 1.0,
         },
     },
     1: {
         "split_vs_isolated": {"7B": 0.0257, "30B": 0.0411, "235B": 0.0311},
         "own": {
-            "occupied_vs_split_async": {"7B": -0.333, "30B": -0.3959, "235B": -0.5406},
+            "occupied_vs_split_async": {"7B": -0.1509, "30B": -0.2979, "235B": -0.3051},
             "alone_billed_vs_split_async": {"7B": -0.7815, "30B": -0.6967, "235B": -0.8114},
-            "mean_slowdown": 0.0496,
-            "mean_slowdown_vs_split_async": 0.0146,
-            "makespan_vs_isolated": 0.7724,
+            "mean_slowdown": 0.0315,
+            "mean_slowdown_vs_split_async": -0.0029,
+            "makespan_vs_isolated": 1.0002,
         },
     },
 }

@@ -51,6 +51,8 @@ class SimJob:
     """What the scheduler has learned of the job from its calls so far."""
     stalls_s: float = 0.0
     """Sum of its reward / tool stalls so far: the job's own idle hint is their mean."""
+    stall_s: float = 0.0
+    """The mean of its stalls before the latest: what its idle hints said."""
     gaps_s: float = 0.0
     """Sum of its host-side gaps between steps so far."""
     home: str | None = None
@@ -184,6 +186,7 @@ class SimJob:
                 last_gap_s=self.last_gap_s,
                 burst_s=now - self.burst_since if self.burst_since else 0.0,
                 tail_s=cached[4],
+                stall_s=self.stall_s,
                 sampler_bytes=self.sampler_bytes,
                 staleness=self.steps.staleness,
             )
@@ -322,6 +325,7 @@ class JobReplay:
         # own stalls so far (no hint before its first; none while its other lane runs).
         quiet = not job.asynchronous or (not job.pending and not job.running)
         job.idle_until = self.events.now + job.stalls_s / k if k and quiet else 0.0
+        job.stall_s = job.stalls_s / k if k else 0.0
         job.touch()
         stall = float(job.steps.reward_s[k])
         job.stalls_s += stall

@@ -838,15 +838,49 @@ def _groups_by_demand(
             need = factory.expected_isolated_step_s(job.profile) * job.steps
         demand[job.profile] = demand.get(job.profile, 0.0) + p.devices * need
     total = sum(demand.values())
-    counts: dict[str, int] = {}
-    for name, need in demand.items():
-        d = workload.profiles[name].devices
-        counts[name] = max(1, math.floor(gpus * need / total / d))
-    # Give what rounding left over to the profiles short of their share, smallest first.
-    spare = gpus - sum(workload.profiles[k].devices * c for k, c in counts.items())
-    for name in sorted(counts, key=lambda k: workload.profiles[k].devices):
-        d = workload.profiles[name].devices
-        while spare >= d and counts[name] * d < gpus * demand[name] / total:
-            counts[name] += 1
-            spare -= d
-    return counts
+    sizes = {name: workload.profiles[name].devices for name in demand}
+    return apportion({name: gpus * need / total for name, need in demand.items()}, sizes, gpus)
+
+
+def apportion(share: dict[str, float], size: dict[str, int], gpus: int) -> dict[str, int]:
+    """Whole groups per profile for `gpus` GPUs, `share[name]` GPUs wanted in groups of
+    `size[name]`: the counts that give the least-covered profile the most of its share
+    (each at least one group), then what is left to the least-covered profiles whose
+    group still fits. Rounding each share down on its own can leave a profile with large
+    groups far below its share and GPUs no group of it fits idle."""
+
+    def needed(cover: float) -> dict[str, int]:
+        # The float guard keeps `cover = n / wanted` from rounding up to n + 1 groups.
+        return {k: max(1, math.ceil(cover * share[k] / size[k] - 1e-9)) for k in share}
+
+    def gpus_of(counts: dict[str, int]) -> int:
+        return sum(size[k] * c for k, c in counts.items())
+
+    # The best coverage is one where some profile gets exactly n groups: n / its groups wanted.
+    covers = sorted(
+        {
+            n * size[k] / share[k]
+            for k in share
+            if share[k] > 0
+            for n in range(1, gpus // size[k] + 1)
+        }
+    )
+    counts = needed(0.0)
+    lo, hi = 0, len(covers) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        trial = needed(covers[mid])
+        if gpus_of(trial) <= gpus:
+            counts, lo = trial, mid + 1
+        else:
+            hi = mid - 1
+    spare = gpus - gpus_of(counts)
+    while True:
+        fits = [k for k in counts if size[k] <= spare]
+        if not fits:
+            return counts
+        k = min(
+            fits, key=lambda k: (size[k] * counts[k] / share[k] if share[k] > 0 else math.inf, k)
+        )
+        counts[k] += 1
+        spare -= size[k]

@@ -47,6 +47,16 @@ neighbour's stragglers, its own stragglers slowed beside the neighbour's Runs), 
 the parameters the simulator's executor charges (`PolicyConfig.sharing`). Against jobs
 of the H200 profiles forced onto one group in the simulator (`bench/sim_interference.py`,
 docs/simulator.md) it is within a point or two, pessimistic by 0.7 points on average.
+
+An asynchronous job (`JobView.staleness` k >= 1) has only its sample on its critical
+path; its training waits off it within its slack, and beyond it as long as its rollouts
+wait for a save. Its step is its rollout cycle alone (sample, stragglers `tail_s`,
+scores `stall_s`), at least its busy seconds: its learned duty cycle takes its
+training's queueing out of its span as if it had lengthened its step, which it mostly
+did not. Its slack is k cycles less its busy seconds and the part of its own stragglers
+its training waits out (`plexrl.policy.defer`); its training's waits behind its
+neighbours and their stragglers, met with the chance that one of them holds the group
+and taken as exponential, add `E[(W - slack)+]` to its step (`beyond_slack_s`).
 """
 
 from __future__ import annotations
@@ -69,7 +79,7 @@ from plexrl.policy.common import (
 )
 from plexrl.policy.config import PolicyConfig
 from plexrl.policy.costs import SharingCosts
-from plexrl.policy.defer import not_passed_over
+from plexrl.policy.defer import not_passed_over, slack_s
 from plexrl.policy.fifo import last_served
 from plexrl.policy.frozen import quick_init
 from plexrl.policy.roam import roaming_runs, with_roaming
@@ -82,27 +92,35 @@ _SAMPLE = Function.SAMPLE
 _DEVICE = Tier.DEVICE
 
 
-def step_phases(job: JobView) -> tuple[float, ...]:
-    """Expected seconds of each phase of one training step: the sample, then the
-    training calls together (from the job's `step_calls` when known)."""
-    if not job.step_calls:
-        sample = job.estimates.expected_s(Function.SAMPLE)
-        train = sum(job.estimates.expected_s(f) for f in _TRAIN)
-        return tuple(s for s in (sample, train) if s > 0)
-    phases: list[float] = []
+def _runs(job: JobView) -> list[tuple[bool, float]]:
+    """Each phase of one training step in order, as (a sample?, expected seconds): each
+    sample call, and the training calls between them together (from the job's
+    `step_calls` when known; else a sample, then the training calls)."""
+    runs: list[tuple[bool, float]] = []
     current = 0.0
-    for function in job.step_calls:
+    for function in job.step_calls or (_SAMPLE, *_TRAIN):
         seconds = job.estimates.expected_s(function)
-        if function == Function.SAMPLE:
+        if function == _SAMPLE:
             if current:
-                phases.append(current)
+                runs.append((False, current))
                 current = 0.0
-            phases.append(seconds)
+            runs.append((True, seconds))
         else:
             current += seconds
     if current:
-        phases.append(current)
-    return tuple(s for s in phases if s > 0)
+        runs.append((False, current))
+    return runs
+
+
+def step_phases(job: JobView) -> tuple[float, ...]:
+    """Expected seconds of each phase of one training step: the sample, then the
+    training calls together (from the job's `step_calls` when known)."""
+    return tuple(s for _, s in _runs(job) if s > 0)
+
+
+def training_phases(job: JobView) -> tuple[float, ...]:
+    """Expected seconds of each phase of one training step but its samples."""
+    return tuple(s for sample, s in _runs(job) if not sample and s > 0)
 
 
 def call_residual_s(job: JobView) -> float:
@@ -142,12 +160,21 @@ class Figures:
     critical: tuple[float, ...] = ()
     """Its phases on its step's critical path, whose waits and costs lengthen its steps:
     all of them for a synchronous job; an asynchronous one's sample alone (its training
-    waits within its slack, `plexrl.policy.defer`), and they are also the phases it runs
-    beside a neighbour's stragglers (its training waits them out)."""
+    waits within its slack, `training`)."""
     shape: int = 0
     """Which (phases, residual, tail), to 1%, this is among the jobs one `InterferenceFit`
     has seen: jobs of one shape meet a neighbour alike, so a meeting of two shapes is
     computed once (from the first job of each) per admission pass."""
+    training: tuple[float, ...] = ()
+    """An asynchronous job's phases off its critical path (its training): their waits
+    lengthen its steps only beyond `slack`."""
+    slack: float = 0.0
+    """Seconds its training may wait per step behind its neighbours before its rollouts
+    wait for it: its staleness in rollout cycles less its busy seconds and the part of
+    its own stragglers its training waits out (`plexrl.policy.defer`)."""
+    hold: float = 0.0
+    """The fraction of its step it holds the group or its stragglers decode there:
+    the chance a neighbour's call finds it in the way."""
 
     @property
     def busy(self) -> float:
@@ -160,9 +187,39 @@ def figures_of(job: JobView) -> Figures:
     period = busy / job.duty_cycle if job.duty_cycle > 0 and busy > 0 else 0.0
     sampled = job.estimates.expected_s(Function.SAMPLE)
     sample = sampled if job.tail_s > 0 else 0.0
-    critical = phases if job.staleness <= 0 else tuple(s for s in (sampled,) if s > 0)
+    training: tuple[float, ...] = ()
+    slack = 0.0
+    duty = job.duty_cycle
+    if job.staleness <= 0:
+        critical = phases
+    else:
+        critical = tuple(s for s in (sampled,) if s > 0)
+        training = training_phases(job)
+        slack = slack_s(job)
+        if job.stall_s > 0 and busy > 0:
+            # Its rollout cycle alone (sample, stragglers, scores), at least its busy
+            # seconds: its learned duty cycle counts its training's queueing, off its
+            # path, as if it lengthened its step.
+            period = max(sampled + job.tail_s + job.stall_s, busy)
+            duty = busy / period
+            # Its training waits out its own stragglers too (`plexrl.policy.defer`), as
+            # much of them as that rule's slack allows after its sample: what is left
+            # is what its neighbours may take.
+            own = min(job.tail_s, max(0.0, slack - sampled))
+            slack = max(0.0, job.staleness * period - busy - own)
+    hold = min(1.0, (busy + job.tail_s) / period) if period > 0 else 0.0
     return Figures(
-        phases, period, call_residual_s(job), job.duty_cycle, job.tail_s, sample, critical
+        phases,
+        period,
+        call_residual_s(job),
+        duty,
+        job.tail_s,
+        sample,
+        critical,
+        0,
+        training,
+        slack,
+        hold,
     )
 
 
@@ -171,14 +228,63 @@ def _to_1pct(seconds: float) -> int:
     return round(math.log(seconds) * 100) if seconds > 0 else -(10**9)
 
 
-def _slowdown(me: Figures, waits: float, others: float, costs: float = 0.0) -> float:
-    """`waits` (first order, seconds per step) amplified by the neighbours' load, plus
-    the costs of sharing (seconds per step), over the step."""
+@dataclass
+class _Meets:
+    """What one job meets of its neighbours on a group, summed over them (seconds per
+    step, first order)."""
+
+    waits: float = 0.0
+    """Its critical phases' waits behind them."""
+    costs: float = 0.0
+    """Its critical phases' costs of sharing beside them."""
+    training: float = 0.0
+    """Its training's waits behind them and their stragglers (asynchronous jobs)."""
+    training_costs: float = 0.0
+    """Its training's costs of sharing beside them (asynchronous jobs)."""
+    free: float = 1.0
+    """The chance that none of them is in its way: the product of `1 - hold`."""
+
+    def add(self, other: _Meets) -> None:
+        self.waits += other.waits
+        self.costs += other.costs
+        self.training += other.training
+        self.training_costs += other.training_costs
+        self.free *= other.free
+
+    def plus(self, other: _Meets) -> _Meets:
+        return _Meets(
+            self.waits + other.waits,
+            self.costs + other.costs,
+            self.training + other.training,
+            self.training_costs + other.training_costs,
+            self.free * other.free,
+        )
+
+
+def beyond_slack_s(waits: float, slack: float, met: float) -> float:
+    """Expected seconds per step a wait of mean `waits` runs past `slack`, the wait met
+    with chance `met` and then exponential (mean `waits / met`): `E[(W - slack)+]` =
+    `waits * exp(-slack * met / waits)`. All of it with no slack, little where the slack
+    is many times the wait."""
+    if waits <= 0:
+        return 0.0
+    return waits * math.exp(-slack * met / waits)
+
+
+def _slowdown(me: Figures, meets: _Meets, others: float) -> float:
+    """The waits (first order, seconds per step) amplified by the neighbours' load, plus
+    the costs of sharing, plus an asynchronous job's training waits beyond its slack,
+    over the step."""
     if others >= 1.0:
         return _UNBOUNDED
     if me.period <= 0:
         return 0.0
-    return (waits / (1.0 - others / 2) + costs) / me.period
+    amplify = 1.0 / (1.0 - others / 2)
+    seconds = meets.waits * amplify + meets.costs
+    if me.training:
+        training = meets.training * amplify + meets.training_costs
+        seconds += beyond_slack_s(training, me.slack, 1.0 - meets.free)
+    return seconds / me.period
 
 
 def sharing_cost_s(me: Figures, neighbour: Figures, costs: SharingCosts) -> float:
@@ -192,8 +298,9 @@ def sharing_cost_s(me: Figures, neighbour: Figures, costs: SharingCosts) -> floa
       `(tail_k + sample_k) / p_k` (a phase that waited for the neighbour's sample
       starts with its tail), each second of it costing `share / (1 - share)`;
     - its own stragglers slowed beside the neighbour's Runs: the neighbour's busy
-      seconds (those it runs beside stragglers: `critical`) fall in its tail about
-      `tail / p_k` of the time, and the phases queued behind its sample (`sample / p_k`
+      seconds fall in its tail about `tail / p_k` of the time (an asynchronous
+      neighbour's training too: `defer` holds it back only within that rule's slack,
+      which the learned figures make short), and the phases queued behind its sample (`sample / p_k`
       each) run at its tail's start; each second of overlap delays the tail by
       `1 - 1 / tail_contention`."""
     pk = neighbour.period
@@ -209,11 +316,36 @@ def sharing_cost_s(me: Figures, neighbour: Figures, costs: SharingCosts) -> floa
         inside = min(1.0, (neighbour.tail + neighbour.sample) / pk)
         cost += sum(mine) * inside * costs.stretch()
     if me.tail > 0 and costs.tail_contention > 1:
-        beside = neighbour.critical
+        beside = neighbour.phases
         queued = sum(min(x, me.tail) for x in beside) * me.sample / pk
         overlap = min(me.tail, me.tail * sum(beside) / pk + queued)
         cost += overlap * (1.0 - 1.0 / costs.tail_contention)
     return cost
+
+
+def training_wait_s(me: Figures, neighbour: Figures) -> float:
+    """First-order seconds per step an asynchronous job's training waits beside
+    `neighbour` (0 for a synchronous job): behind its phases (the module's three terms),
+    and out its stragglers (`plexrl.policy.defer`: a training phase arriving in the
+    neighbour's tail, `tail_k / p_k` of the time, waits for its rest, `tail_k / 2` on
+    average)."""
+    pk = neighbour.period
+    if not me.training or pk <= 0:
+        return 0.0
+    waits = _meeting_s(me.training, neighbour.phases, neighbour.residual)
+    waits += len(me.training) * neighbour.tail * neighbour.tail / 2
+    return waits / pk
+
+
+def training_cost_s(me: Figures, neighbour: Figures, costs: SharingCosts) -> float:
+    """Seconds per step an asynchronous job's training loses to engine switches beside
+    `neighbour`: one per training phase that follows a Run of the neighbour."""
+    pk = neighbour.period
+    if not me.training or pk <= 0 or costs.switch_s <= 0:
+        return 0.0
+    n_me, n_k = len(me.training), len(neighbour.phases)
+    follows = n_k * me.period / pk if me.period > 0 else float(n_me)
+    return costs.switch_s * min(float(n_me), follows)
 
 
 def predicted_slowdown(
@@ -226,9 +358,10 @@ def predicted_slowdown(
     fit = InterferenceFit(budget=0.0, costs=costs or SharingCosts(0.0, 0.0, 1.0))
     me = fit.figures(job)
     others = [fit.figures(k) for k in neighbours]
-    waits = sum(fit.pair(me, k) for k in others)
-    extra = sum(fit.cost(me, k) for k in others)
-    return _slowdown(me, waits, sum(k.duty for k in others), extra)
+    meets = _Meets()
+    for k in others:
+        meets.add(fit.meet(me, k))
+    return _slowdown(me, meets, sum(k.duty for k in others))
 
 
 @dataclass
@@ -237,10 +370,8 @@ class _Group:
     """Sum of the duty cycles."""
     reserved: int = 0
     members: list[Figures] = field(default_factory=list)
-    waits: list[float] = field(default_factory=list)
-    """Each member's summed first-order wait behind the others (seconds per step)."""
-    costs: list[float] = field(default_factory=list)
-    """Each member's summed costs of sharing beside the others (seconds per step)."""
+    meets: list[_Meets] = field(default_factory=list)
+    """What each member meets of the others."""
     tenants: dict[str, float] = field(default_factory=dict)
     """Sum of the duty cycles per tenant."""
 
@@ -248,19 +379,15 @@ class _Group:
         self,
         fig: Figures,
         state_bytes: int,
-        pair: Callable[[Figures, Figures], float],
-        cost: Callable[[Figures, Figures], float],
+        meet: Callable[[Figures, Figures], _Meets],
         tenant: str = "",
     ) -> None:
-        mine = mine_cost = 0.0
+        mine = _Meets()
         for i, other in enumerate(self.members):
-            self.waits[i] += pair(other, fig)
-            self.costs[i] += cost(other, fig)
-            mine += pair(fig, other)
-            mine_cost += cost(fig, other)
+            self.meets[i].add(meet(other, fig))
+            mine.add(meet(fig, other))
         self.members.append(fig)
-        self.waits.append(mine)
-        self.costs.append(mine_cost)
+        self.meets.append(mine)
         self.load += fig.duty
         self.reserved += state_bytes
         self.tenants[tenant] = self.tenants.get(tenant, 0.0) + fig.duty
@@ -339,6 +466,9 @@ class InterferenceFit:
                 fig.sample,
                 fig.critical,
                 shape,
+                fig.training,
+                fig.slack,
+                fig.hold,
             )
             self._figures[job.job_id] = cached
         return cached
@@ -357,9 +487,15 @@ class InterferenceFit:
             )
         return meeting / neighbour.period
 
-    def cost(self, me: Figures, neighbour: Figures) -> float:
-        """Seconds per step `me` loses to the costs of sharing beside `neighbour`."""
-        return sharing_cost_s(me, neighbour, self.costs)
+    def meet(self, me: Figures, neighbour: Figures) -> _Meets:
+        """What `me` meets of `neighbour`: its waits and costs of sharing, per step."""
+        return _Meets(
+            self.pair(me, neighbour),
+            sharing_cost_s(me, neighbour, self.costs),
+            training_wait_s(me, neighbour),
+            training_cost_s(me, neighbour, self.costs),
+            1.0 - neighbour.hold,
+        )
 
     def _within_adding(self, group: _Group, fig: Figures) -> bool:
         """Whether `group` plus `fig` stays within budget: the mean predicted slowdown
@@ -368,18 +504,16 @@ class InterferenceFit:
         guard = 2 * self.budget
         if not group.members:
             return True
-        pair, cost = self.pair, self.cost
-        mine = sum(pair(fig, other) for other in group.members)
-        extra = sum(cost(fig, other) for other in group.members)
-        total = _slowdown(fig, mine, group.load, extra)
+        meet = self.meet
+        mine = _Meets()
+        for other in group.members:
+            mine.add(meet(fig, other))
+        total = _slowdown(fig, mine, group.load)
         if total > guard:
             return False
-        for other, waits, costs in zip(group.members, group.waits, group.costs, strict=True):
+        for other, meets in zip(group.members, group.meets, strict=True):
             slow = _slowdown(
-                other,
-                waits + pair(other, fig),
-                group.load - other.duty + fig.duty,
-                costs + cost(other, fig),
+                other, meets.plus(meet(other, fig)), group.load - other.duty + fig.duty
             )
             if slow > guard:
                 return False
@@ -391,19 +525,14 @@ class InterferenceFit:
         group's load would reach 1: it would not drain)."""
         if not group.members:
             return 0.0
-        pair, cost = self.pair, self.cost
-        total = _slowdown(
-            fig,
-            sum(pair(fig, other) for other in group.members),
-            group.load,
-            sum(cost(fig, other) for other in group.members),
-        )
-        for other, waits, costs in zip(group.members, group.waits, group.costs, strict=True):
+        meet = self.meet
+        mine = _Meets()
+        for other in group.members:
+            mine.add(meet(fig, other))
+        total = _slowdown(fig, mine, group.load)
+        for other, meets in zip(group.members, group.meets, strict=True):
             total += _slowdown(
-                other,
-                waits + pair(other, fig),
-                group.load - other.duty + fig.duty,
-                costs + cost(other, fig),
+                other, meets.plus(meet(other, fig)), group.load - other.duty + fig.duty
             )
         return total / (len(group.members) + 1)
 
@@ -435,7 +564,7 @@ class InterferenceFit:
             if best is None or key < best:
                 best, chosen = key, worker
         assert chosen is not None
-        self._groups[chosen.worker_id].add(fig, job.state_bytes, self.pair, self.cost, tenant)
+        self._groups[chosen.worker_id].add(fig, job.state_bytes, self.meet, tenant)
         return chosen.worker_id
 
     def _group(self, snapshot: ClusterSnapshot, worker_id: str) -> _Group:
@@ -443,7 +572,7 @@ class InterferenceFit:
         if group is None:
             group = self._groups[worker_id] = _Group()
             for job in snapshot.homed_view(worker_id):
-                group.add(self.figures(job), job.state_bytes, self.pair, self.cost, job.tenant)
+                group.add(self.figures(job), job.state_bytes, self.meet, job.tenant)
         return group
 
     def _size_class(self, snapshot: ClusterSnapshot, job: JobView) -> list[WorkerView]:
@@ -490,7 +619,7 @@ class InterferenceFit:
                 break
         if chosen is None:
             return None
-        self._groups[chosen.worker_id].add(fig, job.state_bytes, self.pair, self.cost, tenant)
+        self._groups[chosen.worker_id].add(fig, job.state_bytes, self.meet, tenant)
         return chosen.worker_id
 
 

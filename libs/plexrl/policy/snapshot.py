@@ -172,6 +172,10 @@ class JobView:
     """Seconds its rollouts' stragglers go on decoding after the group is released to
     others (`TailReleased` to the last answer), as observed; 0: none seen. The plexrl
     policy predicts the costs of sharing from it (`plexrl.policy.costs`)."""
+    stall_s: float = 0.0
+    """Mean seconds of its reward / tool stalls, as its idle hints said them; 0: none
+    seen. With `tail_s` and its sample's seconds it gives an asynchronous loop's rollout
+    cycle alone, which its queueing does not bias (`plexrl.policy.plexrl_policy`)."""
 
     def group_bytes(self, devices: int) -> int:
         """Device bytes the job takes on a group of `devices` ranks, all ranks together:

@@ -76,6 +76,10 @@ class JobState:
     """When a dispatch with its calls was last sent (`JobView.last_started`)."""
     staleness: int = 0
     """Its declared loop (`JobOptions`, `JobView.staleness`): 0 synchronous."""
+    hints: int = 0
+    """Idle hints it sent."""
+    hinted_s: float = 0.0
+    """Their seconds, summed: their mean is `JobView.stall_s`."""
 
     @property
     def kind(self) -> Kind:
@@ -398,6 +402,8 @@ class ClusterState:
         job = self.jobs.get(job_id)
         if job is not None:
             job.idle_until = self._clock() + seconds
+            job.hints += 1
+            job.hinted_s += seconds
             self._touch(job.home)
 
     # Record decisions --------------------------------------------------------
@@ -664,6 +670,7 @@ class ClusterState:
             used_s=job.used.as_of(now),
             last_started=job.last_started,
             tail_s=seen.tail_s,
+            stall_s=job.hinted_s / job.hints if job.hints else 0.0,
             staleness=job.staleness,
             # A LoRA job's sampler weights are its adapter: a few MB, nothing to plan.
             sampler_bytes=job.state_bytes // 8 if job.spec.lora is None else 0,

@@ -1,0 +1,48 @@
+"""How the GPUs are split into whole groups per model size (`workload.apportion`)."""
+
+from __future__ import annotations
+
+from plexrl_sim.workload import apportion
+
+SIZES = {"7B": 16, "30B": 32, "235B": 128}
+
+
+def test_a_large_group_short_of_its_share_is_not_left_at_one_for_idle_gpus():
+    # 512 GPUs wanted as 5.16 / 5.64 / 1.95 groups: rounding each down alone gives
+    # 6 / 6 / 1 (416 GPUs) and 96 GPUs no 235B group fits.
+    share = {"7B": 5.16 * 16, "30B": 5.64 * 32, "235B": 1.95 * 128}
+    counts = apportion(share, SIZES, 512)
+    assert counts == {"7B": 6, "30B": 5, "235B": 2}
+    assert sum(SIZES[k] * c for k, c in counts.items()) == 512
+
+
+def test_the_least_covered_profile_gets_the_most_it_can():
+    share = {"7B": 7.43 * 16, "30B": 6.46 * 32, "235B": 1.46 * 128}
+    counts = apportion(share, SIZES, 512)
+    least = min(SIZES[k] * c / share[k] for k, c in counts.items())
+    # Every other split of 512 GPUs with at least one group each covers someone less.
+    for a in range(1, 33):
+        for b in range(1, 17):
+            for c in range(1, 5):
+                if 16 * a + 32 * b + 128 * c <= 512:
+                    other = min(
+                        16 * a / share["7B"], 32 * b / share["30B"], 128 * c / share["235B"]
+                    )
+                    assert other <= least + 1e-12
+
+
+def test_exact_shares_are_met_and_every_gpu_that_fits_a_group_is_used():
+    assert apportion({"7B": 192.0, "30B": 320.0, "235B": 1536.0}, SIZES, 2048) == {
+        "7B": 12,
+        "30B": 10,
+        "235B": 12,
+    }
+    # The 40 GPUs the shares leave take two more 16-GPU groups; 8 fit nothing.
+    counts = apportion({"7B": 160.0, "30B": 320.0}, {"7B": 16, "30B": 32}, 520)
+    assert 16 * counts["7B"] + 32 * counts["30B"] > 520 - 16
+
+
+def test_every_profile_gets_a_group_even_with_a_tiny_share():
+    counts = apportion({"7B": 500.0, "235B": 1.0}, {"7B": 16, "235B": 128}, 512)
+    assert counts["235B"] == 1
+    assert counts["7B"] == (512 - 128) // 16
