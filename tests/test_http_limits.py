@@ -64,8 +64,14 @@ async def half_sent(
 
 
 async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bytes:
-    """What the server sent before closing; fails if it keeps the connection open."""
-    return await asyncio.wait_for(reader.read(), seconds)
+    """What the server sent before closing; fails if it keeps the connection open. A
+    reset is a close too: the kernel resets a connection its server closed with bytes
+    still unread in its buffer (what it received of a half-sent request), and whether
+    the server read them first is a race."""
+    try:
+        return await asyncio.wait_for(reader.read(), seconds)
+    except ConnectionResetError:
+        return b""
 
 
 async def test_half_sent_connections_neither_stall_others_nor_stay_open() -> None:

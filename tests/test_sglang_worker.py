@@ -102,9 +102,10 @@ def test_a_seeded_call_is_a_clear_4xx(cluster: LocalCluster) -> None:
 
 def test_a_long_rollout_in_sglang_yields_to_a_short_training_call(cluster: LocalCluster) -> None:
     # Greedy (SGLang takes no seed here): the same tokens paused and continued. Long
-    # enough that a training call (about 0.6 s here: it releases SGLang's memory first)
-    # is under half of what is left of it.
-    params = types.SamplingParams(max_tokens=400, temperature=0.0)
+    # enough that a training call (about 0.6 s here, more on a loaded machine: it
+    # releases SGLang's memory first) is under half of what is left of it when it
+    # arrives: 16 x 200 tokens (about 1.9 s alone under CI's load) were too short.
+    params = types.SamplingParams(max_tokens=300, temperature=0.0)
     check_a_rollout_yields(cluster.config.gateway_url, KEY, params, num_samples=16)
     assert _worker_counter(cluster, "plexrl_worker_preempted_batches_total") >= 1
 
