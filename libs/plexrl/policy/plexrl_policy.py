@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 from plexrl.messages import Function, Tier
@@ -216,10 +216,9 @@ def figures_of(job: JobView) -> Figures:
         job.tail_s,
         sample,
         critical,
-        0,
-        training,
-        slack,
-        hold,
+        training=training,
+        slack=slack,
+        hold=hold,
     )
 
 
@@ -252,13 +251,9 @@ class _Meets:
         self.free *= other.free
 
     def plus(self, other: _Meets) -> _Meets:
-        return _Meets(
-            self.waits + other.waits,
-            self.costs + other.costs,
-            self.training + other.training,
-            self.training_costs + other.training_costs,
-            self.free * other.free,
-        )
+        total = replace(self)
+        total.add(other)
+        return total
 
 
 def beyond_slack_s(waits: float, slack: float, met: float) -> float:
@@ -457,19 +452,7 @@ class InterferenceFit:
             shape = self._shapes.setdefault(key, len(self._shapes))
             if shape == len(self._representatives):
                 self._representatives.append(fig)
-            cached = Figures(
-                fig.phases,
-                fig.period,
-                fig.residual,
-                fig.duty,
-                fig.tail,
-                fig.sample,
-                fig.critical,
-                shape,
-                fig.training,
-                fig.slack,
-                fig.hold,
-            )
+            cached = replace(fig, shape=shape)
             self._figures[job.job_id] = cached
         return cached
 
