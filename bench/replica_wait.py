@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -35,11 +34,6 @@ from plexrl.redis_target import ReplicaWait
 from plexrl_tools.private_infra import RedisGroup
 
 TIMEOUT_MS = 1000
-
-
-def cpu() -> float:
-    t = os.times()
-    return t.user + t.system
 
 
 async def run(
@@ -64,9 +58,9 @@ async def run(
             if not shared:
                 rounds += wait.waits
 
-    began, cpu0 = time.perf_counter(), cpu()
+    began, cpu0 = time.perf_counter(), time.process_time()
     await asyncio.gather(*(writer() for _ in range(concurrency)))
-    wall, spent = time.perf_counter() - began, cpu() - cpu0
+    wall, spent = time.perf_counter() - began, time.process_time() - cpu0
     rounds = one.waits if shared else rounds
     latencies.sort()
     return {
