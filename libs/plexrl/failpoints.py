@@ -28,15 +28,16 @@ POINTS = {
     "completion is recorded or published",
 }
 
-_DIR = os.environ.get("PLEXRL_FAILPOINTS_DIR")
-
 
 def failpoint(name: str) -> None:
-    """Die here (SIGKILL) if the fault suite armed `name`; otherwise nothing."""
-    if _DIR is None:
+    """Die here (SIGKILL) if the fault suite armed `name`; otherwise nothing. The
+    directory is read on each call, not at import: a process forked after the import
+    (plexrl_tools.preload) has its own environment."""
+    directory = os.environ.get("PLEXRL_FAILPOINTS_DIR")
+    if directory is None:
         return
     try:
-        (Path(_DIR) / name).unlink()
+        (Path(directory) / name).unlink()
     except FileNotFoundError:
         return
     os.kill(os.getpid(), signal.SIGKILL)

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from plexrl.service_auth import new_token
+from plexrl_tools.preload import ForkedProcess, Preloader
 
 
 @dataclass(frozen=True)
@@ -127,10 +128,27 @@ def free_ports(n: int) -> list[int]:
             s.close()
 
 
+SERVICE_MODULES = ("plexrl_state_store", "plexrl_scheduler", "plexrl_worker", "plexrl_gateway")
+"""What `python -m` runs for each of the four services."""
+
+_preloader: Preloader | None = None
+_NETNS_EXEC = ("ip", "netns", "exec")
+
+
+def preload_services(preloader: Preloader | None) -> None:
+    """Fork this process's later service starts from `preloader` (their modules imported
+    once: a test suite's many starts cost seconds, not a worker's 15-20 s of imports
+    each), or None to start each as a new interpreter again. A service run under
+    `ip netns exec NAME` (a host of the host bed) is forked into that namespace; one
+    under another command prefix, or another Python, is always a new interpreter."""
+    global _preloader
+    _preloader = preloader
+
+
 @dataclass
 class _Proc:
     name: str
-    process: subprocess.Popen[bytes]
+    process: subprocess.Popen[bytes] | ForkedProcess
     health_url: str
     log: Path
     module: str
@@ -198,14 +216,20 @@ class LocalCluster:
         logs = self.config.state_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         log = logs / f"{name}.log"
-        with log.open("ab") as out:
-            process = subprocess.Popen(
-                [*prefix, self._python, "-m", module],
-                env=self._env({"OTEL_SERVICE_NAME": f"plexrl-{name}", **extra}),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
+        env = self._env({"OTEL_SERVICE_NAME": f"plexrl-{name}", **extra})
+        process: subprocess.Popen[bytes] | ForkedProcess
+        netns = prefix[3] if len(prefix) == 4 and prefix[:3] == _NETNS_EXEC else None
+        if _preloader is not None and self._python == sys.executable and (not prefix or netns):
+            process = _preloader.spawn(module, env, log, netns)
+        else:
+            with log.open("ab") as out:
+                process = subprocess.Popen(
+                    [*prefix, self._python, "-m", module],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                )
         health = f"http://{host}:{port}/healthz"
         self._procs.append(_Proc(name, process, health, log, module, port, extra, host, prefix))
 
