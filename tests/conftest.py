@@ -10,6 +10,7 @@ import subprocess
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -20,7 +21,8 @@ import pytest_asyncio
 from plexrl.models import PLEXRL_JSON
 from plexrl.service_auth import new_token
 from plexrl.stores import Stores
-from plexrl_tools.cluster import ClusterConfig, LocalCluster
+from plexrl_tools import preload
+from plexrl_tools.cluster import SERVICE_MODULES, ClusterConfig, LocalCluster, preload_services
 from plexrl_tools.cluster import free_port as free_port  # re-exported to the tests
 
 if TYPE_CHECKING:
@@ -34,6 +36,21 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 KAFKA = os.environ.get("PLEXRL_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
 REDIS = os.environ.get("PLEXRL_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Where integration tests were collected, the services of the clusters they start
+    are forked from processes that import them once (plexrl_tools.preload), begun here
+    to import while the first tests run: a worker's start then costs about a second,
+    not 15-20 s of CPU, each of the suite's dozens of times. PLEXRL_PRELOAD=0 starts
+    every service as a new interpreter."""
+    if os.environ.get("PLEXRL_PRELOAD", "1") == "0":
+        return
+    if any(item.get_closest_marker("integration") for item in items):
+        preloader = preload.shared()
+        preloader.warm(list(SERVICE_MODULES))
+        preload_services(preloader)
 
 
 def _answers(hostport: str) -> bool:
@@ -81,18 +98,10 @@ def tiny_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield root
 
 
-@pytest.fixture(scope="session")
-def sglang_sampler(
-    tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[SGLangSampler]:
-    """One real SGLang server on this CPU for the session (a start costs about two minutes
-    on 2 cores): tests/test_sglang.py drives it directly and the worker in
-    tests/test_sglang_worker.py attaches to it (PLEXRL_SGLANG_URL), so it is started with
-    the worker's own LoRA settings (rank up to 64, the unembedding too)."""
+def _start_sglang(python: Path, tiny_registry: Path, log_dir: Path) -> SGLangSampler:
     from plexrl_worker.sglang import SGLangSampler, SGLangServerConfig
 
-    python = require_sglang()
-    log = tmp_path_factory.mktemp("sglang") / "server.log"
+    log = log_dir / "server.log"
     config = SGLangServerConfig(
         model_path=str(tiny_registry / "tiny-qwen3"),
         python=python,
@@ -108,6 +117,52 @@ def sglang_sampler(
         if log.exists():
             print(log.read_text()[-5000:])
         raise
+    return sampler
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _sglang_early(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Future[SGLangSampler] | None]:
+    """Where a collected test uses `sglang_sampler`, its server's start (about two
+    minutes of CPU on 2 cores) begins with the session, in the background, so the
+    tests before it run meanwhile."""
+    wanted = any(
+        "sglang_sampler" in getattr(item, "fixturenames", ()) for item in request.session.items
+    )
+    if wanted:
+        from plexrl_worker.sglang import sglang_python
+    if not (wanted and sglang_python().exists()):
+        yield None
+        return
+    registry = request.getfixturevalue("tiny_registry")
+    log_dir = tmp_path_factory.mktemp("sglang")
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-start") as pool:
+        started = pool.submit(_start_sglang, sglang_python(), registry, log_dir)
+        yield started
+        try:
+            sampler = started.result()
+        except Exception:
+            return
+        sampler.stop()
+
+
+@pytest.fixture(scope="session")
+def sglang_sampler(
+    tiny_registry: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    _sglang_early: Future[SGLangSampler] | None,
+) -> Iterator[SGLangSampler]:
+    """One real SGLang server on this CPU for the session (a start costs about two minutes
+    on 2 cores, begun early by `_sglang_early`): tests/test_sglang.py drives it directly
+    and the worker in tests/test_sglang_worker.py attaches to it (PLEXRL_SGLANG_URL), so
+    it is started with the worker's own LoRA settings (rank up to 64, the unembedding
+    too)."""
+    python = require_sglang()
+    if _sglang_early is not None:
+        yield _sglang_early.result()  # stopped by `_sglang_early`
+        return
+    sampler = _start_sglang(python, tiny_registry, tmp_path_factory.mktemp("sglang"))
     yield sampler
     sampler.stop()
 

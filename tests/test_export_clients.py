@@ -26,7 +26,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -39,6 +39,9 @@ from transformers import AutoModelForCausalLM
 
 from plexrl_tools.cluster import LocalCluster
 from tests.sdk_support import COOKBOOK, side_install
+
+if TYPE_CHECKING:
+    from plexrl_worker.sglang import SGLangSampler
 
 pytestmark = pytest.mark.integration
 
@@ -288,17 +291,14 @@ def test_the_cookbooks_peft_adapter_and_merged_model_give_plexrls_logprobs(
 
 
 def test_sglang_loads_the_adapter_and_samples_from_it(
-    request: pytest.FixtureRequest,
+    sglang_sampler: SGLangSampler,
     trained: Trained,
     cookbook_built: Path,
     tiny_registry: Path,
 ) -> None:
-    from tests.conftest import require_sglang
-
-    require_sglang()
     # The session's SGLang server over the same tiny model (tests/conftest.py), started
     # with --enable-lora; the adapter goes in through its own HTTP API.
-    url = request.getfixturevalue("sglang_sampler").server.url
+    url = sglang_sampler.server.url
     with httpx.Client(base_url=url, timeout=300) as http:
         loaded = http.post(
             "/load_lora_adapter",
