@@ -317,6 +317,33 @@ def test_replication_and_sentinels_reach_every_service(helm: Path) -> None:
         assert "PLEXRL_REDIS_SENTINELS" not in env
 
 
+def test_kafka_tls_and_sasl_reach_every_service(helm: Path) -> None:
+    for doc in workloads(render(helm, *CASES["full"])):
+        container = main_container(doc)
+        env = env_of(container)
+        assert env["PLEXRL_KAFKA_SECURITY_PROTOCOL"]["value"] == "SASL_SSL"
+        assert env["PLEXRL_KAFKA_SSL_CAFILE"]["value"] == "/etc/plexrl/kafka-tls/ca.pem"
+        assert env["PLEXRL_KAFKA_SSL_KEYFILE"]["value"] == "/etc/plexrl/kafka-tls/client.key"
+        user = env["PLEXRL_KAFKA_SASL_USERNAME"]["valueFrom"]["secretKeyRef"]
+        assert user == {"name": "plexrl-kafka-user", "key": "username"}
+        mounts = {m["name"]: m for m in container["volumeMounts"]}
+        assert mounts["kafka-tls"]["mountPath"] == "/etc/plexrl/kafka-tls"
+        assert mounts["kafka-tls"]["readOnly"] is True
+        volumes = {v["name"]: v for v in doc["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["kafka-tls"]["secret"]["secretName"] == "plexrl-kafka-tls"
+    for doc in workloads(render(helm, *REQUIRED)):
+        env = env_of(main_container(doc))
+        assert not any(name.startswith(("PLEXRL_KAFKA_S",)) for name in env), env.keys()
+        volumes = doc["spec"]["template"]["spec"].get("volumes", [])
+        assert "kafka-tls" not in {v["name"] for v in volumes}
+
+
+def test_a_sasl_protocol_without_its_secret_is_refused(helm: Path) -> None:
+    args = ("template", "plexrl", str(CHART), *REQUIRED, "--set", "kafka.securityProtocol=SASL_SSL")
+    result = run_helm(helm, *args)
+    assert result.returncode != 0 and "kafka.sasl.existingSecret is required" in result.stderr
+
+
 def test_state_store_replicas_share_an_object_store_and_need_one(helm: Path) -> None:
     store = find(render(helm, *CASES["full"]), "StatefulSet", "state-store")
     assert store["spec"]["replicas"] == 2 and "volumeClaimTemplates" not in store["spec"]

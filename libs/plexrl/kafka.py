@@ -31,6 +31,7 @@ from prometheus_client import Counter
 
 from plexrl import tracing
 from plexrl.kafka_replication import TopicReplication
+from plexrl.kafka_security import PLAINTEXT, KafkaSecurity
 from plexrl.messages import DeadLetter, DeadLetterReason, MessageError, decode, encode
 from plexrl.retry import DESYNCHRONIZED, Backoff, is_transient, retrieved, retrying
 
@@ -75,11 +76,15 @@ BeforeBatch = Callable[[list[Any]], Awaitable[None]]
 """Called with a poll's messages (those that decoded) before the first is handled."""
 
 
-async def wait_for_kafka(bootstrap: str, timeout_s: float = 60.0) -> None:
+async def wait_for_kafka(
+    bootstrap: str, timeout_s: float = 60.0, security: KafkaSecurity = PLAINTEXT
+) -> None:
     """Retry until the broker answers; raises with a hint when it never does."""
     deadline = time.monotonic() + timeout_s
     while True:
-        admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+        admin = AIOKafkaAdminClient(
+            bootstrap_servers=bootstrap, request_timeout_ms=5000, **security.client_options()
+        )
         try:
             await admin.start()
             await admin.list_topics()
@@ -100,14 +105,21 @@ _TOPIC_EXISTS = 36
 
 
 async def ensure_topics(
-    bootstrap: str, wanted: dict[str, int], replication: TopicReplication | None = None
+    bootstrap: str,
+    wanted: dict[str, int],
+    replication: TopicReplication | None = None,
+    security: KafkaSecurity = PLAINTEXT,
 ) -> None:
     """Create the topics that do not exist yet (idempotent, safe to race), replicated as
     `replication` says; raises saying what to change when the brokers refuse them."""
     replication = replication or TopicReplication()
     # A broker whose host vanished must not hold the caller for aiokafka's 40 s default
     # (the scheduler creates a joining worker's topics in its control loop).
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=REQUEST_TIMEOUT_MS)
+    admin = AIOKafkaAdminClient(
+        bootstrap_servers=bootstrap,
+        request_timeout_ms=REQUEST_TIMEOUT_MS,
+        **security.client_options(),
+    )
     await admin.start()
     try:
         existing = set(await admin.list_topics())
@@ -206,9 +218,14 @@ class Publisher:
     by request id and the job's ledger, as after any republish)."""
 
     def __init__(
-        self, bootstrap: str, client_id: str, request_timeout_ms: int = REQUEST_TIMEOUT_MS
+        self,
+        bootstrap: str,
+        client_id: str,
+        request_timeout_ms: int = REQUEST_TIMEOUT_MS,
+        security: KafkaSecurity = PLAINTEXT,
     ) -> None:
         self._settings: dict[str, Any] = dict(
+            security.client_options(),
             bootstrap_servers=bootstrap,
             client_id=client_id,
             request_timeout_ms=request_timeout_ms,
@@ -457,6 +474,7 @@ class MessageConsumer(Generic[T]):
         tuning: ConsumerTuning | None = None,
         fetch: FetchTuning = LOW_LATENCY,
         clock: Callable[[], float] = time.monotonic,
+        security: KafkaSecurity = PLAINTEXT,
     ) -> None:
         self._topics = topics
         self._message_type = message_type
@@ -484,6 +502,7 @@ class MessageConsumer(Generic[T]):
         self._to_commit: dict[TopicPartition, int] = {}
         self._consumer = AIOKafkaConsumer(
             *topics,
+            **security.client_options(),
             bootstrap_servers=bootstrap,
             group_id=group,
             client_id=name,

@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import unquote, urlparse
+from urllib.parse import parse_qs, unquote, urlparse
 
 import redis
 import redis.asyncio as aioredis
@@ -197,6 +197,14 @@ class RedisTarget:
             kwargs["password"] = unquote(parsed.password)
         if parsed.scheme == "rediss":
             kwargs["ssl"] = True
+            # The TLS options a plain URL carries as query parameters (redis-py's names:
+            # ssl_ca_certs, ssl_certfile, ssl_keyfile, ssl_cert_reqs, ...).
+            for name, values in parse_qs(parsed.query).items():
+                if name.startswith("ssl_") and values:
+                    value: Any = unquote(values[0])
+                    if name == "ssl_check_hostname":
+                        value = value.lower() in ("1", "true", "yes")
+                    kwargs[name] = value
         return kwargs
 
     def connect(self) -> aioredis.Redis:

@@ -29,14 +29,17 @@ async def join_cluster(
     """Tracing under `name`; wait for Kafka; create the topics; connect to Redis."""
     tracing.setup_tracing(name)
     topics = Topics(settings.cluster_id)
-    await wait_for_kafka(settings.kafka_bootstrap)
+    security = settings.kafka_security()
+    await wait_for_kafka(settings.kafka_bootstrap, security=security)
     await ensure_topics(
         settings.kafka_bootstrap,
         {**core_topics(topics), **(extra_topics or {})},
         settings.topic_replication(),
+        security,
     )
     stores = Stores.from_settings(settings)
-    return ClusterLink(topics, stores, Publisher(settings.kafka_bootstrap, name))
+    publisher = Publisher(settings.kafka_bootstrap, name, security=security)
+    return ClusterLink(topics, stores, publisher)
 
 
 def configure_logging(level: str) -> None:

@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from plexrl.kafka_replication import TopicReplication
+from plexrl.kafka_security import KafkaSecurity, Mechanism, Protocol
 from plexrl.quotas import DEFAULT_QUOTAS, RecordQuotas
 
 
@@ -34,6 +35,22 @@ class CommonSettings(BaseSettings):
     # so one broker can be down without refusing sends and an acknowledged message is on
     # two brokers. At most kafka_replication_factor.
     kafka_min_insync_replicas: int = Field(default=1, ge=1)
+    # What every Kafka client of the service speaks to the brokers: PLAINTEXT on one
+    # machine or a private network; SSL (TLS) or SASL_SSL (TLS and a user) across a
+    # shared one (docs/deploy.md, the trust boundary).
+    kafka_security_protocol: Protocol = "PLAINTEXT"
+    # PEM file of the CA that signed the brokers' certificates (unset: the system's).
+    kafka_ssl_cafile: str | None = None
+    # This service's client certificate and its unencrypted key (PEM), for brokers that
+    # require one (`ssl.client.auth=required`).
+    kafka_ssl_certfile: str | None = None
+    kafka_ssl_keyfile: str | None = None
+    # Whether a broker's certificate must name the address the service reaches it at.
+    kafka_ssl_check_hostname: bool = True
+    # The SASL mechanism, user and password of a SASL_SSL (or SASL_PLAINTEXT) listener.
+    kafka_sasl_mechanism: Mechanism | None = None
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: str | None = None
     # Redis URL of the metadata store (no tensors live there). With Sentinels (below),
     # only its database number, user, password and scheme (rediss:// for TLS) count.
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -96,12 +113,25 @@ class CommonSettings(BaseSettings):
     @model_validator(mode="after")
     def _replication_fits(self) -> CommonSettings:
         self.topic_replication()  # raises saying what to change
+        self.kafka_security()
         self.sentinel_nodes()
         return self
 
     def sentinel_nodes(self) -> tuple[tuple[str, int], ...]:
         """PLEXRL_REDIS_SENTINELS as (host, port) pairs (none: no Sentinels)."""
         return parse_sentinels(self.redis_sentinels or "")
+
+    def kafka_security(self) -> KafkaSecurity:
+        return KafkaSecurity(
+            protocol=self.kafka_security_protocol,
+            cafile=self.kafka_ssl_cafile,
+            certfile=self.kafka_ssl_certfile,
+            keyfile=self.kafka_ssl_keyfile,
+            check_hostname=self.kafka_ssl_check_hostname,
+            sasl_mechanism=self.kafka_sasl_mechanism,
+            sasl_username=self.kafka_sasl_username,
+            sasl_password=self.kafka_sasl_password,
+        )
 
     def topic_replication(self) -> TopicReplication:
         return TopicReplication(self.kafka_replication_factor, self.kafka_min_insync_replicas)

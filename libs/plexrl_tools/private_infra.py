@@ -93,8 +93,12 @@ class PrivateInfra:
         kafka_port: int | None = None,
         redis_port: int | None = None,
         parts: tuple[Part, ...] = ("broker", "redis"),
+        settings: dict[str, str] | None = None,
     ) -> None:
+        """`settings`: more of infra.sh's environment (e.g. the broker's TLS listeners,
+        PLEXRL_KAFKA_TLS_DIR and its ports)."""
         self.parts = parts
+        self.settings = dict(settings or {})
         self.kafka_port = kafka_port if kafka_port is not None else _port_pair()
         self.redis_port = redis_port if redis_port is not None else free_port()
 
@@ -144,6 +148,7 @@ class PrivateInfra:
             "PLEXRL_KAFKA_PORT": str(self.kafka_port),
             "PLEXRL_REDIS_PORT": str(self.redis_port),
             "PLEXRL_INFRA_PARTS": " ".join("kafka" if p == "broker" else p for p in self.parts),
+            **self.settings,
         }
         infra_sh(command, env, timeout_s)
 

@@ -24,6 +24,7 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
     # waiters; Redis holds the results.
     completions = MessageConsumer[PhaseCompletion](
         bootstrap=settings.kafka_bootstrap,
+        security=settings.kafka_security(),
         topics=[topics.completions],
         group=None,
         message_type=PhaseCompletion,

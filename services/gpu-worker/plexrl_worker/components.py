@@ -147,6 +147,7 @@ async def build(settings: WorkerSettings, link: ClusterLink) -> Worker:
     )
     intake = KafkaDispatches(
         bootstrap=settings.kafka_bootstrap,
+        security=settings.kafka_security(),
         worker_id=settings.worker_id,
         topics=topics,
         stores=stores,

@@ -27,6 +27,7 @@ from typing import Protocol
 
 from plexrl.dead_letters import DeadLetters
 from plexrl.kafka import Delivery, MessageConsumer, Publisher
+from plexrl.kafka_security import PLAINTEXT, KafkaSecurity
 from plexrl.messages import Dispatch, PhaseCompletion, PhaseRequest, PreemptBatch
 from plexrl.stores import Stores
 from plexrl.topics import Topics
@@ -96,11 +97,13 @@ class KafkaDispatches:
         handler: DispatchHandler,
         preemption: Preemption,
         poll: PollIntake | None = None,
+        security: KafkaSecurity = PLAINTEXT,
     ) -> None:
         """`poll`: reads each poll's records ahead and settles its completions once
         (None: the handler settles each dispatch's own)."""
         self._dispatches: MessageConsumer[Dispatch] = MessageConsumer(
             bootstrap=bootstrap,
+            security=security,
             topics=[topics.dispatch(worker_id)],
             group=topics.group(f"worker-{worker_id}"),
             message_type=Dispatch,
@@ -117,6 +120,7 @@ class KafkaDispatches:
 
         self._control: MessageConsumer[PreemptBatch] = MessageConsumer(
             bootstrap=bootstrap,
+            security=security,
             topics=[topics.control(worker_id)],
             group=None,  # a preempt is for the batch running now: none is replayed
             message_type=PreemptBatch,

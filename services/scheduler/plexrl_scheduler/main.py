@@ -278,6 +278,7 @@ class Inbox:
         def consumer(topic: str, group: str | None, type_: Any, handler: Any, **kw: Any) -> Any:
             return MessageConsumer(
                 bootstrap=settings.kafka_bootstrap,
+                security=settings.kafka_security(),
                 topics=[topic],
                 group=group,
                 message_type=type_,
@@ -423,7 +424,12 @@ async def ensure_worker_topics(
     if receiver.new_workers:
         wanted = {topics.dispatch(w): 1 for w in receiver.new_workers}
         wanted |= {topics.control(w): 1 for w in receiver.new_workers}
-        await ensure_topics(settings.kafka_bootstrap, wanted, settings.topic_replication())
+        await ensure_topics(
+            settings.kafka_bootstrap,
+            wanted,
+            settings.topic_replication(),
+            settings.kafka_security(),
+        )
         receiver.new_workers.clear()  # only once created: a failure is retried next pass
 
 

@@ -65,6 +65,35 @@ prometheus.io/path: /metrics
   value: {{ $root.Values.kafka.replicationFactor | int | toString | quote }}
 - name: PLEXRL_KAFKA_MIN_INSYNC_REPLICAS
   value: {{ $root.Values.kafka.minInsyncReplicas | int | toString | quote }}
+{{- $kafka := $root.Values.kafka }}
+{{- if ne $kafka.securityProtocol "PLAINTEXT" }}
+- name: PLEXRL_KAFKA_SECURITY_PROTOCOL
+  value: {{ $kafka.securityProtocol | quote }}
+{{- end }}
+{{- if $kafka.tls.existingSecret }}
+- name: PLEXRL_KAFKA_SSL_CAFILE
+  value: /etc/plexrl/kafka-tls/ca.pem
+{{- if $kafka.tls.clientCertificate }}
+- name: PLEXRL_KAFKA_SSL_CERTFILE
+  value: /etc/plexrl/kafka-tls/client.pem
+- name: PLEXRL_KAFKA_SSL_KEYFILE
+  value: /etc/plexrl/kafka-tls/client.key
+{{- end }}
+{{- end }}
+{{- if hasPrefix "SASL_" $kafka.securityProtocol }}
+- name: PLEXRL_KAFKA_SASL_MECHANISM
+  value: {{ $kafka.sasl.mechanism | quote }}
+- name: PLEXRL_KAFKA_SASL_USERNAME
+  valueFrom:
+    secretKeyRef:
+      name: {{ required "kafka.sasl.existingSecret is required with a SASL_ protocol: a Secret with username and password" $kafka.sasl.existingSecret }}
+      key: username
+- name: PLEXRL_KAFKA_SASL_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ $kafka.sasl.existingSecret }}
+      key: password
+{{- end }}
 - name: PLEXRL_REDIS_URL
 {{- if $root.Values.redis.existingSecret }}
   valueFrom:
@@ -139,6 +168,23 @@ livenessProbe:
     readOnly: true
 {{- else }}
   emptyDir: {}
+{{- end }}
+{{- end -}}
+
+{{/* The Kafka TLS Secret's mount and volume (nothing without kafka.tls.existingSecret). */}}
+{{- define "plexrl.kafkaTlsMount" -}}
+{{- if .Values.kafka.tls.existingSecret }}
+- name: kafka-tls
+  mountPath: /etc/plexrl/kafka-tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{- define "plexrl.kafkaTlsVolume" -}}
+{{- with .Values.kafka.tls.existingSecret }}
+- name: kafka-tls
+  secret:
+    secretName: {{ . }}
 {{- end }}
 {{- end -}}
 
