@@ -1,12 +1,13 @@
-"""Kafka and Redis over TLS, for clusters whose hosts share a network they do not trust
-(docs/deploy.md, the trust boundary).
+"""Kafka, Redis and the services' own HTTP over TLS, for clusters whose hosts share a
+network they do not trust (docs/deploy.md, the trust boundary).
 
 A real broker (scripts/infra.sh) with two TLS listeners beside its PLAINTEXT one: SSL
 that requires a client certificate, and SASL_SSL (PLAIN: a user and a password over
 TLS); a real Redis that serves only TLS and requires a client certificate. The
 certificates come from a throwaway CA (`plexrl_tools.tls`). Each listener refuses a
 client without what it requires; then all four services run on the SASL_SSL listener
-and the TLS Redis, and a job trains, saves and samples through the tinker SDK.
+and the TLS Redis, serving HTTPS to each other and to the tinker SDK, through which a
+job trains, saves and samples.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 import tinker
@@ -30,7 +32,7 @@ from tinker import types
 from plexrl.kafka import ensure_topics, wait_for_kafka
 from plexrl.kafka_security import KafkaSecurity
 from plexrl.settings import CommonSettings
-from plexrl_tools.cluster import ClusterConfig, LocalCluster, free_ports
+from plexrl_tools.cluster import ClusterConfig, ClusterTls, LocalCluster, free_ports
 from plexrl_tools.private_infra import PrivateInfra
 from plexrl_tools.tls import Pki, make_pki
 
@@ -76,6 +78,13 @@ def test_security_settings_that_cannot_work_are_refused_saying_what_to_change(
     assert options["sasl_mechanism"] == "SCRAM-SHA-512"
     assert options["ssl_context"].verify_mode == ssl.CERT_REQUIRED
     assert CommonSettings.model_fields["kafka_security_protocol"].default == "PLAINTEXT"
+    with pytest.raises(ValueError, match="PLEXRL_HTTP_TLS_CERTFILE and PLEXRL_HTTP_TLS_KEYFILE"):
+        CommonSettings(http_tls_certfile=str(ca))
+    with pytest.raises(ValueError, match=r"PLEXRL_HTTP_TLS_KEYFILE .* is not a file"):
+        CommonSettings(http_tls_certfile=str(ca), http_tls_keyfile=str(tmp_path / "no.key"))
+    assert CommonSettings().http_scheme == "http"
+    both = CommonSettings(http_tls_certfile=str(ca), http_tls_keyfile=str(ca))
+    assert both.http_scheme == "https"
 
 
 @pytest.fixture(scope="module")
@@ -174,10 +183,15 @@ def test_a_redis_client_without_a_certificate_is_refused(tls_redis: str) -> None
         redis.Redis.from_url(without, socket_connect_timeout=5).ping()
 
 
-def test_every_service_runs_over_tls_to_kafka_and_redis(
-    brokers: Brokers, tls_redis: str, tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
+def test_every_service_runs_over_tls_to_kafka_redis_and_each_other(
+    brokers: Brokers,
+    tls_redis: str,
+    tiny_registry: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     pki = brokers.pki
+    context = ssl.create_default_context(cafile=str(pki.ca))
     config = ClusterConfig.on_free_ports(
         tiny_registry,
         tmp_path_factory.mktemp("tls-cluster"),
@@ -193,9 +207,19 @@ def test_every_service_runs_over_tls_to_kafka_and_redis(
             "PLEXRL_KAFKA_SASL_PASSWORD": PASSWORD,
             "PLEXRL_REDIS_URL": tls_redis,
         },
+        tls=ClusterTls(pki.server_cert, pki.server_key, pki.ca),
     )
     with LocalCluster(config) as cluster:
         os.environ["HF_HUB_OFFLINE"] = "1"
+        # HTTPS only, on every service's port (the API, /healthz, /metrics alike).
+        for port in (config.gateway_port, config.scheduler_port, config.state_store_port):
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=5)
+            assert httpx.get(f"https://127.0.0.1:{port}/healthz", verify=context).status_code == 200
+            with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
+                httpx.get(f"https://127.0.0.1:{port}/healthz", timeout=5)  # not our CA
+        # The tinker SDK trusts the cluster's CA as any httpx client does.
+        monkeypatch.setenv("SSL_CERT_FILE", str(pki.ca))
         service = tinker.ServiceClient(base_url=cluster.config.gateway_url, api_key=KEY)
         trainer = service.create_lora_training_client(
             base_model="plexrl/tiny-qwen3", rank=4, seed=0

@@ -291,8 +291,18 @@ class HttpServer:
     """Uvicorn serving an app until stopped, within `limits` (by default the environment's
     `PLEXRL_HTTP_*` settings); never installs signal handlers of its own."""
 
-    def __init__(self, app: Any, host: str, port: int, limits: HttpLimits | None = None) -> None:
-        limits = limits or HttpLimits.from_settings(CommonSettings())
+    def __init__(
+        self,
+        app: Any,
+        host: str,
+        port: int,
+        limits: HttpLimits | None = None,
+        settings: CommonSettings | None = None,
+    ) -> None:
+        """`settings`: where the limits (unless given) and the certificate come from;
+        None reads the environment."""
+        settings = settings or CommonSettings()
+        limits = limits or HttpLimits.from_settings(settings)
         config = uvicorn.Config(
             tracing.FreshContext(app),
             host=host,
@@ -302,6 +312,9 @@ class HttpServer:
             http=LimitedH11Protocol.for_server(f"{host}:{port}", limits),
             timeout_keep_alive=limits.keep_alive_s,
             h11_max_incomplete_event_size=limits.max_head_bytes,
+            # HTTPS where the service has a certificate (PLEXRL_HTTP_TLS_*).
+            ssl_certfile=settings.http_tls_certfile,
+            ssl_keyfile=settings.http_tls_keyfile,
         )
         self._server = uvicorn.Server(config)
         # The service owns SIGTERM/SIGINT (plexrl.service); uvicorn must neither take

@@ -109,17 +109,40 @@ class CommonSettings(BaseSettings):
     http_keep_alive_s: int = Field(default=5, ge=1)
     # Largest request line plus headers, bytes; a longer head is answered 400.
     http_max_head_bytes: int = Field(default=64 * 1024, ge=1024)
+    # This service's certificate and unencrypted key (PEM): set, it serves HTTPS on its
+    # port (the API, /healthz, /metrics, the service token's routes), and the others
+    # reach it at https:// URLs, trusting its CA through SSL_CERT_FILE (docs/deploy.md).
+    # Unset: plain HTTP, for one machine or a private network.
+    http_tls_certfile: str | None = None
+    http_tls_keyfile: str | None = None
 
     @model_validator(mode="after")
     def _replication_fits(self) -> CommonSettings:
         self.topic_replication()  # raises saying what to change
         self.kafka_security()
+        self._check_http_tls()
         self.sentinel_nodes()
         return self
 
     def sentinel_nodes(self) -> tuple[tuple[str, int], ...]:
         """PLEXRL_REDIS_SENTINELS as (host, port) pairs (none: no Sentinels)."""
         return parse_sentinels(self.redis_sentinels or "")
+
+    def _check_http_tls(self) -> None:
+        files = {"CERTFILE": self.http_tls_certfile, "KEYFILE": self.http_tls_keyfile}
+        if (files["CERTFILE"] is None) != (files["KEYFILE"] is None):
+            raise ValueError(
+                "HTTPS needs both PLEXRL_HTTP_TLS_CERTFILE and PLEXRL_HTTP_TLS_KEYFILE "
+                "(or neither, for plain HTTP)"
+            )
+        for name, path in files.items():
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"PLEXRL_HTTP_TLS_{name} {path} is not a file")
+
+    @property
+    def http_scheme(self) -> str:
+        """What this service serves: https with a certificate, else http."""
+        return "https" if self.http_tls_certfile else "http"
 
     def kafka_security(self) -> KafkaSecurity:
         return KafkaSecurity(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -22,6 +23,21 @@ import httpx
 
 from plexrl.service_auth import new_token
 from plexrl_tools.preload import ForkedProcess, Preloader
+
+
+@dataclass(frozen=True)
+class ClusterTls:
+    """HTTPS for a local cluster: every service serves it with one certificate."""
+
+    certfile: Path
+    """The services' certificate (PEM), naming the cluster's host address."""
+    keyfile: Path
+    cafile: Path
+    """The CA that signed it: what the services (SSL_CERT_FILE) and this process's
+    health checks trust."""
+
+    def client_context(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.cafile))
 
 
 @dataclass(frozen=True)
@@ -66,16 +82,22 @@ class ClusterConfig:
     """PLEXRL_SERVICE_TOKEN the services share; None makes a fresh one per cluster."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment for every service (e.g. OTEL_EXPORTER_OTLP_ENDPOINT)."""
+    tls: ClusterTls | None = None
+    """HTTPS between the services and to the gateways; None: plain HTTP."""
+
+    @property
+    def scheme(self) -> str:
+        return "http" if self.tls is None else "https"
 
     @property
     def gateway_url(self) -> str:
-        return f"http://{self.host}:{self.gateway_port}"
+        return f"{self.scheme}://{self.host}:{self.gateway_port}"
 
     @property
     def gateway_urls(self) -> list[str]:
         """Every gateway's URL, the first one's first."""
         ports = [self.gateway_port, *self.gateway_ports[: self.gateways - 1]]
-        return [f"http://127.0.0.1:{p}" for p in ports]
+        return [f"{self.scheme}://127.0.0.1:{p}" for p in ports]
 
     def worker_port(self, i: int) -> int:
         return self.worker_ports[i] if i < len(self.worker_ports) else self.worker_port_base + i
@@ -186,8 +208,8 @@ class LocalCluster:
             **os.environ,
             "PLEXRL_CLUSTER_ID": c.cluster_id,
             "PLEXRL_MODEL_REGISTRY": str(c.model_registry),
-            "PLEXRL_STATE_STORE_URL": f"http://{c.host}:{c.state_store_port}",
-            "PLEXRL_SCHEDULER_URL": f"http://{c.host}:{c.scheduler_port}",
+            "PLEXRL_STATE_STORE_URL": f"{c.scheme}://{c.host}:{c.state_store_port}",
+            "PLEXRL_SCHEDULER_URL": f"{c.scheme}://{c.host}:{c.scheduler_port}",
             "PLEXRL_GATEWAY_HOST": c.host,
             "PLEXRL_SCHEDULER_HOST": c.host,
             "PLEXRL_WORKER_HOST": c.host,
@@ -195,10 +217,26 @@ class LocalCluster:
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
             "PLEXRL_SERVICE_TOKEN": self.service_token,
+            **self._tls_env(),
             **c.env,
             **extra,
         }
         return env
+
+    def _tls_env(self) -> dict[str, str]:
+        tls = self.config.tls
+        if tls is None:
+            return {}
+        return {
+            "PLEXRL_HTTP_TLS_CERTFILE": str(tls.certfile),
+            "PLEXRL_HTTP_TLS_KEYFILE": str(tls.keyfile),
+            "SSL_CERT_FILE": str(tls.cafile),
+        }
+
+    def _http(self) -> httpx.Client:
+        """A client for the services' health checks (trusting the cluster's CA)."""
+        tls = self.config.tls
+        return httpx.Client(timeout=2.0, verify=True if tls is None else tls.client_context())
 
     def _spawn(
         self,
@@ -230,7 +268,7 @@ class LocalCluster:
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                 )
-        health = f"http://{host}:{port}/healthz"
+        health = f"{self.config.scheme}://{host}:{port}/healthz"
         self._procs.append(_Proc(name, process, health, log, module, port, extra, host, prefix))
 
     def start(self, timeout_s: float = 600.0) -> None:
@@ -286,7 +324,7 @@ class LocalCluster:
         """Until every service (or those `names`) answers its health check."""
         deadline = time.monotonic() + timeout_s
         waiting = [p for p in self._procs if names is None or p.name in names]
-        with httpx.Client(timeout=2.0) as http:
+        with self._http() as http:
             while waiting:
                 for proc in list(waiting):
                     if proc.process.poll() is not None:
@@ -307,8 +345,8 @@ class LocalCluster:
     def wait_workers_known(self, timeout_s: float) -> None:
         """Until the scheduler has heard every worker's heartbeat (so jobs can be placed)."""
         deadline = time.monotonic() + timeout_s
-        url = f"http://{self.config.host}:{self.config.scheduler_port}/healthz"
-        with httpx.Client(timeout=2.0) as http:
+        url = f"{self.config.scheme}://{self.config.host}:{self.config.scheduler_port}/healthz"
+        with self._http() as http:
             while True:
                 workers = http.get(url).json().get("workers", {})
                 if sum(bool(v) for v in workers.values()) >= self.config.workers:

@@ -22,7 +22,7 @@ class SchedulerLeadership:
     def __init__(self, keys: RedisKeys, settings: SchedulerSettings) -> None:
         self.url = (
             settings.scheduler_advertise_url
-            or f"http://{settings.scheduler_host}:{settings.scheduler_port}"
+            or f"{settings.http_scheme}://{settings.scheduler_host}:{settings.scheduler_port}"
         )
         # Host names repeat (containers, network namespaces); the address does not.
         where = self.url.removeprefix("http://").removeprefix("https://")
