@@ -130,9 +130,12 @@ def _sglang_early(
     wanted = any(
         "sglang_sampler" in getattr(item, "fixturenames", ()) for item in request.session.items
     )
-    if wanted:
-        from plexrl_worker.sglang import sglang_python
-    if not (wanted and sglang_python().exists()):
+    if not wanted:
+        yield None
+        return
+    from plexrl_worker.sglang import sglang_python
+
+    if not sglang_python().exists():
         yield None
         return
     registry = request.getfixturevalue("tiny_registry")

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 
 from plexrl.service_auth import new_token
-from plexrl_tools.preload import ForkedProcess, Preloader
+from plexrl_tools.preload import ForkedProcess, Preloader, start_logged
 
 
 @dataclass(frozen=True)
@@ -260,14 +260,7 @@ class LocalCluster:
         if _preloader is not None and self._python == sys.executable and (not prefix or netns):
             process = _preloader.spawn(module, env, log, netns)
         else:
-            with log.open("ab") as out:
-                process = subprocess.Popen(
-                    [*prefix, self._python, "-m", module],
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                )
+            process = start_logged([*prefix, self._python, "-m", module], env, log)
         health = f"{self.config.scheme}://{host}:{port}/healthz"
         self._procs.append(_Proc(name, process, health, log, module, port, extra, host, prefix))
 

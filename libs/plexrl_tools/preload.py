@@ -204,20 +204,11 @@ class Preloader:
         if zygote.ready() and wanted == zygote.env:
             return zygote.spawn(dict(env), log, args, netns)
         prefix = ["ip", "netns", "exec", netns] if netns is not None else []
-        with log.open("ab") as out:
-            differ = sorted(
-                k for k in wanted.keys() | zygote.env.keys() if wanted.get(k) != zygote.env.get(k)
-            )
-            why = f"its environment differs in {differ}" if differ else "no preloader answered"
-            out.write(f"[preload] a new interpreter: {why}\n".encode())
-            out.flush()
-            return subprocess.Popen(
-                [*prefix, *args],
-                env=dict(env),
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL,
-            )
+        differ = sorted(
+            k for k in wanted.keys() | zygote.env.keys() if wanted.get(k) != zygote.env.get(k)
+        )
+        why = f"its environment differs in {differ}" if differ else "no preloader answered"
+        return start_logged([*prefix, *args], env, log, note=f"[preload] a new interpreter: {why}")
 
     def close(self) -> None:
         """Stop every preloading process (the services they forked keep running)."""
@@ -226,6 +217,20 @@ class Preloader:
         for zygote in zygotes:
             zygote.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def start_logged(
+    command: list[str], env: Mapping[str, str], log: Path, note: str | None = None
+) -> subprocess.Popen[bytes]:
+    """Start `command` as a new process, no stdin, its output (after `note`, a line)
+    appended to `log`."""
+    with log.open("ab") as out:
+        if note is not None:
+            out.write(f"{note}\n".encode())
+            out.flush()
+        return subprocess.Popen(
+            command, env=dict(env), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+        )
 
 
 _shared: Preloader | None = None
