@@ -203,9 +203,10 @@ class Run:
     started_at: float
 
     def url(self) -> str:
-        """The dashboard, its window a little longer than the run so far: the run's calls
-        fill the chart, wide enough to see (the page takes the key from the URL)."""
-        window = math.ceil(time.time() - self.started_at) + 10
+        """The dashboard, its window the run so far and a minute: the run's calls fill
+        most of the chart, and still fall inside it when Chromium takes tens of seconds
+        to start on a loaded machine (the page takes the key from the URL)."""
+        window = math.ceil(time.time() - self.started_at) + 60
         return f"{self.cluster.config.gateway_url}/dashboard?key={KEY}&window={window}"
 
 
