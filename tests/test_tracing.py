@@ -306,3 +306,73 @@ async def park_on_disk(infra: dict[str, str], cluster_id: str, worker_id: str, j
     finally:
         await publisher.stop()
         await stores.close()
+
+
+def test_server_spans_are_named_by_route_template_found_once_per_path() -> None:
+    from fastapi import FastAPI
+    from fastapi.testclient import TestClient
+
+    exporter = InMemorySpanExporter()
+    tracing.setup_tracing("test", exporter)
+    app = FastAPI()
+
+    @app.get("/things/{thing_id}")
+    async def thing(thing_id: str) -> dict[str, str]:
+        return {"id": thing_id}
+
+    @app.post("/echo")
+    async def echo() -> dict[str, str]:
+        return {}
+
+    tracing.instrument_app(app)
+    with TestClient(app) as client:
+        for method, path in [
+            ("GET", "/things/a"),
+            ("GET", "/things/a"),
+            ("GET", "/things/b"),
+            ("POST", "/echo"),
+            ("GET", "/echo"),  # 405: the route matches partially
+            ("GET", "/nowhere"),
+        ]:
+            client.request(method, path)
+    layer, installed = app.middleware_stack, None
+    while layer is not None and installed is None:
+        installed = getattr(layer, "default_span_details", None)
+        layer = getattr(layer, "app", None)
+    assert isinstance(installed, tracing.RouteNames)
+    server = [s for s in exporter.get_finished_spans() if s.kind == SpanKind.SERVER]
+    assert [s.name for s in server] == [
+        "GET /things/{thing_id}",
+        "GET /things/{thing_id}",
+        "GET /things/{thing_id}",
+        "POST /echo",
+        "GET /echo",
+        "GET",
+    ]
+    assert [(s.attributes or {}).get("http.route") for s in server] == [
+        "/things/{thing_id}",
+        "/things/{thing_id}",
+        "/things/{thing_id}",
+        "/echo",
+        "/echo",
+        None,
+    ]
+
+
+def test_route_names_are_looked_up_once_per_path_and_bounded() -> None:
+    looked_up: list[str] = []
+
+    def details(scope: dict[str, Any]) -> tuple[str, dict[str, str]]:
+        looked_up.append(scope["path"])
+        return f"GET {scope['path']}", {"http.route": scope["path"]}
+
+    names = tracing.RouteNames(details, max_paths=2)
+    scope = {"type": "http", "method": "GET", "root_path": "", "path": "/a"}
+    first = names(scope)
+    first[1]["added"] = "by the caller"
+    assert names(scope) == ("GET /a", {"http.route": "/a"})  # a copy each time
+    assert looked_up == ["/a"]
+    names({**scope, "method": "POST"})
+    names({**scope, "path": "/b"})  # past the bound: starts afresh
+    names(scope)
+    assert looked_up == ["/a", "/a", "/b", "/a"]

@@ -15,7 +15,7 @@ and neither are `/healthz` and `/metrics` requests.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -23,6 +23,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.instrumentation.aiokafka import AIOKafkaInstrumentor
+from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
 from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
 from opentelemetry.sdk.resources import Resource
@@ -108,10 +109,51 @@ def setup_tracing(service_name: str, exporter: SpanExporter | None = None) -> Tr
 
 
 def instrument_app(app: Any) -> None:
-    """One server span per request of a FastAPI app, none for health checks and scrapes."""
+    """One server span per request of a FastAPI app, none for health checks and scrapes.
+
+    The instrumentation names each span by its route template, found by matching the
+    request against every route of the app in turn (about 6% of the gateway's CPU per
+    call); the name is remembered per method and path (`RouteNames`)."""
     FastAPIInstrumentor.instrument_app(
         app, excluded_urls=UNTRACED_URLS, exclude_spans=["receive", "send"]
     )
+    build = app.build_middleware_stack
+
+    def build_remembering_route_names() -> Any:
+        stack = build()
+        layer = stack
+        while layer is not None:
+            if isinstance(layer, OpenTelemetryMiddleware):
+                layer.default_span_details = RouteNames(layer.default_span_details)
+                break
+            layer = getattr(layer, "app", None)
+        return stack
+
+    app.build_middleware_stack = build_remembering_route_names
+
+
+SpanDetails = tuple[str, dict[str, str]]
+
+
+class RouteNames:
+    """A request's span name and route attributes, remembered per (type, method, root
+    path, path): an app's routes are fixed once it serves, so the route a path matches
+    is too. Bounded: past `max_paths` (paths with ids in them) it starts afresh."""
+
+    def __init__(self, details: Callable[[Any], SpanDetails], max_paths: int = 4096) -> None:
+        self._details = details
+        self._max_paths = max_paths
+        self._known: dict[tuple[Any, ...], SpanDetails] = {}
+
+    def __call__(self, scope: Any) -> SpanDetails:
+        key = (scope.get("type"), scope.get("method"), scope.get("root_path"), scope.get("path"))
+        known = self._known.get(key)
+        if known is None:
+            if len(self._known) >= self._max_paths:
+                self._known.clear()
+            known = self._known[key] = self._details(scope)
+        name, attributes = known
+        return name, dict(attributes)  # the caller's own: it may add to it
 
 
 class FreshContext:
