@@ -36,6 +36,7 @@ install_stamp() {
     sha256sum "$ROOT/pyproject.toml" "$LOCK" | cut -d' ' -f1
     "$VENV/bin/python" -VV
     printf '%s\n' "$ROOT" "${packages[@]%/__init__.py}"
+    echo bytecode  # compiled at install (compile_bytecode)
   } | sha256sum | cut -d' ' -f1
 }
 
@@ -89,6 +90,9 @@ main() {
     die "installing PlexRL (editable) failed; see the output above"
   "$VENV/bin/uv" pip check --python "$VENV/bin/python" ||
     die "the installed packages conflict; regenerate the lock with scripts/lock.sh"
+  local site
+  site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  compile_bytecode "$VENV/bin/python" "$site" "$ROOT/libs" "$ROOT/services"
   echo "$want" >"$STAMP"
   log "installed in $((SECONDS - started))s"
 }

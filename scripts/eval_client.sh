@@ -51,6 +51,7 @@ main() {
   [[ ${CI:-} == true ]] && uv+=(--no-progress)
   "${uv[@]}" --target "$dir" "lm-eval==$LM_EVAL_VERSION" "${LM_EVAL_EXTRA[@]}" \
     || die "installing lm-eval failed; see the output above"
+  compile_bytecode "$ROOT/.venv/bin/python" "$dir"
   echo "$stamp" >"$dir/.plexrl-stamp"
 }
 

@@ -59,6 +59,7 @@ install() {
   local -a uv=("$ROOT/.venv/bin/uv" pip install --python "$ROOT/.venv/bin/python" --no-deps)
   [[ ${CI:-} == true ]] && uv+=(--no-progress)
   "${uv[@]}" --target "$dir" "$@" || die "installing $* failed; see the output above"
+  compile_bytecode "$ROOT/.venv/bin/python" "$dir"
   echo "$stamp" >"$dir/.plexrl-stamp"
 }
 

@@ -53,6 +53,7 @@ install_stamp() {
     sha256sum "$LOCK" "$SHIM" | cut -d' ' -f1
     "$VENV/bin/python" -VV
     echo "$ROOT"
+    echo bytecode  # compiled at install (compile_bytecode)
   } | sha256sum | cut -d' ' -f1
 }
 
@@ -96,6 +97,7 @@ install() {
   log "checking that sglang imports"
   "$VENV/bin/python" -c 'import sglang, sgl_kernel; print(sglang.__version__)' >/dev/null ||
     die "sglang does not import in $VENV; see the error above (PLEXRL_REINSTALL=1 reinstalls)"
+  compile_bytecode "$VENV/bin/python" "$site"
   install_stamp >"$STAMP"
   log "installed in $((SECONDS - started))s ($(du -sh "$VENV" | cut -f1))"
 }
