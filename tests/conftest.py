@@ -124,9 +124,9 @@ def _start_sglang(python: Path, tiny_registry: Path, log_dir: Path) -> SGLangSam
 def _sglang_early(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Future[SGLangSampler] | None]:
-    """Where a collected test uses `sglang_sampler`, its server's start (about two
-    minutes of CPU on 2 cores) begins with the session, in the background, so the
-    tests before it run meanwhile."""
+    """Where a collected test uses `sglang_sampler`, its server's start (35-40 s on 2
+    cores with the bytecode scripts/sglang.sh compiles) begins with the session, in the
+    background, so the tests before it run meanwhile."""
     wanted = any(
         "sglang_sampler" in getattr(item, "fixturenames", ()) for item in request.session.items
     )
@@ -156,8 +156,8 @@ def sglang_sampler(
     tmp_path_factory: pytest.TempPathFactory,
     _sglang_early: Future[SGLangSampler] | None,
 ) -> Iterator[SGLangSampler]:
-    """One real SGLang server on this CPU for the session (a start costs about two minutes
-    on 2 cores, begun early by `_sglang_early`): tests/test_sglang.py drives it directly
+    """One real SGLang server on this CPU for the session (a start takes 35-40 s on 2
+    cores, begun early by `_sglang_early`): tests/test_sglang.py drives it directly
     and the worker in tests/test_sglang_worker.py attaches to it (PLEXRL_SGLANG_URL), so
     it is started with the worker's own LoRA settings (rank up to 64, the unembedding
     too)."""
