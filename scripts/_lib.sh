@@ -37,6 +37,9 @@ ensure_cmd() {
   command -v "$1" >/dev/null || die "installed $2 but '$1' is still not on PATH"
 }
 
+# site_packages PYTHON — the folder PYTHON installs pure-Python packages into.
+site_packages() { "$1" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
+
 # compile_bytecode PYTHON DIR... — the .pyc of every module under DIRs, written once at
 # install. Python reads them at every start but never writes them where
 # PYTHONDONTWRITEBYTECODE is set (as on this project's CI machines), so without them each

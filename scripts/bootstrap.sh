@@ -91,7 +91,7 @@ main() {
   "$VENV/bin/uv" pip check --python "$VENV/bin/python" ||
     die "the installed packages conflict; regenerate the lock with scripts/lock.sh"
   local site
-  site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  site=$(site_packages "$VENV/bin/python")
   compile_bytecode "$VENV/bin/python" "$site" "$ROOT/libs" "$ROOT/services"
   echo "$want" >"$STAMP"
   log "installed in $((SECONDS - started))s"

@@ -46,8 +46,6 @@ lock() {
   log "wrote $LOCK; install it with scripts/sglang.sh"
 }
 
-site_packages() { "$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])'; }
-
 install_stamp() {
   {
     sha256sum "$LOCK" "$SHIM" | cut -d' ' -f1
@@ -91,7 +89,7 @@ install() {
   # The shim loads at interpreter start (a .pth line) and stands in for sgl_kernel only
   # when the real package fails to import; see the module's docstring.
   local site
-  site=$(site_packages)
+  site=$(site_packages "$VENV/bin/python")
   cp "$SHIM" "$site/plexrl_sglang_cpu_shim.py"
   echo "import plexrl_sglang_cpu_shim" >"$site/plexrl_sglang_cpu_shim.pth"
   log "checking that sglang imports"

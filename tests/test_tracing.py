@@ -308,7 +308,7 @@ async def park_on_disk(infra: dict[str, str], cluster_id: str, worker_id: str, j
         await stores.close()
 
 
-def test_server_spans_are_named_by_route_template_found_once_per_path() -> None:
+def test_server_spans_keep_their_route_template_names_when_remembered() -> None:
     from fastapi import FastAPI
     from fastapi.testclient import TestClient
 

@@ -112,8 +112,8 @@ def instrument_app(app: Any) -> None:
     """One server span per request of a FastAPI app, none for health checks and scrapes.
 
     The instrumentation names each span by its route template, found by matching the
-    request against every route of the app in turn (about 6% of the gateway's CPU per
-    call); the name is remembered per method and path (`RouteNames`)."""
+    request against every route of the app in turn (206 µs of CPU for the gateway's
+    echo route, in process); the name is remembered per method and path (`RouteNames`)."""
     FastAPIInstrumentor.instrument_app(
         app, excluded_urls=UNTRACED_URLS, exclude_spans=["receive", "send"]
     )
