@@ -270,6 +270,27 @@ async def test_usage_and_activity_are_recorded_in_one_write(stores: Stores) -> N
     assert usage == {"calls": 2.0, "device_s": 0.75, "first_at": 100.0, "last_at": 103.5}
 
 
+async def test_a_polls_usage_of_many_jobs_is_one_script_that_adds_to_each(stores: Stores) -> None:
+    await stores.usage.add_usage("a", {"calls": 1.0, "queue_s": 0.5}, active_at=90.0)
+    await stores.usage.add_usages(
+        {
+            "a": ({"calls": 2.0, "queue_s": 1e-05, "device_s": 0.5}, 100.0, 103.5),
+            "b": ({"calls": 1.0, "compute_s": 2.5e-06}, 101.0, 101.0),
+        }
+    )
+    assert await stores.usage.usage("a") == {
+        "calls": 3.0,
+        "queue_s": 0.50001,
+        "device_s": 0.5,
+        "compute_s": 0.0,
+        "first_at": 90.0,  # the first activity stays
+        "last_at": 103.5,
+    }
+    b = await stores.usage.usage("b")
+    assert b["calls"] == 1.0 and b["compute_s"] == 2.5e-06 and b["first_at"] == 101.0
+    await stores.usage.add_usages({})  # nothing to write: no command
+
+
 async def test_a_flush_queues_its_batch_at_once_and_a_refused_call_stays_with_those_after(
     stores: Stores,
 ) -> None:
