@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 import redis.asyncio as aioredis
 from aiokafka import TopicPartition
 from msgspec.structs import replace
@@ -314,3 +315,61 @@ def test_a_groups_call_is_charged_to_every_rank_of_it() -> None:
     # Seconds the group held: (0.25 + 1.0) on 2 ranks, then (0.25 + 0.5) on one.
     assert fields["device_s"] == 2 * 1.25 + 0.75 and fields["compute_s"] == 1.5
     assert (first, last) == (5.0, 6.0) and fields["calls"] == 2.0
+
+
+class HeldProducer:
+    """A producer whose sends wait until `release` (one broker acknowledgement each)."""
+
+    def __init__(self, failing: str = "") -> None:
+        self.started: list[str] = []
+        self.acknowledged: list[str] = []
+        self.release = asyncio.Event()
+        self._failing = failing
+
+    async def publish(self, topic: str, key: Any, message: Any) -> None:
+        self.started.append(topic)
+        await self.release.wait()
+        if topic == self._failing:
+            raise ConnectionError("the broker went away")
+        self.acknowledged.append(topic)
+
+
+def three_runs(producer: HeldProducer) -> tuple[Actuator, tuple[Run, ...]]:
+    """Runs of a (w0), c (w1) and b (w0 again), each with one queued call."""
+    state = two_groups(Clock())
+    for offset, (rid, job) in enumerate((("ra", "a"), ("rc", "c"), ("rb", "b"))):
+        state.apply_admit(job, state.jobs[job].home or "", epoch=1)
+        state.on_request(req(rid, job), Delivery("requests", 0, offset, Context()))
+    actuator = Actuator(
+        state,
+        producer,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        None,  # type: ignore[arg-type]
+        Topics("t"),
+        finished=lambda _: asyncio.sleep(0),
+        ledger=Ledger(aioredis.Redis(), "t"),  # NOOPs: nothing to number
+    )
+    return actuator, (Run("w0", "a", ("ra",)), Run("w1", "c", ("rc",)), Run("w0", "b", ("rb",)))
+
+
+async def test_a_pass_waits_for_its_dispatches_to_different_workers_at_once() -> None:
+    producer = HeldProducer()
+    actuator, plan = three_runs(producer)
+    carrying = asyncio.create_task(actuator.carry_out(plan))
+    for _ in range(10):
+        await asyncio.sleep(0)
+    # w0's and w1's dispatches both wait for the broker; w0's second waits for its first.
+    assert producer.started == ["t.dispatch.w0", "t.dispatch.w1"]
+    producer.release.set()
+    await carrying
+    assert producer.acknowledged == ["t.dispatch.w0", "t.dispatch.w1", "t.dispatch.w0"]
+    assert actuator.dispatches == 3
+
+
+async def test_a_failed_dispatch_fails_the_pass_after_the_others_went_out() -> None:
+    producer = HeldProducer(failing="t.dispatch.w0")
+    producer.release.set()
+    actuator, plan = three_runs(producer)
+    with pytest.raises(ConnectionError):
+        await actuator.carry_out(plan)
+    assert producer.acknowledged == ["t.dispatch.w1"]  # and the plan's rest waits

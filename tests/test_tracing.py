@@ -251,6 +251,13 @@ async def test_forward_backward_is_one_tree_down_to_the_state_store(
     assert produce.kind == SpanKind.PRODUCER and tree.parent(produce) is publish
     dispatch = tree.one(lambda s: s.name == "scheduler.dispatch", "scheduler")
     assert tree.below(dispatch, produce)
+    # The dispatch message's own send is under the call's dispatch span. No consumer
+    # makes a `receive` span: each handler's span (the scheduler's dispatch, the worker's
+    # call, the gateway's completion) marks the receipt.
+    worker_topic = f"{cluster_id}.dispatch.{cluster.settings.worker_id}"
+    sent = tree.one(lambda s: s.name == f"{worker_topic} send", "the dispatch's send")
+    assert tree.parent(sent) is dispatch
+    assert not [s for s in tree.spans if s.name.endswith(" receive")], tree.render()
     work = tree.one(lambda s: s.name == "worker.forward_backward", "worker")
     assert tree.parent(work) is dispatch
     fetch = tree.one(

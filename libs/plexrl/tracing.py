@@ -99,9 +99,10 @@ def setup_tracing(service_name: str, exporter: SpanExporter | None = None) -> Tr
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
     trace.set_tracer_provider(provider)
     # Producer side: a "<topic> send" span per message, its context in the headers.
-    # Consumer side the instrumentation makes a "<topic> receive" span per record, but
-    # ends it before `getmany` returns (it marks receipt, not handling), so handlers
-    # continue the trace from the record's headers themselves: `context_of_headers`.
+    # Consumer side the instrumentation would make a "<topic> receive" span per record,
+    # ended before `getmany` returns (a mark of receipt, not the handling): our consumers
+    # poll around it (`MessageConsumer._poll`) and each handler continues the trace from
+    # the record's headers in a span of its own (`context_of_headers`).
     if not AIOKafkaInstrumentor().is_instrumented_by_opentelemetry:
         AIOKafkaInstrumentor().instrument()
     _configured = True

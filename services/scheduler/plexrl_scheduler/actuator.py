@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -25,7 +26,7 @@ from plexrl.messages import (
     Tier,
     Timings,
 )
-from plexrl.policy import Admit, Plan, Preempt, Prefetch, Reject, RejectReason, Run
+from plexrl.policy import Action, Admit, Plan, Preempt, Prefetch, Reject, RejectReason, Run
 from plexrl.retry import retrying
 from plexrl.stores import CallStore, JobStore
 from plexrl.topics import Topics
@@ -39,11 +40,11 @@ _tracer = tracing.tracer("plexrl.scheduler")
 Committer = Callable[[Delivery | None], Awaitable[None]]
 
 
-def dispatch_span(pending: Pending, action: Run) -> str:
-    """The call's `scheduler.dispatch` span, in the trace its request carried; its W3C
-    traceparent, for the worker to continue ('' when there is none). The span is started
-    and ended here, never made current: it marks the dispatch, and nothing runs in it,
-    so the context switches and the propagator's round through a carrier are skipped."""
+def dispatch_span(pending: Pending, action: Run) -> trace.Span:
+    """The call's `scheduler.dispatch` span, in the trace its request carried. It is
+    started and ended here, never made current: it marks the dispatch, and nothing runs
+    in it, so the context switches and the propagator's round through a carrier are
+    skipped."""
     request = pending.request
     span = _tracer.start_span(
         "scheduler.dispatch",
@@ -58,6 +59,11 @@ def dispatch_span(pending: Pending, action: Run) -> str:
         },
     )
     span.end()
+    return span
+
+
+def traceparent(span: trace.Span) -> str:
+    """The span's W3C traceparent, for the worker to continue ('' when there is none)."""
     context = span.get_span_context()
     if not context.is_valid:
         return ""
@@ -89,20 +95,51 @@ class Actuator:
         self.dispatches = 0
 
     async def carry_out(self, plan: Plan) -> None:
+        """Each action in the plan's order, except that consecutive runs on different
+        workers go out together: each dispatch still waits for the broker's
+        acknowledgement, but the dispatches of one pass wait for theirs at once instead
+        of one broker round trip after another. A worker's dispatches stay in order (a
+        second run on the same worker waits for the first's)."""
+        runs: dict[str, Run] = {}
         for action in plan:
-            if isinstance(action, Run | Prefetch | Preempt) and not await self._clear(action):
-                continue  # decided again once the calls sent direct there are answered
-            match action:
-                case Admit():
-                    await self._admit(action)
-                case Reject():
-                    await self._reject(action)
-                case Run():
-                    await self._run(action)
-                case Prefetch():
-                    await self._prefetch(action)
-                case Preempt():
-                    await self._preempt(action)
+            if isinstance(action, Run) and action.worker_id not in runs:
+                runs[action.worker_id] = action
+                continue
+            await self._runs(runs)
+            if isinstance(action, Run):
+                runs[action.worker_id] = action
+            else:
+                await self._act(action)
+        await self._runs(runs)
+
+    async def _runs(self, runs: dict[str, Run]) -> None:
+        """Carry out runs on distinct workers together (and forget them)."""
+        if len(runs) == 1:
+            await self._act(*runs.values())
+        elif runs:
+            done = await asyncio.gather(
+                *(self._act(run) for run in runs.values()), return_exceptions=True
+            )
+            failed = [e for e in done if isinstance(e, BaseException)]
+            if failed:  # the others went out: the pass's failure is the first one's
+                runs.clear()
+                raise failed[0]
+        runs.clear()
+
+    async def _act(self, action: Action) -> None:
+        if isinstance(action, Run | Prefetch | Preempt) and not await self._clear(action):
+            return  # decided again once the calls sent direct there are answered
+        match action:
+            case Admit():
+                await self._admit(action)
+            case Reject():
+                await self._reject(action)
+            case Run():
+                await self._run(action)
+            case Prefetch():
+                await self._prefetch(action)
+            case Preempt():
+                await self._preempt(action)
 
     async def _clear(self, action: Run | Prefetch | Preempt) -> bool:
         """No direct lease holds the action's worker (one is revoked first, before any
@@ -197,7 +234,7 @@ class Actuator:
         lease = None if roaming else await self._lease(action.job_id, action.worker_id, chosen)
         taken = self._state.take_pending(action.request_ids)
         dispatch_id = uuid.uuid4().hex
-        traceparents = [dispatch_span(p, action) for p in taken]
+        spans = [dispatch_span(p, action) for p in taken]
         now = time.time()
         functions: dict[str, int] = {}
         for pending in taken:
@@ -210,7 +247,7 @@ class Actuator:
             dispatch_id=dispatch_id,
             worker_id=action.worker_id,
             calls=[p.request for p in taken],
-            traceparents=traceparents,
+            traceparents=[traceparent(span) for span in spans],
             evict=[StateMove(m.job_id, m.to_tier) for m in action.evict],
             issued_at=time.time(),
             lease=lease,
@@ -220,8 +257,8 @@ class Actuator:
             metrics.FOLLOW_UPS.labels(action.worker_id).inc()
         else:
             self._state.apply_run(dispatch_id, action.worker_id, action.job_id, taken, action.evict)
-        first = taken[0].delivery.context if taken[0].delivery else None
-        with _tracer.start_as_current_span("scheduler.publish_dispatch", context=first):
+        # The dispatch message's producer span (its Kafka header) under the first call's.
+        with trace.use_span(spans[0], record_exception=False, set_status_on_exception=False):
             await self._publisher.publish(
                 self._topics.dispatch(action.worker_id), action.job_id, dispatch
             )
