@@ -46,3 +46,48 @@ def test_every_profile_gets_a_group_even_with_a_tiny_share():
     counts = apportion({"7B": 500.0, "235B": 1.0}, {"7B": 16, "235B": 128}, 512)
     assert counts["235B"] == 1
     assert counts["7B"] == (512 - 128) // 16
+
+
+def test_a_job_with_more_idle_time_is_expected_to_pack_denser() -> None:
+    from plexrl.messages import Function
+    from plexrl.policy.costs import SharingCosts
+    from plexrl.policy.snapshot import CallEstimates, JobView
+    from plexrl_sim.packing import MOST_PER_GROUP, jobs_per_group
+
+    def job(duty: float) -> JobView:
+        seconds = {Function.SAMPLE: 20.0, Function.FORWARD_BACKWARD: 5.0}
+        calls = (Function.SAMPLE, Function.FORWARD_BACKWARD, Function.FORWARD_BACKWARD)
+        return JobView("j", 0, estimates=CallEstimates(seconds), duty_cycle=duty, step_calls=calls)
+
+    costs = SharingCosts()
+    packed = [jobs_per_group(job(duty), costs, 0.05) for duty in (0.9, 0.3, 0.1, 0.05)]
+    assert packed[0] == 1  # busy 90% of its step: nothing fits beside it within 5%
+    assert packed == sorted(packed) and packed[3] > packed[2] > 1
+    assert max(packed) <= MOST_PER_GROUP
+    assert jobs_per_group(job(0.1), costs, 0.5) >= packed[2]  # a wider budget, no fewer
+
+
+def test_a_packed_layout_sizes_each_job_by_the_jobs_a_group_holds_beside_it() -> None:
+    from plexrl_sim.run import prepare
+    from plexrl_sim.workload import build_groups
+
+    setup = prepare("workloads/trace-3mo.yaml", gpus=512, jobs=90, partition="packed")
+    by_run = build_groups(setup.workload, setup.factory, setup.jobs, 512)
+    halved = build_groups(
+        setup.workload,
+        setup.factory,
+        setup.jobs,
+        512,
+        per_group=lambda job: 2.0 if job.profile == "7B" else 1.0,
+    )
+
+    def counts(groups: list) -> dict[str, int]:
+        return {p: sum(g.profile == p for g in groups) for p in SIZES}
+
+    assert counts(halved)["7B"] < counts(by_run)["7B"]
+    assert sum(g.devices for g in halved) <= 512
+    # The dedicated deployments keep the layout sized by whole runs; the policies get
+    # the packed one.
+    assert setup.groups_for("isolated", setup.factory) is setup.groups
+    packed = setup.groups_for("plexrl", setup.factory)
+    assert packed is not setup.groups and sum(g.devices for g in packed) <= 512

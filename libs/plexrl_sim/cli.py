@@ -128,7 +128,8 @@ def sim(
         str | None,
         typer.Option(
             help="Split of the GPUs into groups per model size: dedicated (default; the "
-            "same layout for every deployment), shared, or auto.",
+            "same layout for every deployment), shared, auto, or packed (the policies' "
+            "groups sized by each job's run over the jobs a group is predicted to hold).",
         ),
     ] = None,
     staleness: Annotated[

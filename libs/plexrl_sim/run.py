@@ -12,8 +12,10 @@ from typing import Any
 from plexrl.policy import POLICIES, PolicyConfig
 from plexrl_sim.dedicated import DEDICATED, simulate_dedicated
 from plexrl_sim.multiplexed import MultiplexedSim
+from plexrl_sim.packing import expected_packing
 from plexrl_sim.results import DeploymentResult
 from plexrl_sim.workload import (
+    PARTITIONS,
     TAIL_RELEASE,
     CoLocation,
     GroupSpec,
@@ -78,12 +80,22 @@ class Setup:
     fb_slices: int | None = None
     """The jobs' forward_backward slicing, when the command line set it."""
 
-    def groups_for(self, name: str, factory: JobFactory) -> list[GroupSpec]:
-        """The groups a deployment runs on (see `ClusterSpec.partition`)."""
-        shared = self.partition == "shared" or (self.partition == "auto" and name not in DEDICATED)
-        if not shared or self.workload.workers or self.workload.cluster.groups:
-            return self.groups
-        return build_groups(self.workload, factory, self.jobs, self.gpus, shared=True)
+    def groups_for(
+        self, name: str, factory: JobFactory, config: PolicyConfig | None = None
+    ) -> list[GroupSpec]:
+        """The groups a deployment runs on (see `ClusterSpec.partition`); `config`: the
+        policy's, whose slowdown budget a `packed` layout is sized for."""
+        own = (
+            name not in DEDICATED and not self.workload.workers and not self.workload.cluster.groups
+        )
+        if own and self.partition == "packed":
+            budget = (config or PolicyConfig()).slowdown_budget
+            costs = self.workload.cluster.colocation.costs()
+            per_group = expected_packing(factory, costs, budget)
+            return build_groups(self.workload, factory, self.jobs, self.gpus, per_group=per_group)
+        if own and self.partition in ("shared", "auto"):
+            return build_groups(self.workload, factory, self.jobs, self.gpus, shared=True)
+        return self.groups
 
     @property
     def device_gpus(self) -> int:
@@ -109,8 +121,8 @@ def prepare(
     if fb_slices is not None:
         workload = with_fb_slices(workload, fb_slices)
     split = partition or workload.cluster.partition
-    if split not in ("auto", "dedicated", "shared"):
-        raise ValueError(f"partition {split!r}: use auto, dedicated or shared")
+    if split not in PARTITIONS:
+        raise ValueError(f"partition {split!r}: use one of {', '.join(PARTITIONS)}")
     factory = JobFactory(workload, seed)
     specs = factory.jobs(days=days, jobs=jobs)
     groups = build_groups(workload, factory, specs, gpus, shared=split == "shared")
@@ -173,7 +185,7 @@ def run_deployment(
             f"({', '.join(sorted(POLICIES))}) optionally suffixed {TAIL_SUFFIX}, or all"
         )
     config = policy_config(setup, policy, overrides or {})
-    groups = setup.groups_for(name, factory)
+    groups = setup.groups_for(name, factory, config)
     sim = MultiplexedSim(
         factory, setup.jobs, groups, config, setup.gpus, name=name, colocation=colocation
     )

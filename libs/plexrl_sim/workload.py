@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import re
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -27,6 +28,9 @@ import yaml
 
 from plexrl.policy import SwapCosts
 from plexrl.policy.costs import SharingCosts
+
+PARTITIONS = ("auto", "dedicated", "shared", "packed")
+"""How the GPUs may be split into groups per model size (`ClusterSpec.partition`)."""
 
 # Sizes ------------------------------------------------------------------------------------
 
@@ -259,8 +263,10 @@ class ClusterSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     partition: str = "dedicated"
     """How the default split weighs demand: `dedicated` (device-seconds of whole runs;
     every deployment on the same layout), `shared` (device-seconds the jobs' calls hold
-    a group: a layout for a cluster that multiplexes), or `auto` (dedicated for
-    Isolated, Colocated and Split-Async, shared for the policies)."""
+    a group: a layout for a cluster that multiplexes), `auto` (dedicated for Isolated,
+    Colocated and Split-Async, shared for the policies), or `packed` (dedicated for
+    those, and for the policies each job's whole run over the jobs a group is predicted
+    to hold within the slowdown budget: `plexrl_sim.packing`)."""
     colocation: CoLocation = CoLocation()
     """Costs of sharing a group (engine switches, the stragglers' memory and contention)."""
 
@@ -357,9 +363,10 @@ class Workload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reference: Reference = Reference()
 
     def validate(self) -> None:
-        if self.cluster.partition not in ("auto", "dedicated", "shared"):
+        if self.cluster.partition not in PARTITIONS:
             raise ValueError(
-                f"cluster.partition is {self.cluster.partition!r}; use auto, dedicated or shared"
+                f"cluster.partition is {self.cluster.partition!r}; use one of "
+                f"{', '.join(PARTITIONS)}"
             )
         self.cluster.colocation.validate()
         if self.trace is None and not self.jobs:
@@ -770,11 +777,13 @@ def build_groups(
     jobs: list[JobSpec],
     gpus: int | None = None,
     shared: bool = False,
+    per_group: Callable[[JobSpec], float] | None = None,
 ) -> list[GroupSpec]:
     """Named workers as given; otherwise the GPUs split into groups per profile, in
     proportion to each profile's device-seconds of demand in `jobs`: of whole runs on
     dedicated pools, or (`shared`) of the group time their calls hold, which is what a
-    shared cluster must provide."""
+    shared cluster must provide; with `per_group`, each job's whole run over the jobs a
+    group is expected to hold beside it (`plexrl_sim.packing`)."""
     if workload.workers:
         return [
             GroupSpec(
@@ -794,7 +803,7 @@ def build_groups(
     counts = (
         dict(cluster.groups)
         if cluster.groups
-        else _groups_by_demand(workload, factory, jobs, total, shared)
+        else _groups_by_demand(workload, factory, jobs, total, shared, per_group)
     )
     used = sum(workload.profiles[k].devices * c for k, c in counts.items())
     if used > total:
@@ -826,7 +835,12 @@ def build_groups(
 
 
 def _groups_by_demand(
-    workload: Workload, factory: JobFactory, jobs: list[JobSpec], gpus: int, shared: bool
+    workload: Workload,
+    factory: JobFactory,
+    jobs: list[JobSpec],
+    gpus: int,
+    shared: bool,
+    per_group: Callable[[JobSpec], float] | None = None,
 ) -> dict[str, int]:
     demand: dict[str, float] = {}
     for job in jobs:
@@ -836,6 +850,8 @@ def _groups_by_demand(
             need = float(steps.exclusive_s.sum() + steps.tail_work.sum())
         else:
             need = factory.expected_isolated_step_s(job.profile) * job.steps
+            if per_group is not None:
+                need /= per_group(job)
         demand[job.profile] = demand.get(job.profile, 0.0) + p.devices * need
     total = sum(demand.values())
     sizes = {name: workload.profiles[name].devices for name in demand}
