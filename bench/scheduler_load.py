@@ -265,9 +265,9 @@ def process_cpu_s() -> float:
 
 
 async def measure_round(load: Load, pids: dict[str, int], seconds: float) -> Round:
-    """The scheduler's and the others' CPU over `seconds` of load, less their idle rate
-    (measured over the same load's pause just before would include the load: the idle
-    rates come from `idle`, measured once before any load)."""
+    """The CPU seconds the scheduler, the broker, Redis and this process spent over
+    `seconds` of load (their idle rates, measured once before any load, are taken off
+    in `figures`)."""
     out = Round()
     before, mine, start = cpu_s(pids), process_cpu_s(), time.perf_counter()
     load.counting = out
