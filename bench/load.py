@@ -138,9 +138,9 @@ class Meter:
         out["client"] = times.user + times.system
         return out
 
-    async def measure_idle(self) -> None:
+    async def measure_idle(self, seconds: float = IDLE_S) -> None:
         before, start = self._now(), time.perf_counter()
-        await asyncio.sleep(IDLE_S)
+        await asyncio.sleep(seconds)
         elapsed = time.perf_counter() - start
         self._idle = {k: (v - before.get(k, 0.0)) / elapsed for k, v in self._now().items()}
         self._idle["client"] = 0.0

@@ -46,7 +46,8 @@ from typing import Any
 
 import httpx
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from control_plane import SOURCE_DIRS, cpu_s, percentile, worktree
+from control_plane import SOURCE_DIRS, percentile, worktree
+from load import Meter, Phase
 
 from plexrl.messages import (
     CompletionStatus,
@@ -84,6 +85,7 @@ class Round:
     wall_s: float = 0.0
     latencies: list[float] = field(default_factory=list)
     cpu_s: dict[str, float] = field(default_factory=dict)
+    """Each process's CPU seconds over the round, less its idle rate; `load`: this one."""
 
 
 @dataclass
@@ -259,42 +261,29 @@ class Load:
         await self.producer.stop()
 
 
-def process_cpu_s() -> float:
-    t = os.times()
-    return t.user + t.system
-
-
-async def measure_round(load: Load, pids: dict[str, int], seconds: float) -> Round:
-    """The CPU seconds the scheduler, the broker, Redis and this process spent over
-    `seconds` of load (their idle rates, measured once before any load, are taken off
-    in `figures`)."""
-    out = Round()
-    before, mine, start = cpu_s(pids), process_cpu_s(), time.perf_counter()
+async def measure_round(load: Load, meter: Meter, seconds: float) -> Round:
+    """What `seconds` of load brought: calls, dispatches, latencies, and the CPU the
+    scheduler, the broker, Redis and this process spent, each less its idle rate."""
+    out, spent = Round(), Phase()
+    start = time.perf_counter()
     load.counting = out
-    await asyncio.sleep(seconds)
+    with meter.phase(spent):
+        await asyncio.sleep(seconds)
     load.counting = None
     out.wall_s = time.perf_counter() - start
-    after = cpu_s(pids)
-    out.cpu_s = {k: after[k] - before[k] for k in pids} | {"load": process_cpu_s() - mine}
+    out.cpu_s = dict(spent.cpu)
+    out.cpu_s["load"] = out.cpu_s.pop("client")
     return out
 
 
-async def idle_rates(pids: dict[str, int]) -> dict[str, float]:
-    before, start = cpu_s(pids), time.perf_counter()
-    await asyncio.sleep(IDLE_S)
-    elapsed = time.perf_counter() - start
-    after = cpu_s(pids)
-    return {k: (after[k] - before[k]) / elapsed for k in pids}
-
-
-def figures(s: Scheduler, idle: dict[str, float]) -> dict[str, Any]:
+def figures(s: Scheduler) -> dict[str, Any]:
     calls = sum(r.calls for r in s.rounds)
     wall = sum(r.wall_s for r in s.rounds)
     latencies = [x for r in s.rounds for x in r.latencies]
     cpu: dict[str, float] = {}
     for r in s.rounds:
         for k, v in r.cpu_s.items():
-            cpu[k] = cpu.get(k, 0.0) + v - idle.get(k, 0.0) * r.wall_s
+            cpu[k] = cpu.get(k, 0.0) + v
     per_call = {k: round(v / max(calls, 1) * 1000.0, 3) for k, v in sorted(cpu.items())}
     return {
         "calls": calls,
@@ -305,13 +294,7 @@ def figures(s: Scheduler, idle: dict[str, float]) -> dict[str, Any]:
         "dispatch_p99_ms": round(percentile(latencies, 0.99) * 1000.0, 2) if latencies else None,
         "cpu_ms_per_call": per_call,
         "scheduler_cpu_ms_per_call_by_round": [
-            round(
-                (r.cpu_s["scheduler"] - idle.get("scheduler", 0.0) * r.wall_s)
-                / max(r.calls, 1)
-                * 1000.0,
-                3,
-            )
-            for r in s.rounds
+            round(r.cpu_s["scheduler"] / max(r.calls, 1) * 1000.0, 3) for r in s.rounds
         ],
     }
 
@@ -336,16 +319,16 @@ async def bench(args: argparse.Namespace, infra: PrivateInfra, tmp: Path) -> dic
             await load.subscribe()
             loads[s.name] = load
         await asyncio.sleep(SETTLE_S)  # the topics' creation and the groups' joins done
-        idle = {}
-        for s in schedulers:
-            idle[s.name] = await idle_rates(pids_of(s, infra))
+        meters = {s.name: Meter(pids_of(s, infra)) for s in schedulers}
+        for meter in meters.values():
+            await meter.measure_idle(IDLE_S)
         for number in range(args.rounds):
             for s in schedulers:
                 load = loads[s.name]
                 task = asyncio.create_task(load.run())
                 beats = asyncio.create_task(beat_every(load, 0.5))
                 await asyncio.sleep(args.warmup_s)
-                r = await measure_round(load, pids_of(s, infra), args.seconds)
+                r = await measure_round(load, meters[s.name], args.seconds)
                 s.rounds.append(r)
                 load.running = False
                 await task
@@ -354,12 +337,12 @@ async def bench(args: argparse.Namespace, infra: PrivateInfra, tmp: Path) -> dic
                 print(
                     f"round {number + 1} {s.name}: {r.calls / r.wall_s:.0f} calls/s, "
                     f"scheduler {r.cpu_s['scheduler'] / max(r.calls, 1) * 1e3:.3f} ms CPU "
-                    f"per call (idle not subtracted)",
+                    f"per call",
                     flush=True,
                 )
         for load in loads.values():
             await load.stop()
-        out = {s.name: figures(s, idle[s.name]) for s in schedulers}
+        out = {s.name: figures(s) for s in schedulers}
     return out
 
 
