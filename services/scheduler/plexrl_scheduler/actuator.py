@@ -114,17 +114,16 @@ class Actuator:
 
     async def _runs(self, runs: dict[str, Run]) -> None:
         """Carry out runs on distinct workers together (and forget them)."""
-        if len(runs) == 1:
-            await self._act(*runs.values())
-        elif runs:
-            done = await asyncio.gather(
-                *(self._act(run) for run in runs.values()), return_exceptions=True
-            )
-            failed = [e for e in done if isinstance(e, BaseException)]
-            if failed:  # the others went out: the pass's failure is the first one's
-                runs.clear()
-                raise failed[0]
+        chosen = list(runs.values())
         runs.clear()
+        if len(chosen) <= 1:
+            if chosen:
+                await self._act(chosen[0])
+            return
+        done = await asyncio.gather(*(self._act(run) for run in chosen), return_exceptions=True)
+        for outcome in done:  # the others went out: the pass's failure is the first one's
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     async def _act(self, action: Action) -> None:
         if isinstance(action, Run | Prefetch | Preempt) and not await self._clear(action):
