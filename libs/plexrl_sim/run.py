@@ -81,16 +81,22 @@ class Setup:
     """The jobs' forward_backward slicing, when the command line set it."""
 
     def groups_for(
-        self, name: str, factory: JobFactory, config: PolicyConfig | None = None
+        self,
+        name: str,
+        factory: JobFactory,
+        config: PolicyConfig | None = None,
+        colocation: CoLocation | None = None,
     ) -> list[GroupSpec]:
         """The groups a deployment runs on (see `ClusterSpec.partition`); `config`: the
-        policy's, whose slowdown budget a `packed` layout is sized for."""
+        policy's, whose slowdown budget a `packed` layout is sized for, with the costs of
+        sharing the deployment is charged (`colocation`, else the workload's)."""
         own = (
             name not in DEDICATED and not self.workload.workers and not self.workload.cluster.groups
         )
         if own and self.partition == "packed":
             budget = (config or PolicyConfig()).slowdown_budget
-            costs = self.workload.cluster.colocation.costs()
+            chosen = colocation if colocation is not None else self.workload.cluster.colocation
+            costs = chosen.costs()
             per_group = expected_packing(factory, costs, budget)
             return build_groups(self.workload, factory, self.jobs, self.gpus, per_group=per_group)
         if own and self.partition in ("shared", "auto"):
@@ -185,7 +191,7 @@ def run_deployment(
             f"({', '.join(sorted(POLICIES))}) optionally suffixed {TAIL_SUFFIX}, or all"
         )
     config = policy_config(setup, policy, overrides or {})
-    groups = setup.groups_for(name, factory, config)
+    groups = setup.groups_for(name, factory, config, colocation)
     sim = MultiplexedSim(
         factory, setup.jobs, groups, config, setup.gpus, name=name, colocation=colocation
     )
