@@ -212,9 +212,9 @@ async def test_concurrent_waits_share_rounds_and_each_covers_every_write_before_
                 held.append(await replica.mget(keys))
             finally:
                 await replica.aclose()
-        assert [next((v for v in found if v is not None), None) for found in zip(*held)] == [
-            str(i).encode() for i in range(40)
-        ]
+        assert [
+            next((v for v in found if v is not None), None) for found in zip(*held, strict=True)
+        ] == [str(i).encode() for i in range(40)]
     finally:
         await stores.close()
 
