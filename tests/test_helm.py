@@ -196,6 +196,13 @@ def test_settings_maps_become_plexrl_variables(helm: Path) -> None:
     # Large byte counts stay integers (not 6.442450944e+10).
     assert worker["PLEXRL_WORKER_DEVICE_BYTES"]["value"] == "64424509440"
     assert worker["PLEXRL_WORKER_THREADS"]["value"] == "8"
+    # Traces: the endpoint and the share of calls traced, on every service alike.
+    for doc in workloads(docs):
+        env = env_of(main_container(doc))
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"]["value"].endswith(":4318"), doc
+        assert env["PLEXRL_TRACE_RATIO"]["value"] == "0.1", doc
+    plain = env_of(main_container(find(render(helm, *REQUIRED), "Deployment", "scheduler")))
+    assert "PLEXRL_TRACE_RATIO" not in plain and "OTEL_EXPORTER_OTLP_ENDPOINT" not in plain
 
 
 def test_each_service_listens_on_its_port_and_probes_healthz_there(

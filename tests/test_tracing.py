@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -383,3 +384,42 @@ def test_route_names_are_looked_up_once_per_path_and_bounded() -> None:
     names({**scope, "path": "/b"})  # past the bound: starts afresh
     names(scope)
     assert looked_up == ["/a", "/a", "/b", "/a"]
+
+
+def test_a_trace_is_recorded_only_where_spans_go_and_for_the_ratio_of_trace_ids() -> None:
+    from opentelemetry.sdk.trace.sampling import Decision
+
+    def decision(sampler: Any, trace_id: int, kind: SpanKind = SpanKind.SERVER) -> Decision:
+        return sampler.should_sample(None, trace_id, "POST /api/v1/echo", kind).decision
+
+    exporting = [False]
+    every = tracing._WorkStartsTraces(1.0, lambda: exporting[0])
+    # Nowhere to send spans: nothing is recorded (the ids and headers still travel).
+    assert decision(every, 1 << 63) == Decision.DROP
+    exporting[0] = True
+    assert decision(every, 1 << 63) == Decision.RECORD_AND_SAMPLE
+    assert decision(every, 1 << 63, SpanKind.PRODUCER) == Decision.DROP  # bare plumbing
+    # A ratio keeps the traces whose low 64 bits fall under it, in every service alike.
+    half = tracing._WorkStartsTraces(0.5, lambda: True)
+    high = (0xABC << 64) | (3 << 62)
+    assert decision(half, 1) == Decision.RECORD_AND_SAMPLE
+    assert decision(half, high) == Decision.DROP
+    none = tracing._WorkStartsTraces(0.0, lambda: True)
+    assert decision(none, 0) == Decision.DROP
+    draws = random.Random(7)
+    ids = [draws.getrandbits(128) for _ in range(2000)]  # as the SDK draws trace ids
+    kept = sum(decision(half, i) == Decision.RECORD_AND_SAMPLE for i in ids)
+    assert 850 < kept < 1150
+
+
+def test_the_trace_ratio_is_a_share_every_service_reads() -> None:
+    import pydantic
+
+    from plexrl.settings import GatewaySettings, StateStoreSettings
+
+    assert GatewaySettings().trace_ratio == 1.0
+    assert StateStoreSettings(trace_ratio=0.01).trace_ratio == 0.01
+    bad: Any
+    for bad in (2, -0.1, "ten percent"):
+        with pytest.raises(pydantic.ValidationError, match="trace_ratio"):
+            GatewaySettings(trace_ratio=bad)

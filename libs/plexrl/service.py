@@ -27,7 +27,7 @@ async def join_cluster(
     settings: CommonSettings, name: str, extra_topics: dict[str, int] | None = None
 ) -> ClusterLink:
     """Tracing under `name`; wait for Kafka; create the topics; connect to Redis."""
-    tracing.setup_tracing(name)
+    tracing.setup_tracing(name, ratio=settings.trace_ratio)
     topics = Topics(settings.cluster_id)
     security = settings.kafka_security()
     await wait_for_kafka(settings.kafka_bootstrap, security=security)

@@ -72,6 +72,10 @@ class CommonSettings(BaseSettings):
     redis_socket_timeout_s: float = Field(default=10.0, ge=0)
     # Opening a connection to Redis or a Sentinel fails after this long, seconds.
     redis_connect_timeout_s: float = Field(default=2.0, gt=0)
+    # The share of API calls traced where spans are exported (OTEL_EXPORTER_OTLP_ENDPOINT):
+    # 1 traces every call, 0.01 one in a hundred; the same on every service (a call's
+    # trace is kept or dropped whole, docs/tracing.md).
+    trace_ratio: float = Field(default=1.0, ge=0, le=1)
     # Base URL of the state-store service (checkpoints, disk tier); several replicas over
     # one object store may be listed, comma separated (plexrl.endpoints).
     state_store_url: str = "http://127.0.0.1:8300"

@@ -46,13 +46,25 @@ _configured = False
 # every span arrive twice (tests call it once per service they start in-process).
 _exporters: list[SpanExporter] = []
 
+_TRACE_ID_LIMIT = (1 << 64) - 1
+
 
 class _WorkStartsTraces(Sampler):
     """Root sampler: a trace may start at a server span or one of our own spans, never at
     a bare Kafka send/receive or HTTP client call (those are always part of something
-    else when they matter; alone they are heartbeats and polls)."""
+    else when they matter; alone they are heartbeats and polls).
+
+    A trace starts recorded only while its spans go somewhere (`exporting`: an exporter
+    is attached), and then for `ratio` of the trace ids (the low 64 bits, as
+    OpenTelemetry's ratio sampler reads them, so every service agrees). Otherwise its
+    spans are non-recording: ids and `traceparent` headers still travel, and nothing is
+    built per span; every service under `ParentBased` follows the root's decision."""
 
     _PLUMBING = frozenset({SpanKind.PRODUCER, SpanKind.CONSUMER, SpanKind.CLIENT})
+
+    def __init__(self, ratio: float = 1.0, exporting: Callable[[], bool] = lambda: True):
+        self._bound = round(ratio * (_TRACE_ID_LIMIT + 1))
+        self._exporting = exporting
 
     def should_sample(
         self,
@@ -64,19 +76,29 @@ class _WorkStartsTraces(Sampler):
         links: Sequence[Link] | None = None,
         trace_state: Any = None,
     ) -> SamplingResult:
-        if kind in self._PLUMBING:
+        if kind in self._PLUMBING or not self._exporting():
+            return SamplingResult(Decision.DROP)
+        if trace_id & _TRACE_ID_LIMIT >= self._bound:
             return SamplingResult(Decision.DROP)
         return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
 
     def get_description(self) -> str:
-        return "WorkStartsTraces"
+        return f"WorkStartsTraces{{{self._bound / (_TRACE_ID_LIMIT + 1)}}}"
 
 
-def setup_tracing(service_name: str, exporter: SpanExporter | None = None) -> TracerProvider:
+def _exporting() -> bool:
+    return bool(_exporters)
+
+
+def setup_tracing(
+    service_name: str, exporter: SpanExporter | None = None, ratio: float = 1.0
+) -> TracerProvider:
     """Install a tracer provider for this process and instrument aiokafka.
 
     Spans go to `exporter` when given (tests pass an in-memory one), and to OTLP over
-    HTTP when OTEL_EXPORTER_OTLP_ENDPOINT is set; otherwise they are dropped.
+    HTTP when OTEL_EXPORTER_OTLP_ENDPOINT is set, for `ratio` of the API calls (the
+    services' `PLEXRL_TRACE_RATIO`); with neither, no span is recorded (only the trace
+    context travels).
     """
     global _configured
     provider = trace.get_tracer_provider()
@@ -88,7 +110,7 @@ def setup_tracing(service_name: str, exporter: SpanExporter | None = None) -> Tr
     name = os.environ.get("OTEL_SERVICE_NAME", service_name)
     provider = TracerProvider(
         resource=Resource.create({"service.name": name}),
-        sampler=ParentBased(root=_WorkStartsTraces()),
+        sampler=ParentBased(root=_WorkStartsTraces(ratio, _exporting)),
     )
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
@@ -96,7 +118,9 @@ def setup_tracing(service_name: str, exporter: SpanExporter | None = None) -> Tr
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        otlp = OTLPSpanExporter()
+        provider.add_span_processor(BatchSpanProcessor(otlp))
+        _exporters.append(otlp)
     trace.set_tracer_provider(provider)
     # Producer side: a "<topic> send" span per message, its context in the headers.
     # Consumer side the instrumentation would make a "<topic> receive" span per record,

@@ -63,7 +63,7 @@ def open_blobs(settings: StateStoreSettings) -> BlobStore:
 
 async def serve(settings: StateStoreSettings, stop: asyncio.Event) -> None:
     check_exposure(settings)
-    tracing.setup_tracing("plexrl-state-store")
+    tracing.setup_tracing("plexrl-state-store", ratio=settings.trace_ratio)
     stores = Stores.from_settings(settings)
     blobs = open_blobs(settings)
     if isinstance(blobs, S3Blobs):

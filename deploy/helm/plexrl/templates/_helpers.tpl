@@ -127,6 +127,8 @@ prometheus.io/path: /metrics
 {{- with $root.Values.otlpEndpoint }}
 - name: OTEL_EXPORTER_OTLP_ENDPOINT
   value: {{ . | quote }}
+- name: PLEXRL_TRACE_RATIO
+  value: {{ $root.Values.traceRatio | quote }}
 {{- end }}
 {{- end -}}
 
