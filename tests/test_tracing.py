@@ -387,25 +387,35 @@ def test_route_names_are_looked_up_once_per_path_and_bounded() -> None:
 
 
 def test_a_trace_is_recorded_only_where_spans_go_and_for_the_ratio_of_trace_ids() -> None:
-    from opentelemetry.sdk.trace.sampling import Decision
+    from opentelemetry.sdk.trace.sampling import Decision, ParentBased
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context
 
-    def decision(sampler: Any, trace_id: int, kind: SpanKind = SpanKind.SERVER) -> Decision:
-        return sampler.should_sample(None, trace_id, "POST /api/v1/echo", kind).decision
+    def decision(sampler: Any, trace_id: int, kind: SpanKind = SpanKind.SERVER, parent=None):
+        return sampler.should_sample(parent, trace_id, "POST /api/v1/echo", kind).decision
+
+    def remote(sampled: bool) -> Any:
+        flags = TraceFlags(TraceFlags.SAMPLED if sampled else 0)
+        return set_span_in_context(NonRecordingSpan(SpanContext(5, 6, True, flags)))
 
     exporting = [False]
-    every = tracing._WorkStartsTraces(1.0, lambda: exporting[0])
-    # Nowhere to send spans: nothing is recorded (the ids and headers still travel).
+    every = tracing._WhileExporting(
+        ParentBased(root=tracing._WorkStartsTraces(1.0)), lambda: exporting[0]
+    )
+    # Nowhere to send spans: nothing is recorded, even under a sampled parent (the ids
+    # and headers still travel).
     assert decision(every, 1 << 63) == Decision.DROP
+    assert decision(every, 5, SpanKind.CONSUMER, remote(True)) == Decision.DROP
     exporting[0] = True
     assert decision(every, 1 << 63) == Decision.RECORD_AND_SAMPLE
     assert decision(every, 1 << 63, SpanKind.PRODUCER) == Decision.DROP  # bare plumbing
+    assert decision(every, 5, SpanKind.CONSUMER, remote(True)) == Decision.RECORD_AND_SAMPLE
+    assert decision(every, 5, SpanKind.CONSUMER, remote(False)) == Decision.DROP
     # A ratio keeps the traces whose low 64 bits fall under it, in every service alike.
-    half = tracing._WorkStartsTraces(0.5, lambda: True)
+    half = tracing._WorkStartsTraces(0.5)
     high = (0xABC << 64) | (3 << 62)
     assert decision(half, 1) == Decision.RECORD_AND_SAMPLE
     assert decision(half, high) == Decision.DROP
-    none = tracing._WorkStartsTraces(0.0, lambda: True)
-    assert decision(none, 0) == Decision.DROP
+    assert decision(tracing._WorkStartsTraces(0.0), 0) == Decision.DROP
     draws = random.Random(7)
     ids = [draws.getrandbits(128) for _ in range(2000)]  # as the SDK draws trace ids
     kept = sum(decision(half, i) == Decision.RECORD_AND_SAMPLE for i in ids)

@@ -52,18 +52,40 @@ _TRACE_ID_LIMIT = (1 << 64) - 1
 class _WorkStartsTraces(Sampler):
     """Root sampler: a trace may start at a server span or one of our own spans, never at
     a bare Kafka send/receive or HTTP client call (those are always part of something
-    else when they matter; alone they are heartbeats and polls).
-
-    A trace starts recorded only while its spans go somewhere (`exporting`: an exporter
-    is attached), and then for `ratio` of the trace ids (the low 64 bits, as
-    OpenTelemetry's ratio sampler reads them, so every service agrees). Otherwise its
-    spans are non-recording: ids and `traceparent` headers still travel, and nothing is
-    built per span; every service under `ParentBased` follows the root's decision."""
+    else when they matter; alone they are heartbeats and polls); and then for `ratio` of
+    the trace ids (the low 64 bits, as OpenTelemetry's ratio sampler reads them, so every
+    service agrees on a trace)."""
 
     _PLUMBING = frozenset({SpanKind.PRODUCER, SpanKind.CONSUMER, SpanKind.CLIENT})
 
-    def __init__(self, ratio: float = 1.0, exporting: Callable[[], bool] = lambda: True):
+    def __init__(self, ratio: float = 1.0):
         self._bound = round(ratio * (_TRACE_ID_LIMIT + 1))
+
+    def should_sample(
+        self,
+        parent_context: Context | None,
+        trace_id: int,
+        name: str,
+        kind: SpanKind | None = None,
+        attributes: Attributes = None,
+        links: Sequence[Link] | None = None,
+        trace_state: Any = None,
+    ) -> SamplingResult:
+        if kind in self._PLUMBING or trace_id & _TRACE_ID_LIMIT >= self._bound:
+            return SamplingResult(Decision.DROP)
+        return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
+
+    def get_description(self) -> str:
+        return f"WorkStartsTraces{{{self._bound / (_TRACE_ID_LIMIT + 1)}}}"
+
+
+class _WhileExporting(Sampler):
+    """`inner`'s decision while the process's spans go somewhere (`exporting`: an
+    exporter is attached); otherwise every span is non-recording, whatever its parent
+    says: ids and `traceparent` headers still travel, nothing is built per span."""
+
+    def __init__(self, inner: Sampler, exporting: Callable[[], bool]):
+        self._inner = inner
         self._exporting = exporting
 
     def should_sample(
@@ -76,14 +98,14 @@ class _WorkStartsTraces(Sampler):
         links: Sequence[Link] | None = None,
         trace_state: Any = None,
     ) -> SamplingResult:
-        if kind in self._PLUMBING or not self._exporting():
+        if not self._exporting():
             return SamplingResult(Decision.DROP)
-        if trace_id & _TRACE_ID_LIMIT >= self._bound:
-            return SamplingResult(Decision.DROP)
-        return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
+        return self._inner.should_sample(
+            parent_context, trace_id, name, kind, attributes, links, trace_state
+        )
 
     def get_description(self) -> str:
-        return f"WorkStartsTraces{{{self._bound / (_TRACE_ID_LIMIT + 1)}}}"
+        return f"WhileExporting{{{self._inner.get_description()}}}"
 
 
 def _exporting() -> bool:
@@ -110,7 +132,7 @@ def setup_tracing(
     name = os.environ.get("OTEL_SERVICE_NAME", service_name)
     provider = TracerProvider(
         resource=Resource.create({"service.name": name}),
-        sampler=ParentBased(root=_WorkStartsTraces(ratio, _exporting)),
+        sampler=_WhileExporting(ParentBased(root=_WorkStartsTraces(ratio)), _exporting),
     )
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
