@@ -17,8 +17,10 @@ on the wire contracts:
 The gateways and workers are left out so that two cores can offer the scheduler
 thousands of calls a second: what is measured is the scheduler's own CPU per call
 (`/proc`, less its idle rate measured just before), with its Kafka clients, its
-decisions, its spans, its Redis writes (usage, ledger, direct leases) and its
-commits, where each poll brings it many calls. Also reported: calls/s, the time from a
+decisions, its Redis writes (usage, ledger, direct leases) and its commits, where each
+poll brings it many calls; and its spans only where it exports them (the scheduler
+inherits this process's environment: set OTEL_EXPORTER_OTLP_ENDPOINT to a collector
+to measure it traced). Also reported: calls/s, the time from a
 request's produce to its dispatch's arrival (two Kafka hops and the scheduler; p50,
 p99), calls per dispatch, and the CPU per call of the broker, Redis and this process.
 
