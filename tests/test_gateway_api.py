@@ -532,12 +532,26 @@ async def test_a_job_declares_its_staleness(api: Harness) -> None:
     declared = await api.http.post(
         f"/plexrl/v1/jobs/{model_id}/options", json={"staleness": 2}, headers=ALICE
     )
-    assert declared.json() == {"job_id": model_id, "staleness": 2}
+    assert declared.json() == {"job_id": model_id, "staleness": 2, "steps": 0}
     ((topic, key, message),) = [s for s in api.publisher.sent if isinstance(s[2], JobOptions)]
     assert topic == api.gateway.topics.events and key == model_id
-    assert message.staleness == 2 and message.tenant == "alice"
+    assert message.staleness == 2 and message.tenant == "alice" and message.steps == 0
     record = await api.gateway.registry.find_job("alice", model_id)
     assert record is not None and record.staleness == 2  # a scheduler that starts later
+    # Its length, declared on its own: the staleness declared before stands.
+    lengthy = await api.http.post(
+        f"/plexrl/v1/jobs/{model_id}/options", json={"steps": 1500}, headers=ALICE
+    )
+    assert lengthy.json() == {"job_id": model_id, "staleness": 2, "steps": 1500}
+    last = [s[2] for s in api.publisher.sent if isinstance(s[2], JobOptions)][-1]
+    assert (last.staleness, last.steps) == (2, 1500)
+    record = await api.gateway.registry.find_job("alice", model_id)
+    assert record is not None and (record.staleness, record.steps) == (2, 1500)
+    for bad in ({"steps": -1}, {"steps": 10**8}, {"steps": "many"}):
+        refused = await api.http.post(
+            f"/plexrl/v1/jobs/{model_id}/options", json=bad, headers=ALICE
+        )
+        assert refused.status_code in (400, 422) and "steps" in refused.text, bad
     too_stale = await api.http.post(
         f"/plexrl/v1/jobs/{model_id}/options", json={"staleness": 9}, headers=ALICE
     )

@@ -433,3 +433,31 @@ def test_a_refused_job_is_remembered_until_a_group_changes():
     assert answers == {j.job_id: fresh(s, j) for j in jobs if j.home is None}
     assert answers["small"] is not None and answers["w0"] is None
     assert tried == ["w0", "small", "w6"]
+
+
+def test_admission_takes_the_most_declared_work_first_then_arrival_order():
+    from plexrl.policy.plexrl_policy import declared_run_s, longest_declared_first
+
+    busy = job("busy", "g0", duty=0.9)
+    waiting = [
+        job("unsaid", duty=0.9),
+        job("short", duty=0.9, declared_steps=100),
+        job("long", duty=0.9, declared_steps=1000),
+    ]
+    s = snap(
+        [worker("g0"), worker("g1")],
+        [busy, *waiting],
+        [call("unsaid", 1.0), call("short", 2.0), call("long", 3.0)],
+    )
+    # One empty group; none of them fits beside `busy`: the longest declared run goes.
+    assert admits(plan(s, CFG)) == {"long": "g1"}
+    assert admits(plan(s, PolicyConfig(name="plexrl", longest_first=False))) == {"unsaid": "g1"}
+    # Declared work is steps times the step's expected seconds (its figures); jobs that
+    # declared nothing keep their arrival order, after the declared ones.
+    slow_steps = job("slow", duty=0.5, declared_steps=600)  # 100 s busy a step: 200 s each
+    assert declared_run_s(slow_steps) == pytest.approx(600 * 100.0 / 0.5)
+    assert declared_run_s(waiting[2]) == pytest.approx(1000 * 100.0 / 0.9)
+    assert declared_run_s(waiting[0]) == 0.0
+    later = job("unsaid-later", duty=0.9)
+    ordered = longest_declared_first([waiting[0], waiting[1], later, slow_steps, waiting[2]])
+    assert [j.job_id for j in ordered] == ["slow", "long", "short", "unsaid", "unsaid-later"]

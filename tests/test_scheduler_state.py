@@ -509,3 +509,15 @@ def test_a_jobs_stall_is_the_mean_of_its_idle_hints() -> None:
     view = state.snapshot().jobs["j"]
     assert view.stall_s == pytest.approx(3.0)
     assert view.idle_until == pytest.approx(clock.t + 4.0)
+
+
+def test_a_jobs_declared_options_reach_the_policys_view() -> None:
+    state = ClusterState(clock=Clock())
+    state.on_heartbeat(beat("w0"))
+    state.add_job("j", "t", JobSpec(base_model="m"), home=None)
+    view = state.snapshot().jobs["j"]
+    assert (view.staleness, view.declared_steps) == (0, 0)
+    state.on_job_options("j", 1, 1500)
+    view = state.snapshot().jobs["j"]
+    assert (view.staleness, view.declared_steps) == (1, 1500)
+    state.on_job_options("nobody", 1, 10)  # an unknown job: nothing to change

@@ -243,6 +243,10 @@ class SchedulerSettings(CommonSettings):
     # the others least); true packs jobs onto the fullest worker within the slowdown
     # budget, so whole workers stay free (worth it only if idle workers are released).
     pack_groups: bool = False
+    # The plexrl policy's admission order (`PolicyConfig.longest_first`): while jobs wait
+    # for a worker, the one with the most declared work (its `steps` option) goes first;
+    # jobs that declared nothing follow in arrival order. False: arrival order.
+    admit_longest_first: bool = True
     # The plexrl policy's anticipation (`PolicyConfig.hold_s`): a worker whose last job
     # is in a burst of calls (its last gap between calls at most this) waits up to twice
     # that gap, at most this, for that job's next call before serving another job. 0: off.

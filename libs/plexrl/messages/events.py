@@ -111,6 +111,9 @@ class JobOptions(msgspec.Struct, frozen=True, tag="job_options"):
     """0: synchronous; k: it samples its next rollouts with sampler weights up to k steps
     older than its newest, while it trains (`JobView.staleness`)."""
     at: float
+    steps: int = 0
+    """The training steps it expects to run in all; 0: not declared
+    (`JobView.declared_steps`: the plexrl policy admits the longest work first)."""
     schema_version: int = SCHEMA_VERSION
 
 

@@ -221,9 +221,13 @@ def waiting_jobs(snapshot: ClusterSnapshot) -> list[JobView]:
 
 
 def admit_waiting(
-    snapshot: ClusterSnapshot, place: Placement, backfill: bool
+    snapshot: ClusterSnapshot,
+    place: Placement,
+    backfill: bool,
+    order: Callable[[list[JobView]], list[JobView]] | None = None,
 ) -> tuple[list[Action], ClusterSnapshot]:
-    """Home waiting jobs in arrival order with `place`; refuse those no group can ever hold.
+    """Home waiting jobs in arrival order (or `order`'s) with `place`; refuse those no
+    group can ever hold.
 
     Without `backfill` admission is strict FIFO: the first job that must wait holds
     back every later one. With it, later jobs that fit are admitted past it.
@@ -232,7 +236,8 @@ def admit_waiting(
     healthy = [w for w in snapshot.workers.values() if w.healthy]
     holdable: dict[tuple[int, str, int, int], bool] = {}  # by what `can_ever_hold` reads
     blocked = False
-    for job in waiting_jobs(snapshot):
+    waiting = waiting_jobs(snapshot)
+    for job in order(waiting) if order is not None else waiting:
         size = (job.devices, job.base_model, job.state_bytes, job.replicated_bytes)
         held = holdable.get(size)
         if held is None:

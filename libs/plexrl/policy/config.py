@@ -30,6 +30,13 @@ class PolicyConfig:
     held whether they run anything or not (the live scheduler's default): on the group
     where the jobs' predicted mean slowdown after adding it is least, never waiting
     while a group can hold its state; packing there would only lengthen the makespan."""
+    longest_first: bool = True
+    """The plexrl policy's admission order: among the jobs waiting for a group, the most
+    declared work first (`JobView.declared_steps` times its step's expected seconds), so
+    a backlog drains with its long jobs started early instead of last (the makespan);
+    the shorter jobs wait longer for admission. Jobs that declared nothing follow, in
+    arrival order; backfill admits any that fit past those that must wait. False: arrival
+    order."""
     switch_weight: float = 1.0
     """How strongly the plexrl policy's dispatch discounts a job by the seconds needed
     to bring its state onto the device (0: ignore switch cost)."""

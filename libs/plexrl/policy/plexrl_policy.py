@@ -727,13 +727,30 @@ def _off_device(snapshot: ClusterSnapshot) -> bool:
     return False
 
 
+def declared_run_s(job: JobView) -> float:
+    """Seconds the job's declared steps take at its step's expected period (its figures,
+    or its kind's); a step counts as a second while it has none. 0: nothing declared."""
+    if job.declared_steps <= 0:
+        return 0.0
+    busy = sum(step_phases(job))
+    period = busy / job.duty_cycle if busy > 0 and job.duty_cycle > 0 else 1.0
+    return job.declared_steps * period
+
+
+def longest_declared_first(jobs: list[JobView]) -> list[JobView]:
+    """Waiting jobs, the most declared work first; ties and undeclared jobs keep their
+    order (arrival), after every declared one."""
+    return sorted(jobs, key=lambda j: -declared_run_s(j))
+
+
 def plan_plexrl(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
     actions: list[Action] = []
     if waiting_jobs(snapshot):  # (most plans only dispatch: no placement to set up)
         place = InterferenceFit(
             config.slowdown_budget, config.pack, config.fair_share, config.max_load, config.sharing
         )
-        admitted, snapshot = admit_waiting(snapshot, place, backfill=True)
+        first = longest_declared_first if config.longest_first else None
+        admitted, snapshot = admit_waiting(snapshot, place, backfill=True, order=first)
         actions.extend(admitted)
     srf = partial(
         shortest_remaining_first,

@@ -176,6 +176,10 @@ class JobView:
     """Mean seconds of its reward / tool stalls, as its idle hints said them; 0: none
     seen. With `tail_s` and its sample's seconds it gives an asynchronous loop's rollout
     cycle alone, which its queueing does not bias (`plexrl.policy.plexrl_policy`)."""
+    declared_steps: int = 0
+    """The training steps the job declared it runs in all (`/plexrl/v1` job options);
+    0: not declared. The plexrl policy admits the longest declared work first
+    (`PolicyConfig.longest_first`)."""
 
     def group_bytes(self, devices: int) -> int:
         """Device bytes the job takes on a group of `devices` ranks, all ranks together:

@@ -42,6 +42,8 @@ class JobRecord(msgspec.Struct, frozen=True):
     metadata: dict[str, str] = {}
     staleness: int = 0
     """The job's declared loop (`JobOptions`): 0 synchronous, k asynchronous."""
+    steps: int = 0
+    """The training steps it declared it runs in all (`JobOptions`); 0: not declared."""
 
 
 class JobStore(RedisStore):

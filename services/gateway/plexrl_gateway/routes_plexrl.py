@@ -158,17 +158,23 @@ async def idle(
 async def options(
     job_id: str, body: JobOptionsBody, tenant: Tenant, jobs: Jobs, gateway: GatewayDep
 ) -> dict[str, Any]:
-    """How the job's loop runs: `staleness` k >= 1 declares an asynchronous loop, whose
-    training calls may wait about k steps and whose samples of saved sampler weights may
-    run on another worker while it trains (docs/scheduling.md, "Asynchronous jobs").
-    Kept in the job's record; the running scheduler hears it at once."""
+    """How the job runs: `staleness` k >= 1 declares an asynchronous loop, whose training
+    calls may wait about k steps and whose samples of saved sampler weights may run on
+    another worker while it trains (docs/scheduling.md, "Asynchronous jobs"); `steps`,
+    the training steps it expects to run in all (the plexrl policy admits the longest
+    declared work first while jobs wait for a group). An option left out keeps its
+    earlier value. Kept in the job's record; the running scheduler hears it at once."""
     job = await jobs.find_job(tenant, job_id)
     if job is None:
         raise not_found(f"unknown job {job_id!r}")
-    await jobs.put_job(msgspec.structs.replace(job, staleness=body.staleness))
-    event = JobOptions(job_id=job_id, tenant=tenant, staleness=body.staleness, at=time.time())
+    staleness = job.staleness if body.staleness is None else body.staleness
+    steps = job.steps if body.steps is None else body.steps
+    await jobs.put_job(msgspec.structs.replace(job, staleness=staleness, steps=steps))
+    event = JobOptions(
+        job_id=job_id, tenant=tenant, staleness=staleness, at=time.time(), steps=steps
+    )
     await gateway.publisher.publish(gateway.topics.events, job_id, event)
-    return {"job_id": job_id, "staleness": body.staleness}
+    return {"job_id": job_id, "staleness": staleness, "steps": steps}
 
 
 @router.post("/echo")

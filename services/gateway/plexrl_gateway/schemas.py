@@ -182,11 +182,21 @@ class IdleBody(Body):
 
 
 class JobOptionsBody(Body):
-    staleness: int = Field(
+    staleness: int | None = Field(
+        default=None,
         ge=0,
         le=8,
         description="0: a synchronous loop; k: the job samples its next rollouts with "
-        "sampler weights up to k steps older than its newest, while it trains",
+        "sampler weights up to k steps older than its newest, while it trains; "
+        "unset: as declared before (0 at first)",
+    )
+    steps: int | None = Field(
+        default=None,
+        ge=0,
+        le=10_000_000,
+        description="the training steps the job expects to run in all (0: not declared); "
+        "while jobs wait for a group, the plexrl policy admits the most declared work "
+        "first; unset: as declared before",
     )
 
 

@@ -116,6 +116,7 @@ async def lead(
         name=settings.policy,
         max_calls_per_run=settings.max_calls_per_run,
         pack=settings.pack_groups,
+        longest_first=settings.admit_longest_first,
         hold_s=settings.hold_s,
         preempt_ratio=settings.preempt_ratio,
         fair_share=settings.fair_share,
@@ -416,6 +417,7 @@ async def restore(state: ClusterState, jobs: JobStore) -> None:
         if not job.unloaded and job.owner_job is None:
             added = state.add_job(job.job_id, job.tenant, job.spec, homes.get(job.job_id))
             added.staleness = job.staleness
+            added.declared_steps = job.steps
 
 
 async def ensure_worker_topics(

@@ -125,7 +125,7 @@ class Receiver:
             case IdleHint():
                 self._state.on_idle_hint(event.job_id, event.seconds)
             case JobOptions():
-                self._state.on_job_options(event.job_id, event.staleness)
+                self._state.on_job_options(event.job_id, event.staleness, event.steps)
             case TailReleased():
                 if self._state.on_tail_released(event):
                     metrics.TAIL_RELEASES.labels(event.worker_id, str(event.reason)).inc()

@@ -76,6 +76,8 @@ class JobState:
     """When a dispatch with its calls was last sent (`JobView.last_started`)."""
     staleness: int = 0
     """Its declared loop (`JobOptions`, `JobView.staleness`): 0 synchronous."""
+    declared_steps: int = 0
+    """Its declared training steps in all (`JobOptions`, `JobView.declared_steps`)."""
     hints: int = 0
     """Idle hints it sent."""
     hinted_s: float = 0.0
@@ -392,10 +394,11 @@ class ClusterState:
         run.preempt_asked = True
         return run.dispatch_id
 
-    def on_job_options(self, job_id: str, staleness: int) -> None:
+    def on_job_options(self, job_id: str, staleness: int, steps: int = 0) -> None:
         job = self.jobs.get(job_id)
         if job is not None:
             job.staleness = staleness
+            job.declared_steps = steps
             self._touch(job.home)
 
     def on_idle_hint(self, job_id: str, seconds: float) -> None:
@@ -672,6 +675,7 @@ class ClusterState:
             tail_s=seen.tail_s,
             stall_s=job.hinted_s / job.hints if job.hints else 0.0,
             staleness=job.staleness,
+            declared_steps=job.declared_steps,
             # A LoRA job's sampler weights are its adapter: a few MB, nothing to plan.
             sampler_bytes=job.state_bytes // 8 if job.spec.lora is None else 0,
         )
