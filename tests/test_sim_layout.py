@@ -91,3 +91,24 @@ def test_a_packed_layout_sizes_each_job_by_the_jobs_a_group_holds_beside_it() ->
     assert setup.groups_for("isolated", setup.factory) is setup.groups
     packed = setup.groups_for("plexrl", setup.factory)
     assert packed is not setup.groups and sum(g.devices for g in packed) <= 512
+
+
+def test_jobs_declare_their_steps_exactly_or_off_by_the_declared_error() -> None:
+    import math
+
+    import pytest
+
+    from plexrl_sim.run import prepare
+
+    exact = prepare("workloads/trace-3mo.yaml", gpus=512, jobs=200)
+    assert all(j.declared_steps == j.steps for j in exact.jobs)
+    off = prepare("workloads/trace-3mo.yaml", gpus=512, jobs=200, declared_error=0.5)
+    # The same jobs (the error has its own random stream), their declarations off.
+    assert [(j.job_id, j.steps, j.arrival_s) for j in off.jobs] == [
+        (j.job_id, j.steps, j.arrival_s) for j in exact.jobs
+    ]
+    logs = [math.log(j.declared_steps / j.steps) for j in off.jobs]
+    assert sum(x != 0 for x in logs) > 190
+    assert 0.4 < (sum(x * x for x in logs) / len(logs)) ** 0.5 < 0.6
+    with pytest.raises(ValueError, match="declared error"):
+        prepare("workloads/trace-3mo.yaml", gpus=512, jobs=20, declared_error=-1)

@@ -148,6 +148,14 @@ def sim(
             "worker's); default: the workload's.",
         ),
     ] = None,
+    declared_error: Annotated[
+        float | None,
+        typer.Option(
+            help="How far the trace's jobs' declared steps (what admission orders by) are "
+            "off their real steps: the sigma of a lognormal factor (0: exact); default: "
+            "the workload's.",
+        ),
+    ] = None,
     charts: Annotated[bool, typer.Option(help="Write the PNG charts.")] = True,
 ) -> None:
     """Simulate RLVR jobs on a cluster under the scheduler's own policy code."""
@@ -169,6 +177,7 @@ def sim(
             partition=partition,
             staleness=staleness,
             fb_slices=fb_slices,
+            declared_error=declared_error,
         )
     except (OSError, ValueError) as err:
         typer.echo(f"plexrl sim: {err}", err=True)

@@ -189,7 +189,7 @@ class SimJob:
                 stall_s=self.stall_s,
                 sampler_bytes=self.sampler_bytes,
                 staleness=self.steps.staleness,
-                declared_steps=self.spec.steps,
+                declared_steps=self.spec.declared_steps,
             )
         return self.view
 

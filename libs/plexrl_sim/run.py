@@ -25,6 +25,7 @@ from plexrl_sim.workload import (
     at_staleness,
     build_groups,
     load_workload,
+    with_declared_error,
     with_fb_slices,
 )
 
@@ -117,11 +118,15 @@ def prepare(
     partition: str | None = None,
     staleness: int | None = None,
     fb_slices: int | None = None,
+    declared_error: float | None = None,
 ) -> Setup:
     """One seed of a workload; `staleness` replaces every job's declared loop (and
     Split-Async's staleness from 1 on: `workload.at_staleness`), `fb_slices` every job's
-    forward_backward slicing (`workload.with_fb_slices`)."""
+    forward_backward slicing (`workload.with_fb_slices`), `declared_error` how far the
+    trace's jobs' declared steps are off (`workload.with_declared_error`)."""
     workload = load_workload(workload_path)
+    if declared_error is not None:
+        workload = with_declared_error(workload, declared_error)
     if staleness is not None:
         workload = at_staleness(workload, staleness)
     if fb_slices is not None:

@@ -305,6 +305,10 @@ class TraceSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Weekend arrival rate relative to weekdays."""
     front_load: float = 1.0
     """Arrival rate at the start of the window relative to its end (a research push)."""
+    declared_error: float = 0.0
+    """How far the steps each job declares (`JobView.declared_steps`, what admission
+    orders by) are off its real steps: the sigma of a lognormal factor, drawn per job
+    (0: every job declares its steps exactly)."""
 
 
 PHYSICAL_TAIL = 0.25
@@ -441,6 +445,18 @@ def at_staleness(workload: Workload, staleness: int) -> Workload:
     return msgspec.structs.replace(workload, profiles=profiles)
 
 
+def with_declared_error(workload: Workload, sigma: float) -> Workload:
+    """The workload with its trace's jobs declaring their steps off by a lognormal
+    factor of `sigma` (`TraceSpec.declared_error`)."""
+    if sigma < 0:
+        raise ValueError(f"declared error is {sigma}; use 0 (exact) or more (0.5: a factor e^0.5)")
+    if workload.trace is None:
+        return workload
+    return msgspec.structs.replace(
+        workload, trace=msgspec.structs.replace(workload.trace, declared_error=sigma)
+    )
+
+
 def load_workload(path: str | Path) -> Workload:
     """Read and check a workload YAML; errors name the field and what to change.
 
@@ -475,6 +491,9 @@ class JobSpec:
     stall_scale: float
     index: int
     """Position in the workload; with the seed it fixes the job's random draws."""
+    declared_steps: int = 0
+    """The steps it declares (`JobView.declared_steps`): its steps, off by the trace's
+    `declared_error`; 0: none declared."""
 
 
 @dataclass(frozen=True)
@@ -702,7 +721,7 @@ class JobFactory:
         """The named jobs, then the trace's (window and count optionally overridden; a new
         window keeps the arrival rate unless `jobs` is given too)."""
         out = [
-            JobSpec(d.id, d.profile, d.arrival_s, d.steps, d.stall_scale, i)
+            JobSpec(d.id, d.profile, d.arrival_s, d.steps, d.stall_scale, i, d.steps)
             for i, d in enumerate(self.workload.jobs)
         ]
         trace = self.workload.trace
@@ -721,6 +740,9 @@ class JobFactory:
             draws = np.maximum(np.round(as_dist(dist).draw(rng, count)), 1).astype(int)
             steps = np.where(kinds == k, draws, steps)
         stall = as_dist(trace.stall_scale).draw(rng, count)
+        # Its own stream: the error leaves every other draw of the trace as it was.
+        errors = np.random.default_rng(_stable_seed(self.seed, "declared")).normal(size=count)
+        declared = np.maximum(np.round(steps * np.exp(trace.declared_error * errors)), 1)
         base = len(out)
         for i in range(count):
             out.append(
@@ -731,6 +753,7 @@ class JobFactory:
                     steps=int(steps[i]),
                     stall_scale=float(stall[i]),
                     index=base + i,
+                    declared_steps=int(declared[i]),
                 )
             )
         return out
