@@ -109,10 +109,11 @@ def async_job(cluster: LocalCluster, steps: int = 3) -> tuple[str, list[float], 
     ).result()
     declared = httpx.post(
         f"{config.gateway_url}/plexrl/v1/jobs/{client.model_id}/options",
-        json={"staleness": 1},
+        json={"staleness": 1, "steps": steps},
         headers={"X-API-Key": KEY},
     )
     assert declared.status_code == 200, declared.text
+    assert declared.json()["steps"] == steps
     prompt = types.ModelInput.from_ints([5, 6, 7, 8])
 
     def sample(sampler: tinker.SamplingClient, seed: int) -> object:
