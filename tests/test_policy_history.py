@@ -47,3 +47,23 @@ def test_a_job_borrows_its_kinds_figures_for_what_it_has_not_shown():
     # With a history of its own, its own duty cycle counts.
     assert describe(old, learned["7B"], 100.0, 50.0).duty_cycle == pytest.approx(0.04)
     assert describe(new, None, 100.0, 5.0).duty_cycle == pytest.approx(0.5)
+
+
+def test_a_newcomer_is_bounded_by_its_kinds_busiest_tenth():
+    histories = []
+    for busy in range(1, 11):  # ten jobs of one kind, busy 1..10 s of their first 100 s
+        h = CallHistory()
+        h.homed(0.0)
+        h.arrived(F.SAMPLE)
+        h.observe(F.SAMPLE, float(busy))
+        histories.append(("7B", h))
+    learned = priors(histories, now=100.0, min_history_s=50.0)["7B"]
+    assert learned.duty_cycle == pytest.approx(0.055)
+    assert learned.duty_high == pytest.approx(0.09)  # the ninth of ten
+    newcomer = CallHistory()
+    newcomer.homed(90.0)
+    seen = describe(newcomer, learned, now=100.0, min_history_s=50.0)
+    assert (seen.duty_cycle, seen.duty_bound) == (pytest.approx(0.055), pytest.approx(0.09))
+    # Its own history ends the bound; so does having no kind to borrow from.
+    assert describe(histories[0][1], learned, 100.0, 50.0).duty_bound == 0.0
+    assert describe(newcomer, None, 100.0, 50.0).duty_bound == 0.0

@@ -461,3 +461,29 @@ def test_admission_takes_the_most_declared_work_first_then_arrival_order():
     later = job("unsaid-later", duty=0.9)
     ordered = longest_declared_first([waiting[0], waiting[1], later, slow_steps, waiting[2]])
     assert [j.job_id for j in ordered] == ["slow", "long", "short", "unsaid", "unsaid-later"]
+
+
+def test_a_newcomer_must_fit_as_busy_as_its_kinds_busiest_tenth():
+    # Described by its kind's mean (duty 0.1) it fits beside x (about 2% each); were it
+    # as busy as its kind's busiest tenth (0.7), x would wait about 18% of its step, past
+    # the guard (10%): it takes the empty group, or waits where there is none.
+    s = snap(
+        [worker("g0"), worker("g1")],
+        [job("x", "g0", duty=0.3), job("new", duty=0.1, duty_bound=0.7)],
+        [call("new", 1.0)],
+    )
+    assert admits(plan(s, CFG)) == {"new": "g1"}
+    assert admits(plan(s, replace(CFG, bound_newcomers=False))) == {"new": "g0"}
+    alone = snap(
+        [worker("g0")],
+        [job("x", "g0", duty=0.3), job("new", duty=0.1, duty_bound=0.7)],
+        [call("new", 1.0)],
+    )
+    assert admits(plan(alone, CFG)) == {}
+    # A bound no busier than its mean changes nothing.
+    same = snap(
+        [worker("g0"), worker("g1")],
+        [job("x", "g0", duty=0.3), job("new", duty=0.1, duty_bound=0.1)],
+        [call("new", 1.0)],
+    )
+    assert admits(plan(same, CFG)) == {"new": "g0"}

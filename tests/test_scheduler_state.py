@@ -285,6 +285,13 @@ def test_snapshot_describes_a_job_as_its_call_history_does() -> None:
             Function.OPTIM_STEP,
         )
     )
+    assert view.duty_bound == 0.0  # its own duty cycle
+    # A newcomer of its kind borrows its figures, bounded by the kind's busiest tenth
+    # (here the one job with a history).
+    state.add_job("k", "t", JobSpec(base_model="m"), home=None)
+    newcomer = state.snapshot().jobs["k"]
+    assert newcomer.duty_cycle == pytest.approx(view.duty_cycle)
+    assert newcomer.duty_bound == pytest.approx(view.duty_cycle)
 
 
 def _tail(worker: str, dispatch_id: str, rids: list[str], jobs: list[str]) -> TailReleased:

@@ -247,6 +247,11 @@ class SchedulerSettings(CommonSettings):
     # for a worker, the one with the most declared work (its `steps` option) goes first;
     # jobs that declared nothing follow in arrival order. False: arrival order.
     admit_longest_first: bool = True
+    # With `pack_groups`, the plexrl policy's guard on newcomers (`PolicyConfig.
+    # bound_newcomers`): a job without a history of its own joins a shared worker only if
+    # everyone there would stay within twice the slowdown budget were it as busy as its
+    # kind's busiest tenth. False: its kind's mean alone decides.
+    bound_newcomers: bool = True
     # The plexrl policy's anticipation (`PolicyConfig.hold_s`): a worker whose last job
     # is in a burst of calls (its last gap between calls at most this) waits up to twice
     # that gap, at most this, for that job's next call before serving another job. 0: off.

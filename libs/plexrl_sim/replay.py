@@ -166,11 +166,11 @@ class SimJob:
                     seen.tail_s,
                 )
                 self._described = cached
-                duty = seen.duty_cycle
+                duty, bound = seen.duty_cycle, seen.duty_bound
             elif prior is None or h.has_history(now, min_history_s):
-                duty = h.duty_cycle(now, min_history_s)
+                duty, bound = h.duty_cycle(now, min_history_s), 0.0
             else:
-                duty = prior.duty_cycle
+                duty, bound = prior.duty_cycle, prior.duty_high
             self.view = JobView(
                 job_id=self.spec.job_id,
                 state_bytes=self.state_bytes,
@@ -181,6 +181,7 @@ class SimJob:
                 idle_until=self.idle_until,
                 estimates=cached[2],
                 duty_cycle=duty,
+                duty_bound=bound,
                 pinned=self.pins > 0,
                 step_calls=cached[3],
                 last_gap_s=self.last_gap_s,

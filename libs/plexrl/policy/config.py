@@ -37,6 +37,11 @@ class PolicyConfig:
     the shorter jobs wait longer for admission. Jobs that declared nothing follow, in
     arrival order; backfill admits any that fit past those that must wait. False: arrival
     order."""
+    bound_newcomers: bool = True
+    """Packing (`pack`), the plexrl policy admits a job that has no history of its own
+    (described by its kind's mean duty cycle) onto a shared group only if everyone there
+    also stays within twice the budget were it as busy as its kind's busiest tenth
+    (`JobView.duty_bound`). False: the kind's mean alone decides."""
     switch_weight: float = 1.0
     """How strongly the plexrl policy's dispatch discounts a job by the seconds needed
     to bring its state onto the device (0: ignore switch cost)."""

@@ -25,6 +25,9 @@ EWMA = 0.3
 """Weight of the newest observation in a job's running mean of call durations."""
 UNKNOWN_DUTY = 0.5
 """Duty cycle of a job with no history and no kind to borrow from."""
+HIGH_DUTY_QUANTILE = 0.9
+"""Which of its kind's duty cycles bounds a newcomer's (`Prior.duty_high`): one job in
+ten of its kind keeps a device busier than that."""
 
 USAGE_HALF_LIFE_S = 60.0
 """Half-life of a job's recent engine use (`RecentUse`): a minute of history decides a
@@ -136,13 +139,23 @@ class Prior:
     durations: dict[Function, float]
     step_calls: tuple[Function, ...] = ()
     tail_s: float = 0.0
+    duty_high: float = 0.0
+    """Its kind's duty cycle at `HIGH_DUTY_QUANTILE`: how busy a newcomer of the kind may
+    well turn out, where its mean says little (a kind whose jobs' stalls vary widely)."""
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The `q` quantile of `values` (nearest rank below; not empty)."""
+    ordered = sorted(values)
+    return ordered[int(q * (len(ordered) - 1))]
 
 
 def priors(
     histories: Iterable[tuple[Kind, CallHistory]], now: float, min_history_s: float
 ) -> dict[Kind, Prior]:
     """Per job kind, the mean duty cycle and call durations of the jobs with a history
-    (and the step of the first of them whose loop is known)."""
+    (and the step of the first of them whose loop is known), and the duty cycle at
+    `HIGH_DUTY_QUANTILE`."""
     duties: dict[Kind, list[float]] = {}
     durations: dict[Kind, dict[Function, list[float]]] = {}
     steps: dict[Kind, tuple[Function, ...]] = {}
@@ -164,6 +177,7 @@ def priors(
             durations={f: sum(v) / len(v) for f, v in durations[kind].items()},
             step_calls=steps.get(kind, ()),
             tail_s=sum(tails[kind]) / len(tails[kind]) if kind in tails else 0.0,
+            duty_high=quantile(values, HIGH_DUTY_QUANTILE),
         )
         for kind, values in duties.items()
     }
@@ -178,6 +192,9 @@ class Described:
     durations: dict[Function, float]
     step_calls: tuple[Function, ...]
     tail_s: float = 0.0
+    duty_bound: float = 0.0
+    """While `duty_cycle` is its kind's mean (no history yet), its kind's `duty_high`;
+    0: the duty cycle is the job's own."""
 
 
 def describe(
@@ -190,9 +207,10 @@ def describe(
     if prior is None:
         duty = history.duty_cycle(now, min_history_s)
         return Described(duty, dict(history.durations), step, tail)
+    bound = 0.0
     if history.has_history(now, min_history_s):
         duty = history.duty_cycle(now, min_history_s)
     else:
-        duty = prior.duty_cycle
+        duty, bound = prior.duty_cycle, prior.duty_high
     durations = prior.durations | history.durations
-    return Described(duty, durations, step or prior.step_calls, tail or prior.tail_s)
+    return Described(duty, durations, step or prior.step_calls, tail or prior.tail_s, bound)

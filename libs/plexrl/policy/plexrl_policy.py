@@ -416,13 +416,16 @@ class InterferenceFit:
         fair_share: bool = False,
         max_load: float = 1.0,
         costs: SharingCosts | None = None,
+        bound_newcomers: bool = True,
     ) -> None:
         self.budget = budget
+        self.bound_newcomers = bound_newcomers
         self.costs = costs if costs is not None else SharingCosts()
         self.pack = pack
         self.fair_share = fair_share
         self.max_load = max_load
         self._figures: dict[str, Figures] = {}
+        self._busiest: dict[str, Figures] = {}
         self._shapes: dict[tuple[tuple[int, ...], int, int, int, int], int] = {}
         self._representatives: list[Figures] = []
         self._meetings: dict[tuple[int, int], float] = {}
@@ -441,20 +444,32 @@ class InterferenceFit:
     def figures(self, job: JobView) -> Figures:
         cached = self._figures.get(job.job_id)
         if cached is None:
-            fig = figures_of(job)
-            key = (
-                tuple(_to_1pct(x) for x in fig.phases),
-                _to_1pct(fig.residual),
-                _to_1pct(fig.tail),
-                _to_1pct(fig.sample),
-                len(fig.critical),
-            )
-            shape = self._shapes.setdefault(key, len(self._shapes))
-            if shape == len(self._representatives):
-                self._representatives.append(fig)
-            cached = replace(fig, shape=shape)
-            self._figures[job.job_id] = cached
+            cached = self._figures[job.job_id] = self._shaped(figures_of(job))
         return cached
+
+    def busiest(self, job: JobView) -> Figures | None:
+        """A newcomer's figures as busy as its kind's busiest tenth (`JobView.duty_bound`),
+        or None where its duty cycle is its own or the bound is no busier."""
+        if not self.bound_newcomers or job.duty_bound <= job.duty_cycle:
+            return None
+        cached = self._busiest.get(job.job_id)
+        if cached is None:
+            busier = figures_of(replace(job, duty_cycle=job.duty_bound))
+            cached = self._busiest[job.job_id] = self._shaped(busier)
+        return cached
+
+    def _shaped(self, fig: Figures) -> Figures:
+        key = (
+            tuple(_to_1pct(x) for x in fig.phases),
+            _to_1pct(fig.residual),
+            _to_1pct(fig.tail),
+            _to_1pct(fig.sample),
+            len(fig.critical),
+        )
+        shape = self._shapes.setdefault(key, len(self._shapes))
+        if shape == len(self._representatives):
+            self._representatives.append(fig)
+        return replace(fig, shape=shape)
 
     def pair(self, me: Figures, neighbour: Figures) -> float:
         """First-order seconds per step `me` waits behind `neighbour`; each meeting of
@@ -480,28 +495,39 @@ class InterferenceFit:
             1.0 - neighbour.hold,
         )
 
-    def _within_adding(self, group: _Group, fig: Figures) -> bool:
+    def _within_adding(self, group: _Group, fig: Figures, busiest: Figures | None) -> bool:
         """Whether `group` plus `fig` stays within budget: the mean predicted slowdown
         within it and nobody's above twice it (the target is a mean; the guard keeps it
-        fair). The new job's own slowdown is checked first, as it most often fails."""
-        guard = 2 * self.budget
+        fair). The new job's own slowdown is checked first, as it most often fails. A
+        newcomer described by its kind's mean must also keep everyone within the guard
+        as busy as its kind's busiest tenth (`busiest`): a mean says little of one job,
+        and the tail is who it turns out to be."""
         if not group.members:
             return True
+        total = self._total_within_guard(group, fig)
+        if total is None or total / (len(group.members) + 1) > self.budget:
+            return False
+        return busiest is None or self._total_within_guard(group, busiest) is not None
+
+    def _total_within_guard(self, group: _Group, fig: Figures) -> float | None:
+        """The summed predicted slowdown of `group`'s jobs and `fig`'s, or None when any
+        of them is above twice the budget."""
+        guard = 2 * self.budget
         meet = self.meet
         mine = _Meets()
         for other in group.members:
             mine.add(meet(fig, other))
         total = _slowdown(fig, mine, group.load)
         if total > guard:
-            return False
+            return None
         for other, meets in zip(group.members, group.meets, strict=True):
             slow = _slowdown(
                 other, meets.plus(meet(other, fig)), group.load - other.duty + fig.duty
             )
             if slow > guard:
-                return False
+                return None
             total += slow
-        return total / (len(group.members) + 1) <= self.budget
+        return total
 
     def _mean_adding(self, group: _Group, fig: Figures) -> float:
         """The mean predicted slowdown of `group`'s jobs with `fig` added (inf when the
@@ -596,8 +622,9 @@ class InterferenceFit:
         # Fullest first (least of other tenants' load before that, with fair share): the
         # first group within budget is the answer.
         chosen = empty
+        busiest = self.busiest(job)
         for _, _, _, worker, group in sorted(shared, key=lambda c: (c[0], c[1], c[2])):
-            if self._within_adding(group, fig):
+            if self._within_adding(group, fig, busiest):
                 chosen = worker
                 break
         if chosen is None:
@@ -747,7 +774,12 @@ def plan_plexrl(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
     actions: list[Action] = []
     if waiting_jobs(snapshot):  # (most plans only dispatch: no placement to set up)
         place = InterferenceFit(
-            config.slowdown_budget, config.pack, config.fair_share, config.max_load, config.sharing
+            config.slowdown_budget,
+            config.pack,
+            config.fair_share,
+            config.max_load,
+            config.sharing,
+            config.bound_newcomers,
         )
         first = longest_declared_first if config.longest_first else None
         admitted, snapshot = admit_waiting(snapshot, place, backfill=True, order=first)

@@ -139,6 +139,10 @@ class JobView:
     estimates: CallEstimates = field(default_factory=CallEstimates)
     duty_cycle: float = 0.5
     """Estimated fraction of wall time the job keeps a device busy."""
+    duty_bound: float = 0.0
+    """While `duty_cycle` is borrowed from its kind (no history of its own yet), how
+    busy it may well turn out (its kind's `history.Prior.duty_high`); admission guards
+    the group's tail with it. 0: the duty cycle is the job's own, or nothing to say."""
     pinned: bool = False
     """Its device-tier state is in use outside any Run (e.g. a rollout's straggler
     sequences still decoding after the group was released); never evict it."""

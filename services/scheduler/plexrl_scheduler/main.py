@@ -117,6 +117,7 @@ async def lead(
         max_calls_per_run=settings.max_calls_per_run,
         pack=settings.pack_groups,
         longest_first=settings.admit_longest_first,
+        bound_newcomers=settings.bound_newcomers,
         hold_s=settings.hold_s,
         preempt_ratio=settings.preempt_ratio,
         fair_share=settings.fair_share,

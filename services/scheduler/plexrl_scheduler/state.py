@@ -665,6 +665,7 @@ class ClusterState:
             idle_until=job.idle_until,
             estimates=CallEstimates(seen.durations),
             duty_cycle=0.0 if dormant else seen.duty_cycle,
+            duty_bound=0.0 if dormant else seen.duty_bound,
             step_calls=seen.step_calls,
             pinned=pinned,
             tenant=job.tenant,
