@@ -487,3 +487,18 @@ def test_a_newcomer_must_fit_as_busy_as_its_kinds_busiest_tenth():
         [call("new", 1.0)],
     )
     assert admits(plan(same, CFG)) == {"new": "g0"}
+
+
+def test_a_refusal_is_not_lent_to_a_job_with_a_smaller_bound():
+    # Two waiting jobs described alike but for their bound: the busier bound is refused
+    # beside x, the other still fits there.
+    s = snap(
+        [worker("g0")],
+        [
+            job("x", "g0", duty=0.3),
+            job("wide", duty=0.1, duty_bound=0.7),
+            job("narrow", duty=0.1, duty_bound=0.1),
+        ],
+        [call("wide", 1.0), call("narrow", 2.0)],
+    )
+    assert admits(plan(s, CFG)) == {"narrow": "g0"}

@@ -433,13 +433,13 @@ class InterferenceFit:
         self._classes: dict[tuple[int, str, int, int], list[WorkerView]] = {}
         self._placed = 0
         """Jobs placed so far in this pass: the groups' totals change only when one is."""
-        self._refused: dict[tuple[Figures, int, str, int, int], int] = {}
-        """Figures and size (devices, base model, state and replicated bytes) of a job no
-        group took,
-        with `_placed` then. The answer rests on nothing else, so a later job alike gets
-        the same None until a job is placed: jobs waiting for admission are mostly of a
-        few kinds described alike (their kind's `priors`), and each would otherwise be
-        tried against every group of its size."""
+        self._refused: dict[tuple[Figures, float, int, str, int, int], int] = {}
+        """Figures, duty bound (`busiest`) and size (devices, base model, state and
+        replicated bytes) of a job no group took, with `_placed` then. The answer rests
+        on nothing else, so a later job alike gets the same None until a job is placed:
+        jobs waiting for admission are mostly of a few kinds described alike (their
+        kind's `priors`), and each would otherwise be tried against every group of its
+        size."""
 
     def figures(self, job: JobView) -> Figures:
         cached = self._figures.get(job.job_id)
@@ -593,7 +593,14 @@ class InterferenceFit:
 
     def __call__(self, snapshot: ClusterSnapshot, job: JobView) -> str | None:
         fig = self.figures(job)
-        alike = (fig, job.devices, job.base_model, job.state_bytes, job.replicated_bytes)
+        alike = (
+            fig,
+            job.duty_bound,
+            job.devices,
+            job.base_model,
+            job.state_bytes,
+            job.replicated_bytes,
+        )
         if self._refused.get(alike) == self._placed:
             return None
         if self.pack:
