@@ -15,7 +15,7 @@ from tinker import types
 BASE = "plexrl/tiny-qwen3"
 
 
-def _finish_times(futures: dict[str, Any]) -> dict[str, tuple[float, Any]]:
+def finish_times(futures: dict[str, Any]) -> dict[str, tuple[float, Any]]:
     """Each future's result and when it came (monotonic), waited for on threads."""
 
     def wait(future: Any) -> tuple[float, Any]:
@@ -81,7 +81,7 @@ def check_a_rollout_yields(
     scene = Scene(gateway_url, key, params, num_samples)
     since = time.time()
     long, short = scene.preempting()
-    done = _finish_times({"long": long, "short": short})
+    done = finish_times({"long": long, "short": short})
     assert done["short"][0] < done["long"][0], scene.rollout_s  # it did not wait for it all
     assert done["short"][1].metrics["loss:sum"] == scene.loss
     # Paused and resumed, the rollout samples what it sampled alone.

@@ -271,6 +271,47 @@ def test_micro_batches_sum_like_one_batch(registry: ModelRegistry) -> None:
         torch.testing.assert_close(split_state.tensors[k], v, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("spec", [LORA, FULL], ids=["lora", "full"])
+def test_a_call_run_a_slice_at_a_time_is_the_whole_call(
+    registry: ModelRegistry, spec: JobSpec
+) -> None:
+    # Two jobs on one base; between the sliced call's micro-batches the other job trains
+    # and samples (a shared base's active adapter changes), as on a worker that let a
+    # neighbour's calls in while the call was paused. Bit for bit the whole call's.
+    data = random_batch(5, rows=4, length=32)
+    results = []
+    for sliced in (False, True):
+        engine = TorchEngine(registry, EngineConfig(max_batch_tokens=40))
+        engine.create("job", spec)
+        engine.create("other", LORA)
+        if not sliced:
+            out = engine.forward_backward("job", ce(data))
+        else:
+            run = engine.begin_forward_backward("job", ce(data))
+            assert run.slices == 4 and run.ran == 0
+            with pytest.raises(RuntimeError, match="0 of 4 slices"):
+                run.output()
+            while engine.forward_backward_slice(run):
+                engine.forward_backward("other", ce(random_batch(6, rows=1, length=8)))
+                engine.sample("other", sample_input(num_samples=1, seed=3))
+            out = run.output()
+        results.append((out, engine.export_state("job", optimizer=False, gradients=True)))
+    (whole, whole_state), (split, split_state) = results
+    assert split.metrics == whole.metrics
+    for key in ("logprobs", "elementwise_loss"):
+        for a, b in zip(outputs(whole, key), outputs(split, key), strict=True):
+            assert torch.equal(a, b)
+    assert_same_state(whole_state, split_state)
+
+
+def test_a_sliced_call_whose_job_left_fails_at_its_next_slice(engine: TorchEngine) -> None:
+    engine.create("job", LORA)
+    run = engine.begin_forward_backward("job", ce(random_batch(7, rows=2, length=16)))
+    engine.offload("job")
+    with pytest.raises(UnknownJobError):
+        engine.forward_backward_slice(run)
+
+
 # ---- sampling ------------------------------------------------------------------------
 
 

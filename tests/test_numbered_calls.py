@@ -91,7 +91,9 @@ class Runner:
     async def replay(self, request: PhaseRequest) -> None:
         pass
 
-    async def run(self, request: PhaseRequest, fence: Fence | None = None) -> Ran:
+    async def run(
+        self, request: PhaseRequest, fence: Fence | None = None, slicing: object = None
+    ) -> Ran:
         self.recovery.events.append("run")
         self.fences.append(fence)
         return Ran(None, None, 0.0, 0.0, time.time())
@@ -266,7 +268,9 @@ class FencedOnce(Runner):
         super().__init__(recovery)
         self.refused = False
 
-    async def run(self, request: PhaseRequest, fence: Fence | None = None) -> Ran:
+    async def run(
+        self, request: PhaseRequest, fence: Fence | None = None, slicing: object = None
+    ) -> Ran:
         ran = await super().run(request, fence)
         if self.refused:
             return ran

@@ -7,10 +7,12 @@ import asyncio
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
-from preempt_support import Scene, check_a_rollout_yields, tokens
+import tinker
+from preempt_support import BASE, Scene, check_a_rollout_yields, finish_times, tokens
 from tinker import types
 
 from plexrl_tools.cluster import ClusterConfig, LocalCluster
@@ -126,3 +128,123 @@ def _counter(url: str, name: str) -> float:
         if line.startswith(name + " "):
             return float(line.split()[1])
     return 0.0
+
+
+# Live: an asynchronous job's training yields to a neighbour's rollout between slices -------
+
+SLICE_KEY = "tml-slice"
+
+
+class Training:
+    """An asynchronous trainer job (staleness 1) whose forward_backward the worker runs in
+    16 micro-batches, and a base-model sampling session beside it on one worker; what
+    each takes alone measured first."""
+
+    def __init__(self, gateway_url: str) -> None:
+        service = tinker.ServiceClient(base_url=gateway_url, api_key=SLICE_KEY)
+        self.trainer = service.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+        declared = httpx.post(
+            f"{gateway_url}/plexrl/v1/jobs/{self.trainer.model_id}/options",
+            json={"staleness": 1},
+            headers={"X-API-Key": SLICE_KEY},
+        )
+        assert declared.status_code == 200, declared.text
+        self.sampler = service.create_sampling_client(base_model=BASE).result()
+        # 256 rows of 64 tokens; the cluster's workers cut 1,024 tokens a micro-batch.
+        self.data = [
+            types.Datum(
+                model_input=types.ModelInput.from_ints([5 + (r * 7 + i) % 600 for i in range(64)]),
+                loss_fn_inputs={
+                    "target_tokens": types.TensorData(
+                        data=[5 + (r * 7 + i + 1) % 600 for i in range(64)], dtype="int64"
+                    )
+                },
+            )
+            for r in range(256)
+        ]
+        self.train().result()
+        started = time.monotonic()
+        self.alone = self.train().result()
+        self.train_s = time.monotonic() - started
+        self.sampled = self.rollout().result()
+
+    def train(self) -> Any:
+        """A forward_backward (no optimizer step ever: its outputs never change)."""
+        return self.trainer.forward_backward(self.data, "cross_entropy")
+
+    def rollout(self) -> Any:
+        params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=5)
+        prompt = types.ModelInput.from_ints([21, 22, 15, 9])
+        return self.sampler.sample(prompt=prompt, num_samples=2, sampling_params=params)
+
+    def preempting(self) -> tuple[Any, Any]:
+        """A training call, and once it runs, a short rollout that should preempt it."""
+        long = self.train()
+        time.sleep(self.train_s / 4)
+        return long, self.rollout()
+
+
+def _same_training(a: Any, b: Any) -> bool:
+    return a.metrics == b.metrics and [o["logprobs"].data for o in a.loss_fn_outputs] == [
+        o["logprobs"].data for o in b.loss_fn_outputs
+    ]
+
+
+def _slicing_cluster(tiny_registry: Path, tmp_path: Path, prefix: str) -> ClusterConfig:
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    return ClusterConfig.on_free_ports(
+        tiny_registry,
+        tmp_path,
+        prefix,
+        api_keys=f"{SLICE_KEY}={prefix}",
+        worker_threads=1,
+        env={"PLEXRL_WORKER_MAX_BATCH_TOKENS": "1024", "PLEXRL_WORKER_TIMEOUT_S": "300"},
+    )
+
+
+@pytest.mark.integration
+def test_an_asynchronous_jobs_training_yields_to_a_neighbours_rollout_and_trains_the_same(
+    infra: dict[str, str], tiny_registry: Path, tmp_path: Path
+) -> None:
+    config = _slicing_cluster(tiny_registry, tmp_path, "psl")
+    with LocalCluster(config):
+        scene = Training(config.gateway_url)
+        since = time.time()
+        long, short = scene.preempting()
+        done = finish_times({"long": long, "short": short})
+        assert done["short"][0] < done["long"][0], scene.train_s  # it did not wait for it all
+        # Paused and resumed between micro-batches, the call computes what it did alone.
+        assert _same_training(done["long"][1], scene.alone)
+        assert tokens(done["short"][1]) == tokens(scene.sampled)
+        with httpx.Client(
+            base_url=config.gateway_url, headers={"X-API-Key": SLICE_KEY}, timeout=30
+        ) as http:
+            timeline = http.get("/plexrl/v1/timeline", params={"since": since}).json()
+    trained = [e for e in timeline if e["function"] == "forward_backward" and e.get("preempted")]
+    assert trained, timeline
+    sampled = [e for e in timeline if e["function"] == "sample"]
+    assert sampled and sampled[0]["started_at"] >= trained[0]["tail_released_at"] - 0.01
+
+
+@pytest.mark.integration
+def test_a_worker_killed_while_training_is_preempted_answers_it_once_after_a_restart(
+    infra: dict[str, str], tiny_registry: Path, tmp_path: Path
+) -> None:
+    # The preempted call's dispatch was acknowledged at its release and its result not
+    # committed: after the crash the scheduler sends it again (the restart shows in the
+    # next heartbeat) and the job's ledger runs it once, from the restored state.
+    config = _slicing_cluster(tiny_registry, tmp_path, "pslk")
+    with LocalCluster(config) as cluster:
+        scene = Training(config.gateway_url)
+        metrics = f"http://127.0.0.1:{config.worker_port(0)}/metrics"
+        long, short = scene.preempting()
+        deadline = time.monotonic() + 30
+        while _counter(metrics, "plexrl_worker_preempted_training_total") < 1:
+            assert time.monotonic() < deadline, "no preemption"
+            time.sleep(0.02)
+        cluster.kill("worker-0")  # kill -9, the call paused or running on after its pause
+        cluster.restart("worker-0")
+        assert _same_training(long.result(timeout=180), scene.alone)
+        assert tokens(short.result(timeout=180)) == tokens(scene.sampled)
+        log = cluster.logs()["scheduler"].read_text()
+    assert "worker-0 restarted: requeued" in log

@@ -447,6 +447,62 @@ def test_a_run_with_other_calls_is_never_preemptible() -> None:
     assert state.snapshot().workers["w0"].preemptible_since is None
 
 
+def _training(state: ClusterState, *, slices: bool = True, staleness: int = 1) -> None:
+    """Job a (asynchronous at `staleness`) trains on w0 (dispatch d1: one
+    forward_backward), its optim_step and a sample queued behind it; b homed there too."""
+    state.on_heartbeat(msgspec.structs.replace(beat("w0"), slices_training=slices))
+    for job in ("a", "b"):
+        state.add_job(job, "t", JobSpec(base_model="m", state_bytes=10), home="w0")
+    state.on_job_options("a", staleness)
+    state.on_request(req("a1", "a", Function.FORWARD_BACKWARD), delivery(0))
+    state.apply_run("d1", "w0", "a", state.take_pending(("a1",)), ())
+    state.on_request(req("a2", "a", Function.OPTIM_STEP), delivery(1))
+    state.on_request(req("a3", "a", Function.SAMPLE), delivery(2))
+    state.on_request(req("b1", "b", Function.SAMPLE), delivery(3))
+
+
+def test_an_asynchronous_jobs_training_is_sliced_where_the_worker_slices_it() -> None:
+    for slices, staleness, sliced in ((True, 1, True), (False, 1, False), (True, 0, False)):
+        state = ClusterState(clock=Clock())
+        _training(state, slices=slices, staleness=staleness)
+        worker = state.snapshot().workers["w0"]
+        assert worker.sliced is sliced
+        assert (worker.preemptible_since is not None) is sliced
+
+
+def test_training_with_a_follow_up_behind_it_is_not_sliced() -> None:
+    state = ClusterState(clock=Clock())
+    _training(state)
+    assert state.follow_up_calls("w0", 8) == []  # b waits: no follow-up
+    state.apply_follow_up("d2", "w0", "a", state.take_pending(("a2",)))
+    assert not state.snapshot().workers["w0"].sliced
+
+
+def test_a_preempted_training_call_holds_back_its_jobs_later_calls() -> None:
+    state = ClusterState(clock=Clock())
+    _training(state)
+    assert state.apply_preempt("w0") == "d1"
+    released = TailReleased(
+        worker_id="w0",
+        dispatch_id="d1",
+        request_ids=["a1"],
+        job_ids=["a"],
+        remaining=1,
+        total=1,
+        at=0.0,
+        reason=ReleaseReason.PREEMPT,
+    )
+    assert state.on_tail_released(released)
+    snap = state.snapshot()
+    # The worker is free for b's sample; a's optim_step (numbered) and the sample behind
+    # it wait for the forward_backward, which runs on in the background.
+    assert snap.workers["w0"].running is None and snap.jobs["a"].pinned
+    assert [c.request_id for c in snap.pending] == ["b1"]
+    assert snap.workers["w0"].tail_until > 1000.0
+    state.on_completion(done("a1", "a", fn=Function.FORWARD_BACKWARD))
+    assert [c.request_id for c in state.snapshot().pending] == ["a2", "a3", "b1"]
+
+
 def test_a_restarted_worker_gives_back_the_calls_of_its_released_batches() -> None:
     # The tail's dispatch was acknowledged at its release: Kafka will not bring it
     # back to the restarted worker, so the scheduler must.

@@ -57,9 +57,12 @@ class Dispatch(msgspec.Struct, frozen=True):
 class PreemptBatch(msgspec.Struct, frozen=True):
     """Scheduler → worker, on the worker's control topic (`Topics.control`): let the next
     dispatch in beside the running sample batch of `dispatch_id` now, without waiting for
-    its tail, and pause that batch while the next dispatch's other calls run. The worker
-    answers with a TailReleased of reason PREEMPT (the scheduler then sends the next
-    dispatch), or with nothing when the batch had already finished or was released."""
+    its tail, and pause that batch while the next dispatch's other calls run. The same
+    for a numbered `forward_backward` on a worker that slices training
+    (`WorkerHeartbeat.slices_training`): it pauses at its next micro-batch until the
+    next dispatch ends. The worker answers with a TailReleased of reason PREEMPT (the
+    scheduler then sends the next dispatch), or with nothing when the batch or call had
+    already finished or was released."""
 
     worker_id: str
     dispatch_id: str

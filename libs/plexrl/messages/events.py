@@ -55,6 +55,9 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
     """What runs its `sample` calls: `torch` (the engine's co-batching loop) or `sglang`."""
     ranks: list[RankMemory] = msgspec.field(default_factory=list)
     """Each rank's device and memory (empty from a worker that does not say)."""
+    slices_training: bool = False
+    """Whether it runs a numbered `forward_backward` a micro-batch at a time, so that
+    the scheduler may preempt it between two (`PreemptBatch`)."""
     schema_version: int = SCHEMA_VERSION
 
 

@@ -18,8 +18,9 @@ remaining sampling, as far as the estimates go.
 A group whose in-flight Run is *sliced* training (`WorkerView.sliced`: an asynchronous
 job's `forward_backward`, run in micro-batches the worker can pause between) yields at
 the next slice to a job whose next call is a sample, whatever their lengths: the
-sample is on its job's critical path, the training within its job's slack. Only the
-simulator slices training (`Profile.fb_slices`); the live worker runs it whole.
+sample is on its job's critical path, the training within its job's slack. The
+simulator slices it into `Profile.fb_slices` pieces; a live worker that slices training
+(`WorkerHeartbeat.slices_training`, one rank) pauses at its next micro-batch.
 """
 
 from __future__ import annotations

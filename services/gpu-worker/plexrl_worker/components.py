@@ -126,8 +126,16 @@ async def build(settings: WorkerSettings, link: ClusterLink) -> Worker:
         payloads=stores.payloads,
     )
     numbered = NumberedCalls(ledger=ledger, recovery=recovery, runner=runner, recorder=recorder)
+    # A preempted training call resumes without asking SGLang for the device again: it
+    # is sliced only where SGLang keeps its device (or the torch sampler samples).
+    slices = (
+        settings.slice_training
+        and executor.slices_training
+        and not (sglang is not None and sglang.yield_device)
+    )
     heartbeat = Heartbeat(
         settings=settings,
+        slices_training=slices,
         base_models=registry.names(),
         rank_devices=rank_devices(settings),
         states=states,
@@ -143,7 +151,16 @@ async def build(settings: WorkerSettings, link: ClusterLink) -> Worker:
     poll = PollIntake(recorder)
     leader = LeaderFence(stores.keys.redis, lease_key(stores.keys.key, SCHEDULER) + ":token")
     pipeline = DispatchPipeline(
-        states, runner, recorder, heartbeat, numbered, tail, preemption, poll, leader
+        states,
+        runner,
+        recorder,
+        heartbeat,
+        numbered,
+        tail,
+        preemption,
+        poll,
+        leader,
+        slice_training=slices,
     )
     intake = KafkaDispatches(
         bootstrap=settings.kafka_bootstrap,
@@ -221,7 +238,11 @@ async def _init_ranks(
 
 
 def engine_config(settings: WorkerSettings) -> EngineConfig:
-    return EngineConfig(device=settings.worker_device, num_threads=settings.worker_threads)
+    return EngineConfig(
+        device=settings.worker_device,
+        num_threads=settings.worker_threads,
+        max_batch_tokens=settings.worker_max_batch_tokens,
+    )
 
 
 def group_config(settings: WorkerSettings) -> GroupConfig:

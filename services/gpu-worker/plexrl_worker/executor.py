@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -84,9 +85,16 @@ class HeldSnapshot(Protocol):
         ...
 
 
+Between = Callable[[], Awaitable[None]]
+"""Awaited between two slices of a sliced `forward_backward` (where it may pause)."""
+
+
 class Executor(Protocol):
     ranks: int
     """Ranks in the group (1: this process alone)."""
+    slices_training: bool
+    """Whether `forward_backward` pauses between its micro-batches when given `between`
+    (otherwise it runs whole, and `between` is never awaited)."""
 
     async def watch(self, stop: asyncio.Event) -> None:
         """Until `stop`; raises `group.RankLostError` when a rank is lost."""
@@ -97,7 +105,7 @@ class Executor(Protocol):
     # ---- training ----------------------------------------------------------------------
     async def create(self, job_id: str, spec: JobSpec) -> CreateOutput: ...
     async def forward_backward(
-        self, job_id: str, inp: ForwardBackwardInput
+        self, job_id: str, inp: ForwardBackwardInput, between: Between | None = None
     ) -> ForwardBackwardOutput: ...
     async def optim_step(self, job_id: str, inp: OptimStepInput) -> OptimStepOutput: ...
     async def export_state(self, job_id: str, *, optimizer: bool) -> JobTensors:
@@ -187,6 +195,7 @@ class LocalExecutor:
     this process's memory; disk as one safetensors blob per state."""
 
     ranks = 1
+    slices_training = True
 
     def __init__(self, engine: TorchEngine, thread: EngineThread, store: StateStoreClient) -> None:
         self.engine = engine
@@ -206,9 +215,16 @@ class LocalExecutor:
         return await self._thread.call(self.engine.create, job_id, spec)
 
     async def forward_backward(
-        self, job_id: str, inp: ForwardBackwardInput
+        self, job_id: str, inp: ForwardBackwardInput, between: Between | None = None
     ) -> ForwardBackwardOutput:
-        return await self._thread.call(self.engine.forward_backward, job_id, inp)
+        if between is None:
+            return await self._thread.call(self.engine.forward_backward, job_id, inp)
+        # A slice at a time, the event loop free between them: `between` may hold the
+        # call there while other calls use the engine.
+        run = await self._thread.call(self.engine.begin_forward_backward, job_id, inp)
+        while await self._thread.call(self.engine.forward_backward_slice, run):
+            await between()
+        return run.output()
 
     async def optim_step(self, job_id: str, inp: OptimStepInput) -> OptimStepOutput:
         return await self._thread.call(self.engine.optim_step, job_id, inp)

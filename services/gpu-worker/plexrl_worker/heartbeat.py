@@ -28,8 +28,10 @@ class Heartbeat:
         workers: WorkerStore,
         publisher: Publisher,
         events_topic: str,
+        slices_training: bool = False,
     ) -> None:
         self._settings = settings
+        self._slices_training = slices_training
         self._base_models = base_models
         self._rank_devices = rank_devices
         self._states = states
@@ -57,6 +59,7 @@ class Heartbeat:
             sent_at=time.time(),
             devices=ranks,
             sampler=settings.sampler,
+            slices_training=self._slices_training,
             ranks=[
                 RankMemory(r, device, settings.worker_device_bytes, on_device[r], on_host[r])
                 for r, device in enumerate(self._rank_devices)

@@ -51,6 +51,10 @@ PREEMPTED_BATCHES = Counter(
     "plexrl_worker_preempted_batches_total",
     "Sample batches the scheduler preempted: released early and paused for one dispatch",
 )
+PREEMPTED_TRAINING = Counter(
+    "plexrl_worker_preempted_training_total",
+    "forward_backward calls the scheduler preempted: paused at a micro-batch for one dispatch",
+)
 SGLANG_RELEASES = Counter(
     "plexrl_worker_sglang_releases_total",
     "Times the SGLang sampler released its device memory (weights, KV cache) to training",

@@ -27,7 +27,7 @@ from plexrl.retry import is_transient
 from plexrl.state_store_client import Fence
 from plexrl_worker.recorder import ResultRecorder
 from plexrl_worker.recovery import JobRecovery
-from plexrl_worker.runner import CallRunner, Ran
+from plexrl_worker.runner import CallRunner, Ran, Slicing
 
 log = logging.getLogger(__name__)
 
@@ -94,8 +94,15 @@ class NumberedCalls:
         return None
 
     async def run(
-        self, turn: Turn, request: PhaseRequest, seq: int, dispatch_id: str, last: bool
+        self,
+        turn: Turn,
+        request: PhaseRequest,
+        seq: int,
+        dispatch_id: str,
+        last: bool,
+        slicing: Slicing | None = None,
     ) -> None:
+        """`slicing`: a sliced `forward_backward`'s (`CallRunner.run`)."""
         if turn.over:
             return
         job_id = turn.job_id
@@ -114,7 +121,7 @@ class NumberedCalls:
             case Verdict.APPLY:
                 pass
         resolved = await self._runner.resolved(request)
-        ran = await self._run_retrying(resolved, turn.head, Fence(job_id, turn.epoch))
+        ran = await self._run_retrying(resolved, turn.head, Fence(job_id, turn.epoch), slicing)
         ok = ran.error is None
         logged = resolved if ok and request.function in MUTATING else None
 
@@ -170,7 +177,13 @@ class NumberedCalls:
         ran = _failed(f"call {seq} of {job_id} applied before, its result is gone")
         await self._recorder.record(request, ran, dispatch_id, last)
 
-    async def _run_retrying(self, request: PhaseRequest, head: LedgerState, fence: Fence) -> Ran:
+    async def _run_retrying(
+        self,
+        request: PhaseRequest,
+        head: LedgerState,
+        fence: Fence,
+        slicing: Slicing | None = None,
+    ) -> Ran:
         """Restore if need be and run; a transient failure (the state-store or Redis away,
         say) is retried from a fresh restore until `retry_s` has passed, so the call is
         answered late rather than wrongly. Anything else (bad input, a request the
@@ -183,7 +196,7 @@ class NumberedCalls:
                 restore_s = await self._recovery.ensure(
                     request.job_id, request.function, head, self._runner.replay
                 )
-                ran = await self._runner.run(request, fence)
+                ran = await self._runner.run(request, fence, slicing)
                 ran = dataclasses.replace(ran, swap_s=ran.swap_s + restore_s)
                 if ran.fenced and (await self._ledger.head(request.job_id)).epoch == fence.epoch:
                     # The state-store read a newer epoch than the ledger holds: its Redis

@@ -14,7 +14,8 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from opentelemetry import trace
 
@@ -25,6 +26,7 @@ from plexrl.messages import (
     Dispatch,
     Function,
     PhaseCompletion,
+    PhaseRequest,
     ReleaseReason,
     TailReleased,
 )
@@ -48,7 +50,7 @@ def _finished_tail(tails: set[asyncio.Task[None]]) -> Callable[[asyncio.Task[Non
     def done(task: asyncio.Task[None]) -> None:
         tails.discard(task)
         if not task.cancelled() and task.exception() is not None:
-            log.error("a sample batch's tail failed", exc_info=task.exception())
+            log.error("a released call's tail failed", exc_info=task.exception())
 
     return done
 
@@ -70,13 +72,21 @@ class DispatchPipeline:
         preemption: Preemption | None = None,
         intake: PollIntake | None = None,
         leader: LeaderFence | None = None,
+        slice_training: bool = False,
     ) -> None:
         """`intake`: reads a poll's recorded completions ahead and settles its
         completions after its last dispatch (None: each dispatch reads and settles its
-        own); `leader`: skips a deposed scheduler's dispatches."""
+        own); `leader`: skips a deposed scheduler's dispatches; `slice_training`: a
+        dispatch's last call, when a numbered `forward_backward`, runs a micro-batch at
+        a time and may be preempted between them (`_run_training`; the executor must
+        slice training)."""
         self._intake = intake
         self._leader = leader
         self._preemption = preemption or Preemption()
+        self._slice_training = slice_training
+        self._training_pause = Preemption()
+        """Holds a preempted `forward_backward` at its next slice until the dispatch it
+        yielded to ends (sample calls do not lift it: they would run beside it)."""
         self._states = states
         self._runner = runner
         self._recorder = recorder
@@ -85,7 +95,8 @@ class DispatchPipeline:
         self._tail = tail
         self.calls = 0
         self.tails: set[asyncio.Task[None]] = set()
-        """Sample batches left to finish their tails in the background."""
+        """Sample batches left to finish their tails in the background, and preempted
+        training calls left to finish there once their pause lifts."""
 
     async def __call__(self, dispatch: Dispatch, delivery: Delivery) -> None:
         if direct.lease_of(dispatch.dispatch_id) is not None:
@@ -93,8 +104,10 @@ class DispatchPipeline:
         if self._leader is not None and await self._leader.deposed(dispatch):
             return
         self._heartbeat.busy = True
-        # A batch preempted for this dispatch stays paused until it lets go (below).
+        # A batch or training call preempted for this dispatch stays paused until it
+        # lets go (below).
         claimed = self._preemption.claim() if dispatch.calls else None
+        training = self._training_pause.claim() if dispatch.calls else None
         try:
             for move in dispatch.evict:
                 await self._states.move(move.job_id, move.to_tier)
@@ -132,6 +145,8 @@ class DispatchPipeline:
             self._heartbeat.busy = False
             if claimed is not None:
                 await self._preemption.open(claimed)
+            if training is not None:
+                await self._training_pause.open(training)
 
     async def _run_group(
         self,
@@ -178,7 +193,16 @@ class DispatchPipeline:
             i = group[0]
             request = dispatch.calls[i]
             if turn is not None and seqs[i] > 0:  # exactly once by the job's ledger
-                await self._numbered.run(turn, request, seqs[i], dispatch.dispatch_id, i == last_i)
+                if (
+                    self._slice_training
+                    and i == last_i
+                    and request.function == Function.FORWARD_BACKWARD
+                ):
+                    await self._run_training(dispatch, turn, request, seqs[i])
+                else:
+                    await self._numbered.run(
+                        turn, request, seqs[i], dispatch.dispatch_id, i == last_i
+                    )
                 self.calls += 1
                 return
             done = replayed.get(request.request_id)
@@ -248,7 +272,40 @@ class DispatchPipeline:
                     await record(k, ran)
             await self._recorder.settle()  # a tail left running settles its own
 
-        task = asyncio.create_task(run_and_record())
+        await self._until_released(run_and_record(), released)
+
+    async def _run_training(
+        self, dispatch: Dispatch, turn: Turn, request: PhaseRequest, seq: int
+    ) -> None:
+        """Run the dispatch's last call, a numbered `forward_backward`, a slice (micro-
+        batch) at a time. Preempted by the scheduler (for a neighbour's sample, while the
+        job's training has slack: an asynchronous job's), it pauses at its next slice,
+        the release is announced (`TailReleased` of reason PREEMPT) and this returns: the
+        consumer takes the next dispatch while the call waits, and it goes on once that
+        dispatch ends (or after the pause's grace if none comes), finishing in the
+        background like a released tail. Its result is the whole call's."""
+        slices = _TrainingSlices(
+            dispatch, request, self._preemption, self._training_pause, self._tail
+        )
+
+        async def run() -> None:
+            try:
+                await self._numbered.run(
+                    turn, request, seq, dispatch.dispatch_id, True, slicing=slices
+                )
+            finally:
+                self._preemption.finished(dispatch.dispatch_id)
+            if slices.released.is_set():
+                await self._recorder.settle()  # released: it settles its own
+
+        await self._until_released(run(), slices.released)
+
+    async def _until_released(
+        self, work: Coroutine[Any, Any, None], released: asyncio.Event
+    ) -> None:
+        """Await `work` until it ends or sets `released`; then it goes on in the
+        background (`tails`)."""
+        task = asyncio.create_task(work)
         waiter = asyncio.create_task(released.wait())
         await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
@@ -268,6 +325,55 @@ class DispatchPipeline:
             what=f"recording {dispatch.calls[i].request_id}",
         )
         self.calls += 1
+
+
+class _TrainingSlices:
+    """A sliced training call's pause point (`CallRunner.run`'s `Slicing`): once the
+    scheduler asked its dispatch to yield, the next one holds the call, announces the
+    release and sets `released`; a released call waits at each while the pause holds."""
+
+    def __init__(
+        self,
+        dispatch: Dispatch,
+        request: PhaseRequest,
+        preemption: Preemption,
+        pause: Preemption,
+        tail: TailRelease,
+    ) -> None:
+        self._dispatch = dispatch
+        self._request = request
+        self._preemption = preemption
+        self._pause = pause
+        self._tail = tail
+        self._asked = preemption.yieldable(dispatch.dispatch_id)
+        self.released = asyncio.Event()
+        self.released_at: float | None = None
+
+    def paused_s(self) -> float:
+        return self._pause.paused_seconds()
+
+    async def between(self) -> None:
+        if not self.released.is_set() and self._asked.is_set():
+            dispatch, request = self._dispatch, self._request
+            self._preemption.finished(dispatch.dispatch_id)
+            await self._pause.hold()
+            metrics.PREEMPTED_TRAINING.inc()
+            self.released_at = time.time()
+            await self._tail.announce(
+                TailReleased(
+                    worker_id=dispatch.worker_id,
+                    dispatch_id=dispatch.dispatch_id,
+                    request_ids=[request.request_id],
+                    job_ids=[request.job_id],
+                    remaining=1,
+                    total=1,
+                    at=self.released_at,
+                    reason=ReleaseReason.PREEMPT,
+                )
+            )
+            self.released.set()
+        if self.released.is_set():  # only a released call waits for the pause
+            await self._pause.wait_open()
 
 
 async def _none() -> None:

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -66,7 +66,7 @@ from plexrl.stores import (
 )
 from plexrl_worker.engine import BASE_PREFIX, EngineError, EngineInputError
 from plexrl_worker.engine.state import WEIGHTS, JobTensors, state_stream
-from plexrl_worker.executor import Executor, SampleHandle, StateSource
+from plexrl_worker.executor import Between, Executor, SampleHandle, StateSource
 from plexrl_worker.residency import StateManager
 from plexrl_worker.samplers import SGLangSampling
 from plexrl_worker.tail import TailHook, TailWatch
@@ -94,6 +94,21 @@ class Ran:
     fenced: bool = False
     """The state-store refused a write of the call: by its reading of the ledger, the
     call's lease no longer stands."""
+
+
+class Slicing(Protocol):
+    """How a sliced `forward_backward` may pause (`DispatchPipeline`'s, per call)."""
+
+    released_at: float | None
+    """When the worker let its next dispatch in beside the call (preempted), if it did."""
+
+    async def between(self) -> None:
+        """Awaited between two slices: returns when the call may go on."""
+        ...
+
+    def paused_s(self) -> float:
+        """Seconds the worker's training calls were held paused so far (growing)."""
+        ...
 
 
 class CallRunner:
@@ -140,10 +155,16 @@ class CallRunner:
         payload = await resolve(self._payloads, request.payload, PhaseInput)
         await self._dispatch(request, payload)
 
-    async def run(self, request: PhaseRequest, fence: Fence | None = None) -> Ran:
+    async def run(
+        self, request: PhaseRequest, fence: Fence | None = None, slicing: Slicing | None = None
+    ) -> Ran:
         """Run the call; with `fence` (a numbered call's lease), what it writes in the
-        state-store counts only while that lease stands."""
+        state-store counts only while that lease stands. With `slicing`, a
+        `forward_backward` runs a slice at a time (on an executor that slices training),
+        awaiting `slicing.between` between slices; the seconds it was held there are
+        not the call's compute seconds."""
         started_at = time.time()
+        paused0 = slicing.paused_s() if slicing is not None else 0.0
         swap_s = 0.0
         t0 = time.perf_counter()
         wait = _Deadline(self._retry_s)
@@ -163,8 +184,20 @@ class CallRunner:
                     within_s=wait.left(),
                 )
             t0 = time.perf_counter()
-            output = await self._dispatch(request, payload, fence)
-            return Ran(output, None, swap_s, time.perf_counter() - t0, started_at)
+            output = await self._dispatch(
+                request, payload, fence, slicing.between if slicing is not None else None
+            )
+            if slicing is None:
+                return Ran(output, None, swap_s, time.perf_counter() - t0, started_at)
+            return Ran(
+                output,
+                None,
+                swap_s,
+                time.perf_counter() - t0 - (slicing.paused_s() - paused0),
+                started_at,
+                tail_released_at=slicing.released_at,
+                preempted=slicing.released_at is not None,
+            )
         except Exception as exc:
             error, transient = _error(request, exc), is_transient(exc)
             fenced = isinstance(exc, StateStoreFenced)
@@ -179,7 +212,11 @@ class CallRunner:
         )
 
     async def _dispatch(
-        self, request: PhaseRequest, payload: PhaseInput, fence: Fence | None = None
+        self,
+        request: PhaseRequest,
+        payload: PhaseInput,
+        fence: Fence | None = None,
+        between: Between | None = None,
     ) -> PhaseOutput:
         job_id = request.job_id
         match payload:
@@ -190,7 +227,7 @@ class CallRunner:
                 return created
             case ForwardBackwardInput():
                 await self._train_on_device()
-                return await self._executor.forward_backward(job_id, payload)
+                return await self._executor.forward_backward(job_id, payload, between)
             case OptimStepInput():
                 await self._train_on_device()
                 return await self._executor.optim_step(job_id, payload)

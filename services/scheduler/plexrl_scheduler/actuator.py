@@ -146,7 +146,9 @@ class Actuator:
         return self._direct is None or await self._direct.clear(action.worker_id)
 
     async def _preempt(self, action: Preempt) -> None:
-        """Ask the worker to let the next dispatch in beside its running sample batch."""
+        """Ask the worker to let the next dispatch in beside its running sample batch
+        (or, on a worker that slices training, after the running forward_backward's
+        current micro-batch)."""
         dispatch_id = self._state.apply_preempt(action.worker_id)
         if dispatch_id is None:
             return
@@ -159,7 +161,7 @@ class Actuator:
         await self._publisher.publish(self._topics.control(action.worker_id), dispatch_id, message)
         metrics.PREEMPTS.labels(action.worker_id).inc()
         log.info(
-            "preempting %s's sample batch on %s for %s",
+            "preempting %s's running call on %s for %s",
             action.job_id,
             action.worker_id,
             action.for_job,

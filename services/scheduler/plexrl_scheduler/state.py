@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, replace
 
 from plexrl.kafka import Delivery
+from plexrl.ledger import SEQUENCED
 from plexrl.messages import (
     Function,
     JobSpec,
@@ -117,6 +118,16 @@ class InFlight:
     @property
     def samples_only(self) -> bool:
         return bool(self.calls) and all(p.request.function == Function.SAMPLE for p in self.calls)
+
+    @property
+    def ends_in_training(self) -> bool:
+        """Its calls are its job's own and the last is a `forward_backward`: the call a
+        worker that slices training may pause (`WorkerHeartbeat.slices_training`)."""
+        return (
+            bool(self.calls)
+            and self.calls[-1].request.function == Function.FORWARD_BACKWARD
+            and all(p.request.job_id == self.job_id for p in self.calls)
+        )
 
 
 @dataclass
@@ -683,14 +694,15 @@ class ClusterState:
 
     def _worker_view(self, wid: str, w: WorkerState, jobs: dict[str, JobView]) -> WorkerView:
         run = self.inflight.get(wid)
-        preemptible = run is not None and run.samples_only and not run.preempt_asked
+        sliced = run is not None and self._sliced(run, w)
+        preemptible = run is not None and (run.samples_only or sliced) and not run.preempt_asked
         tail_until = 0.0
         for tail in self.tails.values():  # released batches: their jobs' mean tails
             if tail.worker_id == wid:
                 for p in tail.calls:
                     job = self.jobs.get(p.request.job_id)
                     if job is not None and p.request.request_id in tail.remaining:
-                        ends = tail.released_at + job.history.tail_s
+                        ends = tail.released_at + self._tail_s(p.request, jobs)
                         tail_until = max(tail_until, ends, 1e-9)
         running = run.job_id if run is not None else self.held.get(wid)
         return WorkerView(
@@ -704,7 +716,52 @@ class ClusterState:
             tail_until=tail_until,
             preemptible_since=run.issued_at if run is not None and preemptible else None,
             healthy=self.healthy(wid),
+            sliced=sliced,
         )
+
+    def _sliced(self, run: InFlight, worker: WorkerState) -> bool:
+        """The run ends in training the worker may pause between micro-batches, of an
+        asynchronous job (its training within the slack its staleness gives it), and has
+        no follow-up behind it (which the worker would take next, ahead of the call)."""
+        job = self.jobs.get(run.job_id)
+        return (
+            worker.heartbeat.slices_training
+            and job is not None
+            and job.staleness >= 1
+            and run.dispatches == 1
+            and run.ends_in_training
+        )
+
+    def _tail_s(self, request: PhaseRequest, jobs: dict[str, JobView]) -> float:
+        """How long a released call is expected to run on after its release: a sample
+        batch's straggling tail, or a preempted training call (all of it, at most)."""
+        if request.function == Function.SAMPLE:
+            job = self.jobs.get(request.job_id)
+            return job.history.tail_s if job is not None else 0.0
+        view = jobs.get(request.job_id)
+        return view.estimates.expected_s(request.function) if view is not None else 0.0
+
+    def _not_behind_training(self, queue: Iterable[Pending]) -> Iterable[Pending]:
+        """The queue without the calls that must wait for a job's training call released
+        to the background (preempted between micro-batches, `TailReleased`): from the
+        job's first queued numbered call on, its calls wait until that call is answered,
+        so they run in order on its ledger."""
+        training = {
+            p.request.job_id
+            for tail in self.tails.values()
+            for p in tail.calls
+            if p.request.request_id in tail.remaining and p.request.function != Function.SAMPLE
+        }
+        if not training:
+            yield from queue
+            return
+        waiting: set[str] = set()
+        for p in queue:
+            job_id = p.request.job_id
+            if job_id in training and (job_id in waiting or p.request.function in SEQUENCED):
+                waiting.add(job_id)
+                continue
+            yield p
 
     def healthy(self, worker_id: str) -> bool:
         state = self.workers.get(worker_id)
@@ -768,7 +825,7 @@ class ClusterState:
                 p.request.arrival_time,
                 p.request.work.portable,
             )
-            for p in queue
+            for p in self._not_behind_training(queue)
             if p.request.job_id in jobs
         )
         return ClusterSnapshot(

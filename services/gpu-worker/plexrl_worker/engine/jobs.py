@@ -4,24 +4,61 @@ of the engine and back, which never change a bit of what the job computes next."
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from plexrl.messages import (
     CreateOutput,
     ForwardBackwardInput,
     ForwardBackwardOutput,
     JobSpec,
+    LossFn,
     OptimStepInput,
     OptimStepOutput,
     TensorArray,
 )
 from plexrl_worker.engine import state, weight_set
 from plexrl_worker.engine.bases import BaseModels
-from plexrl_worker.engine.batch import ModelLimits, batch_loss, checked_loss, prepare
+from plexrl_worker.engine.batch import (
+    MicroBatch,
+    ModelLimits,
+    batch_loss,
+    checked_loss,
+    prepare,
+)
 from plexrl_worker.engine.cobatch import Batcher
 from plexrl_worker.engine.config import EngineConfig
 from plexrl_worker.engine.errors import EngineInputError, JobExistsError, UnknownJobError
 from plexrl_worker.engine.state import JobTensors
 from plexrl_worker.engine.weight_set import WeightSet, adamw
 from plexrl_worker.engine.weights import FullWeights, LoraWeights, Weights, load_model
+
+
+@dataclass
+class TrainingRun:
+    """A `forward_backward` call in progress, a micro-batch (a slice) at a time."""
+
+    job_id: str
+    inp: ForwardBackwardInput
+    loss_fn: LossFn
+    config: dict[str, float]
+    batches: list[MicroBatch]
+    outputs: list[dict[str, TensorArray]]
+    ran: int = 0
+    """Micro-batches run so far."""
+    total: float = 0.0
+    tokens: int = 0
+
+    @property
+    def slices(self) -> int:
+        return len(self.batches)
+
+    def output(self) -> ForwardBackwardOutput:
+        if self.ran < len(self.batches):
+            raise RuntimeError(f"{self.ran} of {len(self.batches)} slices of the call ran")
+        return ForwardBackwardOutput(
+            loss_fn_outputs=self.outputs,
+            metrics={"loss:sum": self.total, "tokens:sum": float(self.tokens)},
+        )
 
 
 class TrainingJobs:
@@ -64,22 +101,35 @@ class TrainingJobs:
     def forward_backward(self, job_id: str, inp: ForwardBackwardInput) -> ForwardBackwardOutput:
         """Summed loss and per-token outputs; with `inp.backward`, gradients that add up
         across calls until `optim_step`."""
+        run = self.begin_forward_backward(job_id, inp)
+        while self.forward_backward_slice(run):
+            pass
+        return run.output()
+
+    def begin_forward_backward(self, job_id: str, inp: ForwardBackwardInput) -> TrainingRun:
+        """A `forward_backward` checked and cut into its micro-batches, none run yet:
+        `forward_backward_slice` runs them one at a time (the whole call's result is the
+        same however long it pauses between them)."""
         job = self.trainable(job_id)
         loss_fn, config = checked_loss(inp.loss_fn, inp.loss_fn_config)
         limits = ModelLimits(job.info.vocab_size, job.info.max_positions)
         batches = prepare(inp.data, loss_fn, limits, self._config.max_batch_tokens)
-        model = job.weights.module()
-        outputs: list[dict[str, TensorArray]] = [{} for _ in inp.data]
-        total = 0.0
-        tokens = 0
-        for mb in batches:
-            run = batch_loss(model, mb, loss_fn, config, self._config.torch_device, inp.backward)
-            total += float(run.loss.detach())
-            tokens += int(run.mask.sum())
-            outputs[mb.first : mb.first + len(mb.lengths)] = run.outputs(mb)
-        return ForwardBackwardOutput(
-            loss_fn_outputs=outputs, metrics={"loss:sum": total, "tokens:sum": float(tokens)}
+        return TrainingRun(job_id, inp, loss_fn, config, batches, [{} for _ in inp.data])
+
+    def forward_backward_slice(self, run: TrainingRun) -> bool:
+        """Run the next micro-batch of `run`; whether any is left. The job's model is
+        looked up again each time: between two slices other jobs' calls may have run
+        (a shared base's active adapter is this job's again)."""
+        mb = run.batches[run.ran]
+        model = self.trainable(run.job_id).weights.module()
+        out = batch_loss(
+            model, mb, run.loss_fn, run.config, self._config.torch_device, run.inp.backward
         )
+        run.total += float(out.loss.detach())
+        run.tokens += int(out.mask.sum())
+        run.outputs[mb.first : mb.first + len(mb.lengths)] = out.outputs(mb)
+        run.ran += 1
+        return run.ran < len(run.batches)
 
     def optim_step(self, job_id: str, inp: OptimStepInput) -> OptimStepOutput:
         """One AdamW step over the accumulated gradients, which it then clears."""

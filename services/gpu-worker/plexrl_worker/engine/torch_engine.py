@@ -38,7 +38,7 @@ from plexrl_worker.engine.bases import BaseModels
 from plexrl_worker.engine.cobatch import SampleCall
 from plexrl_worker.engine.config import EngineConfig
 from plexrl_worker.engine.errors import EngineInputError, UnknownJobError
-from plexrl_worker.engine.jobs import TrainingJobs
+from plexrl_worker.engine.jobs import TrainingJobs, TrainingRun
 from plexrl_worker.engine.sampler import BASE_PREFIX, Sampler
 from plexrl_worker.engine.sampler_set import SamplerSet
 from plexrl_worker.engine.state import JobTensors
@@ -108,6 +108,17 @@ class TorchEngine:
     @_training
     def forward_backward(self, job_id: str, inp: ForwardBackwardInput) -> ForwardBackwardOutput:
         return self.jobs.forward_backward(job_id, inp)
+
+    @_training
+    def begin_forward_backward(self, job_id: str, inp: ForwardBackwardInput) -> TrainingRun:
+        """A `forward_backward` to run a slice (micro-batch) at a time, other calls
+        between (`forward_backward_slice`; the result is the whole call's)."""
+        return self.jobs.begin_forward_backward(job_id, inp)
+
+    @_training
+    def forward_backward_slice(self, run: TrainingRun) -> bool:
+        """The next slice of `run`; whether any is left."""
+        return self.jobs.forward_backward_slice(run)
 
     @_training
     def optim_step(self, job_id: str, inp: OptimStepInput) -> OptimStepOutput:

@@ -46,7 +46,7 @@ from plexrl_worker import shards, stored
 from plexrl_worker.engine.errors import NotFoundError
 from plexrl_worker.engine.state import JobTensors, state_from_bytes
 from plexrl_worker.engine_thread import EngineThread
-from plexrl_worker.executor import HeldSnapshot, SampleHandle, StateSource
+from plexrl_worker.executor import Between, HeldSnapshot, SampleHandle, StateSource
 from plexrl_worker.group import calls
 from plexrl_worker.group.launch import Leader, RankLostError
 from plexrl_worker.group.rank import RankEngine
@@ -116,6 +116,8 @@ class _GroupSnapshot:
 class GroupExecutor:
     """The group's ranks behind the `Executor` interface (see the module docstring)."""
 
+    slices_training = False
+
     def __init__(self, leader: Leader, thread: EngineThread, ping_s: float = 5.0) -> None:
         self._leader = leader
         self._thread = thread
@@ -173,8 +175,9 @@ class GroupExecutor:
         return CreateOutput(trainable_params=first.trainable_params, state_bytes=first.state_bytes)
 
     async def forward_backward(
-        self, job_id: str, inp: ForwardBackwardInput
+        self, job_id: str, inp: ForwardBackwardInput, between: Between | None = None
     ) -> ForwardBackwardOutput:
+        # Whole: the ranks run a call in step, with no pause point between micro-batches.
         return await self._on_thread(self._leader.forward_backward, job_id, inp)
 
     async def optim_step(self, job_id: str, inp: OptimStepInput) -> OptimStepOutput:
