@@ -47,7 +47,7 @@ from plexrl_tools.cluster import free_port
 from plexrl_worker import stored
 from plexrl_worker.engine import EngineConfig, TorchEngine
 from plexrl_worker.engine.arrays import to_array, to_tensor
-from plexrl_worker.engine.state import JobTensors, state_to_bytes
+from plexrl_worker.engine.state import JobTensors, state_from_bytes, state_to_bytes
 from plexrl_worker.engine_thread import EngineThread
 from plexrl_worker.executor import StateSource
 from plexrl_worker.group import (
@@ -458,6 +458,44 @@ def test_bad_input_is_refused_by_every_rank_and_the_group_goes_on(tiny_registry:
         with pytest.raises(GroupCallError, match="learning_rate"):
             leader.optim_step("lora", OptimStepInput(adam=AdamParams(learning_rate=-1.0)))
         assert leader.forward_backward("lora", FB).metrics["tokens:sum"] == 28.0
+
+
+def test_a_call_run_a_micro_batch_at_a_time_on_the_ranks_is_the_whole_call(
+    tiny_registry: Path,
+) -> None:
+    # At 12 tokens a micro-batch rank 0 has two, rank 1 one and an idle one: every slice
+    # is run by every rank in step. Between two, another job trains (its own
+    # collectives) and the sliced job cannot leave the device. Two jobs alike: one runs
+    # the call whole.
+    engine = dataclasses.replace(ENGINE, max_batch_tokens=12)
+    with start_group(_config(2), tiny_registry, engine) as leader:
+        for job in ("whole", "sliced"):
+            leader.create(job, SPECS["lora"])
+        leader.create("full", SPECS["full"])
+        whole = leader.forward_backward("whole", FB)
+        assert leader.begin_training("sliced", FB) == 2
+        leader.training_slice("sliced")
+        leader.forward_backward("full", FB)
+        with pytest.raises(GroupCallError, match="between two slices"):
+            leader.offload("sliced")
+        leader.training_slice("sliced")
+        with pytest.raises(GroupCallError, match="no forward_backward slice left"):
+            leader.training_slice("sliced")
+        split = leader.finish_training("sliced")
+        grads = {
+            job: [
+                state_from_bytes(r.data).tensors
+                for r in leader.call(calls.GatherCall(job, optimizer=False, gradients=True))
+                if isinstance(r, calls.StateReply)
+            ]
+            for job in ("whole", "sliced")
+        }
+    assert split.metrics == whole.metrics
+    for a, b in zip(whole.loss_fn_outputs, split.loss_fn_outputs, strict=True):
+        assert torch.equal(to_tensor(a["logprobs"]), to_tensor(b["logprobs"]))
+    for mine, theirs in zip(grads["whole"], grads["sliced"], strict=True):
+        assert sorted(mine) == sorted(theirs) and any("grad" in k for k in mine)
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
 @pytest.fixture

@@ -345,10 +345,9 @@ class WorkerSettings(CommonSettings):
     # batch's sequences still decode (the rollout-tail release; 0 turns it off). The
     # simulator's `tail_threshold` means the same; 0.25 is its `PHYSICAL_TAIL`.
     tail_threshold: float = Field(default=0.25, ge=0.0, lt=1.0)
-    # Run each numbered forward_backward a micro-batch at a time, so the scheduler may
-    # preempt an asynchronous job's training between two of them for a neighbour's
-    # sample (PLEXRL_SLICE_TRAINING; results are the whole call's). A worker group of
-    # several ranks runs training whole whatever this says.
+    # Run each numbered forward_backward a micro-batch at a time (every rank of a group in
+    # step), so the scheduler may preempt an asynchronous job's training between two of
+    # them for a neighbour's sample (PLEXRL_SLICE_TRAINING; results are the whole call's).
     slice_training: bool = True
     # Tokens of one training micro-batch, padding included (rows x longest row): a
     # forward_backward's data is cut into micro-batches of at most this many, which

@@ -20,7 +20,8 @@ job's `forward_backward`, run in micro-batches the worker can pause between) yie
 the next slice to a job whose next call is a sample, whatever their lengths: the
 sample is on its job's critical path, the training within its job's slack. The
 simulator slices it into `Profile.fb_slices` pieces; a live worker that slices training
-(`WorkerHeartbeat.slices_training`, one rank) pauses at its next micro-batch.
+(`WorkerHeartbeat.slices_training`) pauses at its next micro-batch, every rank of a
+group in step.
 """
 
 from __future__ import annotations

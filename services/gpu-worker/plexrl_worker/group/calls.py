@@ -32,6 +32,28 @@ class ForwardBackwardCall(msgspec.Struct, frozen=True, tag="forward_backward"):
     inp: ForwardBackwardInput
 
 
+class BeginTrainingCall(msgspec.Struct, frozen=True, tag="begin_training"):
+    """A `forward_backward` to run a micro-batch at a time (`TrainingSliceCall`), other
+    calls between; every rank answers how many micro-batches each rank runs (the most
+    any rank has: one with fewer runs empty ones, so their collectives pair up)."""
+
+    job_id: str
+    inp: ForwardBackwardInput
+
+
+class TrainingSliceCall(msgspec.Struct, frozen=True, tag="training_slice"):
+    """The next micro-batch of the job's `BeginTrainingCall` on every rank."""
+
+    job_id: str
+
+
+class FinishTrainingCall(msgspec.Struct, frozen=True, tag="finish_training"):
+    """The job's sliced `forward_backward` after its last micro-batch: gradients summed
+    over the ranks, each rank's outputs (a `ForwardBackwardReply`)."""
+
+    job_id: str
+
+
 class OptimStepCall(msgspec.Struct, frozen=True, tag="optim_step"):
     job_id: str
     inp: OptimStepInput
@@ -170,6 +192,9 @@ class ShutdownCall(msgspec.Struct, frozen=True, tag="shutdown"):
 Call = (
     CreateCall
     | ForwardBackwardCall
+    | BeginTrainingCall
+    | TrainingSliceCall
+    | FinishTrainingCall
     | OptimStepCall
     | ImportCall
     | GatherCall
@@ -207,6 +232,11 @@ class ForwardBackwardReply(msgspec.Struct, frozen=True, tag="forward_backward"):
     outputs: list[dict[str, TensorArray]]
     loss: float
     tokens: int
+
+
+class SlicesReply(msgspec.Struct, frozen=True, tag="slices"):
+    count: int
+    """Micro-batches every rank runs for the call (`TrainingSliceCall`s to send)."""
 
 
 class OptimStepReply(msgspec.Struct, frozen=True, tag="optim_step"):
@@ -278,6 +308,7 @@ class ErrorReply(msgspec.Struct, frozen=True, tag="error"):
 Reply = (
     CreateReply
     | ForwardBackwardReply
+    | SlicesReply
     | OptimStepReply
     | SwapReply
     | SavedReply

@@ -116,7 +116,7 @@ class _GroupSnapshot:
 class GroupExecutor:
     """The group's ranks behind the `Executor` interface (see the module docstring)."""
 
-    slices_training = False
+    slices_training = True
 
     def __init__(self, leader: Leader, thread: EngineThread, ping_s: float = 5.0) -> None:
         self._leader = leader
@@ -177,8 +177,16 @@ class GroupExecutor:
     async def forward_backward(
         self, job_id: str, inp: ForwardBackwardInput, between: Between | None = None
     ) -> ForwardBackwardOutput:
-        # Whole: the ranks run a call in step, with no pause point between micro-batches.
-        return await self._on_thread(self._leader.forward_backward, job_id, inp)
+        if between is None:
+            return await self._on_thread(self._leader.forward_backward, job_id, inp)
+        # A micro-batch at a time on every rank in step; other calls of the group may
+        # run between two (each rank keeps the call's progress meanwhile).
+        count = await self._on_thread(self._leader.begin_training, job_id, inp)
+        for i in range(count):
+            if i:
+                await between()
+            await self._on_thread(self._leader.training_slice, job_id)
+        return await self._on_thread(self._leader.finish_training, job_id)
 
     async def optim_step(self, job_id: str, inp: OptimStepInput) -> OptimStepOutput:
         replies = await self.call(calls.OptimStepCall(job_id, inp))

@@ -179,17 +179,20 @@ class Leader:
     def forward_backward(
         self, job_id: str, inp: calls.ForwardBackwardInput
     ) -> ForwardBackwardOutput:
-        parts = self.call(calls.ForwardBackwardCall(job_id, inp))
-        outputs: list[dict[str, calls.TensorArray]] = []
-        total, tokens = 0.0, 0
-        for part in parts:
-            assert isinstance(part, calls.ForwardBackwardReply)
-            outputs.extend(part.outputs)
-            total += part.loss
-            tokens += part.tokens
-        return ForwardBackwardOutput(
-            loss_fn_outputs=outputs, metrics={"loss:sum": total, "tokens:sum": float(tokens)}
-        )
+        return _joined(self.call(calls.ForwardBackwardCall(job_id, inp)))
+
+    def begin_training(self, job_id: str, inp: calls.ForwardBackwardInput) -> int:
+        """A `forward_backward` to run a micro-batch at a time: how many to run
+        (`training_slice` each), then `finish_training`."""
+        first = self.call(calls.BeginTrainingCall(job_id, inp))[0]
+        assert isinstance(first, calls.SlicesReply)
+        return first.count
+
+    def training_slice(self, job_id: str) -> None:
+        self.call(calls.TrainingSliceCall(job_id))
+
+    def finish_training(self, job_id: str) -> ForwardBackwardOutput:
+        return _joined(self.call(calls.FinishTrainingCall(job_id)))
 
     def optim_step(self, job_id: str, inp: calls.OptimStepInput) -> dict[str, float]:
         first = self.call(calls.OptimStepCall(job_id, inp))[0]
@@ -384,3 +387,17 @@ def _describe_ranks(followers: Sequence[multiprocessing.process.BaseProcess]) ->
     if not ended:
         return "every follower is still running (one stopped answering)"
     return "; ".join(ended)
+
+
+def _joined(parts: list[Reply]) -> ForwardBackwardOutput:
+    """One `forward_backward`'s output from every rank's part, in rank order."""
+    outputs: list[dict[str, calls.TensorArray]] = []
+    total, tokens = 0.0, 0
+    for part in parts:
+        assert isinstance(part, calls.ForwardBackwardReply)
+        outputs.extend(part.outputs)
+        total += part.loss
+        tokens += part.tokens
+    return ForwardBackwardOutput(
+        loss_fn_outputs=outputs, metrics={"loss:sum": total, "tokens:sum": float(tokens)}
+    )

@@ -41,6 +41,7 @@ from plexrl.messages import (
     ErrorCode,
     ForwardBackwardInput,
     JobSpec,
+    LossFn,
     OptimStepInput,
 )
 from plexrl.models import BaseModelInfo, ModelRegistry, UnknownModelError
@@ -114,6 +115,8 @@ class RankEngine:
         """Offloaded shards (this rank's host tier)."""
         self._held: dict[str, JobTensors] = {}
         """Snapshot copies taken and not yet written, by token."""
+        self._training: dict[str, _TrainingRun] = {}
+        """Sliced `forward_backward` calls begun and not finished, by job."""
         self.sampling = RankSampling(registry, config, self.rank, blobs)
 
     def execute(self, call: Call) -> Reply:
@@ -137,6 +140,12 @@ class RankEngine:
                 return self.create(job_id, spec)
             case calls.ForwardBackwardCall(job_id, inp):
                 return self.forward_backward(job_id, inp)
+            case calls.BeginTrainingCall(job_id, inp):
+                return self.begin_training(job_id, inp)
+            case calls.TrainingSliceCall(job_id):
+                return self.training_slice(job_id)
+            case calls.FinishTrainingCall(job_id):
+                return self.finish_training(job_id)
             case calls.OptimStepCall(job_id, inp):
                 return self.optim_step(job_id, inp)
             case calls.ImportCall(job_id, key, tenant, optimizer):
@@ -199,6 +208,13 @@ class RankEngine:
         self, job_id: str, inp: ForwardBackwardInput
     ) -> calls.ForwardBackwardReply:
         """This rank's contiguous slice of the data; gradients summed over every rank."""
+        count = self.begin_training(job_id, inp).count
+        for _ in range(count):
+            self.training_slice(job_id)
+        return self.finish_training(job_id)
+
+    def begin_training(self, job_id: str, inp: ForwardBackwardInput) -> calls.SlicesReply:
+        """A `forward_backward` cut into this rank's micro-batches, none run yet."""
         job = self._job(job_id)
         loss_fn, config = checked_loss(inp.loss_fn, inp.loss_fn_config)
         limits = ModelLimits(job.info.vocab_size, job.info.max_positions)
@@ -210,25 +226,48 @@ class RankEngine:
         count = torch.tensor([len(mine)], dtype=torch.int64)
         if self.world_size > 1:
             dist.all_reduce(count, op=dist.ReduceOp.MAX)
-        idle = _idle(mine[0] if mine else whole[0])
-
         trained = isinstance(job.weights, LoraWeights) and inp.backward
-        carried = _take_grads(job.weights.params()) if trained else {}
-        model = job.weights.module()
+        self._training[job_id] = _TrainingRun(
+            inp=inp,
+            loss_fn=loss_fn,
+            config=config,
+            first=lo,
+            mine=mine,
+            idle=_idle(mine[0] if mine else whole[0]),
+            count=int(count),
+            trained=trained,
+            carried=_take_grads(job.weights.params()) if trained else {},
+            outputs=[{} for _ in range(hi - lo)],
+        )
+        return calls.SlicesReply(int(count))
+
+    def training_slice(self, job_id: str) -> calls.DoneReply:
+        """The next micro-batch of the job's run (an empty one past this rank's data).
+        The job's model is looked up again: other calls may have run since the last."""
+        run = self._training.get(job_id)
+        if run is None or run.ran >= run.count:
+            raise EngineInputError(f"{job_id!r} has no forward_backward slice left to run")
+        i = run.ran
+        mb = run.mine[i] if i < len(run.mine) else run.idle
+        model = self._job(job_id).weights.module()
         device = self._config.torch_device
-        outputs: list[dict[str, calls.TensorArray]] = [{} for _ in range(hi - lo)]
-        total, tokens = 0.0, 0
-        for i in range(int(count)):
-            mb = mine[i] if i < len(mine) else idle
-            run = batch_loss(model, mb, loss_fn, config, device, inp.backward)
-            if i >= len(mine):
-                continue
-            total += float(run.loss.detach())
-            tokens += int(run.mask.sum())
-            outputs[mb.first : mb.first + len(mb.lengths)] = run.outputs(mb)
-        if trained:
-            self._sum_replicated_grads(job.weights.params(), carried)
-        return calls.ForwardBackwardReply(first=lo, outputs=outputs, loss=total, tokens=tokens)
+        out = batch_loss(model, mb, run.loss_fn, run.config, device, run.inp.backward)
+        run.ran += 1
+        if i < len(run.mine):
+            run.total += float(out.loss.detach())
+            run.tokens += int(out.mask.sum())
+            run.outputs[mb.first : mb.first + len(mb.lengths)] = out.outputs(mb)
+        return calls.DoneReply()
+
+    def finish_training(self, job_id: str) -> calls.ForwardBackwardReply:
+        run = self._training.pop(job_id, None)
+        if run is None or run.ran < run.count:
+            raise EngineInputError(f"{job_id!r} has no finished forward_backward to answer")
+        if run.trained:
+            self._sum_replicated_grads(self._job(job_id).weights.params(), run.carried)
+        return calls.ForwardBackwardReply(
+            first=run.first, outputs=run.outputs, loss=run.total, tokens=run.tokens
+        )
 
     def optim_step(self, job_id: str, inp: OptimStepInput) -> calls.OptimStepReply:
         """One AdamW step, each rank on its shard (full) or on the replicated adapter."""
@@ -313,6 +352,12 @@ class RankEngine:
 
     def offload(self, job_id: str) -> calls.SwapReply:
         """This rank's shard to host memory; the job then leaves the device."""
+        if job_id in self._training:
+            # Its earlier calls' adapter gradients are set aside until the call ends.
+            raise EngineInputError(
+                f"{job_id!r} is between two slices of a forward_backward; it can leave "
+                "the device once that call ends"
+            )
         start = time.perf_counter()
         shard = self.export_shard(job_id)
         seconds = time.perf_counter() - start
@@ -445,6 +490,7 @@ class RankEngine:
         )
 
     def drop(self, job_id: str) -> bool:
+        self._training.pop(job_id, None)
         job = self._jobs.pop(job_id, None)
         host = self._host.pop(job_id, None)
         if job is not None:
@@ -569,6 +615,29 @@ class RankEngine:
             return self._registry.info(name)
         except UnknownModelError as exc:
             raise NotFoundError(str(exc)) from exc
+
+
+@dataclass
+class _TrainingRun:
+    """One rank's side of a sliced `forward_backward` (`RankEngine.begin_training`)."""
+
+    inp: ForwardBackwardInput
+    loss_fn: LossFn
+    config: dict[str, float]
+    first: int
+    """Index in the call's data of this rank's first datum."""
+    mine: list[MicroBatch]
+    idle: MicroBatch
+    count: int
+    """Micro-batches every rank runs (the most any rank has)."""
+    trained: bool
+    """Adapter gradients to sum over the ranks at the end (a LoRA job's backward)."""
+    carried: dict[int, torch.Tensor | None]
+    """The gradients of earlier calls, set aside meanwhile."""
+    outputs: list[dict[str, calls.TensorArray]]
+    ran: int = 0
+    total: float = 0.0
+    tokens: int = 0
 
 
 def _idle(batch: MicroBatch) -> MicroBatch:
