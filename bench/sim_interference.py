@@ -47,8 +47,10 @@ def forced_group(
     stall_scale: float,
     staleness: int,
     colocation: dict[str, Any] | None = None,
+    fb_slices: int = 1,
 ) -> dict:
-    """One group of the profile's size and `jobs` jobs of it, arriving a step apart / n."""
+    """One group of the profile's size and `jobs` jobs of it, arriving a step apart / n
+    (their forward_backward calls in `fb_slices` slices each)."""
     profiles = yaml.safe_load(PROFILES.read_text())["profiles"]
     p = profiles[profile]
     devices = int(p["devices"])
@@ -83,7 +85,9 @@ def forced_group(
         "policy": {"slowdown_budget": 100.0, "pack": False},
     }
     if staleness:
-        doc["profiles"][profile] = {**p, "staleness": staleness}
+        doc["profiles"][profile] = {**doc["profiles"][profile], "staleness": staleness}
+    if fb_slices > 1:
+        doc["profiles"][profile] = {**doc["profiles"][profile], "fb_slices": fb_slices}
     return doc
 
 
@@ -101,8 +105,9 @@ def measure(
     seed: int,
     staleness: int,
     colocation: dict[str, Any] | None = None,
+    fb_slices: int = 1,
 ) -> dict[str, float]:
-    doc = forced_group(profile, jobs, steps, stall_scale, staleness, colocation)
+    doc = forced_group(profile, jobs, steps, stall_scale, staleness, colocation, fb_slices)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "w.yaml"
         path.write_text(yaml.safe_dump(doc))
@@ -142,6 +147,12 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--staleness", type=int, default=0, help="the jobs' declared staleness")
     ap.add_argument(
+        "--fb-slices",
+        type=int,
+        default=1,
+        help="slices of each forward_backward call (an asynchronous job's yield to samples)",
+    )
+    ap.add_argument(
         "--colocation",
         default="",
         help="costs of sharing instead of the defaults, e.g. switch_s=0,tail_contention=1",
@@ -159,7 +170,16 @@ def main() -> None:
         for n in (int(x) for x in args.jobs.split(",")):
             for scale in (float(x) for x in args.stall_scales.split(",")):
                 runs = [
-                    measure(profile, n, args.steps, scale, seed, args.staleness, colocation)
+                    measure(
+                        profile,
+                        n,
+                        args.steps,
+                        scale,
+                        seed,
+                        args.staleness,
+                        colocation,
+                        args.fb_slices,
+                    )
                     for seed in range(args.seeds)
                 ]
                 cell = {
@@ -182,6 +202,7 @@ def main() -> None:
                 "steps": args.steps,
                 "seeds": args.seeds,
                 "staleness": args.staleness,
+                "fb_slices": args.fb_slices,
                 "colocation": colocation,
                 "cells": cells,
                 "mean_error": sum(errors) / len(errors) if errors else math.nan,

@@ -95,6 +95,24 @@ def test_predicted_slowdown_matches_the_formula():
     assert predicted_slowdown(a, [job("c", duty=1.0)]) == float("inf")
 
 
+def test_a_neighbours_sliced_training_delays_samples_by_the_rest_of_one_slice():
+    a = job("a", duty=0.2)
+    whole = job("b", duty=0.3, staleness=1)
+    sliced = replace(whole, train_slices=8)  # 30 s forward_backward calls: 3.75 s slices
+    assert figures_of(sliced).slice_s == pytest.approx(3.75)
+    assert figures_of(replace(whole, staleness=0, train_slices=8)).slice_s == 0.0
+    # a's 60 s sample meets b's sample (60^2 / 2) and, instead of b's 40 s of training
+    # (40^2 / 2 + 20 x 40 cutting in), the rest of the slice in progress when found in it
+    # (40 x 3.75 / 2); a's 40 s training meets all of b's as before (1320 + 800).
+    whole_s = 1800 + 1600 + 1320 + 800
+    sliced_s = 1800 + 75 + 1320 + 800
+    assert predicted_slowdown(a, [sliced]) == pytest.approx(
+        predicted_slowdown(a, [whole]) * sliced_s / whole_s
+    )
+    # Its own samples and its neighbour's waits behind it are as before.
+    assert predicted_slowdown(sliced, [a]) == pytest.approx(predicted_slowdown(whole, [a]))
+
+
 def test_the_costs_of_sharing_add_to_the_waits():
     costs = SharingCosts(switch_s=1.0, tail_min_share=0.25, tail_contention=1.25)
     a, b = job("a", duty=0.2, tail_s=30.0), job("b", duty=0.3, tail_s=20.0)

@@ -503,6 +503,18 @@ def test_a_preempted_training_call_holds_back_its_jobs_later_calls() -> None:
     assert [c.request_id for c in state.snapshot().pending] == ["a2", "a3", "b1"]
 
 
+def test_the_slices_a_jobs_training_ran_in_reach_the_policys_view() -> None:
+    state = ClusterState(clock=Clock())
+    _training(state)
+    assert state.snapshot().jobs["a"].train_slices == 1  # none seen yet
+    sliced = done("a1", "a", fn=Function.FORWARD_BACKWARD)
+    sliced = msgspec.structs.replace(
+        sliced, timings=msgspec.structs.replace(sliced.timings, slices=6)
+    )
+    state.on_completion(sliced)
+    assert state.snapshot().jobs["a"].train_slices == 6
+
+
 def test_a_restarted_worker_gives_back_the_calls_of_its_released_batches() -> None:
     # The tail's dispatch was acknowledged at its release: Kafka will not bring it
     # back to the restarted worker, so the scheduler must.

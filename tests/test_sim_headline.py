@@ -43,10 +43,15 @@ def small_h200_trace() -> dict:
     }
 
 
-@pytest.fixture(scope="module", params=[0, 1], ids=["synchronous", "staleness-1"])
+@pytest.fixture(
+    scope="module",
+    params=[(0, 1), (1, 1), (1, 8)],
+    ids=["synchronous", "staleness-1", "staleness-1-sliced"],
+)
 def headline(request, tmp_path_factory):
+    staleness, slices = request.param
     path = write_workload(tmp_path_factory.mktemp("w"), small_h200_trace())
-    setup = prepare(path, seed=0, staleness=request.param)
+    setup = prepare(path, seed=0, staleness=staleness, fb_slices=slices)
     names = ("isolated", "colocated", "split-async", "plexrl+tail")
     results = {name: run_deployment(setup, name) for name in names}
     return request.param, figures(setup, results)["deployments"]
@@ -77,7 +82,7 @@ def test_own_policy_headline(headline):
 
 
 PINNED: dict = {
-    0: {
+    (0, 1): {
         "split_vs_isolated": {"7B": -0.1099, "30B": -0.1774, "235B": -0.1},
         "own": {
             "occupied_vs_split_async": {"7B": -0.0487, "30B": -0.0438, "235B": -0.2135},
@@ -87,7 +92,7 @@ PINNED: dict = {
             "makespan_vs_isolated": 1.0,
         },
     },
-    1: {
+    (1, 1): {
         "split_vs_isolated": {"7B": 0.0257, "30B": 0.0411, "235B": 0.0311},
         "own": {
             "occupied_vs_split_async": {"7B": -0.1511, "30B": -0.2979, "235B": -0.3051},
@@ -97,8 +102,20 @@ PINNED: dict = {
             "makespan_vs_isolated": 1.0002,
         },
     },
+    (1, 8): {
+        "split_vs_isolated": {"7B": 0.0257, "30B": 0.0411, "235B": 0.0311},
+        "own": {
+            "occupied_vs_split_async": {"7B": -0.1509, "30B": -0.3335, "235B": -0.4202},
+            "alone_billed_vs_split_async": {"7B": -0.7815, "30B": -0.6967, "235B": -0.8114},
+            "mean_slowdown": 0.0342,
+            "mean_slowdown_vs_split_async": -0.0002,
+            "makespan_vs_isolated": 1.0002,
+        },
+    },
 }
 """Seed 0 of the slice, synchronous and at staleness 1 (the jobs and Split-Async alike),
+each forward_backward whole or, at staleness 1, in 8 slices an asynchronous job's
+training yields to samples at (`--fb-slices 8`),
 with the live scheduler's rules in the simulator, the costs of sharing in the
 prediction and the longest declared work admitted first (every job declares its
 steps; a small, short-job slice: its figures are not the trace's;

@@ -191,6 +191,7 @@ class SimJob:
                 sampler_bytes=self.sampler_bytes,
                 staleness=self.steps.staleness,
                 declared_steps=self.spec.declared_steps,
+                train_slices=self.steps.fb_slices,
             )
         return self.view
 

@@ -138,6 +138,9 @@ class Timings(msgspec.Struct, frozen=True):
     """Moving this job's state (and evicting others) before compute."""
     compute_s: float = 0.0
     """Running the function itself."""
+    slices: int = 0
+    """Micro-batches a `forward_backward` ran in, where the worker could pause it between
+    two (it slices training); 0: run whole, or not training."""
 
 
 class ErrorInfo(msgspec.Struct, frozen=True):

@@ -57,6 +57,12 @@ did not. Its slack is k cycles less its busy seconds and the part of its own str
 its training waits out (`plexrl.policy.defer`); its training's waits behind its
 neighbours and their stragglers, met with the chance that one of them holds the group
 and taken as exponential, add `E[(W - slack)+]` to its step (`beyond_slack_s`).
+
+Where an asynchronous job's training runs in slices (`JobView.train_slices`), it yields
+to a neighbour's sample at the end of the slice in progress (`plexrl.policy.preempt`):
+a neighbour's sample meets that training only for the rest of one slice (`slice / 2`
+when found in it, `training / p_k` of the time) and is never cut in ahead of by it; a
+synchronous neighbour's training still meets all of it (`_meeting_sliced_s`).
 """
 
 from __future__ import annotations
@@ -143,6 +149,31 @@ def _meeting_s(mine: tuple[float, ...], theirs: tuple[float, ...], residual: flo
     return total
 
 
+def _meeting_sliced_s(mine: Figures, theirs: Figures) -> float:
+    """`_meeting_s` of my critical phases behind a neighbour whose training is sliced
+    (`Figures.slice_s`, an asynchronous job's): my samples meet its samples as any
+    phases, and its training only for the rest of the slice in progress (`slice_s / 2`
+    on average, found `training / p_k` of the time; it never cuts in ahead of a sample,
+    which it yields to). My other critical phases (a synchronous job's training) meet
+    all of it whole: it yields to samples only."""
+    # An asynchronous job's critical phases are its samples; a synchronous one's, all.
+    samples: tuple[float, ...] = mine.critical if mine.training else mine.samples
+    rest = () if mine.training else _without(mine.critical, mine.samples)
+    total = _meeting_s(rest, theirs.phases, theirs.residual)
+    total += _meeting_s(samples, theirs.samples, theirs.residual)
+    rest_of_slice = sum(x * min(theirs.slice_s, x) / 2 for x in theirs.training)
+    return total + len(samples) * rest_of_slice
+
+
+def _without(phases: tuple[float, ...], taken: tuple[float, ...]) -> tuple[float, ...]:
+    """`phases` less one occurrence of each of `taken`."""
+    left = list(phases)
+    for x in taken:
+        if x in left:
+            left.remove(x)
+    return tuple(left)
+
+
 @quick_init
 @dataclass(frozen=True)
 class Figures:
@@ -175,6 +206,11 @@ class Figures:
     hold: float = 0.0
     """The fraction of its step it holds the group or its stragglers decode there:
     the chance a neighbour's call finds it in the way."""
+    samples: tuple[float, ...] = ()
+    """Its sample phases (on its critical path, whatever its loop)."""
+    slice_s: float = 0.0
+    """An asynchronous job's training, sliced (`JobView.train_slices`): the seconds of
+    one slice, at whose end it yields to a neighbour's sample; 0: whole."""
 
     @property
     def busy(self) -> float:
@@ -182,20 +218,25 @@ class Figures:
 
 
 def figures_of(job: JobView) -> Figures:
-    phases = step_phases(job)
+    runs = _runs(job)
+    phases = tuple(s for _, s in runs if s > 0)
+    samples = tuple(s for sample, s in runs if sample and s > 0)
     busy = sum(phases)
     period = busy / job.duty_cycle if job.duty_cycle > 0 and busy > 0 else 0.0
     sampled = job.estimates.expected_s(Function.SAMPLE)
     sample = sampled if job.tail_s > 0 else 0.0
     training: tuple[float, ...] = ()
     slack = 0.0
+    slice_s = 0.0
     duty = job.duty_cycle
     if job.staleness <= 0:
         critical = phases
     else:
         critical = tuple(s for s in (sampled,) if s > 0)
-        training = training_phases(job)
+        training = tuple(s for sample, s in runs if not sample and s > 0)
         slack = slack_s(job)
+        if job.train_slices > 1:
+            slice_s = job.estimates.expected_s(Function.FORWARD_BACKWARD) / job.train_slices
         if job.stall_s > 0 and busy > 0:
             # Its rollout cycle alone (sample, stragglers, scores), at least its busy
             # seconds: its learned duty cycle counts its training's queueing, off its
@@ -219,6 +260,8 @@ def figures_of(job: JobView) -> Figures:
         training=training,
         slack=slack,
         hold=hold,
+        samples=samples,
+        slice_s=slice_s,
     )
 
 
@@ -426,7 +469,7 @@ class InterferenceFit:
         self.max_load = max_load
         self._figures: dict[str, Figures] = {}
         self._busiest: dict[str, Figures] = {}
-        self._shapes: dict[tuple[tuple[int, ...], int, int, int, int], int] = {}
+        self._shapes: dict[tuple[tuple[int, ...], int, int, int, int, int], int] = {}
         self._representatives: list[Figures] = []
         self._meetings: dict[tuple[int, int], float] = {}
         self._groups: dict[str, _Group] = {}
@@ -465,6 +508,7 @@ class InterferenceFit:
             _to_1pct(fig.tail),
             _to_1pct(fig.sample),
             len(fig.critical),
+            _to_1pct(fig.slice_s),
         )
         shape = self._shapes.setdefault(key, len(self._shapes))
         if shape == len(self._representatives):
@@ -480,9 +524,11 @@ class InterferenceFit:
         meeting = self._meetings.get(key)
         if meeting is None:
             mine, theirs = self._representatives[me.shape], self._representatives[neighbour.shape]
-            meeting = self._meetings[key] = _meeting_s(
-                mine.critical, theirs.phases, theirs.residual
-            )
+            if theirs.slice_s > 0 and theirs.training:
+                meeting = _meeting_sliced_s(mine, theirs)
+            else:
+                meeting = _meeting_s(mine.critical, theirs.phases, theirs.residual)
+            self._meetings[key] = meeting
         return meeting / neighbour.period
 
     def meet(self, me: Figures, neighbour: Figures) -> _Meets:

@@ -172,6 +172,11 @@ class JobView:
     """The steps its rollouts may lag its training (declared, `/plexrl/v1`): 0, a
     synchronous loop; k >= 1, it samples its next rollout while it trains on the last,
     so waits of its training calls up to about k steps are off its critical path."""
+    train_slices: int = 1
+    """Slices each of its `forward_backward` calls runs in on its group, at whose ends
+    an asynchronous job's training yields to a neighbour's sample (the simulator's
+    `Profile.fb_slices`); 1: whole, or not known (the live worker's slices are its
+    micro-batches, which the scheduler does not count)."""
     tail_s: float = 0.0
     """Seconds its rollouts' stragglers go on decoding after the group is released to
     others (`TailReleased` to the last answer), as observed; 0: none seen. The plexrl

@@ -70,6 +70,7 @@ class ResultRecorder:
                 queue_s=max(0.0, ran.started_at - request.arrival_time),
                 swap_s=ran.swap_s,
                 compute_s=ran.compute_s,
+                slices=ran.slices,
             ),
             result=result,
             error=ran.error,

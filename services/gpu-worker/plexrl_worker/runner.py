@@ -94,6 +94,8 @@ class Ran:
     fenced: bool = False
     """The state-store refused a write of the call: by its reading of the ledger, the
     call's lease no longer stands."""
+    slices: int = 0
+    """Micro-batches a sliced `forward_backward` ran in (0: whole, or not training)."""
 
 
 class Slicing(Protocol):
@@ -184,11 +186,18 @@ class CallRunner:
                     within_s=wait.left(),
                 )
             t0 = time.perf_counter()
-            output = await self._dispatch(
-                request, payload, fence, slicing.between if slicing is not None else None
-            )
             if slicing is None:
+                output = await self._dispatch(request, payload, fence)
                 return Ran(output, None, swap_s, time.perf_counter() - t0, started_at)
+            boundaries = 0
+
+            async def between() -> None:
+                nonlocal boundaries
+                boundaries += 1
+                await slicing.between()
+
+            output = await self._dispatch(request, payload, fence, between)
+            sliced = request.function == Function.FORWARD_BACKWARD
             return Ran(
                 output,
                 None,
@@ -197,6 +206,7 @@ class CallRunner:
                 started_at,
                 tail_released_at=slicing.released_at,
                 preempted=slicing.released_at is not None,
+                slices=boundaries + 1 if sliced and self._executor.slices_training else 0,
             )
         except Exception as exc:
             error, transient = _error(request, exc), is_transient(exc)

@@ -79,6 +79,9 @@ class JobState:
     """Its declared loop (`JobOptions`, `JobView.staleness`): 0 synchronous."""
     declared_steps: int = 0
     """Its declared training steps in all (`JobOptions`, `JobView.declared_steps`)."""
+    train_slices: int = 1
+    """The micro-batches its last sliced `forward_backward` ran in (`Timings.slices`,
+    `JobView.train_slices`); 1 until one was."""
     hints: int = 0
     """Idle hints it sent."""
     hinted_s: float = 0.0
@@ -331,6 +334,8 @@ class ClusterState:
         if job is None:
             return
         now, t = self._clock(), completion.timings
+        if t.slices > 0:
+            job.train_slices = t.slices
         queued = _queued(job, t.queue_s, started=now - t.compute_s - t.swap_s)
         job.history.observe(completion.function, t.compute_s, t.swap_s, queued)
         job.used.add(t.compute_s + t.swap_s, now)
@@ -688,6 +693,7 @@ class ClusterState:
             stall_s=job.hinted_s / job.hints if job.hints else 0.0,
             staleness=job.staleness,
             declared_steps=job.declared_steps,
+            train_slices=job.train_slices,
             # A LoRA job's sampler weights are its adapter: a few MB, nothing to plan.
             sampler_bytes=job.state_bytes // 8 if job.spec.lora is None else 0,
         )
