@@ -293,12 +293,30 @@ class DispatchPipeline:
                 await self._numbered.run(
                     turn, request, seq, dispatch.dispatch_id, True, slicing=slices
                 )
+            except Exception:
+                if not slices.released.is_set():
+                    raise  # the dispatch is taken again: its offset is not committed
+                # Released, its dispatch acknowledged: nothing brings the call back but
+                # this. Taken again as a redelivered dispatch would be, from a fresh
+                # turn (answered from the ledger if it committed), while Redis or
+                # Kafka is away.
+                log.warning("recording %s failed; taking it again", request.request_id)
+                await retrying(
+                    lambda: self._again(dispatch, request, seq, turn.epoch),
+                    what=f"taking {request.request_id} again",
+                )
             finally:
                 self._preemption.finished(dispatch.dispatch_id)
             if slices.released.is_set():
                 await self._recorder.settle()  # released: it settles its own
 
         await self._until_released(run(), slices.released)
+
+    async def _again(self, dispatch: Dispatch, request: PhaseRequest, seq: int, epoch: int) -> None:
+        """A released numbered call whose record failed, run as a redelivery runs it."""
+        turn = await self._numbered.open(request.job_id, epoch)
+        if turn is not None:  # None: re-homed since, the new home answers it
+            await self._numbered.run(turn, request, seq, dispatch.dispatch_id, True)
 
     async def _until_released(
         self, work: Coroutine[Any, Any, None], released: asyncio.Event
@@ -357,20 +375,27 @@ class _TrainingSlices:
             dispatch, request = self._dispatch, self._request
             self._preemption.finished(dispatch.dispatch_id)
             await self._pause.hold()
-            metrics.PREEMPTED_TRAINING.inc()
-            self.released_at = time.time()
-            await self._tail.announce(
-                TailReleased(
-                    worker_id=dispatch.worker_id,
-                    dispatch_id=dispatch.dispatch_id,
-                    request_ids=[request.request_id],
-                    job_ids=[request.job_id],
-                    remaining=1,
-                    total=1,
-                    at=self.released_at,
-                    reason=ReleaseReason.PREEMPT,
+            at = time.time()
+            try:
+                await self._tail.announce(
+                    TailReleased(
+                        worker_id=dispatch.worker_id,
+                        dispatch_id=dispatch.dispatch_id,
+                        request_ids=[request.request_id],
+                        job_ids=[request.job_id],
+                        remaining=1,
+                        total=1,
+                        at=at,
+                        reason=ReleaseReason.PREEMPT,
+                    )
                 )
-            )
+            except Exception:
+                # Unannounced, the scheduler would not send the next dispatch: the call
+                # goes on instead (its pause lifts after its grace).
+                log.warning("announcing the release of %s failed", request.request_id)
+                return
+            metrics.PREEMPTED_TRAINING.inc()
+            self.released_at = at
             self.released.set()
         if self.released.is_set():  # only a released call waits for the pause
             await self._pause.wait_open()
