@@ -15,6 +15,7 @@ import tinker
 from preempt_support import BASE, Scene, check_a_rollout_yields, finish_times, tokens
 from tinker import types
 
+from plexrl.failpoints import arm, armed
 from plexrl_tools.cluster import ClusterConfig, LocalCluster
 from plexrl_worker.preemption import Preemption
 
@@ -141,7 +142,7 @@ class Training:
     each takes alone measured first."""
 
     def __init__(self, gateway_url: str) -> None:
-        service = tinker.ServiceClient(base_url=gateway_url, api_key=SLICE_KEY)
+        service = self.service = tinker.ServiceClient(base_url=gateway_url, api_key=SLICE_KEY)
         self.trainer = service.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
         declared = httpx.post(
             f"{gateway_url}/plexrl/v1/jobs/{self.trainer.model_id}/options",
@@ -190,7 +191,9 @@ def _same_training(a: Any, b: Any) -> bool:
     ]
 
 
-def _slicing_cluster(tiny_registry: Path, tmp_path: Path, prefix: str) -> ClusterConfig:
+def _slicing_cluster(
+    tiny_registry: Path, tmp_path: Path, prefix: str, env: dict[str, str] | None = None
+) -> ClusterConfig:
     os.environ["HF_HUB_OFFLINE"] = "1"
     return ClusterConfig.on_free_ports(
         tiny_registry,
@@ -198,7 +201,11 @@ def _slicing_cluster(tiny_registry: Path, tmp_path: Path, prefix: str) -> Cluste
         prefix,
         api_keys=f"{SLICE_KEY}={prefix}",
         worker_threads=1,
-        env={"PLEXRL_WORKER_MAX_BATCH_TOKENS": "1024", "PLEXRL_WORKER_TIMEOUT_S": "300"},
+        env={
+            "PLEXRL_WORKER_MAX_BATCH_TOKENS": "1024",
+            "PLEXRL_WORKER_TIMEOUT_S": "300",
+            **(env or {}),
+        },
     )
 
 
@@ -248,3 +255,37 @@ def test_a_worker_killed_while_training_is_preempted_answers_it_once_after_a_res
         assert tokens(short.result(timeout=180)) == tokens(scene.sampled)
         log = cluster.logs()["scheduler"].read_text()
     assert "worker-0 restarted: requeued" in log
+
+
+@pytest.mark.integration
+def test_a_released_training_call_committed_before_a_crash_is_answered_not_applied_again(
+    infra: dict[str, str], tiny_registry: Path, tmp_path: Path
+) -> None:
+    # Killed after the released call's ledger commit and before its answer: the
+    # scheduler sends it again after the restart, and the ledger answers it. Applied
+    # once: an optimizer step on top gives what a twin job gets from the same calls.
+    failpoints = tmp_path / "failpoints"
+    failpoints.mkdir()
+    env = {"PLEXRL_FAILPOINTS_DIR": str(failpoints)}
+    config = _slicing_cluster(tiny_registry, tmp_path, "pslc", env)
+    with LocalCluster(config) as cluster:
+        scene = Training(config.gateway_url)
+        arm(failpoints, "worker.released_committed")
+        long, short = scene.preempting()
+        deadline = time.monotonic() + 60
+        while armed(failpoints, "worker.released_committed"):
+            assert time.monotonic() < deadline, "the released call never committed"
+            time.sleep(0.05)
+        cluster.wait_exit("worker-0", 30)
+        cluster.restart("worker-0")
+        assert _same_training(long.result(timeout=180), scene.alone)
+        assert tokens(short.result(timeout=180)) == tokens(scene.sampled)
+        twin = scene.service.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+        for _ in range(3):  # what the scene's trainer ran: two calls, then the preempted one
+            twin.forward_backward(scene.data, "cross_entropy").result()
+        adam = types.AdamParams(learning_rate=1e-2)
+        after = []
+        for client in (scene.trainer, twin):
+            client.optim_step(adam).result()
+            after.append(client.forward_backward(scene.data, "cross_entropy").result())
+    assert _same_training(after[0], after[1])

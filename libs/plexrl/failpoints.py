@@ -26,6 +26,9 @@ POINTS = {
     "worker.direct_received": "a direct dispatch taken from Kafka, before anything of it runs",
     "worker.direct_committed": "a direct call committed to its job's ledger, before its "
     "completion is recorded or published",
+    "worker.released_committed": "a preempted training call, released to the background, "
+    "committed to its job's ledger before its completion is recorded or published (its "
+    "dispatch acknowledged at the release)",
 }
 
 

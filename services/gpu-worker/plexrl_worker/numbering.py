@@ -130,6 +130,8 @@ class NumberedCalls:
             if outcome == Committed.OK:
                 if lease_of(dispatch_id) is not None:
                     failpoint("worker.direct_committed")
+                if slicing is not None and slicing.released_at is not None:
+                    failpoint("worker.released_committed")
                 return True
             log.warning("call %d of %s not committed: %s", seq, job_id, outcome)
             self.fenced += 1
