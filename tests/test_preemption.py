@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -191,42 +193,56 @@ def _same_training(a: Any, b: Any) -> bool:
     ]
 
 
-def _slicing_cluster(
-    tiny_registry: Path, tmp_path: Path, prefix: str, env: dict[str, str] | None = None
-) -> ClusterConfig:
+@dataclass
+class Slicing:
+    """One cluster whose worker cuts a forward_backward into micro-batches of 1,024
+    tokens, shared by the tests below (each makes jobs of its own; a test that kills
+    the worker restarts it)."""
+
+    config: ClusterConfig
+    cluster: LocalCluster
+    failpoints: Path
+
+
+@pytest.fixture(scope="module")
+def slicing(
+    infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Slicing]:
     os.environ["HF_HUB_OFFLINE"] = "1"
-    return ClusterConfig.on_free_ports(
+    failpoints = tmp_path_factory.mktemp("failpoints")
+    config = ClusterConfig.on_free_ports(
         tiny_registry,
-        tmp_path,
-        prefix,
-        api_keys=f"{SLICE_KEY}={prefix}",
+        tmp_path_factory.mktemp("slicing"),
+        "psl",
+        api_keys=f"{SLICE_KEY}=psl",
         worker_threads=1,
         env={
             "PLEXRL_WORKER_MAX_BATCH_TOKENS": "1024",
             "PLEXRL_WORKER_TIMEOUT_S": "300",
-            **(env or {}),
+            "PLEXRL_FAILPOINTS_DIR": str(failpoints),
         },
     )
+    with LocalCluster(config) as cluster:
+        yield Slicing(config, cluster, failpoints)
 
 
 @pytest.mark.integration
 def test_an_asynchronous_jobs_training_yields_to_a_neighbours_rollout_and_trains_the_same(
-    infra: dict[str, str], tiny_registry: Path, tmp_path: Path
+    slicing: Slicing,
 ) -> None:
-    config = _slicing_cluster(tiny_registry, tmp_path, "psl")
-    with LocalCluster(config):
-        scene = Training(config.gateway_url)
-        since = time.time()
-        long, short = scene.preempting()
-        done = finish_times({"long": long, "short": short})
-        assert done["short"][0] < done["long"][0], scene.train_s  # it did not wait for it all
-        # Paused and resumed between micro-batches, the call computes what it did alone.
-        assert _same_training(done["long"][1], scene.alone)
-        assert tokens(done["short"][1]) == tokens(scene.sampled)
-        with httpx.Client(
-            base_url=config.gateway_url, headers={"X-API-Key": SLICE_KEY}, timeout=30
-        ) as http:
-            timeline = http.get("/plexrl/v1/timeline", params={"since": since}).json()
+    config = slicing.config
+    scene = Training(config.gateway_url)
+    since = time.time()
+    long, short = scene.preempting()
+    done = finish_times({"long": long, "short": short})
+    assert done["short"][0] < done["long"][0], scene.train_s  # it did not wait for it all
+    # Paused and resumed between micro-batches, the call computes what it did alone.
+    assert _same_training(done["long"][1], scene.alone)
+    assert tokens(done["short"][1]) == tokens(scene.sampled)
+    with httpx.Client(
+        base_url=config.gateway_url, headers={"X-API-Key": SLICE_KEY}, timeout=30
+    ) as http:
+        timeline = http.get("/plexrl/v1/timeline", params={"since": since}).json()
     trained = [e for e in timeline if e["function"] == "forward_backward" and e.get("preempted")]
     assert trained, timeline
     sampled = [e for e in timeline if e["function"] == "sample"]
@@ -235,57 +251,53 @@ def test_an_asynchronous_jobs_training_yields_to_a_neighbours_rollout_and_trains
 
 @pytest.mark.integration
 def test_a_worker_killed_while_training_is_preempted_answers_it_once_after_a_restart(
-    infra: dict[str, str], tiny_registry: Path, tmp_path: Path
+    slicing: Slicing,
 ) -> None:
     # The preempted call's dispatch was acknowledged at its release and its result not
     # committed: after the crash the scheduler sends it again (the restart shows in the
     # next heartbeat) and the job's ledger runs it once, from the restored state.
-    config = _slicing_cluster(tiny_registry, tmp_path, "pslk")
-    with LocalCluster(config) as cluster:
-        scene = Training(config.gateway_url)
-        metrics = f"http://127.0.0.1:{config.worker_port(0)}/metrics"
-        long, short = scene.preempting()
-        deadline = time.monotonic() + 30
-        while _counter(metrics, "plexrl_worker_preempted_training_total") < 1:
-            assert time.monotonic() < deadline, "no preemption"
-            time.sleep(0.02)
-        cluster.kill("worker-0")  # kill -9, the call paused or running on after its pause
-        cluster.restart("worker-0")
-        assert _same_training(long.result(timeout=180), scene.alone)
-        assert tokens(short.result(timeout=180)) == tokens(scene.sampled)
-        log = cluster.logs()["scheduler"].read_text()
+    config, cluster = slicing.config, slicing.cluster
+    scene = Training(config.gateway_url)
+    metrics = f"http://127.0.0.1:{config.worker_port(0)}/metrics"
+    before = _counter(metrics, "plexrl_worker_preempted_training_total")
+    long, short = scene.preempting()
+    deadline = time.monotonic() + 30
+    while _counter(metrics, "plexrl_worker_preempted_training_total") <= before:
+        assert time.monotonic() < deadline, "no preemption"
+        time.sleep(0.02)
+    cluster.kill("worker-0")  # kill -9, the call paused or running on after its pause
+    cluster.restart("worker-0")
+    assert _same_training(long.result(timeout=180), scene.alone)
+    assert tokens(short.result(timeout=180)) == tokens(scene.sampled)
+    log = cluster.logs()["scheduler"].read_text()
     assert "worker-0 restarted: requeued" in log
 
 
 @pytest.mark.integration
 def test_a_released_training_call_committed_before_a_crash_is_answered_not_applied_again(
-    infra: dict[str, str], tiny_registry: Path, tmp_path: Path
+    slicing: Slicing,
 ) -> None:
     # Killed after the released call's ledger commit and before its answer: the
     # scheduler sends it again after the restart, and the ledger answers it. Applied
     # once: an optimizer step on top gives what a twin job gets from the same calls.
-    failpoints = tmp_path / "failpoints"
-    failpoints.mkdir()
-    env = {"PLEXRL_FAILPOINTS_DIR": str(failpoints)}
-    config = _slicing_cluster(tiny_registry, tmp_path, "pslc", env)
-    with LocalCluster(config) as cluster:
-        scene = Training(config.gateway_url)
-        arm(failpoints, "worker.released_committed")
-        long, short = scene.preempting()
-        deadline = time.monotonic() + 60
-        while armed(failpoints, "worker.released_committed"):
-            assert time.monotonic() < deadline, "the released call never committed"
-            time.sleep(0.05)
-        cluster.wait_exit("worker-0", 30)
-        cluster.restart("worker-0")
-        assert _same_training(long.result(timeout=180), scene.alone)
-        assert tokens(short.result(timeout=180)) == tokens(scene.sampled)
-        twin = scene.service.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
-        for _ in range(3):  # what the scene's trainer ran: two calls, then the preempted one
-            twin.forward_backward(scene.data, "cross_entropy").result()
-        adam = types.AdamParams(learning_rate=1e-2)
-        after = []
-        for client in (scene.trainer, twin):
-            client.optim_step(adam).result()
-            after.append(client.forward_backward(scene.data, "cross_entropy").result())
+    config, cluster, failpoints = slicing.config, slicing.cluster, slicing.failpoints
+    scene = Training(config.gateway_url)
+    arm(failpoints, "worker.released_committed")
+    long, short = scene.preempting()
+    deadline = time.monotonic() + 60
+    while armed(failpoints, "worker.released_committed"):
+        assert time.monotonic() < deadline, "the released call never committed"
+        time.sleep(0.05)
+    cluster.wait_exit("worker-0", 30)
+    cluster.restart("worker-0")
+    assert _same_training(long.result(timeout=180), scene.alone)
+    assert tokens(short.result(timeout=180)) == tokens(scene.sampled)
+    twin = scene.service.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
+    for _ in range(3):  # what the scene's trainer ran: two calls, then the preempted one
+        twin.forward_backward(scene.data, "cross_entropy").result()
+    adam = types.AdamParams(learning_rate=1e-2)
+    after = []
+    for client in (scene.trainer, twin):
+        client.optim_step(adam).result()
+        after.append(client.forward_backward(scene.data, "cross_entropy").result())
     assert _same_training(after[0], after[1])
