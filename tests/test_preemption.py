@@ -126,6 +126,10 @@ def test_a_worker_killed_while_a_rollout_is_preempted_answers_it_after_a_restart
     assert "worker-0 restarted: requeued" in log  # the rollout was lost with it
 
 
+def _metrics(config: ClusterConfig) -> str:
+    return f"http://127.0.0.1:{config.worker_port(0)}/metrics"
+
+
 def _counter(url: str, name: str) -> float:
     for line in httpx.get(url, timeout=30).text.splitlines():
         if line.startswith(name + " "):
@@ -143,7 +147,10 @@ class Training:
     16 micro-batches, and a base-model sampling session beside it on one worker; what
     each takes alone measured first."""
 
-    def __init__(self, gateway_url: str) -> None:
+    def __init__(self, gateway_url: str, worker_metrics: str) -> None:
+        self.metrics = worker_metrics
+        self.trained = 0
+        """forward_backward calls sent so far (each adds to the job's gradients)."""
         service = self.service = tinker.ServiceClient(base_url=gateway_url, api_key=SLICE_KEY)
         self.trainer = service.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
         declared = httpx.post(
@@ -173,6 +180,7 @@ class Training:
 
     def train(self) -> Any:
         """A forward_backward (no optimizer step ever: its outputs never change)."""
+        self.trained += 1
         return self.trainer.forward_backward(self.data, "cross_entropy")
 
     def rollout(self) -> Any:
@@ -185,6 +193,22 @@ class Training:
         long = self.train()
         time.sleep(self.train_s / 4)
         return long, self.rollout()
+
+    def preempted(self, attempts: int = 4) -> tuple[Any, Any]:
+        """`preempting` until the worker preempts the training call (on a loaded machine
+        the call may end before the rollout's preemption reaches it: the scheduler
+        leaves a call past its expected end alone); those two calls, still running."""
+        for _ in range(attempts):
+            before = _counter(self.metrics, "plexrl_worker_preempted_training_total")
+            long, short = self.preempting()
+            deadline = time.monotonic() + 4 * self.train_s + 10
+            while time.monotonic() < deadline:
+                if _counter(self.metrics, "plexrl_worker_preempted_training_total") > before:
+                    return long, short
+                time.sleep(0.02)
+            assert _same_training(long.result(timeout=180), self.alone)
+            short.result(timeout=180)
+        raise AssertionError(f"no preemption in {attempts} tries")
 
 
 def _same_training(a: Any, b: Any) -> bool:
@@ -231,9 +255,9 @@ def test_an_asynchronous_jobs_training_yields_to_a_neighbours_rollout_and_trains
     slicing: Slicing,
 ) -> None:
     config = slicing.config
-    scene = Training(config.gateway_url)
+    scene = Training(config.gateway_url, _metrics(config))
     since = time.time()
-    long, short = scene.preempting()
+    long, short = scene.preempted()
     done = finish_times({"long": long, "short": short})
     assert done["short"][0] < done["long"][0], scene.train_s  # it did not wait for it all
     # Paused and resumed between micro-batches, the call computes what it did alone.
@@ -257,14 +281,8 @@ def test_a_worker_killed_while_training_is_preempted_answers_it_once_after_a_res
     # committed: after the crash the scheduler sends it again (the restart shows in the
     # next heartbeat) and the job's ledger runs it once, from the restored state.
     config, cluster = slicing.config, slicing.cluster
-    scene = Training(config.gateway_url)
-    metrics = f"http://127.0.0.1:{config.worker_port(0)}/metrics"
-    before = _counter(metrics, "plexrl_worker_preempted_training_total")
-    long, short = scene.preempting()
-    deadline = time.monotonic() + 30
-    while _counter(metrics, "plexrl_worker_preempted_training_total") <= before:
-        assert time.monotonic() < deadline, "no preemption"
-        time.sleep(0.02)
+    scene = Training(config.gateway_url, _metrics(config))
+    long, short = scene.preempted()
     cluster.kill("worker-0")  # kill -9, the call paused or running on after its pause
     cluster.restart("worker-0")
     assert _same_training(long.result(timeout=180), scene.alone)
@@ -281,9 +299,9 @@ def test_a_released_training_call_committed_before_a_crash_is_answered_not_appli
     # scheduler sends it again after the restart, and the ledger answers it. Applied
     # once: an optimizer step on top gives what a twin job gets from the same calls.
     config, cluster, failpoints = slicing.config, slicing.cluster, slicing.failpoints
-    scene = Training(config.gateway_url)
-    arm(failpoints, "worker.released_committed")
-    long, short = scene.preempting()
+    scene = Training(config.gateway_url, _metrics(config))
+    arm(failpoints, "worker.released_committed")  # only a released call's commit reaches it
+    long, short = scene.preempted()
     deadline = time.monotonic() + 60
     while armed(failpoints, "worker.released_committed"):
         assert time.monotonic() < deadline, "the released call never committed"
@@ -293,7 +311,7 @@ def test_a_released_training_call_committed_before_a_crash_is_answered_not_appli
     assert _same_training(long.result(timeout=180), scene.alone)
     assert tokens(short.result(timeout=180)) == tokens(scene.sampled)
     twin = scene.service.create_lora_training_client(base_model=BASE, rank=4, seed=3).result()
-    for _ in range(3):  # what the scene's trainer ran: two calls, then the preempted one
+    for _ in range(scene.trained):  # the same calls as the scene's trainer
         twin.forward_backward(scene.data, "cross_entropy").result()
     adam = types.AdamParams(learning_rate=1e-2)
     after = []
