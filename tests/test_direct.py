@@ -316,6 +316,18 @@ async def test_a_job_whose_dispatch_ends_with_nothing_queued_gets_a_lease(
     ]
 
 
+async def test_no_lease_for_an_asynchronous_job_on_a_worker_that_slices_training(
+    ledger: Ledger, leases: DirectLeases
+) -> None:
+    # Its training stays the scheduler's to preempt between micro-batches.
+    s = scheduler(leases)
+    s.state.on_heartbeat(replace(beat(WORKER), slices_training=True))
+    await resident_after_a_dispatch(s, ledger)
+    s.state.on_job_options(JOB, 1)
+    await s.path.step()
+    assert s.state.held == {}
+
+
 async def test_a_call_queued_for_a_held_worker_revokes_and_it_stays_held_until_answered(
     gateway: Gateway, leased: Scheduler
 ) -> None:

@@ -468,6 +468,9 @@ def test_an_asynchronous_jobs_training_is_sliced_where_the_worker_slices_it() ->
         worker = state.snapshot().workers["w0"]
         assert worker.sliced is sliced
         assert (worker.preemptible_since is not None) is sliced
+        # What the dispatch tells the worker: slice it, or run it whole.
+        assert state.sliceable("a", "w0") is sliced
+    assert not state.sliceable("a", "w9") and not state.sliceable("z", "w0")
 
 
 def test_training_with_a_follow_up_behind_it_is_not_sliced() -> None:

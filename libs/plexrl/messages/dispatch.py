@@ -51,6 +51,11 @@ class Dispatch(msgspec.Struct, frozen=True):
     skips a dispatch whose token is below the latest leader's (its sender was deposed;
     the new leader dispatches those calls again). 0: no leader election (one scheduler,
     or an older one), never skipped."""
+    sliceable: bool = False
+    """Its last call, a numbered `forward_backward`, may be preempted between
+    micro-batches (`PreemptBatch`): the worker runs it a micro-batch at a time. False
+    (a synchronous job's training, which the scheduler never preempts, or an older
+    scheduler): the worker runs it whole."""
     schema_version: int = SCHEMA_VERSION
 
 

@@ -27,6 +27,9 @@ class TimelineEntry(msgspec.Struct, frozen=True):
     preempted: bool = False
     """The release was the scheduler preempting the call (`PreemptBatch`), not its tail:
     it paused while the dispatch it yielded to ran."""
+    slices: int = 0
+    """The micro-batches a `forward_backward` ran in, paused or not between them
+    (`Dispatch.sliceable`); 0: it ran whole."""
 
 
 class TimelineStore(RedisStore):

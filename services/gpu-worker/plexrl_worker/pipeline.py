@@ -195,6 +195,7 @@ class DispatchPipeline:
             if turn is not None and seqs[i] > 0:  # exactly once by the job's ledger
                 if (
                     self._slice_training
+                    and dispatch.sliceable
                     and i == last_i
                     and request.function == Function.FORWARD_BACKWARD
                 ):

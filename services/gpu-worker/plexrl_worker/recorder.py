@@ -93,6 +93,7 @@ class ResultRecorder:
             ok=ran.error is None,
             tail_released_at=ran.tail_released_at,
             preempted=ran.preempted,
+            slices=ran.slices,
         )
         # Two independent writes in one round trip (a retry of the whole record may
         # append the timeline entry twice, as it could before; the record is NX).

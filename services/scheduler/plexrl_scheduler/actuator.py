@@ -18,6 +18,7 @@ from plexrl.messages import (
     Dispatch,
     ErrorCode,
     ErrorInfo,
+    Function,
     JobAdmitted,
     Lease,
     PhaseCompletion,
@@ -252,6 +253,12 @@ class Actuator:
             evict=[StateMove(m.job_id, m.to_tier) for m in action.evict],
             issued_at=time.time(),
             lease=lease,
+            sliceable=(
+                lease is not None
+                and taken[-1].request.function == Function.FORWARD_BACKWARD
+                and all(p.request.job_id == action.job_id for p in taken)
+                and self._state.sliceable(action.job_id, action.worker_id)
+            ),
         )
         if follow_up:
             self._state.apply_follow_up(dispatch_id, action.worker_id, action.job_id, taken)

@@ -220,6 +220,9 @@ class DirectPath:
             or not any(p.request.function in LEASED for p in run.calls)  # sampling, say
             or any(t.worker_id == worker_id for t in self._state.tails.values())
             or self._state.wanted(worker_id)
+            # Its training must stay preemptible between micro-batches: a direct call
+            # is not the scheduler's to preempt.
+            or self._state.sliceable(job.job_id, worker_id)
         ):
             return
         granted = await self._leases.grant(job.job_id, worker_id, job.epoch, self._config.ttl_s)

@@ -726,16 +726,28 @@ class ClusterState:
         )
 
     def _sliced(self, run: InFlight, worker: WorkerState) -> bool:
-        """The run ends in training the worker may pause between micro-batches, of an
-        asynchronous job (its training within the slack its staleness gives it), and has
-        no follow-up behind it (which the worker would take next, ahead of the call)."""
-        job = self.jobs.get(run.job_id)
+        """The run ends in training the worker pauses between micro-batches (`sliceable`)
+        and has no follow-up behind it (which the worker would take next, ahead of the
+        call)."""
         return (
-            worker.heartbeat.slices_training
-            and job is not None
-            and job.staleness >= 1
-            and run.dispatches == 1
+            run.dispatches == 1
             and run.ends_in_training
+            and self.sliceable(run.job_id, worker.heartbeat.worker_id)
+        )
+
+    def sliceable(self, job_id: str, worker_id: str) -> bool:
+        """A dispatch of the job's own calls ending in its `forward_backward` may be
+        preempted between micro-batches on this worker (`Dispatch.sliceable`): the
+        worker slices training and the job is asynchronous (its training has the slack
+        its staleness gives it). A synchronous job's training is never preempted, so
+        its worker runs it whole."""
+        job = self.jobs.get(job_id)
+        worker = self.workers.get(worker_id)
+        return (
+            job is not None
+            and job.staleness >= 1
+            and worker is not None
+            and worker.heartbeat.slices_training
         )
 
     def _tail_s(self, request: PhaseRequest, jobs: dict[str, JobView]) -> float:
