@@ -259,11 +259,15 @@ class MultiplexedSim:
         if group.running is None:
             return any(j.pending for j in group.homed.values())
         # Busy: only a prefetch (a job off the device) or a preemption (a sample batch
-        # that may yield to a job with calls waiting) could be decided.
+        # or sliced training that may yield to another job with calls waiting: never to
+        # its own job) could be decided.
         run = group.inflight
         preemptible = run is not None and run.yields and not run.preempted and group.paused is None
-        homed = group.homed.values()
-        return any(j.tier in _OFF_DEVICE or (preemptible and j.pending) for j in homed)
+        running = group.running
+        return any(
+            j.tier in _OFF_DEVICE or (preemptible and j.pending and j.job_id != running)
+            for j in group.homed.values()
+        )
 
     def group_snapshot(self, group: SimGroup) -> ClusterSnapshot:
         """What the policy sees when something happens on one group."""
