@@ -455,7 +455,9 @@ def _training(state: ClusterState, *, slices: bool = True, staleness: int = 1) -
         state.add_job(job, "t", JobSpec(base_model="m", state_bytes=10), home="w0")
     state.on_job_options("a", staleness)
     state.on_request(req("a1", "a", Function.FORWARD_BACKWARD), delivery(0))
-    state.apply_run("d1", "w0", "a", state.take_pending(("a1",)), ())
+    # As the actuator issues it: the dispatch says whether the worker may slice it.
+    sliceable = state.sliceable("a", "w0")
+    state.apply_run("d1", "w0", "a", state.take_pending(("a1",)), (), sliceable=sliceable)
     state.on_request(req("a2", "a", Function.OPTIM_STEP), delivery(1))
     state.on_request(req("a3", "a", Function.SAMPLE), delivery(2))
     state.on_request(req("b1", "b", Function.SAMPLE), delivery(3))
@@ -471,6 +473,17 @@ def test_an_asynchronous_jobs_training_is_sliced_where_the_worker_slices_it() ->
         # What the dispatch tells the worker: slice it, or run it whole.
         assert state.sliceable("a", "w0") is sliced
     assert not state.sliceable("a", "w9") and not state.sliceable("z", "w0")
+
+
+def test_training_dispatched_whole_stays_whole_when_its_job_turns_asynchronous() -> None:
+    state = ClusterState(clock=Clock())
+    _training(state, staleness=0)
+    # Declared while the call runs: the worker runs it whole as its dispatch said, so
+    # the scheduler's view must not offer it for preemption.
+    state.on_job_options("a", 1)
+    assert state.sliceable("a", "w0")  # the job's next training dispatch will be sliced
+    worker = state.snapshot().workers["w0"]
+    assert not worker.sliced and worker.preemptible_since is None
 
 
 def test_training_with_a_follow_up_behind_it_is_not_sliced() -> None:

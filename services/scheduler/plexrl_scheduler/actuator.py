@@ -264,7 +264,14 @@ class Actuator:
             self._state.apply_follow_up(dispatch_id, action.worker_id, action.job_id, taken)
             metrics.FOLLOW_UPS.labels(action.worker_id).inc()
         else:
-            self._state.apply_run(dispatch_id, action.worker_id, action.job_id, taken, action.evict)
+            self._state.apply_run(
+                dispatch_id,
+                action.worker_id,
+                action.job_id,
+                taken,
+                action.evict,
+                sliceable=dispatch.sliceable,
+            )
         # The dispatch message's producer span (its Kafka header) under the first call's.
         with trace.use_span(spans[0], record_exception=False, set_status_on_exception=False):
             await self._publisher.publish(

@@ -117,20 +117,13 @@ class InFlight:
     answers after that time its stragglers (`CallHistory.tail`)."""
     dispatches: int = 1
     """Dispatches it stands for: the first and its follow-ups (`apply_follow_up`)."""
+    sliceable: bool = False
+    """Its dispatch said the worker may pause its training between micro-batches
+    (`Dispatch.sliceable`), as decided when it was issued."""
 
     @property
     def samples_only(self) -> bool:
         return bool(self.calls) and all(p.request.function == Function.SAMPLE for p in self.calls)
-
-    @property
-    def ends_in_training(self) -> bool:
-        """Its calls are its job's own and the last is a `forward_backward`: the call a
-        worker that slices training may pause (`WorkerHeartbeat.slices_training`)."""
-        return (
-            bool(self.calls)
-            and self.calls[-1].request.function == Function.FORWARD_BACKWARD
-            and all(p.request.job_id == self.job_id for p in self.calls)
-        )
 
 
 @dataclass
@@ -456,7 +449,9 @@ class ClusterState:
         job_id: str,
         taken: list[Pending],
         evict: tuple[Move, ...],
+        sliceable: bool = False,
     ) -> None:
+        """`sliceable`: the dispatch's own (`Dispatch.sliceable`)."""
         for move in evict:
             if move.job_id in self.jobs:
                 self.jobs[move.job_id].tier = move.to_tier
@@ -465,7 +460,9 @@ class ClusterState:
             runner.tier = Tier.DEVICE
         ids = {p.request.request_id for p in taken}
         now = self._clock()
-        self.inflight[worker_id] = InFlight(dispatch_id, worker_id, job_id, ids, now, list(taken))
+        self.inflight[worker_id] = InFlight(
+            dispatch_id, worker_id, job_id, ids, now, list(taken), sliceable=sliceable
+        )
         for p in taken:  # (co-sampled calls of other jobs start with it)
             started = self.jobs.get(p.request.job_id)
             if started is not None:
@@ -700,7 +697,7 @@ class ClusterState:
 
     def _worker_view(self, wid: str, w: WorkerState, jobs: dict[str, JobView]) -> WorkerView:
         run = self.inflight.get(wid)
-        sliced = run is not None and self._sliced(run, w)
+        sliced = run is not None and run.dispatches == 1 and run.sliceable
         preemptible = run is not None and (run.samples_only or sliced) and not run.preempt_asked
         tail_until = 0.0
         for tail in self.tails.values():  # released batches: their jobs' mean tails
@@ -723,16 +720,6 @@ class ClusterState:
             preemptible_since=run.issued_at if run is not None and preemptible else None,
             healthy=self.healthy(wid),
             sliced=sliced,
-        )
-
-    def _sliced(self, run: InFlight, worker: WorkerState) -> bool:
-        """The run ends in training the worker pauses between micro-batches (`sliceable`)
-        and has no follow-up behind it (which the worker would take next, ahead of the
-        call)."""
-        return (
-            run.dispatches == 1
-            and run.ends_in_training
-            and self.sliceable(run.job_id, worker.heartbeat.worker_id)
         )
 
     def sliceable(self, job_id: str, worker_id: str) -> bool:
