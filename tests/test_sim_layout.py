@@ -48,23 +48,76 @@ def test_every_profile_gets_a_group_even_with_a_tiny_share():
     assert counts["7B"] == (512 - 128) // 16
 
 
-def test_a_job_with_more_idle_time_is_expected_to_pack_denser() -> None:
+def _job(duty: float, job_id: str = "j"):
     from plexrl.messages import Function
-    from plexrl.policy.costs import SharingCosts
     from plexrl.policy.snapshot import CallEstimates, JobView
-    from plexrl_sim.packing import MOST_PER_GROUP, jobs_per_group
 
-    def job(duty: float) -> JobView:
-        seconds = {Function.SAMPLE: 20.0, Function.FORWARD_BACKWARD: 5.0}
-        calls = (Function.SAMPLE, Function.FORWARD_BACKWARD, Function.FORWARD_BACKWARD)
-        return JobView("j", 0, estimates=CallEstimates(seconds), duty_cycle=duty, step_calls=calls)
+    seconds = {Function.SAMPLE: 20.0, Function.FORWARD_BACKWARD: 5.0}
+    calls = (Function.SAMPLE, Function.FORWARD_BACKWARD, Function.FORWARD_BACKWARD)
+    return JobView(job_id, 0, estimates=CallEstimates(seconds), duty_cycle=duty, step_calls=calls)
+
+
+def test_a_job_with_more_idle_time_is_expected_to_pack_denser() -> None:
+    import random
+
+    from plexrl.policy.costs import SharingCosts
+    from plexrl_sim.packing import MOST_PER_GROUP, admitted_per_group
 
     costs = SharingCosts()
-    packed = [jobs_per_group(job(duty), costs, 0.05) for duty in (0.9, 0.3, 0.1, 0.05)]
+
+    def held(duties: list[float], budget: float = 0.05) -> float:
+        views = [_job(d, f"j{i}") for i, d in enumerate(duties)]
+        return admitted_per_group(views, 1, costs, budget, random.Random(0), fills=50)
+
+    packed = [held([duty]) for duty in (0.9, 0.3, 0.1, 0.05)]
     assert packed[0] == 1  # busy 90% of its step: nothing fits beside it within 5%
     assert packed == sorted(packed) and packed[3] > packed[2] > 1
     assert max(packed) <= MOST_PER_GROUP
-    assert jobs_per_group(job(0.1), costs, 0.5) >= packed[2]  # a wider budget, no fewer
+    assert held([0.1], budget=0.5) >= packed[2]  # a wider budget, no fewer
+
+
+def test_a_size_drains_by_its_backlog_or_by_its_last_arrival() -> None:
+    from plexrl_sim.packing import drain_days
+
+    # Ten 10-day jobs at day 0: two jobs per group on one group drain in 50 days of
+    # work, then the last ones run a mean run on (the fluid's end is when they start).
+    assert drain_days([0.0] * 10, [10.0] * 10, 1, 2.0) == 60.0
+    assert drain_days([0.0] * 10, [10.0] * 10, 5, 2.0) == 20.0
+    # More groups never drain later; none drains before its last arrival's run alone.
+    arrivals, runs = [0.0, 1.0, 2.0, 30.0], [10.0, 10.0, 10.0, 25.0]
+    days = [drain_days(arrivals, runs, g, 1.5) for g in range(1, 6)]
+    assert days == sorted(days, reverse=True) and days[-1] == 55.0
+
+
+def test_the_layout_gives_a_size_that_would_drain_last_the_groups_it_needs() -> None:
+    from plexrl_sim.packing import drain_minimum, packing_by_profile
+    from plexrl_sim.run import policy_config, prepare
+    from plexrl_sim.workload import TAIL_RELEASE
+
+    setup = prepare("workloads/trace-3mo.yaml", gpus=512, jobs=90, partition="packed")
+    factory = setup.factory.with_tail_release(TAIL_RELEASE)
+    costs = setup.workload.cluster.colocation.costs()
+    budget = policy_config(setup, "plexrl", {}).slowdown_budget
+    packing = packing_by_profile(factory, setup.jobs, costs, budget)
+    assert set(packing) == set(SIZES) and all(1 <= p <= 8 for p in packing.values())
+    assert packing == packing_by_profile(factory, setup.jobs, costs, budget)  # seeded
+    least = drain_minimum(factory, setup.jobs, packing, costs, 512)
+    assert sum(SIZES[k] * c for k, c in least.items()) <= 512
+    layout = setup.groups_for("plexrl", factory)
+    counts = {p: sum(g.profile == p for g in layout) for p in SIZES}
+    assert all(counts[k] >= c for k, c in least.items())
+
+
+def test_at_least_groups_come_first_and_the_rest_follows_the_shares() -> None:
+    share = {"7B": 7.43 * 16, "30B": 6.46 * 32, "235B": 1.46 * 128}
+    plain = apportion(share, SIZES, 512)
+    forced = apportion(share, SIZES, 512, at_least={"235B": 3})
+    assert forced["235B"] == 3 and plain["235B"] < 3
+    assert sum(SIZES[k] * c for k, c in forced.items()) > 512 - 16
+    import pytest
+
+    with pytest.raises(ValueError, match="GPUs"):
+        apportion(share, SIZES, 512, at_least={"235B": 5})
 
 
 def test_a_packed_layout_sizes_each_job_by_the_jobs_a_group_holds_beside_it() -> None:

@@ -1,30 +1,44 @@
-"""How densely the own policy is expected to pack each job, known before anything runs:
-for a shared cluster's layout sized by the expected packing (`partition: packed`).
+"""How densely the own policy is expected to pack each job, and how fast each model
+size drains its backlog, known before anything runs: for a shared cluster's layout sized
+by the expected packing (`partition: packed`).
 
 The layout of a shared cluster fixes how many groups each model size gets. Sized by
 the group time the jobs' calls hold (`shared`), it would be right if every size packed
 as densely as its idle time allows; sized by whole runs (`dedicated`), if every size
-packed alike. Within a slowdown budget the packing is what the interference prediction
-admits, so this sizes each job's need by its run alone over the jobs a group is
-predicted to hold within the budget: copies of the job itself, the prediction the
-policy's admission makes (`plexrl.policy.plexrl_policy.predicted_slowdown`, with the
-costs of sharing the executor charges). Each job's figures are its step model's means,
-the view the live scheduler would have of it once it has a history.
+packed alike. Within a slowdown budget the packing is what admission allows, so each
+size's packing here is admission's own rule played out on that size's jobs
+(`admitted_per_group`): a group filled one newcomer at a time, each judged as admission
+judges it (its kind's mean figures, guarded by its kind's busiest tenth), while the
+residents are who they turn out to be (random jobs of the size, each by its own figures
+once it has a history). Each job's figures are its step model's means, the view the
+live scheduler would have of it once it has a history.
+
+Demand alone gives each size the same share of its work, whenever that work arrives.
+A size whose jobs arrive early and run long then drains last while another's last
+arrivals bound it anyway: `drain_minimum` gives each size at least the groups that
+drain its backlog by the time the slowest size can (`drain_days`), and the rest of
+the GPUs follow demand (`workload.apportion`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import random
+from collections.abc import Sequence
+from dataclasses import replace
 
 from plexrl.messages import Function
 from plexrl.policy.costs import SharingCosts
-from plexrl.policy.plexrl_policy import predicted_slowdown
-from plexrl.policy.snapshot import CallEstimates, JobView
+from plexrl.policy.history import HIGH_DUTY_QUANTILE, quantile
+from plexrl.policy.plexrl_policy import InterferenceFit
+from plexrl.policy.snapshot import CallEstimates, ClusterSnapshot, JobView, WorkerView
 from plexrl_sim.dedicated import alone_reference_s
 from plexrl_sim.workload import JobFactory, JobSpec, Steps
 
 MOST_PER_GROUP = 8
 """The densest packing considered (the prediction's own bound is the budget)."""
+FILLS = 200
+"""Groups filled per size to estimate its packing (`admitted_per_group`)."""
+DAY_S = 86400.0
 
 
 def expected_view(job: JobSpec, steps: Steps, alone_s: float) -> JobView:
@@ -55,23 +69,123 @@ def expected_view(job: JobSpec, steps: Steps, alone_s: float) -> JobView:
     )
 
 
-def jobs_per_group(view: JobView, costs: SharingCosts, budget: float) -> int:
-    """How many copies of the job one group holds with each predicted within `budget`
-    (at least one: a job alone is never refused a group)."""
-    n = 1
-    while n < MOST_PER_GROUP and predicted_slowdown(view, [view] * n, costs) <= budget:
-        n += 1
-    return n
+def newcomer_view(views: Sequence[JobView]) -> JobView:
+    """A job of this kind as admission sees it before it has a history: its kind's mean
+    duty cycle, call seconds, tail and stall, guarded by the kind's busiest tenth
+    (`JobView.duty_bound`; `plexrl.policy.history.priors`)."""
+    duties = [v.duty_cycle for v in views]
+    seconds: dict[Function, list[float]] = {}
+    for v in views:
+        for function, s in v.estimates.seconds.items():
+            seconds.setdefault(function, []).append(s)
+    n = len(views)
+    return replace(
+        views[0],
+        job_id="newcomer",
+        duty_cycle=sum(duties) / n,
+        duty_bound=quantile(duties, HIGH_DUTY_QUANTILE),
+        estimates=CallEstimates({f: sum(v) / len(v) for f, v in seconds.items()}),
+        tail_s=sum(v.tail_s for v in views) / n,
+        stall_s=sum(v.stall_s for v in views) / n,
+    )
 
 
-def expected_packing(
-    factory: JobFactory, costs: SharingCosts, budget: float
-) -> Callable[[JobSpec], float]:
-    """Each job's expected jobs per group (`jobs_per_group` of its `expected_view`)."""
+def admitted_per_group(
+    views: Sequence[JobView],
+    devices: int,
+    costs: SharingCosts,
+    budget: float,
+    rng: random.Random,
+    fills: int = FILLS,
+) -> float:
+    """The mean jobs one group of `devices` holds when admission fills it: newcomers are
+    added while admission (`InterferenceFit`, packing) takes one beside the residents,
+    and each one taken turns out to be a random job of `views` (at least one: a job
+    alone is never refused a group; at most `MOST_PER_GROUP`)."""
+    newcomer = newcomer_view(views)
+    worker = WorkerView("g", device_bytes=1 << 62, host_bytes=1 << 62, devices=devices)
+    held = 0
+    for _ in range(fills):
+        residents: list[JobView] = []
+        while len(residents) < MOST_PER_GROUP:
+            jobs = {f"r{i}": replace(r, job_id=f"r{i}", home="g") for i, r in enumerate(residents)}
+            jobs[newcomer.job_id] = newcomer
+            snapshot = ClusterSnapshot(0.0, {"g": worker}, jobs, ())
+            if InterferenceFit(budget, costs=costs)(snapshot, newcomer) is None:
+                break
+            residents.append(rng.choice(views))
+        held += len(residents)
+    return held / fills
 
-    def per_group(job: JobSpec) -> float:
+
+def packing_by_profile(
+    factory: JobFactory, jobs: Sequence[JobSpec], costs: SharingCosts, budget: float
+) -> dict[str, float]:
+    """Each profile's `admitted_per_group` over its jobs in `jobs` (their `expected_view`s),
+    drawn from a stream of the factory's seed."""
+    views: dict[str, list[JobView]] = {}
+    for job in jobs:
         steps = factory.steps(job)
         view = expected_view(job, steps, alone_reference_s(factory, job, costs))
-        return float(jobs_per_group(view, costs, budget))
+        views.setdefault(job.profile, []).append(view)
+    rng = random.Random(f"packing-{factory.seed}")
+    profiles = factory.workload.profiles
+    return {
+        name: admitted_per_group(found, profiles[name].devices, costs, budget, rng)
+        for name, found in sorted(views.items())
+    }
 
-    return per_group
+
+def drain_days(
+    arrivals_d: Sequence[float], runs_d: Sequence[float], groups: int, packing: float
+) -> float:
+    """When a size's last job is expected to finish on `groups` groups holding `packing`
+    jobs each: the backlog drains as a fluid (from each arrival on, the work still to
+    come over the groups' capacity), then its last jobs run on for a mean run; never
+    before the floor (a job's arrival plus its run alone). Days; arrivals sorted."""
+    capacity = groups * packing
+    fluid, later = 0.0, 0.0
+    for arrival, run in zip(reversed(arrivals_d), reversed(runs_d), strict=True):
+        later += run
+        fluid = max(fluid, arrival + later / capacity)
+    floor = max(a + r for a, r in zip(arrivals_d, runs_d, strict=True))
+    return max(floor, fluid + sum(runs_d) / len(runs_d))
+
+
+def drain_minimum(
+    factory: JobFactory,
+    jobs: Sequence[JobSpec],
+    packing: dict[str, float],
+    costs: SharingCosts,
+    gpus: int,
+) -> dict[str, int]:
+    """The fewest groups per profile with which every profile drains (`drain_days`) by
+    the earliest day the GPUs allow every profile to: the least makespan the layout
+    can give, before the rest of the GPUs are split by demand."""
+    profiles = factory.workload.profiles
+    by_profile: dict[str, list[tuple[float, float]]] = {}
+    for job in sorted(jobs, key=lambda j: j.arrival_s):
+        run = alone_reference_s(factory, job, costs) / DAY_S
+        by_profile.setdefault(job.profile, []).append((job.arrival_s / DAY_S, run))
+    drains: dict[str, list[float]] = {}
+    for name, seen in by_profile.items():
+        arrivals, runs = [a for a, _ in seen], [r for _, r in seen]
+        most = max(1, gpus // profiles[name].devices)
+        drains[name] = [drain_days(arrivals, runs, g, packing[name]) for g in range(1, most + 1)]
+
+    def needed(day: float) -> dict[str, int] | None:
+        counts: dict[str, int] = {}
+        for name, days in drains.items():
+            fewest = next((g for g, d in enumerate(days, 1) if d <= day), None)
+            if fewest is None:
+                return None
+            counts[name] = fewest
+        if sum(profiles[k].devices * c for k, c in counts.items()) > gpus:
+            return None
+        return counts
+
+    for day in sorted({d for days in drains.values() for d in days}):
+        counts = needed(day)
+        if counts is not None:  # the earliest day the GPUs allow
+            return counts
+    return {name: 1 for name in drains}

@@ -12,7 +12,7 @@ from typing import Any
 from plexrl.policy import POLICIES, PolicyConfig
 from plexrl_sim.dedicated import DEDICATED, simulate_dedicated
 from plexrl_sim.multiplexed import MultiplexedSim
-from plexrl_sim.packing import expected_packing
+from plexrl_sim.packing import drain_minimum, packing_by_profile
 from plexrl_sim.results import DeploymentResult
 from plexrl_sim.workload import (
     PARTITIONS,
@@ -98,8 +98,16 @@ class Setup:
             budget = (config or PolicyConfig()).slowdown_budget
             chosen = colocation if colocation is not None else self.workload.cluster.colocation
             costs = chosen.costs()
-            per_group = expected_packing(factory, costs, budget)
-            return build_groups(self.workload, factory, self.jobs, self.gpus, per_group=per_group)
+            packing = packing_by_profile(factory, self.jobs, costs, budget)
+            least = drain_minimum(factory, self.jobs, packing, costs, self.gpus)
+            return build_groups(
+                self.workload,
+                factory,
+                self.jobs,
+                self.gpus,
+                per_group=lambda job: packing[job.profile],
+                at_least=least,
+            )
         if own and self.partition in ("shared", "auto"):
             return build_groups(self.workload, factory, self.jobs, self.gpus, shared=True)
         return self.groups

@@ -801,12 +801,14 @@ def build_groups(
     gpus: int | None = None,
     shared: bool = False,
     per_group: Callable[[JobSpec], float] | None = None,
+    at_least: dict[str, int] | None = None,
 ) -> list[GroupSpec]:
     """Named workers as given; otherwise the GPUs split into groups per profile, in
     proportion to each profile's device-seconds of demand in `jobs`: of whole runs on
     dedicated pools, or (`shared`) of the group time their calls hold, which is what a
     shared cluster must provide; with `per_group`, each job's whole run over the jobs a
-    group is expected to hold beside it (`plexrl_sim.packing`)."""
+    group is expected to hold beside it (`plexrl_sim.packing`). `at_least`: groups a
+    profile gets whatever its demand (`apportion`)."""
     if workload.workers:
         return [
             GroupSpec(
@@ -826,7 +828,7 @@ def build_groups(
     counts = (
         dict(cluster.groups)
         if cluster.groups
-        else _groups_by_demand(workload, factory, jobs, total, shared, per_group)
+        else _groups_by_demand(workload, factory, jobs, total, shared, per_group, at_least)
     )
     used = sum(workload.profiles[k].devices * c for k, c in counts.items())
     if used > total:
@@ -864,6 +866,7 @@ def _groups_by_demand(
     gpus: int,
     shared: bool,
     per_group: Callable[[JobSpec], float] | None = None,
+    at_least: dict[str, int] | None = None,
 ) -> dict[str, int]:
     demand: dict[str, float] = {}
     for job in jobs:
@@ -878,19 +881,31 @@ def _groups_by_demand(
         demand[job.profile] = demand.get(job.profile, 0.0) + p.devices * need
     total = sum(demand.values())
     sizes = {name: workload.profiles[name].devices for name in demand}
-    return apportion({name: gpus * need / total for name, need in demand.items()}, sizes, gpus)
+    share = {name: gpus * need / total for name, need in demand.items()}
+    return apportion(share, sizes, gpus, at_least)
 
 
-def apportion(share: dict[str, float], size: dict[str, int], gpus: int) -> dict[str, int]:
+def apportion(
+    share: dict[str, float],
+    size: dict[str, int],
+    gpus: int,
+    at_least: dict[str, int] | None = None,
+) -> dict[str, int]:
     """Whole groups per profile for `gpus` GPUs, `share[name]` GPUs wanted in groups of
     `size[name]`: the counts that give the least-covered profile the most of its share
-    (each at least one group), then what is left to the least-covered profiles whose
-    group still fits. Rounding each share down on its own can leave a profile with large
-    groups far below its share and GPUs no group of it fits idle."""
+    (each at least one group, or `at_least[name]`), then what is left to the
+    least-covered profiles whose group still fits. Rounding each share down on its own
+    can leave a profile with large groups far below its share and GPUs no group of it
+    fits idle."""
+    least = at_least or {}
+    if sum(size[k] * max(1, least.get(k, 1)) for k in share) > gpus:
+        raise ValueError(f"at least {least} groups need more than the {gpus} GPUs")
 
     def needed(cover: float) -> dict[str, int]:
         # The float guard keeps `cover = n / wanted` from rounding up to n + 1 groups.
-        return {k: max(1, math.ceil(cover * share[k] / size[k] - 1e-9)) for k in share}
+        return {
+            k: max(1, least.get(k, 1), math.ceil(cover * share[k] / size[k] - 1e-9)) for k in share
+        }
 
     def gpus_of(counts: dict[str, int]) -> int:
         return sum(size[k] * c for k, c in counts.items())
