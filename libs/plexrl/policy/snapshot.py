@@ -92,8 +92,9 @@ class WorkerView:
     sliced: bool = False
     """The in-flight Run is an asynchronous job's training, which the worker runs in
     micro-batch slices and can pause between two: it yields to a waiting sample
-    (`plexrl.policy.preempt`). Only the simulator sets it; the live worker runs a
-    `forward_backward` call whole."""
+    (`plexrl.policy.preempt`). The simulator sets it for its sliced runs, the live
+    scheduler where the run's dispatch said the worker may slice it
+    (`Dispatch.sliceable`)."""
     preemptible_since: float | None = None
     """When the in-flight Run began, if it is sample calls only and not yet asked to
     yield (`plexrl.policy.preempt`); None otherwise. Only the live scheduler sets it."""
