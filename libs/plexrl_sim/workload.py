@@ -896,10 +896,9 @@ def apportion(
     (each at least one group, or `at_least[name]`), then what is left to the
     least-covered profiles whose group still fits. Rounding each share down on its own
     can leave a profile with large groups far below its share and GPUs no group of it
-    fits idle."""
+    fits idle. Counts that cannot fit `gpus` at all (one group each, or `at_least`) are
+    returned as they are: `build_groups` says what to change."""
     least = at_least or {}
-    if sum(size[k] * max(1, least.get(k, 1)) for k in share) > gpus:
-        raise ValueError(f"at least {least} groups need more than the {gpus} GPUs")
 
     def needed(cover: float) -> dict[str, int]:
         # The float guard keeps `cover = n / wanted` from rounding up to n + 1 groups.
