@@ -184,6 +184,8 @@ SHARED_KEYS = {
     "tml-internal": "acme",
     "tml-openai": "openai",
     "tml-aliases": "aliases",
+    "tml-trace": "tracer",
+    "tml-trace-other": "not-the-tracer",
 }
 """API keys (and their tenants) of the shared cluster: each test module using it has
 keys of its own, so no module sees another's jobs or checkpoints."""

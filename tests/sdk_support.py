@@ -64,6 +64,16 @@ def installed_sdks() -> list[str]:
 # The end-to-end loop (tests/sdk_loop.py) ------------------------------------------------
 
 
+def tinker_cli(base_url: str, key: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`tinker --format json ARGS`, this environment's SDK, as a user runs it: the key and
+    URL from the environment."""
+    env = {**os.environ, "TINKER_API_KEY": key, "TINKER_BASE_URL": base_url}
+    env["HF_HUB_OFFLINE"] = "1"
+    env.pop("PYTHONPATH", None)
+    cmd = [sys.executable, "-m", "tinker.cli", "--format", "json", *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+
 def run_sdk_loop(
     sdk: Path,
     base_url: str,

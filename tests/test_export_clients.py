@@ -38,7 +38,7 @@ from tinker import types
 from transformers import AutoModelForCausalLM
 
 from plexrl_tools.cluster import LocalCluster
-from tests.sdk_support import COOKBOOK, side_install
+from tests.sdk_support import COOKBOOK, side_install, tinker_cli
 
 if TYPE_CHECKING:
     from plexrl_worker.sglang import SGLangSampler
@@ -156,17 +156,8 @@ def _same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> Non
 
 
 def _tinker_cli(cluster: LocalCluster, *args: str) -> dict[str, Any]:
-    """`tinker --format json ARGS` as a user runs it: the key and URL from the
-    environment; its JSON answer."""
-    env = {
-        **os.environ,
-        "TINKER_API_KEY": KEY,
-        "TINKER_BASE_URL": cluster.config.gateway_url,
-        "HF_HUB_OFFLINE": "1",
-    }
-    env.pop("PYTHONPATH", None)
-    cmd = [sys.executable, "-m", "tinker.cli", "--format", "json", *args]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    """`tinker --format json ARGS` as a user runs it; its JSON answer."""
+    done = tinker_cli(cluster.config.gateway_url, KEY, *args)
     assert done.returncode == 0, done.stdout + done.stderr
     answer: dict[str, Any] = json.loads(done.stdout)
     return answer

@@ -27,6 +27,7 @@ from plexrl_gateway.outbox import Outbox
 from plexrl_gateway.placement import Placement
 from plexrl_gateway.registry import Registry
 from plexrl_gateway.sequencer import Sequencer
+from plexrl_gateway.session_trace import SessionTraces
 from plexrl_gateway.signing import UrlSigner, signing_secret
 from plexrl_gateway.submitter import RequestPublisher, Submitter
 
@@ -77,6 +78,8 @@ class Gateway:
     """Answers the callers of unreadable messages; lists a tenant's dead letters."""
     exports: ExportFiles
     """Exported weights: who may read them, their signed URLs, their files' bytes."""
+    traces: SessionTraces
+    """Sessions' calls as Perfetto traces, behind signed URLs."""
     watched: list[Watched] = field(default_factory=list)
     """Consumer loops whose death or stall makes /healthz answer 503."""
 
@@ -104,6 +107,7 @@ class Gateway:
         pending = PendingCalls(limits)
         publisher = CountingPublisher(publisher, pending, topics.requests)
         sequencer = Sequencer(stores.calls, settings.sequence_gap_timeout_s)
+        signer = UrlSigner(signing_secret(settings.url_signing_secret, settings.service_token))
         return cls(
             keys=ApiKeys(settings.api_keys),
             calls=stores.calls,
@@ -153,7 +157,15 @@ class Gateway:
                     timeout_s=settings.state_store_timeout_s,
                     token=settings.service_token,
                 ),
-                UrlSigner(signing_secret(settings.url_signing_secret, settings.service_token)),
+                signer,
+                settings.export_url_ttl_s,
+                settings.public_url,
+            ),
+            traces=SessionTraces(
+                stores.sessions,
+                stores.jobs,
+                stores.timeline,
+                signer,
                 settings.export_url_ttl_s,
                 settings.public_url,
             ),

@@ -1,8 +1,9 @@
-"""Exported weights out: signed, expiring URLs for an export's files, and the files.
+"""Files out behind signed, expiring URLs: an export's files, and a session's trace.
 
 `GET .../external_weights_urls` (the SDK's `RestClient.get_external_weights_urls`)
 answers, for the owner's key or any key when the export is published, one URL per
-file. A file's URL needs no key: its signature is the permission, until `expires`.
+file; `GET /api/v1/sessions/{id}/trace_export` (routes_rest) one for the session's
+trace. A file's URL needs no key: its signature is the permission, until `expires`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fastapi.responses import StreamingResponse
 
 from plexrl_gateway.deps import GatewayDep, Tenant
 from plexrl_gateway.exports import FILES_ROUTE, ExportFiles, requested_range
+from plexrl_gateway.session_trace import TRACE_FILE, TRACES_ROUTE
 from plexrl_gateway.translate import TINKER_SCHEME, parse_tinker_path
 
 router = APIRouter()
@@ -76,3 +78,19 @@ async def external_weights_file(
             await blob.aclose()
 
     return StreamingResponse(body(), status, headers=headers, media_type="application/octet-stream")
+
+
+@router.get(TRACES_ROUTE + "/{session_id}/" + TRACE_FILE)
+async def session_trace_file(
+    session_id: str,
+    gateway: GatewayDep,
+    expires: Annotated[int, Query()],
+    signature: Annotated[str, Query(max_length=128)],
+) -> Response:
+    """The session's calls as a Perfetto trace (open it in ui.perfetto.dev)."""
+    trace = await gateway.traces.build(session_id, expires, signature)
+    headers = {
+        "content-disposition": f"attachment; filename*=UTF-8''{quote(session_id)}.pftrace",
+        "cache-control": "private, no-store",
+    }
+    return Response(trace, 200, headers=headers, media_type="application/octet-stream")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request
 from pydantic import BaseModel
 
 from plexrl.stores import CheckpointRecord, JobKind, JobRecord
@@ -195,6 +195,27 @@ async def get_session(session_id: str, tenant: Tenant, jobs: Jobs) -> dict[str, 
         "sampler_ids": [j.job_id for j in mine if j.kind == JobKind.SAMPLING],
         "user_metadata": session.user_metadata or None,
     }
+
+
+@router.get("/sessions/{session_id}/trace_export")
+async def trace_export(
+    session_id: str, request: Request, tenant: Tenant, jobs: Jobs, gateway: GatewayDep
+) -> dict[str, Any]:
+    """RestClient.export_session_trace (`tinker session export-trace`): ready at once, a
+    signed URL whose file is built from the timeline when it is read
+    (plexrl_gateway.session_trace)."""
+    await jobs.session(tenant, session_id)
+    return {"status": "ready", "url": gateway.traces.url(session_id, str(request.base_url))}
+
+
+@router.get("/billing/usage/events")
+async def billing_usage(_: Tenant) -> None:
+    raise ApiError(
+        400,
+        "PlexRL keeps no billing or token usage. What it measures per job is device time: "
+        "GET /plexrl/v1/jobs/{job_id} (or `plexrl jobs`); checkpoint storage: "
+        "`tinker billing checkpoint-storage`",
+    )
 
 
 async def _run(tenant: str, run_id: str, jobs: Jobs) -> JobRecord:

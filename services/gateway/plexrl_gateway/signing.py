@@ -60,18 +60,26 @@ class UrlSigner:
         message = "\n".join((path, file, str(expires))).encode()
         return hmac.new(self._secret, message, hashlib.sha256).hexdigest()
 
-    def check(self, path: str, file: str, expires: int, signature: str) -> None:
+    def check(
+        self,
+        path: str,
+        file: str,
+        expires: int,
+        signature: str,
+        renew: str = "get_external_weights_urls",
+    ) -> None:
         """BadSignature unless `signature` is this one's for (path, file, expires);
         Expired if it is but `expires` has passed. The signature is checked first, in
-        constant time, so an expiry is only reported for a URL this gateway signed."""
+        constant time, so an expiry is only reported for a URL this gateway signed.
+        `renew`: the call that gives a fresh URL, as the messages name it."""
         if not hmac.compare_digest(self.sign(path, file, expires).encode(), signature.encode()):
             raise BadSignature(
                 f"the signature of this URL of {file!r} does not match: it was altered, or "
-                "signed by another cluster; ask get_external_weights_urls for a fresh one"
+                f"signed by another cluster; ask {renew} for a fresh one"
             )
         now = self._clock()
         if now >= expires:
             raise Expired(
                 f"this URL of {file!r} expired {now - expires:.0f} s ago (at Unix time "
-                f"{expires}); ask get_external_weights_urls for a fresh one"
+                f"{expires}); ask {renew} for a fresh one"
             )
