@@ -64,14 +64,25 @@ def installed_sdks() -> list[str]:
 # The end-to-end loop (tests/sdk_loop.py) ------------------------------------------------
 
 
-def tinker_cli(base_url: str, key: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """`tinker --format json ARGS`, this environment's SDK, as a user runs it: the key and
-    URL from the environment."""
-    env = {**os.environ, "TINKER_API_KEY": key, "TINKER_BASE_URL": base_url}
-    env["HF_HUB_OFFLINE"] = "1"
+def tinker_cli(
+    base_url: str,
+    key: str | None,
+    *args: str,
+    home: Path | None = None,
+    stdin: str | None = None,
+) -> subprocess.CompletedProcess[str]:
+    """`tinker --format json ARGS`, this environment's SDK, as a user runs it: the URL and
+    the key (None: whatever `tinker auth login` stored under `home`) from the environment;
+    `stdin` what the user types."""
+    env = {**os.environ, "TINKER_BASE_URL": base_url, "HF_HUB_OFFLINE": "1"}
+    env.pop("TINKER_API_KEY", None)
     env.pop("PYTHONPATH", None)
+    if key is not None:
+        env["TINKER_API_KEY"] = key
+    if home is not None:
+        env["HOME"] = str(home)
     cmd = [sys.executable, "-m", "tinker.cli", "--format", "json", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(cmd, env=env, input=stdin, capture_output=True, text=True, timeout=300)
 
 
 def run_sdk_loop(

@@ -12,7 +12,6 @@ import json
 import os
 import subprocess
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -178,10 +177,3 @@ def test_the_trace_url_is_refused_when_altered_and_the_session_to_other_tenants(
     other = _cli(cluster, OTHER_KEY, "session", "export-trace", session_id, "--url-only")
     assert other.returncode != 0
     assert "404" in other.stdout + other.stderr
-
-
-def test_billing_usage_says_what_plexrl_measures_instead(cluster: LocalCluster) -> None:
-    done = _cli(cluster, KEY, "billing", "usage", "2026-01-01T00:00:00Z", "2026-01-02T00:00:00Z")
-    answer: Any = done.stdout + done.stderr
-    assert done.returncode != 0
-    assert "device time" in answer and "/plexrl/v1/jobs" in answer

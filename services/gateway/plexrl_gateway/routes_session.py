@@ -1,15 +1,18 @@
-"""Tinker API: client bootstrap, sessions, telemetry, capabilities, health."""
+"""Tinker API: client bootstrap, API key checks, sessions, telemetry, capabilities,
+health."""
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+from typing import Annotated, Any
 
-from fastapi import APIRouter, Response
+from fastapi import APIRouter, Header, Response
 from fastapi.responses import JSONResponse
 
 from plexrl.health import consumers_health
 from plexrl.stores import JobKind
 from plexrl_gateway.deps import Calls, Catalog, GatewayDep, Jobs, Submit, Tenant
+from plexrl_gateway.errors import ApiError
 from plexrl_gateway.schemas import CreateSessionBody, SdkVersionBody, SessionIdBody
 from plexrl_gateway.unload import unload_model
 
@@ -40,6 +43,29 @@ async def client_config(_: Tenant, body: SdkVersionBody | None = None) -> dict[s
 @router.post("/client/dynamic_config")
 async def dynamic_config(_: Tenant, body: SdkVersionBody | None = None) -> dict[str, Any]:
     return {"refresh_interval_sec": 300, "sample_cancel_enabled": False}
+
+
+@router.get("/auth/apikey/me")
+async def api_key_me(tenant: Tenant, x_api_key: Annotated[str, Header()]) -> dict[str, Any]:
+    """`tinker auth login`: the key is valid, and what it stands for. A PlexRL key is one
+    tenant (`PLEXRL_API_KEYS`), with no user or organization behind it, so both name the
+    tenant; its id is a digest of the key (the key itself is never echoed)."""
+    key_id = int.from_bytes(hashlib.sha256(x_api_key.encode()).digest()[:6], "big")
+    return {
+        "key_id": key_id,
+        "name": f"plexrl-{tenant}",
+        "note": f"PlexRL API key of tenant {tenant!r}",
+        "details": {"org_details": {"name": tenant}, "user_details": {"email": f"tenant {tenant}"}},
+    }
+
+
+@router.delete("/auth/apikey/me")
+async def delete_api_key_me(_: Tenant) -> None:
+    raise ApiError(
+        400,
+        "PlexRL's API keys are the operator's: a key is revoked by removing it from "
+        "PLEXRL_API_KEYS on every gateway; `tinker auth logout` then only forgets it here",
+    )
 
 
 @router.post("/create_session")
