@@ -42,7 +42,13 @@ def _job(job_id: str, kind: JobKind, session: str = "s1", at: float = 0.0) -> Jo
 
 
 def _entry(
-    job: str, rid: str, function: str, at: float, swap: float, compute: float
+    job: str,
+    rid: str,
+    function: str,
+    at: float,
+    swap: float,
+    compute: float,
+    queued: float = 0.0,
 ) -> TimelineEntry:
     return TimelineEntry(
         worker_id="w0",
@@ -53,10 +59,11 @@ def _entry(
         swap_s=swap,
         compute_s=compute,
         ok=True,
+        queue_s=queued,
     )
 
 
-def test_each_call_is_a_slice_on_its_jobs_track_its_swap_first() -> None:
+def test_each_call_is_a_slice_on_its_jobs_track_its_swap_first_its_wait_beside() -> None:
     train, sampler = "s1:train:0", "s1:sample:0"
     jobs = [_job(train, JobKind.TRAINING), _job(sampler, JobKind.SAMPLING, at=1.0)]
     t0 = 1_764_000_000.0
@@ -64,7 +71,7 @@ def test_each_call_is_a_slice_on_its_jobs_track_its_swap_first() -> None:
         _entry(train, "r1", "forward_backward", t0, 0.5, 2.0),
         _entry(train, "r1", "forward_backward", t0, 0.5, 2.0),  # a retried write
         _entry("other:train:0", "x1", "optim_step", t0 + 1, 0.0, 1.0),  # not the session's
-        _entry(train, "r2", "optim_step", t0 + 3.0, 0.0, 0.25),
+        _entry(train, "r2", "optim_step", t0 + 3.0, 0.0, 0.25, queued=2.5),  # sent beside r1
         _entry(sampler, "r3", "sample", t0 + 1.0, 0.0, 4.0),
         _entry(sampler, "r4", "sample", t0 + 2.0, 0.0, 1.0),  # beside r3: a lane of its own
     ]
@@ -74,7 +81,9 @@ def test_each_call_is_a_slice_on_its_jobs_track_its_swap_first() -> None:
     assert tracks[root] == ("session s1: 4 calls", 0)
     assert tracks[track_uuid("job", train)] == (f"{train} (training run)", root)
     assert tracks[track_uuid("job", sampler)] == (f"{sampler} (sampler)", root)
-    assert tracks[track_uuid("job", sampler, "1")] == (f"{sampler} (overlapping calls 2)", root)
+    assert tracks[track_uuid("job", sampler, "1")] == (f"{sampler} (sampler) 2", root)
+    assert tracks[track_uuid("queued", train)] == (f"{train} queued", root)
+    assert len(tracks) == 5  # no queued track for the sampler, which never waited
     got = sorted(
         (s["start"], s["name"], s["end"], s["track"], s["args"].get("request_id"))
         for s in perfetto_schema.slices(trace)
@@ -87,6 +96,7 @@ def test_each_call_is_a_slice_on_its_jobs_track_its_swap_first() -> None:
     assert got == [
         (ns(0), "swap in", ns(0.5), tr, "r1"),
         (ns(0.5), "forward_backward", ns(0.5 + 2.0), tr, "r1"),
+        (ns(3.0 - 2.5), "queued", ns(3.0), track_uuid("queued", train), "r2"),
         (ns(1.0), "sample", ns(1.0 + 4.0), sa, "r3"),
         (ns(2.0), "sample", ns(2.0 + 1.0), track_uuid("job", sampler, "1"), "r4"),
         (ns(3.0), "optim_step", ns(3.0 + 0.25), tr, "r2"),
@@ -96,6 +106,7 @@ def test_each_call_is_a_slice_on_its_jobs_track_its_swap_first() -> None:
         "request_id": "r1",
         "worker": "w0",
         "ok": True,
+        "queue_s": 0.0,
         "swap_s": 0.5,
         "compute_s": 2.0,
     }
@@ -161,6 +172,7 @@ def test_the_tinker_cli_exports_the_sessions_calls_as_a_perfetto_trace(
     train_track = f"{ids['train']} (training run)"
     assert {"create", "forward_backward", "optim_step", "save", "sample"} <= by_track[train_track]
     assert any(name.endswith("(sampler)") for name, _ in tracks.values())
+    assert "queued" in by_track[f"{ids['train']} queued"]  # Kafka and the scheduler, at least
 
 
 def test_the_trace_url_is_refused_when_altered_and_the_session_to_other_tenants(

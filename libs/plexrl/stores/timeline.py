@@ -30,6 +30,9 @@ class TimelineEntry(msgspec.Struct, frozen=True):
     slices: int = 0
     """The micro-batches a `forward_backward` ran in, paused or not between them
     (`Dispatch.sliceable`); 0: it ran whole."""
+    queue_s: float = 0.0
+    """Seconds from the call's arrival at the gateway to `started_at` (`Timings.queue_s`):
+    the Kafka hops and the scheduler, and the wait while the device ran other calls."""
 
 
 class TimelineStore(RedisStore):

@@ -3,10 +3,13 @@
 `GET /api/v1/sessions/{id}/trace_export` (the SDK's `RestClient.export_session_trace`)
 answers at once with a signed, expiring URL; the URL's file is built when it is read,
 from the cluster's timeline (every call as it ran: which job, on which worker, when,
-its swap and compute seconds). The file is a Perfetto protobuf trace (`.pftrace`, open
-it in ui.perfetto.dev): a track for the session, under it one per job (training run or
-sampler), and on each a slice per call, its swap first; a job whose calls overlapped
-(a rollout's tail beside the next call, a sample on another group) gets a second lane.
+its queueing, swap and compute seconds). The file is a Perfetto protobuf trace
+(`.pftrace`, open it in ui.perfetto.dev): a track for the session, under it one per job
+(training run or sampler) with its calls as they ran, swap in first, and one with their
+waits from arrival at the gateway to start (Kafka, the scheduler, and the device busy
+with other calls); where a job's calls overlapped (a rollout's tail beside the next
+call, a sample on another group) or their waits did (calls sent together), another
+lane.
 
 The timeline keeps about its last 100,000 calls cluster-wide, so an old session's
 earliest calls may be gone from it; the trace says how many calls it holds.
@@ -166,12 +169,35 @@ def _ns(seconds: float) -> int:
     return max(0, round(seconds * 1e9))
 
 
+class _Lanes:
+    """Tracks under one parent, one more wherever an interval overlaps all the others'
+    (slices on a Perfetto track must nest)."""
+
+    def __init__(self, tracks: list[Track], parent: int, name: str, *key: str) -> None:
+        self._tracks, self._parent, self._name, self._key = tracks, parent, name, key
+        self._until: list[tuple[int, float]] = []  # (track uuid, its last slice's end)
+
+    def place(self, start: float, end: float) -> int:
+        """The first lane free at `start`, taken until `end`."""
+        for i, (uuid, until) in enumerate(self._until):
+            if until <= start:
+                self._until[i] = (uuid, end)
+                return uuid
+        n = len(self._until)
+        uuid = track_uuid(*self._key, str(n)) if n else track_uuid(*self._key)
+        self._tracks.append(Track(uuid, self._name + (f" {n + 1}" if n else ""), self._parent))
+        self._until.append((uuid, end))
+        return uuid
+
+
 def session_trace(
     session_id: str, jobs: Sequence[JobRecord], entries: Iterable[TimelineEntry]
 ) -> bytes:
-    """The session's calls in `entries` (the timeline) as a Perfetto trace: one track per
-    job under the session's, a lane more wherever a job's calls overlapped, a slice per
-    call (its swap, then its compute) with its request id, worker and outcome."""
+    """The session's calls in `entries` (the timeline) as a Perfetto trace: under the
+    session's track, per job a track of its calls as they ran (the swap in, then the
+    call, named by its function, with its request id, worker, outcome and seconds) and
+    one of their waits from arrival to start ("queued"); a lane more wherever they
+    overlapped."""
     root = track_uuid("session", session_id)
     kinds = {j.job_id: j.kind for j in jobs}
     seen: set[str] = set()
@@ -182,28 +208,27 @@ def session_trace(
             calls.append(e)
     calls.sort(key=lambda e: (e.started_at, e.request_id))
     tracks = [Track(root, f"session {session_id}: {len(calls)} calls")]
-    lanes: dict[str, list[tuple[int, float]]] = {}  # job → [(track uuid, busy until)]
+    ran: dict[str, _Lanes] = {}
+    waited: dict[str, _Lanes] = {}
     for job in jobs:
         kind = "training run" if job.kind == JobKind.TRAINING else "sampler"
-        uuid = track_uuid("job", job.job_id)
-        tracks.append(Track(uuid, f"{job.job_id} ({kind})", root))
-        lanes[job.job_id] = [(uuid, 0.0)]
+        ran[job.job_id] = _Lanes(tracks, root, f"{job.job_id} ({kind})", "job", job.job_id)
+        ran[job.job_id].place(0.0, 0.0)  # every job's track, whether it called or not
+        waited[job.job_id] = _Lanes(tracks, root, f"{job.job_id} queued", "queued", job.job_id)
     slices: list[Slice] = []
     for e in calls:
         end = e.started_at + e.swap_s + e.compute_s
-        mine = lanes[e.job_id]
-        lane = next((i for i, (_, until) in enumerate(mine) if until <= e.started_at), None)
-        if lane is None:
-            lane = len(mine)
-            uuid = track_uuid("job", e.job_id, str(lane))
-            tracks.append(Track(uuid, f"{e.job_id} (overlapping calls {lane + 1})", root))
-            mine.append((uuid, end))
-        track = mine[lane][0]
-        mine[lane] = (track, end)
+        rid = (("request_id", e.request_id),)
+        if e.queue_s > 0:
+            arrived = e.started_at - e.queue_s
+            track = waited[e.job_id].place(arrived, e.started_at)
+            slices.append(Slice(track, "queued", _ns(arrived), _ns(e.started_at), rid))
+        track = ran[e.job_id].place(e.started_at, end)
         args: list[tuple[str, Value]] = [
             ("request_id", e.request_id),
             ("worker", e.worker_id),
             ("ok", e.ok),
+            ("queue_s", e.queue_s),
             ("swap_s", e.swap_s),
             ("compute_s", e.compute_s),
         ]
@@ -215,7 +240,7 @@ def session_trace(
         start = _ns(e.started_at)
         if e.swap_s > 0:
             swapped = _ns(e.started_at + e.swap_s)
-            slices.append(Slice(track, "swap in", start, swapped, (("request_id", e.request_id),)))
+            slices.append(Slice(track, "swap in", start, swapped, rid))
             start = swapped
         slices.append(Slice(track, str(e.function), start, _ns(end), tuple(args)))
     return encode_trace(tracks, slices)

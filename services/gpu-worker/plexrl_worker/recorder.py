@@ -59,6 +59,7 @@ class ResultRecorder:
             if ran.output is None
             else await inline_or_ref(self._payloads, ran.output, self._inline_max_bytes)
         )
+        queue_s = max(0.0, ran.started_at - request.arrival_time)
         completion = PhaseCompletion(
             request_id=request.request_id,
             job_id=request.job_id,
@@ -67,7 +68,7 @@ class ResultRecorder:
             function=request.function,
             status=CompletionStatus.OK if ran.error is None else CompletionStatus.ERROR,
             timings=Timings(
-                queue_s=max(0.0, ran.started_at - request.arrival_time),
+                queue_s=queue_s,
                 swap_s=ran.swap_s,
                 compute_s=ran.compute_s,
                 slices=ran.slices,
@@ -94,6 +95,7 @@ class ResultRecorder:
             tail_released_at=ran.tail_released_at,
             preempted=ran.preempted,
             slices=ran.slices,
+            queue_s=queue_s,
         )
         # Two independent writes in one round trip (a retry of the whole record may
         # append the timeline entry twice, as it could before; the record is NX).
