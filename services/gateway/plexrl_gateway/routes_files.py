@@ -84,11 +84,12 @@ async def external_weights_file(
 async def session_trace_file(
     session_id: str,
     gateway: GatewayDep,
+    tenant: Annotated[str, Query(max_length=256)],
     expires: Annotated[int, Query()],
     signature: Annotated[str, Query(max_length=128)],
 ) -> Response:
     """The session's calls as a Perfetto trace (open it in ui.perfetto.dev)."""
-    trace = await gateway.traces.build(session_id, expires, signature)
+    trace = await gateway.traces.build(session_id, tenant, expires, signature)
     headers = {
         "content-disposition": f"attachment; filename*=UTF-8''{quote(session_id)}.pftrace",
         "cache-control": "private, no-store",

@@ -199,13 +199,13 @@ async def get_session(session_id: str, tenant: Tenant, jobs: Jobs) -> dict[str, 
 
 @router.get("/sessions/{session_id}/trace_export")
 async def trace_export(
-    session_id: str, request: Request, tenant: Tenant, jobs: Jobs, gateway: GatewayDep
+    session_id: str, request: Request, tenant: Tenant, gateway: GatewayDep
 ) -> dict[str, Any]:
     """RestClient.export_session_trace (`tinker session export-trace`): ready at once, a
     signed URL whose file is built from the timeline when it is read
     (plexrl_gateway.session_trace)."""
-    await jobs.session(tenant, session_id)
-    return {"status": "ready", "url": gateway.traces.url(session_id, str(request.base_url))}
+    url = await gateway.traces.url(tenant, session_id, str(request.base_url))
+    return {"status": "ready", "url": url}
 
 
 @router.get("/billing/usage/events")

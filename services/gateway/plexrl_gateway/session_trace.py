@@ -247,7 +247,9 @@ def session_trace(
 
 
 class SessionTraces:
-    """Signs a session trace's URL and builds the file a signed URL names."""
+    """Finds a tenant's session, signs its trace's URL and builds the file a signed URL
+    names. A session's jobs outlive its record (which ends a day after its last
+    heartbeat), so its trace is built from them."""
 
     def __init__(
         self,
@@ -265,34 +267,41 @@ class SessionTraces:
         self._url_ttl_s = url_ttl_s
         self._public_url = public_url.rstrip("/") if public_url else None
 
-    def url(self, session_id: str, request_base_url: str) -> str:
-        """The trace's download URL, valid for the configured lifetime, no key needed."""
+    async def url(self, tenant: str, session_id: str, request_base_url: str) -> str:
+        """The trace's download URL, valid for the configured lifetime, no key needed; 404
+        for a session the tenant never had."""
+        if not await self._jobs_of(tenant, session_id):
+            session = await self._sessions.get_session(session_id)
+            if session is None or session.tenant != tenant:
+                raise not_found(f"unknown session {session_id!r}")
         expires = int(self._signer.now() + self._url_ttl_s)
-        signature = self._signer.sign(_signed_path(session_id), TRACE_FILE, expires)
+        signature = self._signer.sign(_signed_path(tenant, session_id), TRACE_FILE, expires)
         base = (self._public_url or request_base_url.rstrip("/")) + TRACES_ROUTE
-        query = urlencode({"expires": expires, "signature": signature})
+        query = urlencode({"tenant": tenant, "expires": expires, "signature": signature})
         return f"{base}/{quote(session_id, safe='')}/{TRACE_FILE}?{query}"
 
-    async def build(self, session_id: str, expires: int, signature: str) -> bytes:
-        """The trace a signed URL names: 403 for a signature that does not match, 410 past
-        its expiry, 404 once the session is gone."""
-        path = _signed_path(session_id)
+    async def build(self, session_id: str, tenant: str, expires: int, signature: str) -> bytes:
+        """The trace a signed URL names: 403 for a signature that does not match (the
+        tenant is signed too), 410 past its expiry."""
+        path = _signed_path(tenant, session_id)
         try:
             self._signer.check(path, TRACE_FILE, expires, signature, renew=RENEW)
         except BadSignature as exc:
             raise ApiError(403, str(exc)) from None
         except Expired as exc:
             raise ApiError(410, str(exc)) from None
-        session = await self._sessions.get_session(session_id)
-        if session is None:
-            raise not_found(f"session {session_id!r} has ended: its trace can no longer be built")
-        jobs = [
-            j for j in await self._jobs.tenant_jobs(session.tenant) if j.session_id == session_id
-        ]
-        jobs.sort(key=lambda j: j.created_at)
-        entries = await self._timeline.timeline(session.created_at, TIMELINE_READ_MAX)
-        return session_trace(session_id, jobs, entries)
+        jobs = await self._jobs_of(tenant, session_id)
+        if not jobs:
+            return session_trace(session_id, [], [])
+        since = min(j.created_at for j in jobs)
+        return session_trace(
+            session_id, jobs, await self._timeline.timeline(since, TIMELINE_READ_MAX)
+        )
+
+    async def _jobs_of(self, tenant: str, session_id: str) -> list[JobRecord]:
+        jobs = [j for j in await self._jobs.tenant_jobs(tenant) if j.session_id == session_id]
+        return sorted(jobs, key=lambda j: j.created_at)
 
 
-def _signed_path(session_id: str) -> str:
-    return f"session-trace/{session_id}"
+def _signed_path(tenant: str, session_id: str) -> str:
+    return f"session-trace/{tenant}/{session_id}"
