@@ -507,6 +507,20 @@ async def test_finishing_a_session_unloads_its_models(api: Harness) -> None:
     assert gone.status_code == 404 and "unloaded" in gone.json()["error"]
 
 
+async def test_sdk_methods_of_organizations_are_refused_with_what_to_use_instead(
+    api: Harness,
+) -> None:
+    search = await api.http.post("/api/v1/sessions/search", json={"limit": 5}, headers=ALICE)
+    project = await api.http.put(
+        "/api/v1/sessions/s1/project", json={"project_id": "p"}, headers=ALICE
+    )
+    audit = await api.http.get("/api/v1/audit", params={"event_type": "all"}, headers=ALICE)
+    for refused, hint in ((search, "list_sessions"), (project, "no projects"), (audit, "trace")):
+        assert refused.status_code == 400, refused.text
+        assert hint in refused.json()["error"]
+    assert (await api.http.get("/api/v1/audit")).status_code == 401  # a key first
+
+
 # PlexRL's own API -------------------------------------------------------------------------
 
 

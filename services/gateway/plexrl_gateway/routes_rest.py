@@ -208,6 +208,35 @@ async def trace_export(
     return {"status": "ready", "url": url}
 
 
+@router.post("/sessions/search")
+async def search_sessions(_: Tenant) -> None:
+    raise ApiError(
+        400,
+        "search_sessions is not served by PlexRL: it searches an organization's projects, "
+        "and a PlexRL key is one tenant with no projects. List the tenant's sessions with "
+        "list_sessions and read each with get_session (its user_metadata included)",
+    )
+
+
+@router.put("/sessions/{session_id}/project")
+async def assign_session_project(session_id: str, _: Tenant) -> None:
+    raise ApiError(
+        400,
+        "assign_session_project is not supported by PlexRL: it has no projects (a key is "
+        "one tenant, and its sessions are all the tenant's)",
+    )
+
+
+@router.get("/audit")
+async def audit_log(_: Tenant) -> None:
+    raise ApiError(
+        400,
+        "PlexRL keeps no audit log of API keys and members (its keys are the operator's, "
+        "PLEXRL_API_KEYS). What each call did is in its trace (docs/tracing.md) and the "
+        "timeline (GET /plexrl/v1/timeline)",
+    )
+
+
 @router.get("/billing/usage/events")
 async def billing_usage(_: Tenant) -> None:
     raise ApiError(
