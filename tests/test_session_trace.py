@@ -8,6 +8,7 @@ another tenant.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 import tinker
+from gateway_harness import ALICE, gateway
 from tinker import types
 
 from plexrl.stores.jobs import JobKind, JobRecord, JobSpec
@@ -117,6 +119,26 @@ def test_a_session_without_calls_is_its_tracks_alone() -> None:
     trace = perfetto_schema.parse(session_trace("s2", [_job("s2:train:0", JobKind.TRAINING)], []))
     assert len(perfetto_schema.tracks(trace)) == 2
     assert perfetto_schema.slices(trace) == []
+
+
+async def test_a_trace_url_past_its_expiry_is_gone_and_an_unknown_session_has_none(
+    infra: dict[str, str], tiny_registry: Path
+) -> None:
+    async with gateway(infra, tiny_registry, export_url_ttl_s=1.0) as gw:
+        session = (await gw.ok("create_session", {"tags": [], "sdk_version": "0.38.0"}))[
+            "session_id"
+        ]
+        answer = await gw.http.get(f"/api/v1/sessions/{session}/trace_export", headers=ALICE)
+        assert answer.status_code == 200, answer.text
+        url = answer.json()["url"]
+        fresh = await gw.http.get(url)  # no key: the signature is the permission
+        assert fresh.status_code == 200
+        assert perfetto_schema.slices(perfetto_schema.parse(fresh.content)) == []
+        await asyncio.sleep(1.5)
+        expired = await gw.http.get(url)
+        assert expired.status_code == 410 and "export_session_trace" in expired.json()["error"]
+        unknown = await gw.http.get("/api/v1/sessions/sess-none/trace_export", headers=ALICE)
+        assert unknown.status_code == 404
 
 
 # Live: the SDK's CLI against the shared cluster ------------------------------------------

@@ -56,7 +56,6 @@ _ANNOTATION_STRING = 6
 _ANNOTATION_NAME = 10
 SLICE_BEGIN = 1
 SLICE_END = 2
-INSTANT = 3
 _SEQUENCE = 1
 """Every packet's `trusted_packet_sequence_id`: one writer, no interned state."""
 CATEGORY = "plexrl"
