@@ -108,6 +108,13 @@ class Gateway:
         publisher = CountingPublisher(publisher, pending, topics.requests)
         sequencer = Sequencer(stores.calls, settings.sequence_gap_timeout_s)
         signer = UrlSigner(signing_secret(settings.url_signing_secret, settings.service_token))
+        registry = Registry(
+            stores.sessions,
+            stores.jobs,
+            stores.checkpoints,
+            TenantRecords(stores.keys),
+            settings.quotas(),
+        )
         return cls(
             keys=ApiKeys(settings.api_keys),
             calls=stores.calls,
@@ -116,13 +123,7 @@ class Gateway:
             usage=stores.usage,
             catalog=ModelCatalog(ModelRegistry(settings.model_registry)),
             placement=Placement(stores.workers, settings.worker_timeout_s),
-            registry=Registry(
-                stores.sessions,
-                stores.jobs,
-                stores.checkpoints,
-                TenantRecords(stores.keys),
-                settings.quotas(),
-            ),
+            registry=registry,
             submitter=Submitter(
                 stores.calls,
                 stores.payloads,
@@ -162,8 +163,7 @@ class Gateway:
                 settings.public_url,
             ),
             traces=SessionTraces(
-                stores.sessions,
-                stores.jobs,
+                registry,
                 stores.timeline,
                 signer,
                 settings.export_url_ttl_s,

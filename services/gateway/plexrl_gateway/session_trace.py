@@ -23,10 +23,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from urllib.parse import quote, urlencode
 
-from plexrl.stores.jobs import JobKind, JobRecord, JobStore
-from plexrl.stores.sessions import SessionStore
+from plexrl.stores.jobs import JobKind, JobRecord
 from plexrl.stores.timeline import TimelineEntry, TimelineStore
-from plexrl_gateway.errors import ApiError, not_found
+from plexrl_gateway.errors import ApiError
+from plexrl_gateway.registry import Registry
 from plexrl_gateway.signing import BadSignature, Expired, UrlSigner
 
 TRACES_ROUTE = "/api/v1/session_traces"
@@ -252,15 +252,13 @@ class SessionTraces:
 
     def __init__(
         self,
-        sessions: SessionStore,
-        jobs: JobStore,
+        registry: Registry,
         timeline: TimelineStore,
         signer: UrlSigner,
         url_ttl_s: float,
         public_url: str | None = None,
     ) -> None:
-        self._sessions = sessions
-        self._jobs = jobs
+        self._registry = registry
         self._timeline = timeline
         self._signer = signer
         self._url_ttl_s = url_ttl_s
@@ -270,9 +268,7 @@ class SessionTraces:
         """The trace's download URL, valid for the configured lifetime, no key needed; 404
         for a session the tenant never had."""
         if not await self._jobs_of(tenant, session_id):
-            session = await self._sessions.get_session(session_id)
-            if session is None or session.tenant != tenant:
-                raise not_found(f"unknown session {session_id!r}")
+            await self._registry.session(tenant, session_id)  # 404 unless the tenant's
         expires = int(self._signer.now() + self._url_ttl_s)
         signature = self._signer.sign(_signed_path(tenant, session_id), TRACE_FILE, expires)
         base = (self._public_url or request_base_url.rstrip("/")) + TRACES_ROUTE
@@ -298,7 +294,7 @@ class SessionTraces:
         )
 
     async def _jobs_of(self, tenant: str, session_id: str) -> list[JobRecord]:
-        jobs = [j for j in await self._jobs.tenant_jobs(tenant) if j.session_id == session_id]
+        jobs = [j for j in await self._registry.jobs(tenant) if j.session_id == session_id]
         return sorted(jobs, key=lambda j: j.created_at)
 
 
