@@ -5,7 +5,11 @@
 Starts a local cluster (one worker), measures `POST /plexrl/v1/echo` one at a time
 (p50/p99 latency) and with many concurrent clients (calls/s), and, side by side, a
 plain HTTP round trip to the gateway (`POST /api/v1/client/config`, no I/O behind
-it) so the Kafka path's added cost is visible.
+it) so the Kafka path's added cost is visible. The same clients also run the plain route
+concurrently (the gateway's HTTP layers alone) and a bare ASGI server on uvicorn that
+answers at once (`BARE_APP`: no framework, no I/O): the calls/s this machine's HTTP
+stack and client allow before any service does anything, with the clients' own CPU per
+call.
 
 With `--previous REV` a second cluster runs the services of git revision REV (checked
 out in a `git worktree` under the system temp directory, imported through PYTHONPATH
@@ -26,8 +30,10 @@ import asyncio
 import contextlib
 import json
 import os
+import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -71,6 +77,17 @@ def service_pids(cluster_id: str) -> dict[str, int]:
     return pids
 
 
+def infra_pids() -> dict[str, int]:
+    """The Kafka broker's and Redis's processes on this machine (the shared ones the
+    bench's clusters use), where exactly one of each runs."""
+    found = {}
+    for name, pattern in (("broker", "kafka.Kafka"), ("redis", "redis-server")):
+        out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+        if len(out.split()) == 1:
+            found[name] = int(out)
+    return found
+
+
 def cpu_s(pids: dict[str, int]) -> dict[str, float]:
     """CPU seconds (user + system) each process used so far; 0 for one that is gone."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -99,19 +116,111 @@ async def sequential(http: httpx.AsyncClient, method: str, path: str, n: int) ->
     return out
 
 
-async def concurrent(http: httpx.AsyncClient, clients: int, n: int) -> float:
-    """Calls per second with `clients` callers issuing `n` echo calls in total."""
+async def concurrent(
+    http: httpx.AsyncClient, clients: int, n: int, path: str = "/plexrl/v1/echo"
+) -> tuple[float, float]:
+    """Calls per second with `clients` callers issuing `n` POSTs of `path` in total, and
+    the CPU seconds this process (the clients) spent per call."""
     remaining = n
 
     async def caller() -> None:
         nonlocal remaining
         while remaining > 0:
             remaining -= 1
-            (await http.post("/plexrl/v1/echo")).raise_for_status()
+            (await http.post(path)).raise_for_status()
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     await asyncio.gather(*(caller() for _ in range(clients)))
-    return n / (time.perf_counter() - start)
+    return n / (time.perf_counter() - start), (time.process_time() - cpu) / n
+
+
+class LeanClient:
+    """HTTP/1.1 over one kept-alive connection per caller, a few lines of asyncio: far less
+    CPU per call than httpx, so the servers' side of the calls/s shows. It sends one
+    fixed POST and reads the status line, the headers and a `Content-Length` body."""
+
+    def __init__(self, url: str, path: str) -> None:
+        self._host, port = url.removeprefix("http://").rsplit(":", 1)
+        self._port = int(port)
+        self._request = (
+            f"POST {path} HTTP/1.1\r\nhost: {self._host}\r\nx-api-key: {KEY}\r\n"
+            "content-length: 0\r\n\r\n"
+        ).encode()
+
+    async def calls(self, clients: int, n: int) -> tuple[float, float]:
+        """Calls/s with `clients` connections making `n` calls in all, and the CPU seconds
+        this process spent per call."""
+        remaining = n
+
+        async def caller() -> None:
+            nonlocal remaining
+            reader, writer = await asyncio.open_connection(self._host, self._port)
+            try:
+                while remaining > 0:
+                    remaining -= 1
+                    writer.write(self._request)
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    status = int(head[9:12])
+                    if status != 200:
+                        raise RuntimeError(f"{status}: {head[:200]!r}")
+                    length = -1
+                    for header in head.split(b"\r\n"):
+                        if header[:15].lower() == b"content-length:":
+                            length = int(header[15:])
+                    if length < 0:
+                        raise RuntimeError(f"no content-length: {head[:200]!r}")
+                    await reader.readexactly(length)
+            finally:
+                writer.close()
+
+        start, cpu = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(caller() for _ in range(clients)))
+        return n / (time.perf_counter() - start), (time.process_time() - cpu) / n
+
+
+BARE_APP = """
+import sys, uvicorn
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"{}"})
+
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
+            http="h11", lifespan="off")
+"""
+"""An ASGI app that answers every request at once, on uvicorn as the services run it
+(h11, one process): no framework, no I/O. Its calls/s with the same clients is what
+this machine's HTTP stack and client allow before any service does anything."""
+
+
+@contextlib.contextmanager
+def bare_server() -> Iterator[str]:
+    """`BARE_APP` in a process of its own; its URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", BARE_APP, str(port)])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                httpx.post(url, timeout=1).raise_for_status()
+                break
+            except httpx.HTTPError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
 @dataclass
@@ -121,6 +230,18 @@ class Samples:
     http: list[float] = field(default_factory=list)
     echo: list[float] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
+    plain_rates: list[float] = field(default_factory=list)
+    """Calls/s of the plain HTTP route with the same clients: the gateway's HTTP layers
+    alone, no Kafka, no Redis."""
+    client_cpu: list[float] = field(default_factory=list)
+    """CPU seconds the clients spent per concurrent echo."""
+    lean_rates: list[float] = field(default_factory=list)
+    """Calls/s of concurrent echoes from the lean client (`LeanClient`)."""
+    lean_plain_rates: list[float] = field(default_factory=list)
+    cpu_lean: dict[str, float] = field(default_factory=dict)
+    """CPU seconds of every process (the broker and Redis too) during the lean client's
+    echoes, not less any idle rate: all a call costs this machine."""
+    lean_calls: int = 0
     round_p50s: list[float] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)
     """CPU seconds each service spent on the sequential echo calls, less its idle rate."""
@@ -134,6 +255,7 @@ class Samples:
         http_p50 = statistics.median(self.http)
         per_call = {k: round(v / len(self.echo) * ms, 3) for k, v in sorted(self.cpu.items())}
         calls_16 = max(self.concurrent_calls, 1)
+        lean = max(self.lean_calls, 1)
         per_call_16 = {
             k: round(v / calls_16 * ms, 3) for k, v in sorted(self.cpu_concurrent.items())
         }
@@ -145,6 +267,15 @@ class Samples:
             "added_p50_ms": round((echo_p50 - http_p50) * ms, 3),
             "clients": clients,
             "calls_per_s": round(statistics.median(self.rates), 1),
+            "plain_http_calls_per_s": round(statistics.median(self.plain_rates), 1),
+            "client_cpu_ms_per_call": round(statistics.median(self.client_cpu) * ms, 3),
+            # The same clients' calls from a client of little CPU (`LeanClient`).
+            "lean_calls_per_s": round(statistics.median(self.lean_rates), 1),
+            "lean_plain_http_calls_per_s": round(statistics.median(self.lean_plain_rates), 1),
+            "cpu_ms_per_call_lean": round(sum(self.cpu_lean.values()) / lean * ms, 3),
+            "cpu_ms_per_call_lean_by_process": {
+                k: round(v / lean * ms, 3) for k, v in sorted(self.cpu_lean.items())
+            },
             # Each round's own figures: how much the machine moved under the run.
             "echo_p50_ms_by_round": [round(v * ms, 2) for v in self.round_p50s],
             "calls_per_s_by_round": [round(v, 1) for v in self.rates],
@@ -162,24 +293,46 @@ def client(url: str, clients: int) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=url, headers={"X-API-Key": KEY}, timeout=60, limits=limits)
 
 
+@dataclass
+class Bare:
+    """Every round's measurements of the bare server (`BARE_APP`)."""
+
+    rates: list[float] = field(default_factory=list)
+    client_cpu: list[float] = field(default_factory=list)
+    lean_rates: list[float] = field(default_factory=list)
+    lean_client_cpu: list[float] = field(default_factory=list)
+
+    def figures(self) -> dict[str, float]:
+        ms = 1000.0
+        return {
+            "calls_per_s": round(statistics.median(self.rates), 1),
+            "client_cpu_ms_per_call": round(statistics.median(self.client_cpu) * ms, 3),
+            "lean_calls_per_s": round(statistics.median(self.lean_rates), 1),
+            "lean_client_cpu_ms_per_call": round(statistics.median(self.lean_client_cpu) * ms, 3),
+        }
+
+
 async def measure(
-    clusters: dict[str, ClusterConfig], calls: int, clients: int, rounds: int
-) -> dict[str, Samples]:
-    """`rounds` rounds; in each, every cluster in turn: plain HTTP, echo, concurrent echo."""
+    clusters: dict[str, ClusterConfig], calls: int, clients: int, rounds: int, bare_url: str
+) -> tuple[dict[str, Samples], Bare]:
+    """`rounds` rounds; in each, every cluster in turn: plain HTTP, echo, concurrent plain
+    HTTP, concurrent echo; then the bare server with the same clients."""
     per_round = max(1, calls // rounds)
     samples = {name: Samples() for name in clusters}
+    bare = Bare()
     urls = {name: c.gateway_url for name, c in clusters.items()}
     pids = {name: service_pids(c.cluster_id) for name, c in clusters.items()}
+    infra = infra_pids()
     async with contextlib.AsyncExitStack() as stack:
         https = {
             name: await stack.enter_async_context(client(url, clients))
-            for name, url in urls.items()
+            for name, url in {**urls, "bare": bare_url}.items()
         }
         for http in https.values():
             await sequential(http, "POST", "/plexrl/v1/echo", 20)  # warm up every hop
         for n in range(rounds):
             # Alternate who goes first, so neither always follows the other's burst.
-            order = list(https) if n % 2 == 0 else list(reversed(https))
+            order = list(urls) if n % 2 == 0 else list(reversed(urls))
             for name in order:
                 http, s = https[name], samples[name]
                 s.http += await sequential(http, "POST", "/api/v1/client/config", per_round)
@@ -199,14 +352,35 @@ async def measure(
                 for service, used in cpu_s(pids[name]).items():
                     spent = used - before.get(service, 0.0) - idle.get(service, 0.0) * elapsed
                     s.cpu[service] = s.cpu.get(service, 0.0) + spent
+                rate, _ = await concurrent(http, clients, per_round * 2, "/api/v1/client/config")
+                s.plain_rates.append(rate)
                 before, start = cpu_s(pids[name]), time.perf_counter()
-                s.rates.append(await concurrent(http, clients, per_round * 2))
+                rate, client_cpu = await concurrent(http, clients, per_round * 2)
+                s.rates.append(rate)
+                s.client_cpu.append(client_cpu)
                 elapsed = time.perf_counter() - start
                 for service, used in cpu_s(pids[name]).items():
                     spent = used - before.get(service, 0.0) - idle.get(service, 0.0) * elapsed
                     s.cpu_concurrent[service] = s.cpu_concurrent.get(service, 0.0) + spent
                 s.concurrent_calls += per_round * 2
-    return samples
+                lean = LeanClient(urls[name], "/api/v1/client/config")
+                s.lean_plain_rates.append((await lean.calls(clients, per_round * 2))[0])
+                lean = LeanClient(urls[name], "/plexrl/v1/echo")
+                every = {**pids[name], **infra}
+                before = cpu_s(every)
+                rate, client_cpu = await lean.calls(clients, per_round * 2)
+                s.lean_rates.append(rate)
+                for process, used in cpu_s(every).items():
+                    s.cpu_lean[process] = s.cpu_lean.get(process, 0.0) + used - before[process]
+                s.cpu_lean["client"] = s.cpu_lean.get("client", 0.0) + client_cpu * per_round * 2
+                s.lean_calls += per_round * 2
+            rate, client_cpu = await concurrent(https["bare"], clients, per_round * 2, "/")
+            bare.rates.append(rate)
+            bare.client_cpu.append(client_cpu)
+            rate, client_cpu = await LeanClient(bare_url, "/").calls(clients, per_round * 2)
+            bare.lean_rates.append(rate)
+            bare.lean_client_cpu.append(client_cpu)
+    return samples, bare
 
 
 @contextlib.contextmanager
@@ -249,7 +423,11 @@ def line(name: str, f: dict[str, Any]) -> str:
     return (
         f"{name}: echo p50 {f['echo_p50_ms']} ms, p99 {f['echo_p99_ms']} ms "
         f"(plain HTTP p50 {f['http_p50_ms']} ms; added {f['added_p50_ms']} ms); "
-        f"{f['calls_per_s']} calls/s with {f['clients']} clients; services' CPU "
+        f"{f['calls_per_s']} calls/s with {f['clients']} clients (the plain HTTP route "
+        f"{f['plain_http_calls_per_s']}; the clients' CPU {f['client_cpu_ms_per_call']} ms "
+        f"per echo; from the lean client {f['lean_calls_per_s']}, the plain route "
+        f"{f['lean_plain_http_calls_per_s']}; every process's CPU per lean echo "
+        f"{f['cpu_ms_per_call_lean']} ms {f['cpu_ms_per_call_lean_by_process']}); services' CPU "
         f"{f['cpu_ms_per_echo']} ms per echo {f['cpu_ms_per_echo_by_service']}, "
         f"{f['cpu_ms_per_call_concurrent']} ms per call with {f['clients']} clients "
         f"{f['cpu_ms_per_call_concurrent_by_service']}"
@@ -287,10 +465,19 @@ def main() -> None:
             configs["previous"] = cluster_config(tmp, "previous", registry, env)
         for config in configs.values():
             stack.enter_context(LocalCluster(config))
-        samples = asyncio.run(measure(configs, args.calls, args.clients, rounds))
+        bare_url = stack.enter_context(bare_server())
+        samples, bare = asyncio.run(measure(configs, args.calls, args.clients, rounds, bare_url))
     figures = {name: s.figures(args.calls, args.clients) for name, s in samples.items()}
     result: dict[str, Any] = {"benchmark": "control_plane", **figures["current"]}
+    result["bare_http"] = bare.figures()
     print(line("this revision", figures["current"]))
+    print(
+        f"bare HTTP server (no framework, no I/O; {args.clients} clients): "
+        f"{result['bare_http']['calls_per_s']} calls/s, the clients' CPU "
+        f"{result['bare_http']['client_cpu_ms_per_call']} ms per call; from the lean client "
+        f"{result['bare_http']['lean_calls_per_s']} calls/s at "
+        f"{result['bare_http']['lean_client_cpu_ms_per_call']} ms"
+    )
     if commit is not None:
         prev = figures["previous"]
         cur = figures["current"]
