@@ -44,6 +44,8 @@ from plexrl_worker.runner import Ran
 
 pytestmark = pytest.mark.integration
 
+NOOP = ResponseKind.NOOP
+
 JOB = "plexrl-echo:alice"
 
 
@@ -159,6 +161,103 @@ async def test_concurrent_calls_of_one_job_are_each_published_exactly_once(
     sub = Submission(JOB, "alice", sequenced=False)
     ids = await asyncio.gather(*(submitter.submit(sub, ready(call)) for _ in range(40)))
     assert sorted(publisher.sent) == sorted(ids)  # no call lost, none sent twice
+    assert await Outbox(stores.keys).depth(JOB) == 0
+
+
+class CountingOutbox(Outbox):
+    """Counts the flushes the gateway runs (each reads the outbox at least once)."""
+
+    flushes = 0
+
+    async def flush(self, *args: Any, **kwargs: Any) -> int:
+        self.flushes += 1
+        return await super().flush(*args, **kwargs)
+
+
+def echo_submitter(stores: Stores, cluster_id: str, outbox: Outbox, publisher: Any) -> Submitter:
+    return Submitter(
+        stores.calls,
+        stores.payloads,
+        outbox,
+        publisher,
+        Topics(cluster_id),
+        Sequencer(stores.calls, gap_timeout_s=2.0),
+        512 * 1024,
+    )
+
+
+async def test_requests_of_one_job_share_its_flushes_and_each_returns_once_published(
+    stores: Stores, cluster_id: str
+) -> None:
+    publisher, outbox = SlowPublisher(), CountingOutbox(stores.keys)
+    submitter = echo_submitter(stores, cluster_id, outbox, publisher)
+    sub = Submission(JOB, "alice", sequenced=False)
+    unpublished: list[str] = []
+
+    async def one() -> str:
+        request_id = await submitter.submit(sub, ready(Call(Function.NOOP, NoopInput(), NOOP)))
+        if request_id not in publisher.sent:
+            unpublished.append(request_id)
+        return request_id
+
+    ids = await asyncio.gather(*(one() for _ in range(40)))
+    assert unpublished == []  # each answered only once its call was out
+    assert sorted(publisher.sent) == sorted(ids)
+    # One flush and the rounds that caught up with what came meanwhile, not one each.
+    assert outbox.flushes <= 10, outbox.flushes
+    assert await outbox.depth(JOB) == 0
+
+
+async def test_a_stream_of_requests_does_not_hold_back_an_earlier_one(
+    stores: Stores, cluster_id: str
+) -> None:
+    publisher = SlowPublisher()
+    submitter = echo_submitter(stores, cluster_id, Outbox(stores.keys), publisher)
+    sub = Submission(JOB, "alice", sequenced=False)
+    call = ready(Call(Function.NOOP, NoopInput(), NOOP))
+    streaming = asyncio.Event()
+
+    async def stream() -> None:  # a new request every few milliseconds, for two seconds
+        streaming.set()
+        end = time.monotonic() + 2.0
+        pending = []
+        while time.monotonic() < end:
+            pending.append(asyncio.create_task(submitter.submit(sub, call)))
+            await asyncio.sleep(0.003)
+        await asyncio.gather(*pending)
+
+    streamer = asyncio.create_task(stream())
+    await streaming.wait()
+    start = time.monotonic()
+    first = await submitter.submit(sub, call)
+    waited = time.monotonic() - start
+    assert first in publisher.sent
+    assert not streamer.done() and waited < 1.0, waited  # not until the stream ends
+    await streamer
+
+
+async def test_a_refused_round_leaves_its_calls_for_the_next_and_none_is_lost(
+    stores: Stores, cluster_id: str
+) -> None:
+    sent: list[str] = []
+    refuse = [True]
+
+    class Refusing(SlowPublisher):
+        async def publish_deferred(self, topic: str, key: str | bytes | None, message: Any) -> Any:
+            await asyncio.sleep(0.002)
+            if refuse[0]:
+                raise KafkaConnectionError("the broker is away")
+            sent.append(message.request_id)
+            return acked()
+
+    submitter = echo_submitter(stores, cluster_id, Outbox(stores.keys), Refusing())
+    sub = Submission(JOB, "alice", sequenced=False)
+    call = ready(Call(Function.NOOP, NoopInput(), NOOP))
+    refused = await asyncio.gather(*(submitter.submit(sub, call) for _ in range(5)))
+    assert sent == [] and await Outbox(stores.keys).depth(JOB) == 5  # accepted, kept
+    refuse[0] = False
+    last = await submitter.submit(sub, call)
+    assert sorted(sent) == sorted([*refused, last])  # each once, the refused ones too
     assert await Outbox(stores.keys).depth(JOB) == 0
 
 

@@ -40,7 +40,7 @@ from plexrl.stores import CallStore, FutureRecord, PayloadStore
 from plexrl.topics import Topics
 from plexrl_gateway import metrics
 from plexrl_gateway.errors import ApiError, Category
-from plexrl_gateway.outbox import Accept, Outbox
+from plexrl_gateway.outbox import Accept, Flushes, Outbox
 from plexrl_gateway.render import ResponseKind
 from plexrl_gateway.sequencer import SequenceGapError, Sequencer, Turn
 
@@ -139,6 +139,7 @@ class Submitter:
         self._inline_max_bytes = inline_max_bytes
         self._clock = clock
         self._outbox = outbox
+        self._flushes = Flushes(outbox)
 
     async def existing(self, retry_key: str) -> str | None:
         """The request id an earlier send of this call got, if there was one."""
@@ -212,7 +213,7 @@ class Submitter:
         if turn is not None:
             turn.settle(stored=True)  # the cursor moved with the acceptance
         try:
-            await self._outbox.flush(sub.job_id, self._send, head=accepted.head)
+            await self._flushes.flush(sub.job_id, self._send, head=accepted.head)
         except Exception as exc:  # accepted all the same: the outbox sweeper delivers it
             log.warning(
                 "publishing %s for %s failed (%r); it stays in the outbox", ids, sub.job_id, exc
