@@ -107,8 +107,8 @@ async def test_acceptance_reads_the_outbox_head_and_the_flush_starts_from_it(
     outbox = Outbox(stores.keys)
     sent: list[str] = []
 
-    async def send(r: PhaseRequest, route: Route | None) -> asyncio.Future[None]:
-        sent.append(r.request_id)
+    async def send(rs: list[PhaseRequest], routes: list[Route] | None) -> asyncio.Future[None]:
+        sent.extend(r.request_id for r in rs)
         return acked()
 
     first = await outbox.accept(accept(1))  # left unpublished, as by a gateway that died
@@ -127,8 +127,8 @@ async def test_an_acceptance_beside_a_running_flush_does_not_trust_its_head(
     sending = asyncio.Event()
     sent: list[str] = []
 
-    async def send(r: PhaseRequest, route: Route | None) -> asyncio.Future[None]:
-        sent.append(r.request_id)
+    async def send(rs: list[PhaseRequest], routes: list[Route] | None) -> asyncio.Future[None]:
+        sent.extend(r.request_id for r in rs)
         await sending.wait()
         return acked()
 
@@ -398,9 +398,9 @@ async def test_a_flush_queues_its_batch_at_once_and_a_refused_call_stays_with_th
         await outbox.accept(accept(n))
     acks: list[tuple[str, asyncio.Future[None]]] = []
 
-    async def send(r: PhaseRequest, route: Route | None) -> asyncio.Future[None]:
+    async def send(rs: list[PhaseRequest], routes: list[Route] | None) -> asyncio.Future[None]:
         ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        acks.append((r.request_id, ack))
+        acks.append((rs[0].request_id, ack))  # to the scheduler: a record each
         return ack
 
     flushing = asyncio.create_task(outbox.flush(JOB, send))
@@ -416,8 +416,8 @@ async def test_a_flush_queues_its_batch_at_once_and_a_refused_call_stays_with_th
     assert await outbox.depth(JOB) == 2  # req-3 and req-4 wait for the next flush
     sent: list[str] = []
 
-    async def resend(r: PhaseRequest, route: Route | None) -> asyncio.Future[None]:
-        sent.append(r.request_id)
+    async def resend(rs: list[PhaseRequest], routes: list[Route] | None) -> asyncio.Future[None]:
+        sent.extend(r.request_id for r in rs)
         return acked()
 
     assert await outbox.flush(JOB, resend) == 2

@@ -37,7 +37,7 @@ from plexrl.messages import (
     UnloadInput,
 )
 from plexrl.stores import Stores
-from plexrl_gateway.outbox import Accept, Outbox
+from plexrl_gateway.outbox import MERGED_CALLS, Accept, Outbox
 from plexrl_scheduler.direct import DirectConfig, DirectPath
 from plexrl_scheduler.receiver import Receiver
 from plexrl_scheduler.state import ClusterState
@@ -71,6 +71,8 @@ class Gateway:
 
     outbox: Outbox
     sent: list[tuple[str, Route | None]] = field(default_factory=list)
+    records: list[list[str]] = field(default_factory=list)
+    """The request ids of each Kafka record the flushes sent."""
     n: int = 0
 
     async def call(self, *functions: Function, job: str = JOB) -> list[str]:
@@ -84,8 +86,10 @@ class Gateway:
     async def flush(self, job: str = JOB) -> list[tuple[str, Route | None]]:
         before = len(self.sent)
 
-        async def send(r: PhaseRequest, route: Route | None) -> asyncio.Future[None]:
-            self.sent.append((r.request_id, route))
+        async def send(rs: list[PhaseRequest], routes: list[Route] | None) -> asyncio.Future[None]:
+            self.records.append([r.request_id for r in rs])
+            for i, r in enumerate(rs):
+                self.sent.append((r.request_id, None if routes is None else routes[i]))
             ack: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             ack.set_result(None)
             return ack
@@ -157,6 +161,20 @@ async def test_calls_accepted_under_a_live_lease_are_numbered_there_and_routed_i
     ]
     # The ledger numbered them: the scheduler's assign gives a replay the same seq.
     assert await ledger.assign(JOB, [opt, fb]) == [2, 1]
+    assert gateway.records == [[fb, opt, noop]]  # one dispatch to the worker
+
+
+async def test_a_flushs_direct_calls_share_records_within_bounds_and_leases(
+    gateway: Gateway, ledger: Ledger, leases: DirectLeases
+) -> None:
+    await lease(ledger, leases)
+    noops = [rid for _ in range(MERGED_CALLS + 3) for rid in await gateway.call(Function.NOOP)]
+    await gateway.flush()
+    assert gateway.records == [noops[:MERGED_CALLS], noops[MERGED_CALLS:]]
+    await leases.revoke(JOB)  # the calls after it go to the scheduler, a record each
+    after = [rid for _ in range(2) for rid in await gateway.call(Function.NOOP)]
+    await gateway.flush()
+    assert gateway.records[2:] == [[after[0]], [after[1]]]
 
 
 async def test_without_a_lease_sequenced_calls_wait_unnumbered_until_assigned(
@@ -164,6 +182,7 @@ async def test_without_a_lease_sequenced_calls_wait_unnumbered_until_assigned(
 ) -> None:
     fb, noop = await gateway.call(Function.FORWARD_BACKWARD, Function.NOOP)
     assert await gateway.flush() == [(fb, None), (noop, None)]
+    assert gateway.records == [[fb], [noop]]  # to the scheduler: a record each
     assert await waiting(stores, cluster_id) == 1  # the noop is never numbered
     assert await ledger.assign(JOB, [fb]) == [1]
     assert await ledger.assign(JOB, [fb]) == [1]  # a replay counts nothing off again

@@ -6,8 +6,9 @@ For a resident, active job the scheduler grants its home worker a *direct lease*
 Lua script, `plexrl_gateway.outbox`) reads it atomically and, for each call it
 accepts, numbers the call in the job's ledger (`plexrl.ledger`: sequenced calls get
 their seq there and then, not at dispatch) and routes the call: the outbox entry
-carries a `Route`, and the flush publishes a one-call `Dispatch` to the worker instead
-of a PhaseRequest to `plexrl.requests`. The scheduler still sees every call through
+carries a `Route`, and the flush publishes a `Dispatch` to the worker instead of a
+PhaseRequest to `plexrl.requests` (consecutive routed entries of one flush under the
+same lease share one, in order). The scheduler still sees every call through
 its completion (accounting, its view, the timeline).
 
 Why order and exactly-once hold whichever path a call takes:

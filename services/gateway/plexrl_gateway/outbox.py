@@ -17,7 +17,8 @@ known request id from its record instead of running it twice).
 The same script reads the job's direct lease (`plexrl.direct`): while the scheduler
 has granted one, it numbers each call in the job's ledger there and then and marks its
 outbox entry with the route (the worker, the epoch, the lease, the seq), and the flush
-publishes it as a one-call Dispatch to that worker. An entry keeps its route however
+publishes it in a Dispatch to that worker (with the routed entries next to it under
+the same lease, a bounded number, in order). An entry keeps its route however
 late it is published (by this gateway or, after a crash, by the next one): its seq
 and epoch decide at the worker, and the scheduler waits for it before it dispatches
 anything of the job after revoking the lease.
@@ -136,11 +137,58 @@ class Accepted:
     process could have moved it since: `flush` starts from it without reading it again."""
 
 
-Send = Callable[[PhaseRequest, Route | None], Awaitable[Awaitable[Any]]]
-"""Queues one request on the Kafka producer and returns its acknowledgement, which
-raises if the broker did not take it: to `plexrl.requests`, or with a route straight
-to its worker (`plexrl.direct`). A job's entries are queued in order and acknowledged
-together (one producer keeps their order on a partition)."""
+Send = Callable[[list[PhaseRequest], list[Route] | None], Awaitable[Awaitable[Any]]]
+"""Queues one Kafka record on the producer and returns its acknowledgement, which
+raises if the broker did not take it: one request to `plexrl.requests` (routes None),
+or consecutive calls of a job accepted under one direct lease, with their routes, as
+one dispatch straight to their worker (`plexrl.direct`). A job's records are queued in
+order and acknowledged together (one producer keeps their order on a partition)."""
+
+MERGED_CALLS = 16
+"""Most calls of one job one direct dispatch of the flush carries."""
+MERGED_BYTES = 256 * 1024
+"""Most bytes of outbox entries one direct dispatch of the flush carries (the broker's
+record limit is 1 MiB by default; a payload over the inline limit travels by reference)."""
+
+
+@dataclass
+class _Record:
+    """Outbox entries published as one Kafka record."""
+
+    raws: list[bytes]
+    requests: list[PhaseRequest]
+    routes: list[Route] | None
+    size: int
+
+    def takes(self, route: Route | None, size: int) -> bool:
+        """Whether an entry with `route` may go in this record, after those in it: a
+        direct call under the same worker, epoch and lease, within the bounds."""
+        if route is None or self.routes is None:
+            return False
+        last = self.routes[-1]
+        return (
+            (route.worker_id, route.epoch, route.lease_id)
+            == (last.worker_id, last.epoch, last.lease_id)
+            and len(self.raws) < MERGED_CALLS
+            and self.size + size <= MERGED_BYTES
+        )
+
+
+def _records(entries: list[tuple[bytes, Route | None, OutboxEntry]]) -> list[_Record]:
+    """The entries in order, consecutive direct calls under one lease merged."""
+    records: list[_Record] = []
+    for raw, route, entry in entries:
+        if records and records[-1].takes(route, len(raw)):
+            record = records[-1]
+            record.raws.append(raw)
+            record.requests.append(entry.request)
+            if record.routes is not None and route is not None:
+                record.routes.append(route)
+            record.size += len(raw)
+        else:
+            routes = None if route is None else [route]
+            records.append(_Record([raw], [entry.request], routes, len(raw)))
+    return records
 
 
 def _kind(request: PhaseRequest) -> str:
@@ -251,9 +299,10 @@ class Outbox:
         entries: list[tuple[bytes, Route | None, OutboxEntry]],
         send: Send,
     ) -> list[bytes]:
-        """Queue every entry, then wait for each acknowledgement in order; returns the
-        entries acknowledged. If one failed, those before it are removed from the outbox
-        and the failure raised (it and those after it stay, for the next flush)."""
+        """Queue every entry (consecutive direct calls under one lease as one dispatch),
+        then wait for each record's acknowledgement in order; returns the entries
+        acknowledged. If one failed, those before it are removed from the outbox and the
+        failure raised (its entries and those after them stay, for the next flush)."""
         # Nothing leaves the outbox before a Redis replica holds it: an entry only a
         # demoted primary holds (accepted on it while it was cut off, never confirmed to
         # the client, who sent the call again elsewhere) would otherwise be published by
@@ -261,19 +310,21 @@ class Outbox:
         # direct call's number, written at its acceptance, is covered the same way.
         await self._keys.replicated()
         acks = []
-        for raw, route, entry in entries:
-            if route is not None:
+        for record in _records(entries):
+            if record.routes is not None:
                 failpoint("gateway.direct_before_publish")
-            acks.append((raw, route, await send(entry.request, route)))
+            acks.append((record, await send(record.requests, record.routes)))
         acked: list[bytes] = []
+        done = 0
         try:
-            for raw, route, ack in acks:
+            for record, ack in acks:
                 await ack
-                acked.append(raw)
-                if route is not None:
+                acked += record.raws
+                done += 1
+                if record.routes is not None:
                     failpoint("gateway.direct_published")
         except BaseException:
-            for _, _, ack in acks[len(acked) + 1 :]:  # never awaited: collect their outcome
+            for _, ack in acks[done + 1 :]:  # never awaited: collect their outcome
                 if isinstance(ack, asyncio.Future):
                     ack.add_done_callback(retrieved)
             if acked:

@@ -104,16 +104,20 @@ def new_request_id() -> str:
     return f"req-{uuid.uuid4().hex}"
 
 
-def direct_dispatch(request: PhaseRequest, route: Route, traceparent: str) -> Dispatch:
-    """A call accepted under its job's direct lease, as its worker runs it: one call,
-    numbered and fenced as the scheduler's dispatches are (`Lease`)."""
+def direct_dispatch(
+    requests: list[PhaseRequest], routes: list[Route], traceparents: list[str]
+) -> Dispatch:
+    """Calls of one job accepted under its direct lease, as its worker runs them: in
+    order, numbered and fenced as the scheduler's dispatches are (`Lease`). Its id names
+    the lease and the first call."""
+    first = routes[0]
     return Dispatch(
-        dispatch_id=direct.dispatch_id(route.lease_id, request.request_id),
-        worker_id=route.worker_id,
-        calls=[request],
-        traceparents=[traceparent],
+        dispatch_id=direct.dispatch_id(first.lease_id, requests[0].request_id),
+        worker_id=first.worker_id,
+        calls=requests,
+        traceparents=traceparents,
         issued_at=time.time(),
-        lease=Lease(route.epoch, [route.seq]),
+        lease=Lease(first.epoch, [route.seq for route in routes]),
     )
 
 
@@ -235,34 +239,52 @@ class Submitter:
             spec=call.spec,
         )
 
-    async def _send(self, request: PhaseRequest, route: Route | None) -> Awaitable[Any]:
-        """Queue the request on the producer (to the scheduler, or straight to its worker
-        under a direct lease); returns the broker's acknowledgement to await."""
+    async def _send(
+        self, requests: list[PhaseRequest], routes: list[Route] | None
+    ) -> Awaitable[Any]:
+        """Queue one record on the producer: a request to the scheduler (`routes` None),
+        or calls of one job straight to its worker under a direct lease, as one dispatch;
+        returns the broker's acknowledgement to await. Each call has a span of its own,
+        which its worker's span continues."""
         start = time.perf_counter()
-        with _tracer.start_as_current_span(
+        first = requests[0]
+        if routes is None:
+            with self._publish_span(first, direct=False):
+                ack = await self._publisher.publish_deferred(
+                    self._topics.requests, first.job_id, first
+                )
+        else:
+            traceparents = []
+            for request in requests:
+                with self._publish_span(request, direct=True):
+                    traceparents.append(tracing.traceparent_of() or "")
+            ack = await self._publisher.publish_deferred(
+                self._topics.dispatch(routes[0].worker_id),
+                first.job_id,
+                direct_dispatch(requests, routes, traceparents),
+            )
+        if isinstance(ack, asyncio.Future):
+            latencies = [metrics.PUBLISH_LATENCY.labels(str(r.function)) for r in requests]
+
+            def observe(_: Any) -> None:
+                for latency in latencies:
+                    latency.observe(time.perf_counter() - start)
+
+            ack.add_done_callback(observe)
+        return ack
+
+    @staticmethod
+    def _publish_span(request: PhaseRequest, direct: bool) -> Any:
+        return _tracer.start_as_current_span(
             "gateway.publish",
             kind=trace.SpanKind.PRODUCER,
             attributes={
                 "plexrl.request_id": request.request_id,
                 "plexrl.job_id": request.job_id,
                 "plexrl.function": str(request.function),
-                "plexrl.direct": route is not None,
+                "plexrl.direct": direct,
             },
-        ):
-            if route is None:
-                ack = await self._publisher.publish_deferred(
-                    self._topics.requests, request.job_id, request
-                )
-            else:
-                ack = await self._publisher.publish_deferred(
-                    self._topics.dispatch(route.worker_id),
-                    request.job_id,
-                    direct_dispatch(request, route, tracing.traceparent_of() or ""),
-                )
-        latency = metrics.PUBLISH_LATENCY.labels(str(request.function))
-        if isinstance(ack, asyncio.Future):
-            ack.add_done_callback(lambda _: latency.observe(time.perf_counter() - start))
-        return ack
+        )
 
     async def deliver(self, min_age_s: float) -> int:
         """Publish what any gateway accepted but did not publish (it died, or Kafka was
