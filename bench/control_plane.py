@@ -487,6 +487,12 @@ def main() -> None:
         result["added_p50_ratio"] = round(cur["added_p50_ms"] / prev["added_p50_ms"], 3)
         result["calls_per_s_ratio"] = round(cur["calls_per_s"] / prev["calls_per_s"], 3)
         result["cpu_per_echo_ratio"] = round(cur["cpu_ms_per_echo"] / prev["cpu_ms_per_echo"], 3)
+        result["lean_calls_per_s_ratio"] = round(
+            cur["lean_calls_per_s"] / prev["lean_calls_per_s"], 3
+        )
+        result["cpu_per_call_lean_ratio"] = round(
+            cur["cpu_ms_per_call_lean"] / prev["cpu_ms_per_call_lean"], 3
+        )
         result["scheduler_cpu_ratio"] = ratio(cur, prev, "cpu_ms_per_echo_by_service")
         result["scheduler_cpu_concurrent_ratio"] = ratio(
             cur, prev, "cpu_ms_per_call_concurrent_by_service"
@@ -495,7 +501,9 @@ def main() -> None:
         print(
             f"this / previous: echo p50 x{result['echo_p50_ratio']}, added p50 "
             f"x{result['added_p50_ratio']}, calls/s x{result['calls_per_s_ratio']}, "
-            f"CPU per echo x{result['cpu_per_echo_ratio']}; the scheduler's CPU per echo "
+            f"CPU per echo x{result['cpu_per_echo_ratio']}; from the lean clients calls/s "
+            f"x{result['lean_calls_per_s_ratio']}, every process's CPU per call "
+            f"x{result['cpu_per_call_lean_ratio']}; the scheduler's CPU per echo "
             f"x{result['scheduler_cpu_ratio']}, per call with {args.clients} clients "
             f"x{result['scheduler_cpu_concurrent_ratio']} ({rounds} alternating rounds)"
         )
