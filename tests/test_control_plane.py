@@ -204,7 +204,7 @@ async def test_requests_of_one_job_share_its_flushes_and_each_returns_once_publi
     assert unpublished == []  # each answered only once its call was out
     assert sorted(publisher.sent) == sorted(ids)
     # One flush and the rounds that caught up with what came meanwhile, not one each.
-    assert outbox.flushes <= 10, outbox.flushes
+    assert outbox.flushes <= 20, outbox.flushes  # 40 before: a flush per request
     assert await outbox.depth(JOB) == 0
 
 
@@ -217,9 +217,9 @@ async def test_a_stream_of_requests_does_not_hold_back_an_earlier_one(
     call = ready(Call(Function.NOOP, NoopInput(), NOOP))
     streaming = asyncio.Event()
 
-    async def stream() -> None:  # a new request every few milliseconds, for two seconds
+    async def stream() -> None:  # a new request every few milliseconds, for four seconds
         streaming.set()
-        end = time.monotonic() + 2.0
+        end = time.monotonic() + 4.0
         pending = []
         while time.monotonic() < end:
             pending.append(asyncio.create_task(submitter.submit(sub, call)))
@@ -232,7 +232,7 @@ async def test_a_stream_of_requests_does_not_hold_back_an_earlier_one(
     first = await submitter.submit(sub, call)
     waited = time.monotonic() - start
     assert first in publisher.sent
-    assert not streamer.done() and waited < 1.0, waited  # not until the stream ends
+    assert not streamer.done() and waited < 2.0, waited  # not until the stream ends
     await streamer
 
 
