@@ -375,22 +375,33 @@ class Flushes:
         """Until a round of the job's flush that started after this call has ended;
         raises what that round raised (what is left stays for the next flush).
         `head`: the head the acceptance read (`Accepted.head`), used when this call
-        starts the flusher."""
-        round_ = self._next.get(job_id)
-        if round_ is None:
-            round_ = self._next[job_id] = asyncio.get_running_loop().create_future()
-            round_.add_done_callback(retrieved)  # every waiter may have been cancelled
-        if job_id not in self._running:
-            self._running.add(job_id)
-            task = asyncio.create_task(self._rounds(job_id, send, head))
-            task.add_done_callback(retrieved)
-        await asyncio.shield(round_)
+        starts the flush.
 
-    async def _rounds(self, job_id: str, send: Send, head: bytes | None) -> None:
+        With no flush of the job running, this call runs a round itself (no task, no
+        wait on another: one request at a time costs what it did alone); the requests
+        that came meanwhile get the next rounds from a task of their own."""
+        if job_id in self._running:
+            round_ = self._next.get(job_id)
+            if round_ is None:
+                round_ = self._next[job_id] = asyncio.get_running_loop().create_future()
+                round_.add_done_callback(retrieved)  # every waiter may have been cancelled
+            await asyncio.shield(round_)
+            return
+        self._running.add(job_id)
+        try:
+            await self._outbox.flush(job_id, send, head=head)
+        finally:
+            if job_id in self._next:  # requests came meanwhile: their rounds follow
+                task = asyncio.create_task(self._rounds(job_id, send))
+                task.add_done_callback(retrieved)
+            else:
+                self._running.discard(job_id)
+
+    async def _rounds(self, job_id: str, send: Send) -> None:
         try:
             while (round_ := self._next.pop(job_id, None)) is not None:
                 try:
-                    round_.set_result(await self._outbox.flush(job_id, send, head=head))
+                    round_.set_result(await self._outbox.flush(job_id, send))
                 except asyncio.CancelledError:  # the gateway stops: so do its waiters
                     round_.cancel()
                     raise
@@ -398,10 +409,9 @@ class Flushes:
                     round_.set_exception(exc)
                     if not isinstance(exc, Exception):
                         raise
-                head = None
         finally:
             # No await since the loop found no round wanted: a request that comes after
-            # this starts a flusher of its own.
+            # this runs a round of its own.
             self._running.discard(job_id)
             left = self._next.pop(job_id, None)
             if left is not None:  # only when stopped with requests waiting
