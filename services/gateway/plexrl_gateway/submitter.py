@@ -267,8 +267,9 @@ class Submitter:
             latencies = [metrics.PUBLISH_LATENCY.labels(str(r.function)) for r in requests]
 
             def observe(_: Any) -> None:
+                elapsed = time.perf_counter() - start
                 for latency in latencies:
-                    latency.observe(time.perf_counter() - start)
+                    latency.observe(elapsed)
 
             ack.add_done_callback(observe)
         return ack
