@@ -23,6 +23,7 @@ from plexrl.messages.common import (
     Timings,
 )
 from plexrl.messages.completions import (
+    CompletionNotice,
     CompletionStatus,
     CreateOutput,
     ForwardBackwardOutput,
@@ -116,6 +117,7 @@ def decode(data: bytes, type_: type[T] | Any) -> T:
 __all__ = [
     "SCHEMA_VERSION",
     "AdamParams",
+    "CompletionNotice",
     "CompletionStatus",
     "CreateInput",
     "CreateOutput",

@@ -1,7 +1,9 @@
-"""Topic `plexrl.completions` (key: job id): worker → scheduler and gateway.
+"""Topic `plexrl.completions` (key: job id): worker → scheduler.
 
 A worker records the completion in Redis (the idempotency record and the future's
-result) before it publishes here and before it commits its dispatch offset.
+result) before it publishes here and before it commits its dispatch offset. Recorded,
+it is also announced on the Redis channel `<cluster>:completed` (`CompletionNotice`),
+which wakes the gateways' waiters.
 """
 
 from __future__ import annotations
@@ -109,3 +111,13 @@ class PhaseCompletion(msgspec.Struct, frozen=True):
     """The dispatch this call came in; the scheduler frees the worker by it."""
     last_in_dispatch: bool = True
     schema_version: int = SCHEMA_VERSION
+
+
+class CompletionNotice(msgspec.Struct, frozen=True):
+    """Channel `<cluster>:completed` (Redis pub/sub): a completion recorded in Redis, as
+    it stands there, announced to every gateway to wake the call's waiters. At most once:
+    a gateway that was not subscribed reads Redis instead (`plexrl_gateway.notices`)."""
+
+    completion: PhaseCompletion
+    traceparent: str = ""
+    """W3C traceparent of the span that recorded it (the gateway's span continues it)."""

@@ -9,7 +9,8 @@ from typing import Any
 
 import msgspec
 
-from plexrl.messages import PayloadRef, PhaseCompletion, decode, encode
+from plexrl import tracing
+from plexrl.messages import CompletionNotice, PayloadRef, PhaseCompletion, decode, encode
 from plexrl.stores.redis import RedisStore, raw_bytes, text
 
 
@@ -27,6 +28,17 @@ class FutureRecord(msgspec.Struct, frozen=True):
     """W3C traceparent of the API call's span: `retrieve_future` spans link to it."""
 
 
+_RECORD_AND_ANNOUNCE = """
+if redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2], 'NX') then
+  redis.call('PUBLISH', KEYS[2], ARGV[3])
+  return 1
+end
+return 0
+"""
+"""A completion's record and, if it stands, its notice: one step, for a store that waits
+for no replica (with one, the notice must wait until the replicas hold the record)."""
+
+
 class CallStore(RedisStore):
     """Futures, completions, retry keys and seq cursors; each lives `ttl_s`. Keys:
     `future:<request>`, `done:<request>`, `idem:<retry key>`, `seq:<job>`."""
@@ -42,25 +54,54 @@ class CallStore(RedisStore):
         return await self._get(self._k("future", request_id), FutureRecord)
 
     async def record_completion(self, completion: PhaseCompletion) -> PhaseCompletion:
-        """Record a call's completion once; returns the record that stands (first wins).
+        """Record a call's completion once and announce the record that stands (first
+        wins), which it returns.
 
-        Returns once the Redis replicas asked for (PLEXRL_REDIS_WAIT_REPLICAS) hold it, and
-        with it everything written before (the call's ledger commit, its payload): the
-        completion is published next, and a failover must not take back what a client
-        or the scheduler was told."""
+        Announces it once the Redis replicas asked for (PLEXRL_REDIS_WAIT_REPLICAS) hold
+        it, and with it everything written before (the call's ledger commit, its
+        payload): a failover must not take back what a client or the scheduler was told.
+        The caller publishes it on the completions topic next."""
         key = self._k("done", completion.request_id)
         if await self._redis.set(key, encode(completion), ex=self._keys.ttl_s, nx=True):
-            await self._keys.replicated()
-            return completion
-        existing = await self.get_completion(completion.request_id)
-        await self._keys.replicated()  # its first writer may have died before waiting
-        return existing if existing is not None else completion
+            stands = completion
+        else:
+            stands = await self.get_completion(completion.request_id) or completion
+        await self._keys.replicated()  # a first writer may have died before waiting
+        await self.announce(stands)
+        return stands
 
-    def queue_completion(self, pipe: Any, completion: PhaseCompletion) -> None:
-        """`record_completion` on a pipeline (`RedisStore.pipeline`); its reply is True if
-        this record stands, None if one stood already (then read it: `get_completion`)."""
+    def queue_completion(self, pipe: Any, completion: PhaseCompletion) -> bool:
+        """`record_completion` on a pipeline (`RedisStore.pipeline`); its reply is true if
+        this record stands, None or 0 if one stood already (then read it:
+        `get_completion`). Returns whether the record, if it stands, is announced with
+        it (only where no replica is waited for); otherwise the caller announces the
+        record that stands (`announce`) once the replicas hold it."""
         key = self._k("done", completion.request_id)
-        pipe.set(key, encode(completion), ex=self._keys.ttl_s, nx=True)
+        if self._keys.waits_for_replicas:
+            pipe.set(key, encode(completion), ex=self._keys.ttl_s, nx=True)
+            return False
+        notice = CompletionNotice(completion, tracing.traceparent_of() or "")
+        pipe.eval(
+            _RECORD_AND_ANNOUNCE,
+            2,
+            key,
+            self.completed_channel,
+            encode(completion),
+            self._keys.ttl_s,
+            encode(notice),
+        )
+        return True
+
+    @property
+    def completed_channel(self) -> str:
+        """The pub/sub channel of `CompletionNotice`s (every gateway subscribes)."""
+        return self._k("completed")
+
+    async def announce(self, completion: PhaseCompletion) -> None:
+        """Wake the gateways' waiters for a completion recorded (and replicated) already:
+        a `CompletionNotice` carrying it and the current span's trace context."""
+        notice = CompletionNotice(completion, tracing.traceparent_of() or "")
+        await self._redis.publish(self.completed_channel, encode(notice))
 
     async def get_completion(self, request_id: str) -> PhaseCompletion | None:
         return await self._get(self._k("done", request_id), PhaseCompletion)

@@ -58,6 +58,11 @@ class RedisKeys:
         return await self._wait()
 
     @property
+    def waits_for_replicas(self) -> bool:
+        """Whether `replicated` waits for any replica (PLEXRL_REDIS_WAIT_REPLICAS > 0)."""
+        return self._wait.replicas > 0
+
+    @property
     def replica_waits(self) -> int:
         """Rounds of waiting sent so far (concurrent `replicated` calls share one)."""
         return self._wait.waits

@@ -2,7 +2,7 @@
 (and the payloads Redis holds for them) that every tenant shares.
 
 A call is pending from the moment this gateway publishes it until its completion is
-seen (on the completions topic, or read by `retrieve_future`). A tenant at either cap
+seen (announced, or read by `retrieve_future`). A tenant at either cap
 gets 429 with Retry-After for new calls until some of its calls are answered; the
 SDK retries a 429 by itself. The count is this gateway's (several gateways each
 enforce the cap on what they published); an entry whose completion never shows up
@@ -80,6 +80,10 @@ class PendingCalls:
     def published(self, tenant: str, request_id: str, size: int = 0) -> None:
         self._by_tenant.setdefault(tenant, {}).setdefault(request_id, _Pending(self._clock(), size))
         self._tenant_of[request_id] = tenant
+
+    def ids(self) -> list[str]:
+        """Every request id counted as pending, of every tenant."""
+        return list(self._tenant_of)
 
     def done(self, request_id: str) -> None:
         tenant = self._tenant_of.pop(request_id, None)

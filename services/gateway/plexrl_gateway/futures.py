@@ -1,8 +1,8 @@
 """Long-polling for results: answer the moment a call's completion is recorded.
 
-Redis holds the truth (the worker records every completion there before publishing
-it). The completions topic only wakes waiters: each waiting request id has an event
-that the consumer sets. Redis is read before and after registering the event, so a
+Redis holds the truth (every completion is recorded there before it is announced).
+Its announcement (`plexrl_gateway.notices`) only wakes waiters: each waiting request id
+has an event that the listener sets. Redis is read after registering the event, so a
 completion that lands in between is never missed, and no answer waits for a tick.
 """
 
@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from opentelemetry import trace
 
 from plexrl import tracing
-from plexrl.kafka import Delivery
 from plexrl.messages import PhaseCompletion
 from plexrl_gateway import metrics
 
@@ -25,6 +24,8 @@ _tracer = tracing.tracer("plexrl.gateway")
 
 class CompletionStore(Protocol):
     async def get_completion(self, request_id: str) -> PhaseCompletion | None: ...
+
+    async def get_completions(self, request_ids: Iterable[str]) -> dict[str, PhaseCompletion]: ...
 
 
 class FutureWaiter:
@@ -38,28 +39,40 @@ class FutureWaiter:
         self._waiters: dict[str, int] = {}
         self._arrived: dict[str, PhaseCompletion] = {}
 
-    async def on_completion(
-        self, completion: PhaseCompletion, delivery: Delivery | None = None
-    ) -> None:
-        """Consumer handler for the completions topic."""
+    async def on_completion(self, completion: PhaseCompletion, traceparent: str = "") -> None:
+        """A completion announced (`traceparent`: the span that recorded it)."""
         if self._on_answered is not None:
             self._on_answered(completion.request_id)
         if completion.request_id not in self._events:
             return
-        # The message is a copy of the recorded completion (the worker publishes what
-        # Redis holds), so a waiter can answer from it without reading Redis again.
+        # The notice carries the recorded completion, so a waiter can answer from it
+        # without reading Redis again.
         self._arrived[completion.request_id] = completion
-        if delivery is None:
+        if not traceparent:
             self.wake(completion.request_id)
             return
-        # The last hop of the call's trace: the worker's context came in the Kafka header.
+        # The last hop of the call's trace: the recording span's context came with it.
         with _tracer.start_as_current_span(
             "gateway.completion",
-            context=delivery.context,
+            context=tracing.context_of_traceparent(traceparent),
             kind=trace.SpanKind.CONSUMER,
             attributes={"plexrl.request_id": completion.request_id},
         ):
             self.wake(completion.request_id)
+
+    @property
+    def waiting(self) -> list[str]:
+        """The request ids waited for now."""
+        return list(self._events)
+
+    async def sweep(self, request_ids: Iterable[str]) -> int:
+        """Answer, from Redis, the waiters (and the pending-calls quota) of these
+        request ids whose completions are recorded: for announcements this gateway may
+        have missed. Returns how many were recorded."""
+        found = await self._store.get_completions(request_ids)
+        for completion in found.values():
+            await self.on_completion(completion)
+        return len(found)
 
     def wake(self, request_id: str) -> None:
         event = self._events.get(request_id)
@@ -68,7 +81,7 @@ class FutureWaiter:
 
     async def wait(self, request_id: str, timeout_s: float) -> PhaseCompletion | None:
         """The completion, as soon as it exists; None if it did not within `timeout_s`."""
-        # Register first, then read Redis: a completion landing in between sets the event.
+        # Register first, then read Redis: a completion announced in between sets the event.
         event = self._events.setdefault(request_id, asyncio.Event())
         self._waiters[request_id] = self._waiters.get(request_id, 0) + 1
         metrics.FUTURES_WAITING.inc()

@@ -1,4 +1,5 @@
-"""The gateway's entry point: HTTP in → phase requests out; completions in → answers out."""
+"""The gateway's entry point: HTTP in → phase requests out; completion notices in →
+answers out."""
 
 from __future__ import annotations
 
@@ -7,39 +8,35 @@ import contextlib
 import logging
 
 from plexrl.health import HttpServer
-from plexrl.kafka import MessageConsumer
-from plexrl.messages import PhaseCompletion
 from plexrl.service import join_cluster
 from plexrl.settings import GatewaySettings
 from plexrl_gateway.app import build_app
 from plexrl_gateway.components import Gateway
+from plexrl_gateway.notices import CompletionNotices
 
 log = logging.getLogger("plexrl.gateway")
 
 
 async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
-    topics, stores, publisher = await join_cluster(settings, "plexrl-gateway")
+    _, stores, publisher = await join_cluster(settings, "plexrl-gateway")
     gateway = Gateway.build(settings, stores, publisher)
-    # Every gateway sees every completion (no group, from now on): they only wake
-    # waiters; Redis holds the results.
-    completions = MessageConsumer[PhaseCompletion](
-        bootstrap=settings.kafka_bootstrap,
-        security=settings.kafka_security(),
-        topics=[topics.completions],
-        group=None,
-        message_type=PhaseCompletion,
-        handler=gateway.futures.on_completion,
-        dlq=(publisher, topics.dlq),
-        name="gateway-completions",
-        from_latest=True,
-        answer=gateway.dead_letters,
+    # Every gateway hears every completion announced; they only wake waiters (and
+    # count off the pending-calls quota): Redis holds the results.
+    notices = CompletionNotices(
+        stores.keys.redis,
+        stores.calls.completed_channel,
+        gateway.futures,
+        pending=gateway.pending.ids,
     )
-    gateway.watch(completions)
+    gateway.watch(notices)
     http = HttpServer(build_app(gateway), settings.gateway_host, settings.gateway_port)
     await publisher.start()
-    await completions.start()
-    await completions.wait_assigned()
-    consuming = asyncio.create_task(completions.run(stop))
+    listening = asyncio.create_task(notices.run(stop))
+    subscribed = asyncio.create_task(notices.wait_subscribed())
+    await asyncio.wait({listening, subscribed}, return_when=asyncio.FIRST_COMPLETED)
+    if listening.done():  # it failed, or the gateway was stopped before Redis answered
+        subscribed.cancel()
+        listening.result()
     # Calls accepted but not yet on Kafka (a predecessor died, or Kafka was away).
     delivering = asyncio.create_task(gateway.submitter.run_outbox(stop))
     await http.start()
@@ -55,11 +52,9 @@ async def serve(settings: GatewaySettings, stop: asyncio.Event) -> None:
         stop.set()
         await http.stop()
         with contextlib.suppress(Exception):
-            await consuming
+            await listening
         with contextlib.suppress(Exception):
             await delivering
-        with contextlib.suppress(Exception):
-            await completions.stop()
         await publisher.stop()
         await gateway.close()
         await stores.close()

@@ -22,6 +22,10 @@ RESULTS_DELIVERED = Counter(
 TRY_AGAIN = Counter(
     "plexrl_gateway_try_again_total", "retrieve_future calls answered 'try again' (timed out)"
 )
+NOTICES_SWEPT = Counter(
+    "plexrl_gateway_notices_swept_total",
+    "Completions found in Redis by a sweep rather than announced to this gateway",
+)
 PUBLISH_LATENCY = Histogram(
     "plexrl_gateway_publish_seconds",
     "Time for Kafka to acknowledge one phase request",

@@ -208,7 +208,7 @@ class DispatchPipeline:
                 return
             done = replayed.get(request.request_id)
             if done is not None:  # a replay: answer with the recorded result
-                await self._recorder.publish(done)
+                await self._recorder.replay(done)
                 metrics.REPLAYED_CALLS.inc()
                 return
             await self._record(dispatch, i, await self._runner.run(request), i == last_i)

@@ -100,14 +100,16 @@ class ResultRecorder:
         # Two independent writes in one round trip (a retry of the whole record may
         # append the timeline entry twice, as it could before; the record is NX).
         async with self._calls.pipeline() as pipe:
-            self._calls.queue_completion(pipe, completion)
+            announced = self._calls.queue_completion(pipe, completion)
             self._timeline.queue_timeline(pipe, entry)
             stands, _ = await pipe.execute()
         if not stands:  # recorded before (a replay that ran again): that record stands
             completion = await self._calls.get_completion(completion.request_id) or completion
         # The record (and the ledger commit and result before it) must outlive a
-        # failover before the completion is published.
+        # failover before the completion is announced and published.
         await self._calls.replicated()
+        if not (announced and stands):
+            await self._calls.announce(completion)
         await self.publish(completion)
         metrics.CALLS.labels(str(request.function), str(completion.status)).inc()
         metrics.BUSY_SECONDS.labels(str(request.function)).inc(ran.swap_s + ran.compute_s)
@@ -117,6 +119,11 @@ class ResultRecorder:
     async def answer(self, stored: PhaseCompletion) -> None:
         """Answer a replayed call with the completion it had the first time."""
         await self.publish(await self._calls.record_completion(stored))
+
+    async def replay(self, recorded: PhaseCompletion) -> None:
+        """Answer a redelivered call whose completion this poll read recorded already."""
+        await self._calls.announce(recorded)
+        await self.publish(recorded)
 
     async def publish(self, completion: PhaseCompletion) -> None:
         """Hand the recorded completion to the producer; `settle` waits for the broker.

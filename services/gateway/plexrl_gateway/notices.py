@@ -1,0 +1,152 @@
+"""Wakes the gateway's waiters from the completions announced on Redis.
+
+Whoever records a completion (`CallStore.record_completion`, the worker's recorder)
+announces it on `<cluster>:completed` once it is recorded and replicated; this listener
+hands each notice to the waiters and to the pending-calls quota. Pub/sub delivers at
+most once, and only to a connected subscriber, so Redis stays the truth: after each
+(re)subscription the listener reads the completions of every call it waits for or counts
+as pending (what was announced while it was away), and every `sweep_s` it reads those of
+the calls waited for longer than that (a recorder that died between its record and its
+announcement), so no waiter depends on a notice arriving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from plexrl.messages import CompletionNotice, MessageError, decode
+from plexrl.stores.redis import raw_bytes
+from plexrl_gateway import metrics
+from plexrl_gateway.futures import FutureWaiter
+
+log = logging.getLogger(__name__)
+
+SWEEP_CHUNK = 512
+"""Request ids per Redis read when sweeping."""
+
+
+class CompletionNotices:
+    """The listener: one subscription, its reconnection and the sweeps."""
+
+    name = "gateway-notices"
+
+    def __init__(
+        self,
+        redis: aioredis.Redis,
+        channel: str,
+        futures: FutureWaiter,
+        pending: Callable[[], Iterable[str]] = tuple,
+        sweep_s: float = 2.0,
+        retry_s: float = 0.5,
+    ) -> None:
+        self._redis = redis
+        self._channel = channel
+        self._futures = futures
+        self._pending = pending
+        """The request ids the pending-calls quota counts (swept on each subscription)."""
+        self._sweep_s = sweep_s
+        self._retry_s = retry_s
+        self._subscribed = asyncio.Event()
+        self._since: dict[str, float] = {}
+        """When each waited request id was first seen waiting (for the periodic sweep)."""
+        self._failed: str | None = None
+        self._resweep = False
+        """The subscription's connection was opened again (redis-py resubscribed it)."""
+        self.notices = 0
+        self.subscriptions = 0
+
+    @property
+    def subscribed(self) -> bool:
+        return self._subscribed.is_set()
+
+    async def wait_subscribed(self) -> None:
+        await self._subscribed.wait()
+
+    def health(self) -> dict[str, Any]:
+        """Ok while the listener runs (a Redis outage shows in /healthz's `redis`)."""
+        return {
+            "ok": self._failed is None,
+            "subscribed": self.subscribed,
+            "notices": self.notices,
+            **({"error": self._failed} if self._failed else {}),
+        }
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Until `stop`: subscribe, sweep, hand notices over; on a lost connection wait
+        `retry_s` and subscribe again."""
+        try:
+            while not stop.is_set():
+                try:
+                    await self._listen(stop)
+                except (aioredis.ConnectionError, aioredis.TimeoutError, OSError) as e:
+                    self._subscribed.clear()
+                    log.warning("completion notices: %s; subscribing again", e)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), self._retry_s)
+        except Exception as e:
+            self._failed = f"{type(e).__name__}: {e}"
+            log.exception("completion notices stopped")
+            raise
+        finally:
+            self._subscribed.clear()
+
+    async def _listen(self, stop: asyncio.Event) -> None:
+        pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.subscribe(self._channel)
+            # redis-py reopens a lost connection by itself and subscribes again: what
+            # was announced in between is swept as after the first subscription.
+            if pubsub.connection is not None:
+                pubsub.connection.register_connect_callback(self._reconnected)
+            self.subscriptions += 1
+            self._subscribed.set()
+            self._resweep = True
+            swept_at = time.monotonic()
+            while not stop.is_set():
+                if self._resweep:
+                    # Whatever was announced before the subscription took is in Redis.
+                    self._resweep = False
+                    await self._sweep([*self._futures.waiting, *self._pending()])
+                message = await pubsub.get_message(timeout=self._sweep_s)
+                if message is not None and message.get("type") == "message":
+                    await self._on_message(raw_bytes(message["data"]))
+                if time.monotonic() - swept_at >= self._sweep_s:
+                    await self._sweep(self._long_waiting())
+                    swept_at = time.monotonic()
+        finally:
+            self._subscribed.clear()
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
+
+    def _reconnected(self, _connection: object) -> None:
+        self.subscriptions += 1
+        self._resweep = True
+
+    async def _on_message(self, data: bytes) -> None:
+        try:
+            notice: CompletionNotice = decode(data, CompletionNotice)
+        except MessageError:
+            log.warning("completion notices: an unreadable notice (%d bytes) skipped", len(data))
+            return
+        self.notices += 1
+        await self._futures.on_completion(notice.completion, notice.traceparent)
+
+    def _long_waiting(self) -> list[str]:
+        """Request ids waited for at least `sweep_s` (each remembered from when first seen)."""
+        now = time.monotonic()
+        waiting = self._futures.waiting
+        self._since = {r: self._since.get(r, now) for r in waiting}
+        return [r for r, since in self._since.items() if now - since >= self._sweep_s]
+
+    async def _sweep(self, request_ids: list[str]) -> None:
+        for start in range(0, len(request_ids), SWEEP_CHUNK):
+            found = await self._futures.sweep(request_ids[start : start + SWEEP_CHUNK])
+            if found:
+                metrics.NOTICES_SWEPT.inc(found)

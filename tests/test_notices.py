@@ -1,0 +1,159 @@
+"""Completion notices wake the gateway's waiters, and Redis answers whatever a notice
+missed: a completion recorded before the subscription, while its connection was lost,
+or by a recorder that died between its record and its announcement.
+
+Real Redis; the listener and the waiters are the gateway's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import pytest
+import pytest_asyncio
+
+from plexrl.limits import DEFAULT_LIMITS
+from plexrl.messages import (
+    CompletionNotice,
+    CompletionStatus,
+    Function,
+    NoopOutput,
+    PhaseCompletion,
+    Timings,
+    encode,
+)
+from plexrl.stores import Stores
+from plexrl_gateway.admission import PendingCalls
+from plexrl_gateway.futures import FutureWaiter
+from plexrl_gateway.notices import CompletionNotices
+
+pytestmark = pytest.mark.integration
+
+
+def completion(request_id: str, worker: str = "w0") -> PhaseCompletion:
+    return PhaseCompletion(
+        request_id=request_id,
+        job_id="job",
+        tenant="alice",
+        worker_id=worker,
+        function=Function.NOOP,
+        status=CompletionStatus.OK,
+        timings=Timings(queue_s=0.0, compute_s=0.0),
+        result=NoopOutput(),
+        finished_at=time.time(),
+    )
+
+
+@dataclass
+class Listening:
+    notices: CompletionNotices
+    futures: FutureWaiter
+    pending: PendingCalls
+    stop: asyncio.Event
+
+
+@pytest_asyncio.fixture
+async def listening(stores: Stores) -> AsyncIterator[Listening]:
+    pending = PendingCalls(DEFAULT_LIMITS)
+    futures = FutureWaiter(stores.calls, on_answered=pending.done)
+    notices = CompletionNotices(
+        stores.keys.redis,
+        stores.calls.completed_channel,
+        futures,
+        pending=pending.ids,
+        sweep_s=0.3,
+        retry_s=0.1,
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(notices.run(stop))
+    await asyncio.wait_for(notices.wait_subscribed(), 10)
+    try:
+        yield Listening(notices, futures, pending, stop)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+async def waiting(futures: FutureWaiter, request_id: str) -> None:
+    deadline = time.monotonic() + 5
+    while request_id not in futures.waiting:
+        assert time.monotonic() < deadline, "the waiter never registered"
+        await asyncio.sleep(0.005)
+
+
+async def test_a_recorded_completion_wakes_its_waiter_at_once(
+    stores: Stores, listening: Listening
+) -> None:
+    waiter = asyncio.create_task(listening.futures.wait("r1", timeout_s=30))
+    await waiting(listening.futures, "r1")
+    started = time.monotonic()
+    await stores.calls.record_completion(completion("r1"))
+    done = await asyncio.wait_for(waiter, 5)
+    assert done is not None and done.request_id == "r1"
+    assert time.monotonic() - started < 1.0  # the notice, not the sweep (0.3 s)
+    assert listening.notices.notices >= 1
+
+
+async def test_the_notice_carries_the_record_that_stands(
+    stores: Stores, listening: Listening
+) -> None:
+    await stores.calls.record_completion(completion("r2", worker="first"))
+    waiter = asyncio.create_task(listening.futures.wait("r2", timeout_s=30))
+    # A late second writer (a replay that ran again) announces the first record.
+    assert (await stores.calls.record_completion(completion("r2", worker="second"))).worker_id == (
+        "first"
+    )
+    done = await asyncio.wait_for(waiter, 5)
+    assert done is not None and done.worker_id == "first"
+
+
+async def test_a_completion_recorded_without_a_notice_is_swept(
+    stores: Stores, listening: Listening
+) -> None:
+    """A recorder that died after its record, before its announcement: the waiter is
+    answered from Redis within the sweep period."""
+    listening.pending.published("alice", "r3")
+    waiter = asyncio.create_task(listening.futures.wait("r3", timeout_s=30))
+    await waiting(listening.futures, "r3")
+    await stores.keys.redis.set(stores.keys.key("done", "r3"), encode(completion("r3")))
+    done = await asyncio.wait_for(waiter, 5)
+    assert done is not None and done.request_id == "r3"
+    assert listening.pending.count("alice") == 0
+
+
+async def test_what_was_announced_while_the_connection_was_lost_is_swept(
+    stores: Stores, listening: Listening
+) -> None:
+    """A call counted as pending completes while the listener's connection is lost (its
+    notice goes nowhere); the subscription's connection is killed, redis-py subscribes
+    again, and the quota lets go of the call from Redis."""
+    listening.pending.published("alice", "r4")
+    await stores.keys.redis.set(stores.keys.key("done", "r4"), encode(completion("r4")))
+    await asyncio.sleep(0.5)  # more than a sweep period: pending alone is not swept
+    assert listening.pending.count("alice") == 1
+    subscriptions = listening.notices.subscriptions
+    await stores.keys.redis.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
+    deadline = time.monotonic() + 10
+    while listening.pending.count("alice"):
+        assert time.monotonic() < deadline, listening.pending.ids()
+        await asyncio.sleep(0.02)
+    assert listening.notices.subscriptions > subscriptions
+    # And notices flow again on the new connection.
+    waiter = asyncio.create_task(listening.futures.wait("r5", timeout_s=30))
+    await waiting(listening.futures, "r5")
+    await stores.calls.record_completion(completion("r5"))
+    assert await asyncio.wait_for(waiter, 5) is not None
+    assert listening.notices.health()["ok"]
+
+
+async def test_an_unreadable_notice_is_skipped(stores: Stores, listening: Listening) -> None:
+    await stores.keys.redis.publish(stores.calls.completed_channel, b"\xc1not msgpack")
+    waiter = asyncio.create_task(listening.futures.wait("r7", timeout_s=30))
+    await waiting(listening.futures, "r7")
+    notice = CompletionNotice(completion("r7"))
+    await stores.keys.redis.publish(stores.calls.completed_channel, encode(notice))
+    assert await asyncio.wait_for(waiter, 5) is not None
+    assert listening.notices.health()["ok"]
