@@ -27,9 +27,12 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from plexrl.messages import CompletionStatus, Function, PhaseCompletion, Timings
 from plexrl.redis_target import UNREPLICATED, RedisTarget, ReplicaLagError, ReplicaWait
 from plexrl.settings import CommonSettings, parse_sentinels
 from plexrl.stores import Stores
+from plexrl_gateway.futures import FutureWaiter
+from plexrl_gateway.notices import CompletionNotices
 from plexrl_gateway.replicas import WaitForReplicas
 from plexrl_tools.private_infra import RedisGroup
 
@@ -118,6 +121,79 @@ async def test_a_waited_write_survives_the_primary_killed_and_clients_follow_the
         assert await redis.get("sentinel:after") == b"written"
     finally:
         await stores.close()
+
+
+@pytest.mark.integration
+async def test_completion_notices_wait_for_the_replicas_and_follow_a_failover(
+    group: RedisGroup,
+) -> None:
+    """With a replica asked for, a completion is announced only after the wait (never in
+    the same step as its record), and the gateway's listener, subscribed through the
+    Sentinels, hears the new primary's notices after a failover."""
+    stores = _stores(group)
+    futures = FutureWaiter(stores.calls)
+    notices = CompletionNotices(
+        stores.keys.redis, stores.calls.completed_channel, futures, sweep_s=0.5, retry_s=0.2
+    )
+    stop = asyncio.Event()
+    listening = asyncio.create_task(notices.run(stop))
+    try:
+        await asyncio.wait_for(notices.wait_subscribed(), 30)
+        async with stores.calls.pipeline() as pipe:
+            assert not stores.calls.queue_completion(pipe, _completion("n0"))
+            await pipe.execute()
+        waiter = asyncio.create_task(futures.wait("n1", timeout_s=60))
+        await _waiting(futures, "n1")
+        await stores.calls.record_completion(_completion("n1"))
+        assert await asyncio.wait_for(waiter, 10) is not None
+        heard = notices.notices
+        assert heard >= 1
+        # A call waited on across the failover (its first read of Redis done before).
+        waiter = asyncio.create_task(futures.wait("n2", timeout_s=60))
+        await _waiting(futures, "n2")
+        await asyncio.sleep(0.1)
+        group.kill_primary()
+        started = time.monotonic()
+        while True:  # the recorder retries until the Sentinels promoted a replica
+            try:
+                await stores.calls.record_completion(_completion("n2"))
+                break
+            except Exception:
+                assert time.monotonic() - started < 30, "no primary within 30 s"
+                await asyncio.sleep(0.2)
+        done = await asyncio.wait_for(waiter, 30)
+        assert done is not None and done.request_id == "n2"
+        # Later completions are announced on the new primary and heard.
+        waiter = asyncio.create_task(futures.wait("n3", timeout_s=60))
+        await _waiting(futures, "n3")
+        await stores.calls.record_completion(_completion("n3"))
+        assert await asyncio.wait_for(waiter, 2) is not None
+        assert notices.notices > heard
+        assert notices.health()["ok"]
+    finally:
+        stop.set()
+        await asyncio.wait_for(listening, 30)
+        await stores.close()
+
+
+def _completion(request_id: str) -> PhaseCompletion:
+    return PhaseCompletion(
+        request_id=request_id,
+        job_id="job",
+        tenant="alice",
+        worker_id="w0",
+        function=Function.NOOP,
+        status=CompletionStatus.OK,
+        timings=Timings(queue_s=0.0, compute_s=0.0),
+        finished_at=time.time(),
+    )
+
+
+async def _waiting(futures: FutureWaiter, request_id: str) -> None:
+    deadline = time.monotonic() + 5
+    while request_id not in futures.waiting:
+        assert time.monotonic() < deadline, "the waiter never registered"
+        await asyncio.sleep(0.005)
 
 
 async def _replicated_within(stores: Stores, seconds: float) -> int:
