@@ -152,7 +152,7 @@ async def test_completion_notices_wait_for_the_replicas_and_follow_a_failover(
         waiter = asyncio.create_task(futures.wait("n2", timeout_s=60))
         await _waiting(futures, "n2")
         await asyncio.sleep(0.1)
-        group.kill_primary()
+        old = group.kill_primary()
         started = time.monotonic()
         while True:  # the recorder retries until the Sentinels promoted a replica
             try:
@@ -170,6 +170,7 @@ async def test_completion_notices_wait_for_the_replicas_and_follow_a_failover(
         assert await asyncio.wait_for(waiter, 2) is not None
         assert notices.notices > heard
         assert notices.health()["ok"]
+        group.revive(old)  # back as a replica, for the module's next tests
     finally:
         stop.set()
         await asyncio.wait_for(listening, 30)
