@@ -157,3 +157,44 @@ async def test_an_unreadable_notice_is_skipped(stores: Stores, listening: Listen
     await stores.keys.redis.publish(stores.calls.completed_channel, encode(notice))
     assert await asyncio.wait_for(waiter, 5) is not None
     assert listening.notices.health()["ok"]
+
+
+async def test_a_listener_that_fails_recovers_and_says_so(stores: Stores) -> None:
+    """A failure that is not Redis's (here the quota's list of pending calls) shows in
+    the health until the listener is subscribed again, and notices then flow again."""
+    futures = FutureWaiter(stores.calls)
+    broken = True
+
+    def pending() -> list[str]:
+        if broken:
+            raise RuntimeError("the quota is broken")
+        return []
+
+    notices = CompletionNotices(
+        stores.keys.redis,
+        stores.calls.completed_channel,
+        futures,
+        pending=pending,
+        sweep_s=0.3,
+        retry_s=0.3,
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(notices.run(stop))
+    try:
+        deadline = time.monotonic() + 5
+        while notices.health()["ok"]:
+            assert time.monotonic() < deadline, "the failure never showed"
+            await asyncio.sleep(0.01)
+        assert "the quota is broken" in notices.health()["error"]
+        broken = False
+        deadline = time.monotonic() + 5
+        while not (notices.health()["ok"] and notices.subscribed):
+            assert time.monotonic() < deadline, notices.health()
+            await asyncio.sleep(0.01)
+        waiter = asyncio.create_task(futures.wait("r9", timeout_s=30))
+        await waiting(futures, "r9")
+        await stores.calls.record_completion(completion("r9"))
+        assert await asyncio.wait_for(waiter, 5) is not None
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)

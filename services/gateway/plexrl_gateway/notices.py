@@ -70,30 +70,32 @@ class CompletionNotices:
         await self._subscribed.wait()
 
     def health(self) -> dict[str, Any]:
-        """Ok while the listener runs (a Redis outage shows in /healthz's `redis`)."""
+        """Ok while subscribed, or while a lost subscription is being made again after a
+        Redis error (an outage shows in /healthz's `redis`); not ok after anything else
+        failed the listener, until it is subscribed again."""
         return {
             "ok": self._failed is None,
             "subscribed": self.subscribed,
             "notices": self.notices,
+            "subscriptions": self.subscriptions,
             **({"error": self._failed} if self._failed else {}),
         }
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Until `stop`: subscribe, sweep, hand notices over; on a lost connection wait
-        `retry_s` and subscribe again."""
+        """Until `stop`: subscribe, sweep, hand notices over; after an error, wait
+        `retry_s` and subscribe again (each subscription sweeps what it missed)."""
         try:
             while not stop.is_set():
                 try:
                     await self._listen(stop)
                 except (aioredis.ConnectionError, aioredis.TimeoutError, OSError) as e:
-                    self._subscribed.clear()
                     log.warning("completion notices: %s; subscribing again", e)
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(stop.wait(), self._retry_s)
-        except Exception as e:
-            self._failed = f"{type(e).__name__}: {e}"
-            log.exception("completion notices stopped")
-            raise
+                except Exception as e:  # not Redis's: shown as unhealthy until it recovers
+                    self._failed = f"{type(e).__name__}: {e}"
+                    log.exception("completion notices failed; subscribing again")
+                self._subscribed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self._retry_s)
         finally:
             self._subscribed.clear()
 
@@ -107,6 +109,7 @@ class CompletionNotices:
                 pubsub.connection.register_connect_callback(self._reconnected)
             self.subscriptions += 1
             self._subscribed.set()
+            self._failed = None
             self._resweep = True
             swept_at = time.monotonic()
             while not stop.is_set():
@@ -136,7 +139,10 @@ class CompletionNotices:
             log.warning("completion notices: an unreadable notice (%d bytes) skipped", len(data))
             return
         self.notices += 1
-        await self._futures.on_completion(notice.completion, notice.traceparent)
+        try:
+            await self._futures.on_completion(notice.completion, notice.traceparent)
+        except Exception:  # one notice's failure is not the subscription's
+            log.exception("completion notices: handling %s failed", notice.completion.request_id)
 
     def _long_waiting(self) -> list[str]:
         """Request ids waited for at least `sweep_s` (each remembered from when first seen)."""
