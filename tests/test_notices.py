@@ -198,3 +198,17 @@ async def test_a_listener_that_fails_recovers_and_says_so(stores: Stores) -> Non
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
+
+
+async def test_a_notice_nobody_waits_for_lets_the_quota_go(
+    stores: Stores, listening: Listening
+) -> None:
+    """A call this gateway published and nobody polls yet: its notice (read only as far
+    as its id) counts it off the tenant's pending calls, no sweep needed."""
+    listening.pending.published("alice", "r10")
+    await stores.calls.record_completion(completion("r10"))
+    deadline = time.monotonic() + 2
+    while listening.pending.count("alice"):
+        assert time.monotonic() < deadline, "the quota kept the call"
+        await asyncio.sleep(0.01)
+    assert listening.notices.notices >= 1

@@ -23,7 +23,9 @@ from plexrl.messages.common import (
     Timings,
 )
 from plexrl.messages.completions import (
+    CompletedCall,
     CompletionNotice,
+    CompletionNoticeHead,
     CompletionStatus,
     CreateOutput,
     ForwardBackwardOutput,
@@ -117,7 +119,9 @@ def decode(data: bytes, type_: type[T] | Any) -> T:
 __all__ = [
     "SCHEMA_VERSION",
     "AdamParams",
+    "CompletedCall",
     "CompletionNotice",
+    "CompletionNoticeHead",
     "CompletionStatus",
     "CreateInput",
     "CreateOutput",

@@ -121,3 +121,17 @@ class CompletionNotice(msgspec.Struct, frozen=True):
     completion: PhaseCompletion
     traceparent: str = ""
     """W3C traceparent of the span that recorded it (the gateway's span continues it)."""
+
+
+class CompletedCall(msgspec.Struct, frozen=True):
+    """Of a completion, only its call's id."""
+
+    request_id: str
+
+
+class CompletionNoticeHead(msgspec.Struct, frozen=True):
+    """A `CompletionNotice` read only as far as its call's id: enough for a gateway to
+    tell whether the call is one it waits for (the rest, a result that may run to
+    megabytes, is skipped over, not built)."""
+
+    completion: CompletedCall

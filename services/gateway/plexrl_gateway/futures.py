@@ -39,10 +39,17 @@ class FutureWaiter:
         self._waiters: dict[str, int] = {}
         self._arrived: dict[str, PhaseCompletion] = {}
 
+    def waits_for(self, request_id: str) -> bool:
+        return request_id in self._events
+
+    def answered(self, request_id: str) -> None:
+        """A call announced that nobody here waits for (the pending-calls quota)."""
+        if self._on_answered is not None:
+            self._on_answered(request_id)
+
     async def on_completion(self, completion: PhaseCompletion, traceparent: str = "") -> None:
         """A completion announced (`traceparent`: the span that recorded it)."""
-        if self._on_answered is not None:
-            self._on_answered(completion.request_id)
+        self.answered(completion.request_id)
         if completion.request_id not in self._events:
             return
         # The notice carries the recorded completion, so a waiter can answer from it

@@ -21,7 +21,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from plexrl.messages import CompletionNotice, MessageError, decode
+from plexrl.messages import CompletionNotice, CompletionNoticeHead, MessageError, decode
 from plexrl.stores.redis import raw_bytes
 from plexrl_gateway import metrics
 from plexrl_gateway.futures import FutureWaiter
@@ -134,6 +134,15 @@ class CompletionNotices:
 
     async def _on_message(self, data: bytes) -> None:
         try:
+            # A call nobody here waits for (another gateway's, or one whose result is
+            # not asked for yet) is read only as far as its id, not its result (a
+            # sample's can run to megabytes).
+            head: CompletionNoticeHead = decode(data, CompletionNoticeHead)
+            request_id = head.completion.request_id
+            if not self._futures.waits_for(request_id):
+                self.notices += 1
+                self._futures.answered(request_id)
+                return
             notice: CompletionNotice = decode(data, CompletionNotice)
         except MessageError:
             log.warning("completion notices: an unreadable notice (%d bytes) skipped", len(data))
@@ -142,7 +151,7 @@ class CompletionNotices:
         try:
             await self._futures.on_completion(notice.completion, notice.traceparent)
         except Exception:  # one notice's failure is not the subscription's
-            log.exception("completion notices: handling %s failed", notice.completion.request_id)
+            log.exception("completion notices: handling %s failed", request_id)
 
     def _long_waiting(self) -> list[str]:
         """Request ids waited for at least `sweep_s` (each remembered from when first seen)."""
