@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import pytest_asyncio
+import redis.asyncio as aioredis
 
 from plexrl.limits import DEFAULT_LIMITS
 from plexrl.messages import (
@@ -212,3 +213,75 @@ async def test_a_notice_nobody_waits_for_lets_the_quota_go(
         assert time.monotonic() < deadline, "the quota kept the call"
         await asyncio.sleep(0.01)
     assert listening.notices.notices >= 1
+
+
+class FreezingProxy:
+    """A TCP relay to Redis whose connections open so far can be cut off silently:
+    nothing more passes either way and nothing is closed, as in a partition."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._target = (host, port)
+        self._frozen: list[asyncio.Event] = []
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    def freeze(self) -> None:
+        for frozen in self._frozen:
+            frozen.set()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self._target)
+        frozen = asyncio.Event()
+        self._frozen.append(frozen)
+
+        async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            while data := await src.read(65536):
+                if not frozen.is_set():
+                    dst.write(data)
+                    await dst.drain()
+
+        await asyncio.gather(
+            pump(reader, up_writer), pump(up_reader, writer), return_exceptions=True
+        )
+
+
+async def test_a_subscription_cut_off_silently_is_replaced(
+    infra: dict[str, str], stores: Stores
+) -> None:
+    """The subscription's connection stops passing anything without being closed: the
+    unanswered pings give it away and the listener subscribes on a new connection."""
+    host, port = infra["redis"].removeprefix("redis://").split("/")[0].split(":")
+    proxy = FreezingProxy(host, int(port))
+    await proxy.start()
+    client = aioredis.Redis.from_url(f"redis://127.0.0.1:{proxy.port}/0")
+    futures = FutureWaiter(stores.calls)
+    notices = CompletionNotices(
+        client, stores.calls.completed_channel, futures, sweep_s=0.2, retry_s=0.1
+    )
+    stop = asyncio.Event()
+    task = asyncio.create_task(notices.run(stop))
+    try:
+        await asyncio.wait_for(notices.wait_subscribed(), 10)
+        subscriptions = notices.subscriptions
+        proxy.freeze()
+        deadline = time.monotonic() + 10
+        while notices.subscriptions == subscriptions or not notices.subscribed:
+            assert time.monotonic() < deadline, "the silent subscription was kept"
+            await asyncio.sleep(0.02)
+        waiter = asyncio.create_task(futures.wait("r11", timeout_s=30))
+        await waiting(futures, "r11")
+        await stores.calls.record_completion(completion("r11"))
+        assert await asyncio.wait_for(waiter, 5) is not None
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+        await client.aclose()
+        await proxy.stop()

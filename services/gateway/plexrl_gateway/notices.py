@@ -7,7 +7,8 @@ most once, and only to a connected subscriber, so Redis stays the truth: after e
 (re)subscription the listener reads the completions of every call it waits for or counts
 as pending (what was announced while it was away), and every `sweep_s` it reads those of
 the calls waited for longer than that (a recorder that died between its record and its
-announcement), so no waiter depends on a notice arriving.
+announcement), so no waiter depends on a notice arriving. Each period it also pings the
+subscription: one that answers nothing for a few periods is replaced.
 """
 
 from __future__ import annotations
@@ -30,6 +31,10 @@ log = logging.getLogger(__name__)
 
 SWEEP_CHUNK = 512
 """Request ids per Redis read when sweeping."""
+
+SILENT_PERIODS = 3
+"""Sweep periods without a notice or an answer to a ping after which the subscription's
+connection is taken for dead and a new one is made."""
 
 
 class CompletionNotices:
@@ -111,16 +116,26 @@ class CompletionNotices:
             self._subscribed.set()
             self._failed = None
             self._resweep = True
-            swept_at = time.monotonic()
+            swept_at = heard_at = time.monotonic()
             while not stop.is_set():
                 if self._resweep:
                     # Whatever was announced before the subscription took is in Redis.
                     self._resweep = False
                     await self._sweep([*self._futures.waiting, *self._pending()])
                 message = await pubsub.get_message(timeout=self._sweep_s)
-                if message is not None and message.get("type") == "message":
-                    await self._on_message(raw_bytes(message["data"]))
+                if message is not None:
+                    heard_at = time.monotonic()
+                    if message.get("type") == "message":
+                        await self._on_message(raw_bytes(message["data"]))
                 if time.monotonic() - swept_at >= self._sweep_s:
+                    # A connection cut off without a reset (a partition, a primary that
+                    # hangs) looks subscribed: each period asks it for a pong.
+                    if time.monotonic() - heard_at > SILENT_PERIODS * self._sweep_s:
+                        raise aioredis.ConnectionError(
+                            f"no notice nor pong on the subscription for "
+                            f"{time.monotonic() - heard_at:.1f}s"
+                        )
+                    await pubsub.ping()
                     await self._sweep(self._long_waiting())
                     swept_at = time.monotonic()
         finally:
