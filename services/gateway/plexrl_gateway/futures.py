@@ -43,7 +43,7 @@ class FutureWaiter:
         return request_id in self._events
 
     def answered(self, request_id: str) -> None:
-        """A call announced that nobody here waits for (the pending-calls quota)."""
+        """A call announced: counted off the pending-calls quota (waited for or not)."""
         if self._on_answered is not None:
             self._on_answered(request_id)
 
