@@ -48,6 +48,8 @@ from plexrl_worker.runner import CallRunner
 
 BASE = "plexrl/tiny-qwen3"
 JOB, TENANT = "full-1", "t"
+ATTEMPTS = 3
+"""Saves (and loads) tried before a long loop gap counts against the code."""
 
 
 class _Resident:
@@ -151,19 +153,32 @@ async def test_a_save_leaves_the_event_loop_free_while_the_state_is_serialised(
         size = len(state_to_bytes(state))
         serialise_s = time.perf_counter() - start
 
-        path = f"tinker://{JOB}/weights/big"
-        task = asyncio.create_task(
-            runner.run(request(Function.SAVE, SaveInput(SaveKind.STATE, path)), fence)
-        )
-        gap = await longest_gap(task)
-        ran = await task
+        # Held on the loop, every attempt would stall it at least one serialisation
+        # long; a single long gap can also be this process descheduled on a busy
+        # machine, so each direction gets up to ATTEMPTS tries and the shortest counts.
+        gaps: list[float] = []
+        for attempt in range(ATTEMPTS):
+            path = f"tinker://{JOB}/weights/big-{attempt}"
+            task = asyncio.create_task(
+                runner.run(request(Function.SAVE, SaveInput(SaveKind.STATE, path)), fence)
+            )
+            gaps.append(await longest_gap(task))
+            ran = await task
+            if ran.error is not None or gaps[-1] < 0.5 * serialise_s:
+                break
+        gap = min(gaps)
         # And back: the load receives and parses the same bytes (no step taken yet, so
         # the state holds weights alone).
-        task = asyncio.create_task(
-            runner.run(request(Function.LOAD, LoadInput(path, False)), fence)
-        )
-        load_gap = await longest_gap(task)
-        loaded = await task
+        load_gaps: list[float] = []
+        for _ in range(ATTEMPTS):
+            task = asyncio.create_task(
+                runner.run(request(Function.LOAD, LoadInput(path, False)), fence)
+            )
+            load_gaps.append(await longest_gap(task))
+            loaded = await task
+            if loaded.error is not None or load_gaps[-1] < 0.5 * serialise_s:
+                break
+        load_gap = min(load_gaps)
         again = engine.export_state(JOB, optimizer=True, gradients=False)
     finally:
         await store.close()
@@ -171,7 +186,7 @@ async def test_a_save_leaves_the_event_loop_free_while_the_state_is_serialised(
     assert ran.error is None, ran.error
     assert isinstance(ran.output, SaveOutput) and ran.output.size_bytes == size
     # On the loop, the save would hold it at least as long as one serialisation.
-    assert gap < 0.5 * serialise_s, (gap, serialise_s, size)
+    assert gap < 0.5 * serialise_s, (gaps, serialise_s, size)
     assert loaded.error is None, loaded.error
-    assert load_gap < 0.5 * serialise_s, (load_gap, serialise_s, size)
+    assert load_gap < 0.5 * serialise_s, (load_gaps, serialise_s, size)
     assert state_to_bytes(again) == state_to_bytes(state)  # the state it saved, bit for bit
