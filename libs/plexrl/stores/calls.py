@@ -39,6 +39,11 @@ return 0
 for no replica (with one, the notice must wait until the replicas hold the record)."""
 
 
+def _notice(completion: PhaseCompletion) -> bytes:
+    """The encoded `CompletionNotice` of a completion, in the current span's trace."""
+    return encode(CompletionNotice(completion, tracing.traceparent_of() or ""))
+
+
 class CallStore(RedisStore):
     """Futures, completions, retry keys and seq cursors; each lives `ttl_s`. Keys:
     `future:<request>`, `done:<request>`, `idem:<retry key>`, `seq:<job>`."""
@@ -80,7 +85,6 @@ class CallStore(RedisStore):
         if self._keys.waits_for_replicas:
             pipe.set(key, encode(completion), ex=self._keys.ttl_s, nx=True)
             return False
-        notice = CompletionNotice(completion, tracing.traceparent_of() or "")
         pipe.eval(
             _RECORD_AND_ANNOUNCE,
             2,
@@ -88,7 +92,7 @@ class CallStore(RedisStore):
             self.completed_channel,
             encode(completion),
             self._keys.ttl_s,
-            encode(notice),
+            _notice(completion),
         )
         return True
 
@@ -100,8 +104,7 @@ class CallStore(RedisStore):
     async def announce(self, completion: PhaseCompletion) -> None:
         """Wake the gateways' waiters for a completion recorded (and replicated) already:
         a `CompletionNotice` carrying it and the current span's trace context."""
-        notice = CompletionNotice(completion, tracing.traceparent_of() or "")
-        await self._redis.publish(self.completed_channel, encode(notice))
+        await self._redis.publish(self.completed_channel, _notice(completion))
 
     async def get_completion(self, request_id: str) -> PhaseCompletion | None:
         return await self._get(self._k("done", request_id), PhaseCompletion)
