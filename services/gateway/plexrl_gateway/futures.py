@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -38,6 +39,8 @@ class FutureWaiter:
         self._events: dict[str, asyncio.Event] = {}
         self._waiters: dict[str, int] = {}
         self._arrived: dict[str, PhaseCompletion] = {}
+        self._since: dict[str, float] = {}
+        """When each waited request id's first waiter came (`time.monotonic`)."""
 
     def waits_for(self, request_id: str) -> bool:
         return request_id in self._events
@@ -72,6 +75,10 @@ class FutureWaiter:
         """The request ids waited for now."""
         return list(self._events)
 
+    def waiting_since(self, before: float) -> list[str]:
+        """The request ids waited for since before `before` (`time.monotonic`)."""
+        return [r for r, since in self._since.items() if since <= before]
+
     async def sweep(self, request_ids: Iterable[str]) -> int:
         """Answer, from Redis, the waiters (and the pending-calls quota) of these
         request ids whose completions are recorded: for announcements this gateway may
@@ -90,6 +97,7 @@ class FutureWaiter:
         """The completion, as soon as it exists; None if it did not within `timeout_s`."""
         # Register first, then read Redis: a completion announced in between sets the event.
         event = self._events.setdefault(request_id, asyncio.Event())
+        self._since.setdefault(request_id, time.monotonic())
         self._waiters[request_id] = self._waiters.get(request_id, 0) + 1
         metrics.FUTURES_WAITING.inc()
         try:
@@ -99,8 +107,8 @@ class FutureWaiter:
                     await asyncio.wait_for(event.wait(), timeout_s)
                 arrived = self._arrived.get(request_id)
                 done = arrived or await self._store.get_completion(request_id)
-            if done is not None and self._on_answered is not None:
-                self._on_answered(request_id)
+            if done is not None:
+                self.answered(request_id)
             return done
         finally:
             metrics.FUTURES_WAITING.dec()
@@ -108,4 +116,5 @@ class FutureWaiter:
             if self._waiters[request_id] == 0:
                 del self._waiters[request_id]
                 del self._events[request_id]
+                del self._since[request_id]
                 self._arrived.pop(request_id, None)

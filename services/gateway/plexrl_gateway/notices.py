@@ -59,8 +59,6 @@ class CompletionNotices:
         self._sweep_s = sweep_s
         self._retry_s = retry_s
         self._subscribed = asyncio.Event()
-        self._since: dict[str, float] = {}
-        """When each waited request id was first seen waiting (for the periodic sweep)."""
         self._failed: str | None = None
         self._resweep = False
         """The subscription's connection was opened again (redis-py resubscribed it)."""
@@ -136,7 +134,7 @@ class CompletionNotices:
                             f"{time.monotonic() - heard_at:.1f}s"
                         )
                     await pubsub.ping()
-                    await self._sweep(self._long_waiting())
+                    await self._sweep(self._futures.waiting_since(time.monotonic() - self._sweep_s))
                     swept_at = time.monotonic()
         finally:
             self._subscribed.clear()
@@ -154,26 +152,20 @@ class CompletionNotices:
             # sample's can run to megabytes).
             head: CompletionNoticeHead = decode(data, CompletionNoticeHead)
             request_id = head.completion.request_id
-            if not self._futures.waits_for(request_id):
-                self.notices += 1
-                self._futures.answered(request_id)
-                return
-            notice: CompletionNotice = decode(data, CompletionNotice)
+            notice: CompletionNotice | None = (
+                decode(data, CompletionNotice) if self._futures.waits_for(request_id) else None
+            )
         except MessageError:
             log.warning("completion notices: an unreadable notice (%d bytes) skipped", len(data))
             return
         self.notices += 1
+        if notice is None:
+            self._futures.answered(request_id)
+            return
         try:
             await self._futures.on_completion(notice.completion, notice.traceparent)
         except Exception:  # one notice's failure is not the subscription's
             log.exception("completion notices: handling %s failed", request_id)
-
-    def _long_waiting(self) -> list[str]:
-        """Request ids waited for at least `sweep_s` (each remembered from when first seen)."""
-        now = time.monotonic()
-        waiting = self._futures.waiting
-        self._since = {r: self._since.get(r, now) for r in waiting}
-        return [r for r, since in self._since.items() if now - since >= self._sweep_s]
 
     async def _sweep(self, request_ids: list[str]) -> None:
         for start in range(0, len(request_ids), SWEEP_CHUNK):
