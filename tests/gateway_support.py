@@ -20,6 +20,7 @@ from plexrl.messages import (
     ErrorInfo,
     ForwardBackwardInput,
     ForwardBackwardOutput,
+    Function,
     LoadInput,
     LoadOutput,
     NoopOutput,
@@ -40,7 +41,8 @@ from plexrl.messages import (
     UnloadOutput,
 )
 from plexrl.payloads import resolve
-from plexrl.stores import CheckpointRecord, Stores
+from plexrl.stores import CallStore, CheckpointRecord, Stores
+from plexrl_gateway.futures import FutureWaiter
 from plexrl_tools.cluster import free_port as free_port  # re-exported to the tests
 
 TINY_MODEL = "plexrl/tiny-qwen3"
@@ -162,3 +164,39 @@ async def wait_until(predicate: Any, timeout_s: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError("condition not reached")
         await asyncio.sleep(0.01)
+
+
+def noop_completion(request_id: str, worker: str = "w0") -> PhaseCompletion:
+    """A finished NOOP call of job `job` (tenant `alice`), as a worker records it."""
+    return PhaseCompletion(
+        request_id=request_id,
+        job_id="job",
+        tenant="alice",
+        worker_id=worker,
+        function=Function.NOOP,
+        status=CompletionStatus.OK,
+        timings=Timings(queue_s=0.0, compute_s=0.0),
+        result=NoopOutput(),
+        finished_at=time.time(),
+    )
+
+
+async def start_waiting(
+    futures: FutureWaiter, request_id: str, timeout_s: float = 60.0
+) -> asyncio.Task[PhaseCompletion | None]:
+    """A poll for the call's completion, returned once its waiter has registered."""
+    waiter = asyncio.create_task(futures.wait(request_id, timeout_s))
+    deadline = time.monotonic() + 5
+    while request_id not in futures.waiting:
+        assert time.monotonic() < deadline, "the waiter never registered"
+        await asyncio.sleep(0.005)
+    return waiter
+
+
+async def answered_when_recorded(
+    calls: CallStore, futures: FutureWaiter, request_id: str, within_s: float
+) -> PhaseCompletion | None:
+    """Wait for a call, record its completion, and what the wait answered."""
+    waiter = await start_waiting(futures, request_id)
+    await calls.record_completion(noop_completion(request_id))
+    return await asyncio.wait_for(waiter, within_s)

@@ -15,17 +15,11 @@ from dataclasses import dataclass
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
+from gateway_support import answered_when_recorded, start_waiting, wait_until
+from gateway_support import noop_completion as completion
 
 from plexrl.limits import DEFAULT_LIMITS
-from plexrl.messages import (
-    CompletionNotice,
-    CompletionStatus,
-    Function,
-    NoopOutput,
-    PhaseCompletion,
-    Timings,
-    encode,
-)
+from plexrl.messages import CompletionNotice, encode
 from plexrl.stores import Stores
 from plexrl_gateway.admission import PendingCalls
 from plexrl_gateway.futures import FutureWaiter
@@ -34,26 +28,11 @@ from plexrl_gateway.notices import CompletionNotices
 pytestmark = pytest.mark.integration
 
 
-def completion(request_id: str, worker: str = "w0") -> PhaseCompletion:
-    return PhaseCompletion(
-        request_id=request_id,
-        job_id="job",
-        tenant="alice",
-        worker_id=worker,
-        function=Function.NOOP,
-        status=CompletionStatus.OK,
-        timings=Timings(queue_s=0.0, compute_s=0.0),
-        result=NoopOutput(),
-        finished_at=time.time(),
-    )
-
-
 @dataclass
 class Listening:
     notices: CompletionNotices
     futures: FutureWaiter
     pending: PendingCalls
-    stop: asyncio.Event
 
 
 @pytest_asyncio.fixture
@@ -72,24 +51,16 @@ async def listening(stores: Stores) -> AsyncIterator[Listening]:
     task = asyncio.create_task(notices.run(stop))
     await asyncio.wait_for(notices.wait_subscribed(), 10)
     try:
-        yield Listening(notices, futures, pending, stop)
+        yield Listening(notices, futures, pending)
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
 
 
-async def waiting(futures: FutureWaiter, request_id: str) -> None:
-    deadline = time.monotonic() + 5
-    while request_id not in futures.waiting:
-        assert time.monotonic() < deadline, "the waiter never registered"
-        await asyncio.sleep(0.005)
-
-
 async def test_a_recorded_completion_wakes_its_waiter_at_once(
     stores: Stores, listening: Listening
 ) -> None:
-    waiter = asyncio.create_task(listening.futures.wait("r1", timeout_s=30))
-    await waiting(listening.futures, "r1")
+    waiter = await start_waiting(listening.futures, "r1")
     started = time.monotonic()
     await stores.calls.record_completion(completion("r1"))
     done = await asyncio.wait_for(waiter, 5)
@@ -117,8 +88,7 @@ async def test_a_completion_recorded_without_a_notice_is_swept(
     """A recorder that died after its record, before its announcement: the waiter is
     answered from Redis within the sweep period."""
     listening.pending.published("alice", "r3")
-    waiter = asyncio.create_task(listening.futures.wait("r3", timeout_s=30))
-    await waiting(listening.futures, "r3")
+    waiter = await start_waiting(listening.futures, "r3")
     await stores.keys.redis.set(stores.keys.key("done", "r3"), encode(completion("r3")))
     done = await asyncio.wait_for(waiter, 5)
     assert done is not None and done.request_id == "r3"
@@ -137,23 +107,16 @@ async def test_what_was_announced_while_the_connection_was_lost_is_swept(
     assert listening.pending.count("alice") == 1
     subscriptions = listening.notices.subscriptions
     await stores.keys.redis.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
-    deadline = time.monotonic() + 10
-    while listening.pending.count("alice"):
-        assert time.monotonic() < deadline, listening.pending.ids()
-        await asyncio.sleep(0.02)
+    await wait_until(lambda: not listening.pending.count("alice"), 10)
     assert listening.notices.subscriptions > subscriptions
     # And notices flow again on the new connection.
-    waiter = asyncio.create_task(listening.futures.wait("r5", timeout_s=30))
-    await waiting(listening.futures, "r5")
-    await stores.calls.record_completion(completion("r5"))
-    assert await asyncio.wait_for(waiter, 5) is not None
+    assert await answered_when_recorded(stores.calls, listening.futures, "r5", 5) is not None
     assert listening.notices.health()["ok"]
 
 
 async def test_an_unreadable_notice_is_skipped(stores: Stores, listening: Listening) -> None:
     await stores.keys.redis.publish(stores.calls.completed_channel, b"\xc1not msgpack")
-    waiter = asyncio.create_task(listening.futures.wait("r7", timeout_s=30))
-    await waiting(listening.futures, "r7")
+    waiter = await start_waiting(listening.futures, "r7")
     notice = CompletionNotice(completion("r7"))
     await stores.keys.redis.publish(stores.calls.completed_channel, encode(notice))
     assert await asyncio.wait_for(waiter, 5) is not None
@@ -182,20 +145,11 @@ async def test_a_listener_that_fails_recovers_and_says_so(stores: Stores) -> Non
     stop = asyncio.Event()
     task = asyncio.create_task(notices.run(stop))
     try:
-        deadline = time.monotonic() + 5
-        while notices.health()["ok"]:
-            assert time.monotonic() < deadline, "the failure never showed"
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: not notices.health()["ok"], 5)
         assert "the quota is broken" in notices.health()["error"]
         broken = False
-        deadline = time.monotonic() + 5
-        while not (notices.health()["ok"] and notices.subscribed):
-            assert time.monotonic() < deadline, notices.health()
-            await asyncio.sleep(0.01)
-        waiter = asyncio.create_task(futures.wait("r9", timeout_s=30))
-        await waiting(futures, "r9")
-        await stores.calls.record_completion(completion("r9"))
-        assert await asyncio.wait_for(waiter, 5) is not None
+        await wait_until(lambda: notices.health()["ok"] and notices.subscribed, 5)
+        assert await answered_when_recorded(stores.calls, futures, "r9", 5) is not None
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
@@ -208,10 +162,7 @@ async def test_a_notice_nobody_waits_for_lets_the_quota_go(
     as its id) counts it off the tenant's pending calls, no sweep needed."""
     listening.pending.published("alice", "r10")
     await stores.calls.record_completion(completion("r10"))
-    deadline = time.monotonic() + 2
-    while listening.pending.count("alice"):
-        assert time.monotonic() < deadline, "the quota kept the call"
-        await asyncio.sleep(0.01)
+    await wait_until(lambda: not listening.pending.count("alice"), 2)
     assert listening.notices.notices >= 1
 
 
@@ -272,14 +223,10 @@ async def test_a_subscription_cut_off_silently_is_replaced(
         await asyncio.wait_for(notices.wait_subscribed(), 10)
         subscriptions = notices.subscriptions
         proxy.freeze()
-        deadline = time.monotonic() + 10
-        while notices.subscriptions == subscriptions or not notices.subscribed:
-            assert time.monotonic() < deadline, "the silent subscription was kept"
-            await asyncio.sleep(0.02)
-        waiter = asyncio.create_task(futures.wait("r11", timeout_s=30))
-        await waiting(futures, "r11")
-        await stores.calls.record_completion(completion("r11"))
-        assert await asyncio.wait_for(waiter, 5) is not None
+        await wait_until(
+            lambda: not (notices.subscriptions == subscriptions or not notices.subscribed), 10
+        )
+        assert await answered_when_recorded(stores.calls, futures, "r11", 5) is not None
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)

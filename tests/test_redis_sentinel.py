@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
+from gateway_support import answered_when_recorded, noop_completion, start_waiting
 from redis import exceptions as redis_exceptions
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -27,7 +28,6 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from plexrl.messages import CompletionStatus, Function, PhaseCompletion, Timings
 from plexrl.redis_target import UNREPLICATED, RedisTarget, ReplicaLagError, ReplicaWait
 from plexrl.settings import CommonSettings, parse_sentinels
 from plexrl.stores import Stores
@@ -140,23 +140,19 @@ async def test_completion_notices_wait_for_the_replicas_and_follow_a_failover(
     try:
         await asyncio.wait_for(notices.wait_subscribed(), 30)
         async with stores.calls.pipeline() as pipe:
-            assert not stores.calls.queue_completion(pipe, _completion("n0"))
+            assert not stores.calls.queue_completion(pipe, noop_completion("n0"))
             await pipe.execute()
-        waiter = asyncio.create_task(futures.wait("n1", timeout_s=60))
-        await _waiting(futures, "n1")
-        await stores.calls.record_completion(_completion("n1"))
-        assert await asyncio.wait_for(waiter, 10) is not None
+        assert await answered_when_recorded(stores.calls, futures, "n1", 10) is not None
         heard = notices.notices
         assert heard >= 1
         # A call waited on across the failover (its first read of Redis done before).
-        waiter = asyncio.create_task(futures.wait("n2", timeout_s=60))
-        await _waiting(futures, "n2")
+        waiter = await start_waiting(futures, "n2")
         await asyncio.sleep(0.1)
         old = group.kill_primary()
         started = time.monotonic()
         while True:  # the recorder retries until the Sentinels promoted a replica
             try:
-                await stores.calls.record_completion(_completion("n2"))
+                await stores.calls.record_completion(noop_completion("n2"))
                 break
             except Exception:
                 assert time.monotonic() - started < 30, "no primary within 30 s"
@@ -164,10 +160,7 @@ async def test_completion_notices_wait_for_the_replicas_and_follow_a_failover(
         done = await asyncio.wait_for(waiter, 30)
         assert done is not None and done.request_id == "n2"
         # Later completions are announced on the new primary and heard.
-        waiter = asyncio.create_task(futures.wait("n3", timeout_s=60))
-        await _waiting(futures, "n3")
-        await stores.calls.record_completion(_completion("n3"))
-        assert await asyncio.wait_for(waiter, 2) is not None
+        assert await answered_when_recorded(stores.calls, futures, "n3", 2) is not None
         assert notices.notices > heard
         assert notices.health()["ok"]
         group.revive(old)  # back as a replica, for the module's next tests
@@ -175,26 +168,6 @@ async def test_completion_notices_wait_for_the_replicas_and_follow_a_failover(
         stop.set()
         await asyncio.wait_for(listening, 30)
         await stores.close()
-
-
-def _completion(request_id: str) -> PhaseCompletion:
-    return PhaseCompletion(
-        request_id=request_id,
-        job_id="job",
-        tenant="alice",
-        worker_id="w0",
-        function=Function.NOOP,
-        status=CompletionStatus.OK,
-        timings=Timings(queue_s=0.0, compute_s=0.0),
-        finished_at=time.time(),
-    )
-
-
-async def _waiting(futures: FutureWaiter, request_id: str) -> None:
-    deadline = time.monotonic() + 5
-    while request_id not in futures.waiting:
-        assert time.monotonic() < deadline, "the waiter never registered"
-        await asyncio.sleep(0.005)
 
 
 async def _replicated_within(stores: Stores, seconds: float) -> int:
