@@ -173,6 +173,7 @@ class FreezingProxy:
     def __init__(self, host: str, port: int) -> None:
         self._target = (host, port)
         self._frozen: list[asyncio.Event] = []
+        self._writers: list[asyncio.StreamWriter] = []
         self._server: asyncio.Server | None = None
         self.port = 0
 
@@ -183,6 +184,8 @@ class FreezingProxy:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+        for writer in self._writers:  # the relayed connections too, frozen or not
+            writer.close()
 
     def freeze(self) -> None:
         for frozen in self._frozen:
@@ -190,6 +193,7 @@ class FreezingProxy:
 
     async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         up_reader, up_writer = await asyncio.open_connection(*self._target)
+        self._writers += [writer, up_writer]
         frozen = asyncio.Event()
         self._frozen.append(frozen)
 
