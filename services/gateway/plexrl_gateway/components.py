@@ -16,6 +16,7 @@ from plexrl.state_store_client import StateStoreClient
 from plexrl.stores import CallStore, PayloadStore, RedisKeys, Stores, TimelineStore, UsageStore
 from plexrl.stores.tenant_records import TenantRecords
 from plexrl.topics import Topics
+from plexrl_gateway.accepted import AcceptedCalls
 from plexrl_gateway.admission import CountingPublisher, PendingCalls
 from plexrl_gateway.auth import ApiKeys
 from plexrl_gateway.catalog import ModelCatalog
@@ -105,6 +106,7 @@ class Gateway:
         """Every component over its own stores, all on one Redis connection."""
         topics = Topics(settings.cluster_id)
         pending = PendingCalls(limits)
+        accepted = AcceptedCalls()
         publisher = CountingPublisher(publisher, pending, topics.requests)
         sequencer = Sequencer(stores.calls, settings.sequence_gap_timeout_s)
         signer = UrlSigner(signing_secret(settings.url_signing_secret, settings.service_token))
@@ -132,9 +134,10 @@ class Gateway:
                 topics,
                 sequencer,
                 settings.payload_inline_max_bytes,
+                accepted=accepted,
             ),
             sequencer=sequencer,
-            futures=FutureWaiter(stores.calls, on_answered=pending.done),
+            futures=FutureWaiter(stores.calls, on_answered=pending.done, accepted=accepted),
             publisher=publisher,
             topics=topics,
             cluster=ClusterView(

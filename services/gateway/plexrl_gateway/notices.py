@@ -111,6 +111,7 @@ class CompletionNotices:
             if pubsub.connection is not None:
                 pubsub.connection.register_connect_callback(self._reconnected)
             self.subscriptions += 1
+            self._futures.accepted.listening(self.subscriptions)
             self._subscribed.set()
             self._failed = None
             self._resweep = True
@@ -138,22 +139,24 @@ class CompletionNotices:
                     swept_at = time.monotonic()
         finally:
             self._subscribed.clear()
+            self._futures.accepted.listening(None)
             with contextlib.suppress(Exception):
                 await pubsub.aclose()
 
     def _reconnected(self, _connection: object) -> None:
+        # What the lost connection missed may concern any call accepted before.
         self.subscriptions += 1
+        self._futures.accepted.listening(self.subscriptions)
         self._resweep = True
 
     async def _on_message(self, data: bytes) -> None:
         try:
-            # A call nobody here waits for (another gateway's, or one whose result is
-            # not asked for yet) is read only as far as its id, not its result (a
-            # sample's can run to megabytes).
+            # A call nobody here waits for nor accepted (another gateway's) is read
+            # only as far as its id, not its result (a sample's can run to megabytes).
             head: CompletionNoticeHead = decode(data, CompletionNoticeHead)
             request_id = head.completion.request_id
             notice: CompletionNotice | None = (
-                decode(data, CompletionNotice) if self._futures.waits_for(request_id) else None
+                decode(data, CompletionNotice) if self._futures.wants(request_id) else None
             )
         except MessageError:
             log.warning("completion notices: an unreadable notice (%d bytes) skipped", len(data))
@@ -163,7 +166,7 @@ class CompletionNotices:
             self._futures.answered(request_id)
             return
         try:
-            await self._futures.on_completion(notice.completion, notice.traceparent)
+            await self._futures.on_completion(notice.completion, notice.traceparent, len(data))
         except Exception:  # one notice's failure is not the subscription's
             log.exception("completion notices: handling %s failed", request_id)
 

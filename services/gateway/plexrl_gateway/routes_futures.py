@@ -31,7 +31,8 @@ async def retrieve_future(
     futures: Futures,
     gateway: GatewayDep,
 ) -> Response:
-    future = await calls.get_future(body.request_id)
+    # A call this gateway accepted is known without a read (`plexrl_gateway.accepted`).
+    future = futures.accepted.future(body.request_id) or await calls.get_future(body.request_id)
     if future is None or future.tenant != tenant:
         raise not_found(f"unknown future {body.request_id!r}")
     # Polls are traces of their own (one per HTTP request); the link leads to the call.

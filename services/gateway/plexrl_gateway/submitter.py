@@ -39,6 +39,7 @@ from plexrl.payloads import inline_or_ref
 from plexrl.stores import CallStore, FutureRecord, PayloadStore
 from plexrl.topics import Topics
 from plexrl_gateway import metrics
+from plexrl_gateway.accepted import AcceptedCalls
 from plexrl_gateway.errors import ApiError, Category
 from plexrl_gateway.outbox import Accept, Flushes, Outbox
 from plexrl_gateway.render import ResponseKind
@@ -132,9 +133,11 @@ class Submitter:
         sequencer: Sequencer,
         inline_max_bytes: int,
         clock: Callable[[], float] = time.time,
+        accepted: AcceptedCalls | None = None,
     ) -> None:
         """`calls`: retry keys are read here (the outbox writes them with the call);
-        `payloads`: where a payload over `inline_max_bytes` goes."""
+        `payloads`: where a payload over `inline_max_bytes` goes; `accepted`: told of
+        each call before its acceptance is sent (the waiters' shortcut)."""
         self._calls = calls
         self._payloads = payloads
         self._publisher = publisher
@@ -144,6 +147,7 @@ class Submitter:
         self._clock = clock
         self._outbox = outbox
         self._flushes = Flushes(outbox)
+        self._accepted = accepted or AcceptedCalls()
 
     async def existing(self, retry_key: str) -> str | None:
         """The request id an earlier send of this call got, if there was one."""
@@ -193,6 +197,9 @@ class Submitter:
                 await self._request(sub, request_id, call, now)
                 for request_id, call in zip(ids, calls, strict=True)
             ]
+            # Before Redis holds them: no flush, of this request or another, can
+            # publish them earlier, so no notice of them can come earlier.
+            self._accepted.note(futures)
             accepted = await self._outbox.accept(
                 Accept(
                     job_id=sub.job_id,
@@ -203,6 +210,7 @@ class Submitter:
                 )
             )
         except Exception as exc:  # nothing was accepted: the client may simply send again
+            self._accepted.forget(ids)
             log.error("accepting %s for %s failed: %r", ids, sub.job_id, exc)
             raise ApiError(
                 503,
@@ -211,6 +219,7 @@ class Submitter:
             ) from exc
         standing = accepted.standing
         if standing is not None and standing != ids[-1]:
+            self._accepted.forget(ids)  # never written
             return standing  # a concurrent send of the same call won
         # (`standing == ids[-1]`: Redis ran the acceptance, then the connection dropped
         # and the client library sent it again: it is ours.)
