@@ -24,6 +24,7 @@ from gateway_support import (
     TINY_MODEL,
     canned_output,
     completion_for,
+    wait_until,
 )
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from tinker.proto import request_conv, response_conv
@@ -45,6 +46,7 @@ from plexrl.messages import (
     SaveKind,
 )
 from plexrl.stores import TimelineEntry
+from plexrl_gateway.notices import CompletionNotices
 
 
 @dataclass
@@ -259,6 +261,41 @@ async def test_forward_backward_is_validated_then_published_and_its_result_is_pr
     output = response_conv.deserialize_forward_backward_output(result.content)
     assert output.metrics == {"loss:sum": 7.5}
     assert [d["logprobs"].tolist() for d in output.loss_fn_outputs] == [[-1.5] * 3, [-1.5] * 2]
+
+
+async def test_a_call_polled_where_it_was_accepted_reads_nothing_from_redis(
+    api: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the gateway's notices listened to, its own call's future record and
+    completion are known to it: `retrieve_future` answers without a Redis read."""
+    reads: list[str] = []
+    for name in ("get_future", "get_completion"):
+        real = getattr(api.stores.calls, name)
+
+        async def counted(request_id: str, real: Any = real, name: str = name) -> Any:
+            reads.append(name)
+            return await real(request_id)
+
+        monkeypatch.setattr(api.stores.calls, name, counted)
+    calls = api.stores.calls
+    notices = CompletionNotices(api.stores.keys.redis, calls.completed_channel, api.gateway.futures)
+    stop = asyncio.Event()
+    listening = asyncio.create_task(notices.run(stop))
+    try:
+        await asyncio.wait_for(notices.wait_subscribed(), 10)
+        model_id = await api.model()
+        (create,) = api.published(Function.CREATE)
+        # Recorded and announced, as a worker does, before the client polls.
+        await calls.record_completion(
+            completion_for(create, await canned_output(api.stores, create))
+        )
+        await wait_until(lambda: api.gateway.futures.accepted.completion(create.request_id), 5)
+        done = await api.ok("retrieve_future", {"request_id": create.request_id})
+        assert done == {"type": "create_model", "model_id": model_id}
+        assert reads == []
+    finally:
+        stop.set()
+        await listening
 
 
 async def test_a_pending_future_answers_408_try_again(api: Harness) -> None:

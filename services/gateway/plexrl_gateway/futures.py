@@ -40,7 +40,7 @@ class FutureWaiter:
         accepted: AcceptedCalls | None = None,
     ) -> None:
         self._store = store
-        self.accepted = accepted or AcceptedCalls()
+        self.accepted = AcceptedCalls() if accepted is None else accepted
         """The calls this gateway accepted (the submitter notes them, the listener
         tells it of its subscriptions)."""
         self._on_answered = on_answered

@@ -147,7 +147,7 @@ class Submitter:
         self._clock = clock
         self._outbox = outbox
         self._flushes = Flushes(outbox)
-        self._accepted = accepted or AcceptedCalls()
+        self._accepted = AcceptedCalls() if accepted is None else accepted
 
     async def existing(self, retry_key: str) -> str | None:
         """The request id an earlier send of this call got, if there was one."""
