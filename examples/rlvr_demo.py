@@ -55,7 +55,7 @@ def ensure_model(registry: Path) -> Path:
     return path
 
 
-REALISTIC = {"jobs": 6, "stall": 1.1}
+REALISTIC = {"jobs": 6, "stall": 0.6}
 """`--realistic`: six jobs whose stall per RL step keeps each job's worker busy about a
 quarter of the time alone (the reference's 70-81% bubble ratios), on two workers."""
 

@@ -316,13 +316,15 @@ async def park_on_disk(infra: dict[str, str], cluster_id: str, worker_id: str, j
         await stores.close()
 
 
-def test_server_spans_keep_their_route_template_names_when_remembered() -> None:
-    from fastapi import FastAPI
+def test_server_spans_are_named_by_their_route_templates() -> None:
+    from fastapi import APIRouter, FastAPI
     from fastapi.testclient import TestClient
+    from opentelemetry.trace import StatusCode
 
     exporter = InMemorySpanExporter()
     tracing.setup_tracing("test", exporter)
-    app = FastAPI()
+    app = FastAPI(telemetry=tracing.NATIVE_TELEMETRY_OFF)
+    inner = APIRouter(prefix="/inner")  # included, as the services' routes are
 
     @app.get("/things/{thing_id}")
     async def thing(thing_id: str) -> dict[str, str]:
@@ -332,58 +334,54 @@ def test_server_spans_keep_their_route_template_names_when_remembered() -> None:
     async def echo() -> dict[str, str]:
         return {}
 
+    @inner.get("/fails")
+    async def fails() -> dict[str, str]:
+        raise RuntimeError("broken")
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {}
+
+    app.include_router(inner)
     tracing.instrument_app(app)
-    with TestClient(app) as client:
+    caller = "00-0000000000000000000000000000abcd-00000000000000ef-01"
+    with TestClient(app, raise_server_exceptions=False) as client:
         for method, path in [
-            ("GET", "/things/a"),
             ("GET", "/things/a"),
             ("GET", "/things/b"),
             ("POST", "/echo"),
             ("GET", "/echo"),  # 405: the route matches partially
             ("GET", "/nowhere"),
+            ("GET", "/inner/fails"),
+            ("GET", "/healthz"),  # never traced
         ]:
-            client.request(method, path)
-    layer, installed = app.middleware_stack, None
-    while layer is not None and installed is None:
-        installed = getattr(layer, "default_span_details", None)
-        layer = getattr(layer, "app", None)
-    assert isinstance(installed, tracing.RouteNames)
+            client.request(method, path, headers={"traceparent": caller})
     server = [s for s in exporter.get_finished_spans() if s.kind == SpanKind.SERVER]
     assert [s.name for s in server] == [
-        "GET /things/{thing_id}",
         "GET /things/{thing_id}",
         "GET /things/{thing_id}",
         "POST /echo",
         "GET /echo",
         "GET",
+        "GET /inner/fails",
     ]
-    assert [(s.attributes or {}).get("http.route") for s in server] == [
-        "/things/{thing_id}",
+    attributes = [dict(s.attributes or {}) for s in server]
+    assert [a.get("http.route") for a in attributes] == [
         "/things/{thing_id}",
         "/things/{thing_id}",
         "/echo",
         "/echo",
         None,
+        "/inner/fails",
     ]
-
-
-def test_route_names_are_looked_up_once_per_path_and_bounded() -> None:
-    looked_up: list[str] = []
-
-    def details(scope: dict[str, Any]) -> tuple[str, dict[str, str]]:
-        looked_up.append(scope["path"])
-        return f"GET {scope['path']}", {"http.route": scope["path"]}
-
-    names = tracing.RouteNames(details, max_paths=2)
-    scope = {"type": "http", "method": "GET", "root_path": "", "path": "/a"}
-    first = names(scope)
-    first[1]["added"] = "by the caller"
-    assert names(scope) == ("GET /a", {"http.route": "/a"})  # a copy each time
-    assert looked_up == ["/a"]
-    names({**scope, "method": "POST"})
-    names({**scope, "path": "/b"})  # past the bound: starts afresh
-    names(scope)
-    assert looked_up == ["/a", "/a", "/b", "/a"]
+    assert [a["http.status_code"] for a in attributes] == [200, 200, 200, 405, 404, 500]
+    assert attributes[0]["http.target"] == "/things/a" and attributes[0]["http.method"] == "GET"
+    # Each continues the caller's trace; the failure is an error with its exception.
+    assert all(s.context is not None and s.context.trace_id == 0xABCD for s in server)
+    assert all(s.parent is not None and s.parent.span_id == 0xEF for s in server)
+    assert server[-1].status.status_code == StatusCode.ERROR
+    assert server[-1].status.description == "RuntimeError: broken"
+    assert any(e.name == "exception" for e in server[-1].events)
 
 
 def test_a_trace_is_recorded_only_where_spans_go_and_for_the_ratio_of_trace_ids() -> None:

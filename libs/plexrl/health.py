@@ -61,7 +61,12 @@ def health_app(
     consumer is dead or stuck) and GET /metrics, both open and naming no tenant's job;
     with `detail`, GET /status answers `detail()` (what names jobs) to callers holding
     the service `token` (401 otherwise; open when the cluster has none, as on one machine)."""
-    app = FastAPI(title=f"plexrl {name}", docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title=f"plexrl {name}",
+        docs_url=None,
+        redoc_url=None,
+        telemetry=tracing.NATIVE_TELEMETRY_OFF,
+    )
 
     if detail is not None:
         read_detail = detail

@@ -30,7 +30,13 @@ from plexrl_gateway.seq_release import ReleaseRefused
 
 
 def build_app(gateway: Gateway) -> FastAPI:
-    app = FastAPI(title="PlexRL gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="PlexRL gateway",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        telemetry=tracing.NATIVE_TELEMETRY_OFF,
+    )
     app.state.gateway = gateway
     app.state.body_parser = BodyParser(gateway.limits)
     install_error_handlers(app)

@@ -143,7 +143,13 @@ def build_app(
     residency: ResidencyStore,
     token: str | None = None,
 ) -> FastAPI:
-    app = FastAPI(title="plexrl state-store", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="plexrl state-store",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        telemetry=tracing.NATIVE_TELEMETRY_OFF,
+    )
     app.state.blobs = blobs
     app.state.checkpoints = checkpoints
     app.state.residency = residency
