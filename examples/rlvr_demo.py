@@ -57,7 +57,7 @@ def ensure_model(registry: Path) -> Path:
 
 REALISTIC = {"jobs": 6, "stall": 0.6}
 """`--realistic`: six jobs whose stall per RL step keeps each job's worker busy a fifth
-to a quarter of the time alone (the reference's 70-81% bubble ratios; 23-27% measured
+to a quarter of the time alone (the reference's 70-81% bubble ratios; 22-28% measured
 on this recipe), on two workers."""
 
 
