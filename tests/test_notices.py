@@ -28,17 +28,34 @@ from plexrl_gateway.notices import CompletionNotices
 pytestmark = pytest.mark.integration
 
 
+class CountingReads:
+    """The call store, counting the completions read one at a time."""
+
+    def __init__(self, stores: Stores) -> None:
+        self._calls = stores.calls
+        self.reads = 0
+
+    async def get_completion(self, request_id: str) -> PhaseCompletion | None:
+        self.reads += 1
+        return await self._calls.get_completion(request_id)
+
+    async def get_completions(self, request_ids: Iterable[str]) -> dict[str, PhaseCompletion]:
+        return await self._calls.get_completions(request_ids)
+
+
 @dataclass
 class Listening:
     notices: CompletionNotices
     futures: FutureWaiter
     pending: PendingCalls
+    reads: CountingReads
 
 
 @pytest_asyncio.fixture
 async def listening(stores: Stores) -> AsyncIterator[Listening]:
+    reads = CountingReads(stores)
     pending = PendingCalls(DEFAULT_LIMITS)
-    futures = FutureWaiter(stores.calls, on_answered=pending.done)
+    futures = FutureWaiter(reads, on_answered=pending.done)
     notices = CompletionNotices(
         stores.keys.redis,
         stores.calls.completed_channel,
@@ -51,7 +68,7 @@ async def listening(stores: Stores) -> AsyncIterator[Listening]:
     task = asyncio.create_task(notices.run(stop))
     await asyncio.wait_for(notices.wait_subscribed(), 10)
     try:
-        yield Listening(notices, futures, pending)
+        yield Listening(notices, futures, pending, reads)
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
@@ -238,49 +255,15 @@ async def test_a_subscription_cut_off_silently_is_replaced(
         await proxy.stop()
 
 
-class CountingReads:
-    """The call store, counting the completions read one at a time."""
-
-    def __init__(self, stores: Stores) -> None:
-        self._calls = stores.calls
-        self.reads = 0
-
-    async def get_completion(self, request_id: str) -> PhaseCompletion | None:
-        self.reads += 1
-        return await self._calls.get_completion(request_id)
-
-    async def get_completions(self, request_ids: Iterable[str]) -> dict[str, PhaseCompletion]:
-        return await self._calls.get_completions(request_ids)
-
-
-@pytest_asyncio.fixture
-async def counted(stores: Stores) -> AsyncIterator[tuple[CountingReads, Listening]]:
-    reads = CountingReads(stores)
-    pending = PendingCalls(DEFAULT_LIMITS)
-    futures = FutureWaiter(reads, on_answered=pending.done)
-    notices = CompletionNotices(
-        stores.keys.redis, stores.calls.completed_channel, futures, sweep_s=0.3, retry_s=0.1
-    )
-    stop = asyncio.Event()
-    task = asyncio.create_task(notices.run(stop))
-    await asyncio.wait_for(notices.wait_subscribed(), 10)
-    try:
-        yield reads, Listening(notices, futures, pending)
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
-
-
 def future(request_id: str) -> FutureRecord:
     return FutureRecord(request_id, "alice", "job", "noop", created_at=time.time())
 
 
 async def test_a_call_accepted_here_is_answered_from_its_notices_alone(
-    stores: Stores, counted: tuple[CountingReads, Listening]
+    stores: Stores, listening: Listening
 ) -> None:
     """Completed before its poll: answered from the notice held; polled before it
     completed: woken by the notice. Redis is not read for either."""
-    reads, listening = counted
     listening.futures.accepted.note([future("a1"), future("a2")])
     await stores.calls.record_completion(completion("a1"))
     await wait_until(lambda: listening.futures.accepted.completion("a1") is not None, 5)
@@ -290,15 +273,14 @@ async def test_a_call_accepted_here_is_answered_from_its_notices_alone(
     await stores.calls.record_completion(completion("a2"))
     done = await asyncio.wait_for(waiter, 5)
     assert done is not None and done.request_id == "a2"
-    assert reads.reads == 0
+    assert listening.reads.reads == 0
 
 
 async def test_a_call_accepted_before_the_subscription_was_lost_is_read_from_redis(
-    stores: Stores, counted: tuple[CountingReads, Listening]
+    stores: Stores, listening: Listening
 ) -> None:
     """Its notice went by while the connection was away: once subscribed again, its
     poll reads Redis at once instead of waiting for a notice that already passed."""
-    reads, listening = counted
     listening.futures.accepted.note([future("a3")])
     subscriptions = listening.notices.subscriptions
     await stores.keys.redis.execute_command("CLIENT", "KILL", "TYPE", "pubsub")
@@ -307,4 +289,4 @@ async def test_a_call_accepted_before_the_subscription_was_lost_is_read_from_red
     started = time.monotonic()
     done = await listening.futures.wait("a3", timeout_s=30)
     assert done is not None and done.request_id == "a3"
-    assert time.monotonic() - started < 0.2 and reads.reads == 1
+    assert time.monotonic() - started < 0.2 and listening.reads.reads == 1
