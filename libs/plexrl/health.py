@@ -50,6 +50,19 @@ def consumers_health(consumers: Sequence[Watched]) -> dict[str, Any]:
     return {"ok": all(h.get("ok", True) for h in each.values()), "consumers": each}
 
 
+def service_app(title: str, **options: Any) -> FastAPI:
+    """A service's FastAPI app: no interactive docs, and FastAPI's own OpenTelemetry off
+    (`tracing.NATIVE_TELEMETRY_OFF`: its one server span is `tracing.instrument_app`'s).
+    `options`: FastAPI's others (`openapi_url=None`)."""
+    return FastAPI(
+        title=title,
+        docs_url=None,
+        redoc_url=None,
+        telemetry=tracing.NATIVE_TELEMETRY_OFF,
+        **options,
+    )
+
+
 def health_app(
     name: str,
     status: Callable[[], dict[str, Any]],
@@ -61,12 +74,7 @@ def health_app(
     consumer is dead or stuck) and GET /metrics, both open and naming no tenant's job;
     with `detail`, GET /status answers `detail()` (what names jobs) to callers holding
     the service `token` (401 otherwise; open when the cluster has none, as on one machine)."""
-    app = FastAPI(
-        title=f"plexrl {name}",
-        docs_url=None,
-        redoc_url=None,
-        telemetry=tracing.NATIVE_TELEMETRY_OFF,
-    )
+    app = service_app(f"plexrl {name}")
 
     if detail is not None:
         read_detail = detail

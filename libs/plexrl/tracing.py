@@ -155,15 +155,16 @@ def setup_tracing(
 NATIVE_TELEMETRY_OFF = TelemetryConfig(
     tracing=False, metrics=False, logs=False, operation_spans=False
 )
-"""For every service's `FastAPI(telemetry=...)`: FastAPI's own OpenTelemetry (a server
-span, operation spans, metrics and logs per request, on whenever a tracer provider is
-set, as `setup_tracing` does) stays off; `ServerSpans` makes the one server span."""
+"""For every service's `FastAPI(telemetry=...)` (`plexrl.health.service_app`): FastAPI's
+own OpenTelemetry (a server span, operation spans, metrics and logs per request, on
+whenever a tracer provider is set, as `setup_tracing` does) stays off; `ServerSpans`
+makes the one server span."""
 
 
 def instrument_app(app: Any) -> None:
     """One server span per request of a FastAPI app (`ServerSpans`), outside every
     middleware the app has; none for health checks and scrapes. The app is made with
-    `telemetry=NATIVE_TELEMETRY_OFF`."""
+    `telemetry=NATIVE_TELEMETRY_OFF` (`plexrl.health.service_app` makes it so)."""
     app.add_middleware(ServerSpans)
 
 

@@ -8,6 +8,7 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from plexrl import tracing
+from plexrl.health import service_app
 from plexrl.http_metrics import ObserveRequests
 from plexrl_gateway import (
     dashboard,
@@ -30,13 +31,7 @@ from plexrl_gateway.seq_release import ReleaseRefused
 
 
 def build_app(gateway: Gateway) -> FastAPI:
-    app = FastAPI(
-        title="PlexRL gateway",
-        docs_url=None,
-        redoc_url=None,
-        openapi_url=None,
-        telemetry=tracing.NATIVE_TELEMETRY_OFF,
-    )
+    app = service_app("PlexRL gateway", openapi_url=None)
     app.state.gateway = gateway
     app.state.body_parser = BodyParser(gateway.limits)
     install_error_handlers(app)

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from plexrl import tracing
+from plexrl.health import service_app
 from plexrl.http_metrics import ObserveRequests
 from plexrl.service_auth import bearer_matches
 from plexrl.state_store_client import (
@@ -143,13 +144,7 @@ def build_app(
     residency: ResidencyStore,
     token: str | None = None,
 ) -> FastAPI:
-    app = FastAPI(
-        title="plexrl state-store",
-        docs_url=None,
-        redoc_url=None,
-        openapi_url=None,
-        telemetry=tracing.NATIVE_TELEMETRY_OFF,
-    )
+    app = service_app("plexrl state-store", openapi_url=None)
     app.state.blobs = blobs
     app.state.checkpoints = checkpoints
     app.state.residency = residency
