@@ -384,6 +384,46 @@ def test_server_spans_are_named_by_their_route_templates() -> None:
     assert any(e.name == "exception" for e in server[-1].events)
 
 
+def test_a_kafka_record_carries_a_send_span_only_inside_a_sampled_trace() -> None:
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, use_span
+
+    exporter = InMemorySpanExporter()
+    tracing.setup_tracing("test", exporter)
+    tracer = tracing.tracer("test")
+
+    def carried(headers: list[tuple[str, bytes]]) -> Any:
+        assert [k for k, _ in headers] == ["traceparent"]
+        context = tracing.context_of_headers(headers)
+        from opentelemetry import trace
+
+        return trace.get_current_span(context).get_span_context()
+
+    exporter.clear()
+    with tracer.start_as_current_span("work") as work:
+        inside = carried(tracing.record_headers("jobs.requests"))
+    sent, parent = exporter.get_finished_spans()
+    # Inside a sampled span: a PRODUCER span under it, ended at once, whose context the
+    # record carries.
+    assert sent.name == "jobs.requests send" and sent.kind == SpanKind.PRODUCER
+    assert sent.parent is not None and sent.parent.span_id == work.get_span_context().span_id
+    assert dict(sent.attributes or {})["messaging.destination.name"] == "jobs.requests"
+    assert sent.context is not None and inside.span_id == sent.context.span_id
+    assert inside.trace_id == parent.context.trace_id and inside.trace_flags.sampled
+    # A trace not sampled: no span, the context travels as it is.
+    exporter.clear()
+    quiet = SpanContext(0xABC, 0xDEF, False, TraceFlags(TraceFlags.DEFAULT))
+    with use_span(NonRecordingSpan(quiet)):
+        carried_quiet = carried(tracing.record_headers("jobs.requests"))
+    assert (carried_quiet.trace_id, carried_quiet.span_id) == (0xABC, 0xDEF)
+    assert not carried_quiet.trace_flags.sampled
+    # Outside any span (a heartbeat): a fresh trace each time, not sampled, so what the
+    # consumers do with it records nothing either.
+    bare = [carried(tracing.record_headers("jobs.events")) for _ in range(2)]
+    assert all(c.is_valid and not c.trace_flags.sampled for c in bare)
+    assert bare[0].trace_id != bare[1].trace_id
+    assert exporter.get_finished_spans() == ()
+
+
 def test_a_trace_is_recorded_only_where_spans_go_and_for_the_ratio_of_trace_ids() -> None:
     from opentelemetry.sdk.trace.sampling import Decision, ParentBased
     from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context

@@ -281,7 +281,6 @@ class Publisher:
         )
 
     async def _send(self, topic: str, key: str | bytes | None, message: Any) -> None:
-        # The aiokafka instrumentation (plexrl.tracing) adds the trace context header.
         await self.publish_raw(topic, _key_bytes(key), self._encoded(message))
 
     async def publish_soon(self, topic: str, key: str | bytes | None, message: Any) -> None:
@@ -301,7 +300,10 @@ class Publisher:
         raises what the send met; the caller decides how to retry (see `publish`)."""
         producer = self._producer
         delivery: asyncio.Future[Any] = await producer.send(
-            topic, self._encoded(message), key=_key_bytes(key)
+            topic,
+            self._encoded(message),
+            key=_key_bytes(key),
+            headers=tracing.record_headers(topic),
         )
         delivery.add_done_callback(lambda done: self._check(producer, done))
         return delivery
@@ -309,7 +311,9 @@ class Publisher:
     async def publish_raw(self, topic: str, key: bytes | None, value: bytes) -> None:
         producer = self._producer
         try:
-            await producer.send_and_wait(topic, value, key=key)
+            await producer.send_and_wait(
+                topic, value, key=key, headers=tracing.record_headers(topic)
+            )
         except DESYNCHRONIZED as exc:
             await self._renew(producer, exc)
             raise
@@ -660,13 +664,9 @@ class MessageConsumer(Generic[T]):
             self._last_poll = self._clock()
 
     async def _poll(self) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
-        """A poll, without the aiokafka instrumentation's spans: a `receive` span per
-        record (ended at once, a mark of receipt, tens of microseconds each at thousands
-        of records a second) and one per poll. Each handler continues its message's
-        trace from the record's headers (`Delivery.context`) in a span of its own."""
-        getmany = self._consumer.getmany
-        getmany = getattr(getmany, "__wrapped__", getmany)  # what the instrumentation wraps
-        return await getmany(timeout_ms=200, max_records=64)
+        """A poll. No span marks it: each handler continues its message's trace from the
+        record's headers (`Delivery.context`) in a span of its own."""
+        return await self._consumer.getmany(timeout_ms=200, max_records=64)
 
     async def commit_upto(self, tp: TopicPartition, next_offset: int) -> None:
         """Every message of `tp` before `next_offset` has had its effect: commit it soon."""

@@ -1,8 +1,8 @@
 """OpenTelemetry set-up: one trace per API call, through every service.
 
-The gateway's server span (FastAPI instrumentation) starts the trace. Each Kafka hop
-carries it in a W3C `traceparent` header written by the aiokafka instrumentation's
-producer span; each HTTP hop to the state-store carries it in the request header
+The gateway's server span (`ServerSpans`) starts the trace. Each Kafka hop carries it
+in a W3C `traceparent` header written by a producer span (`record_headers`); each HTTP
+hop to the state-store carries it in the request header
 written by the httpx instrumentation, and the state-store's own server span continues
 it. `retrieve_future` runs in a trace of its own, linked to the call it waits on.
 
@@ -23,19 +23,26 @@ from fastapi.telemetry import TelemetryConfig
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
-from opentelemetry.instrumentation.aiokafka import AIOKafkaInstrumentor
 from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
 from opentelemetry.propagators.textmap import Getter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.sdk.trace.sampling import (
     Decision,
     ParentBased,
     Sampler,
     SamplingResult,
 )
-from opentelemetry.trace import Link, SpanKind, StatusCode
+from opentelemetry.trace import (
+    Link,
+    NonRecordingSpan,
+    SpanContext,
+    SpanKind,
+    StatusCode,
+    TraceFlags,
+)
 from opentelemetry.util.types import Attributes
 
 _configured = False
@@ -112,7 +119,7 @@ def _exporting() -> bool:
 def setup_tracing(
     service_name: str, exporter: SpanExporter | None = None, ratio: float = 1.0
 ) -> TracerProvider:
-    """Install a tracer provider for this process and instrument aiokafka.
+    """Install a tracer provider for this process.
 
     Spans go to `exporter` when given (tests pass an in-memory one), and to OTLP over
     HTTP when OTEL_EXPORTER_OTLP_ENDPOINT is set, for `ratio` of the API calls (the
@@ -141,13 +148,6 @@ def setup_tracing(
         provider.add_span_processor(BatchSpanProcessor(otlp))
         _exporters.append(otlp)
     trace.set_tracer_provider(provider)
-    # Producer side: a "<topic> send" span per message, its context in the headers.
-    # Consumer side the instrumentation would make a "<topic> receive" span per record,
-    # ended before `getmany` returns (a mark of receipt, not the handling): our consumers
-    # poll around it (`MessageConsumer._poll`) and each handler continues the trace from
-    # the record's headers in a span of its own (`context_of_headers`).
-    if not AIOKafkaInstrumentor().is_instrumented_by_opentelemetry:
-        AIOKafkaInstrumentor().instrument()
     _configured = True
     return provider
 
@@ -287,6 +287,45 @@ def instrument_client(client: httpx.AsyncClient) -> None:
 
 def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
+
+
+_ids = RandomIdGenerator()
+_kafka_tracer = trace.get_tracer("plexrl.kafka")
+
+
+def record_headers(topic: str) -> list[tuple[str, bytes]]:
+    """The headers of a Kafka record sent now: the trace context it carries.
+
+    Inside a sampled span a `<topic> send` PRODUCER span is made (ended at once, as a
+    mark of the send) and its context goes in the headers. Anywhere else no span would
+    be recorded, so none is made: the current context travels as it is (not sampled,
+    so its consumers record nothing either), and a send outside any span carries a
+    fresh trace that is not sampled, as a bare send's dropped span would (background
+    chatter starts no trace downstream). What `opentelemetry-instrumentation-aiokafka`
+    did, without its cost on every send: a span, its attributes and a second partition
+    lookup per message, recorded or not."""
+    current = trace.get_current_span()
+    context = current.get_span_context()
+    carrier: dict[str, str] = {}
+    if context.trace_flags.sampled:
+        with _kafka_tracer.start_as_current_span(
+            f"{topic} send",
+            kind=SpanKind.PRODUCER,
+            attributes={
+                "messaging.system": "kafka",
+                "messaging.destination.name": topic,
+                "messaging.operation.type": "send",
+            },
+        ):
+            propagate.inject(carrier)
+    elif context.is_valid:
+        propagate.inject(carrier)
+    else:
+        fresh = SpanContext(
+            _ids.generate_trace_id(), _ids.generate_span_id(), False, TraceFlags(TraceFlags.DEFAULT)
+        )
+        propagate.inject(carrier, context=trace.set_span_in_context(NonRecordingSpan(fresh)))
+    return [(k, v.encode("latin-1")) for k, v in carrier.items()]
 
 
 def context_of_headers(headers: Sequence[tuple[str, bytes]] | None) -> Context:
