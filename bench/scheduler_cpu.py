@@ -31,7 +31,6 @@ import time
 from typing import Any
 
 import redis.asyncio as aioredis
-from opentelemetry.context import Context
 
 from plexrl import direct
 from plexrl.kafka import Delivery
@@ -137,7 +136,7 @@ async def through_the_scheduler(calls: int, batch: int) -> float:
     start = time.process_time()
     for first in range(0, calls, batch):
         for n in range(first, min(first + batch, calls)):
-            await receiver.on_request(request(n), Delivery("requests", 0, n, Context()))
+            await receiver.on_request(request(n), Delivery("requests", 0, n))
         while state.pending:  # a pass dispatches at most `max_calls_per_run` of them
             await decide_and_act(state, policy, actuator, pace)
             running = state.inflight[WORKER]

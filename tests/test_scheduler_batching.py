@@ -10,7 +10,6 @@ import pytest
 import redis.asyncio as aioredis
 from aiokafka import TopicPartition
 from msgspec.structs import replace
-from opentelemetry.context import Context
 
 from plexrl.kafka import Delivery
 from plexrl.ledger import Ledger
@@ -167,9 +166,9 @@ async def test_completions_of_one_poll_are_written_as_one_usage_transaction() ->
     usage = Usage()
     receiver = Receiver(state, jobs=None, usage=usage)  # type: ignore[arg-type]
     for offset, rid in enumerate(("r1", "r2")):
-        state.on_request(req(rid, "a"), Delivery("requests", 0, offset, Context()))
+        state.on_request(req(rid, "a"), Delivery("requests", 0, offset))
     state.apply_run("d1", "w0", "a", state.take_pending(("r1", "r2")), ())
-    delivery = Delivery("completions", 0, 0, Context())
+    delivery = Delivery("completions", 0, 0)
     await receiver.on_completion(done("r1", "a", 1.0, 10.0), delivery)
     await receiver.on_completion(done("r2", "a", 2.0, 12.0), delivery)
     assert not usage.writes and "w0" not in state.inflight  # the state took both at once
@@ -339,7 +338,7 @@ def three_runs(producer: HeldProducer) -> tuple[Actuator, tuple[Run, ...]]:
     state = two_groups(Clock())
     for offset, (rid, job) in enumerate((("ra", "a"), ("rc", "c"), ("rb", "b"))):
         state.apply_admit(job, state.jobs[job].home or "", epoch=1)
-        state.on_request(req(rid, job), Delivery("requests", 0, offset, Context()))
+        state.on_request(req(rid, job), Delivery("requests", 0, offset))
     actuator = Actuator(
         state,
         producer,  # type: ignore[arg-type]

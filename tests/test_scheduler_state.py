@@ -5,7 +5,6 @@ from __future__ import annotations
 import msgspec
 import pytest
 from aiokafka import TopicPartition
-from opentelemetry.context import Context
 
 from plexrl.kafka import Delivery
 from plexrl.messages import (
@@ -79,7 +78,7 @@ def done(
 
 
 def delivery(offset: int) -> Delivery:
-    return Delivery("requests", 0, offset, Context())
+    return Delivery("requests", 0, offset)
 
 
 def test_offsets_commit_only_past_finished_prefix() -> None:

@@ -16,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -59,7 +60,13 @@ class Delivery:
     topic: str
     partition: int
     offset: int
-    context: Context
+    headers: Sequence[tuple[str, bytes]] = ()
+
+    @functools.cached_property
+    def context(self) -> Context:
+        """The trace context of the record's headers, read when first asked for: most
+        handlers (the scheduler's completions and events, heartbeats) never ask."""
+        return tracing.context_of_headers(self.headers)
 
     @property
     def tp(self) -> TopicPartition:
@@ -702,12 +709,7 @@ class MessageConsumer(Generic[T]):
         """Hand the (decoded) message on, retrying failures; dead-letter it only if it
         cannot be read or its handler keeps failing for reasons other than unavailable
         infrastructure."""
-        delivery = Delivery(
-            record.topic,
-            record.partition,
-            record.offset,
-            tracing.context_of_headers(record.headers),
-        )
+        delivery = Delivery(record.topic, record.partition, record.offset, record.headers)
         if isinstance(message, MessageError):
             await self._dead_letter(record, delivery, message.reason, message.detail, stop)
             return _Outcome.DEAD_LETTERED
