@@ -19,8 +19,11 @@ so a machine that is busier at one moment than the next weighs on both alike; th
 figures pool every round's calls. CPU per echo is the services' own (gateway,
 scheduler, worker, state-store; not Kafka's or Redis's) during the sequential echo
 calls, less what they burn idle at the same time (measured just before): the figure a
-busy shared machine blurs least. Ends with one JSON line of figures (the current
-revision's at the top level, the previous one's under "previous", and the ratios).
+busy shared machine blurs least. With `--uvloop DIR` (uvloop installed there: `pip
+install --target DIR uvloop`; not a dependency) a cluster of this revision runs every
+service on uvloop's event loop beside the plain one, measured the same way. Ends with
+one JSON line of figures (the current revision's at the top level, the previous one's
+under "previous", the uvloop cluster's under "uvloop", and the ratios).
 """
 
 from __future__ import annotations
@@ -446,8 +449,9 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--previous", default=None, help="git revision to measure beside this one")
     p.add_argument("--rounds", type=int, default=4, help="alternating rounds (with --previous)")
+    p.add_argument("--uvloop", default=None, help="a directory with uvloop installed")
     args = p.parse_args()
-    rounds = args.rounds if args.previous else 1
+    rounds = args.rounds if args.previous or args.uvloop else 1
     with tempfile.TemporaryDirectory() as tmp_dir, contextlib.ExitStack() as stack:
         tmp = Path(tmp_dir)
         from plexrl.models import init_tiny
@@ -463,6 +467,14 @@ def main() -> None:
                 paths.append(os.environ["PYTHONPATH"])
             env = {"PYTHONPATH": os.pathsep.join(paths)}
             configs["previous"] = cluster_config(tmp, "previous", registry, env)
+        if args.uvloop:
+            site = tmp / "uvloop-site"
+            site.mkdir()
+            (site / "sitecustomize.py").write_text("import uvloop\n\nuvloop.install()\n")
+            paths = [str(site), args.uvloop, *filter(None, [os.environ.get("PYTHONPATH")])]
+            configs["uvloop"] = cluster_config(
+                tmp, "uvloop", registry, {"PYTHONPATH": os.pathsep.join(paths)}
+            )
         for config in configs.values():
             stack.enter_context(LocalCluster(config))
         bare_url = stack.enter_context(bare_server())
@@ -507,6 +519,22 @@ def main() -> None:
             f"x{result['scheduler_cpu_ratio']}, per call with {args.clients} clients "
             f"x{result['scheduler_cpu_concurrent_ratio']} ({rounds} alternating rounds)"
         )
+    if "uvloop" in figures:
+        fast, cur = figures["uvloop"], figures["current"]
+        result["uvloop"] = fast
+        result["uvloop_ratios"] = {
+            key: round(fast[key] / cur[key], 3)
+            for key in (
+                "added_p50_ms",
+                "lean_calls_per_s",
+                "cpu_ms_per_call_lean",
+                "calls_per_s",
+                "cpu_ms_per_echo",
+            )
+            if cur[key]
+        }
+        print(line("this revision on uvloop", fast))
+        print(f"uvloop / plain: {result['uvloop_ratios']}")
     print(json.dumps(result))
 
 

@@ -13,6 +13,13 @@ time); then `--messages` are sent back to back and received (throughput). Report
 latency, messages/s and this process's CPU per message (producer and consumer
 together, librdkafka's threads included: what one hop costs a service's client); ends
 with one JSON line.
+
+confluent-kafka is measured twice: blocking (`confluent`: the producer and consumer
+polled in turn on one thread, librdkafka's best case) and bridged to asyncio
+(`confluent_asyncio`: what a service on an event loop would pay: a thread polls the
+producer and hands each acknowledgement to the loop, another consumes and hands each
+batch of records to it, `call_soon_threadsafe` both ways; the loop awaits them as the
+services await aiokafka's).
 """
 
 from __future__ import annotations
@@ -131,6 +138,85 @@ def confluent_round(bootstrap: str, topic: str, n: int) -> dict[str, float]:
         consumer.close()
 
 
+async def confluent_asyncio_round(bootstrap: str, topic: str, n: int) -> dict[str, float]:
+    import threading
+
+    from confluent_kafka import Consumer, KafkaException, Producer
+
+    loop = asyncio.get_running_loop()
+    producer = Producer(
+        {"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True, "linger.ms": 0}
+    )
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"bench-{uuid.uuid4().hex[:8]}",
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "fetch.wait.max.ms": 500,
+        }
+    )
+    consumer.subscribe([topic])
+    received: asyncio.Queue[list[Any]] = asyncio.Queue()
+    stop = threading.Event()
+
+    def poll_producer() -> None:  # delivery callbacks run on this thread
+        while not stop.is_set():
+            producer.poll(0.05)
+
+    def consume() -> None:
+        while not stop.is_set():
+            records = consumer.consume(num_messages=500, timeout=0.05)
+            if records:
+                loop.call_soon_threadsafe(received.put_nowait, records)
+
+    def settle(ack: asyncio.Future[None], error: Any) -> None:
+        if not ack.done():
+            if error is None:
+                ack.set_result(None)
+            else:
+                ack.set_exception(KafkaException(error))
+
+    def send() -> asyncio.Future[None]:
+        ack: asyncio.Future[None] = loop.create_future()
+        producer.produce(
+            topic,
+            PAYLOAD,
+            key=b"job",
+            on_delivery=lambda error, _: loop.call_soon_threadsafe(settle, ack, error),
+        )
+        return ack
+
+    deadline = time.monotonic() + 30
+    while not consumer.assignment() and time.monotonic() < deadline:
+        consumer.poll(0.1)
+    threads = [threading.Thread(target=t, daemon=True) for t in (poll_producer, consume)]
+    for thread in threads:
+        thread.start()
+    try:
+        latencies = []
+        c0 = time.process_time()
+        for _ in range(min(n, 300)):
+            start = time.perf_counter()
+            await send()
+            await received.get()
+            latencies.append(time.perf_counter() - start)
+        one_at_a_time_cpu = (time.process_time() - c0) / len(latencies)
+        c0, start = time.process_time(), time.perf_counter()
+        acks = [send() for _ in range(n)]
+        got = 0
+        while got < n:
+            got += len(await received.get())
+        await asyncio.gather(*acks)
+        return figures(latencies, one_at_a_time_cpu, n, start, c0)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+        producer.flush(10)
+        consumer.close()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--messages", type=int, default=2000)
@@ -143,7 +229,7 @@ def main() -> None:
     try:
         import confluent_kafka  # noqa: F401
 
-        clients = ["aiokafka", "confluent"]
+        clients = ["aiokafka", "confluent", "confluent_asyncio"]
     except ImportError:
         clients = ["aiokafka"]
     load = os.getloadavg()
@@ -154,8 +240,11 @@ def main() -> None:
             asyncio.run(ensure_topics(bootstrap, {topic: 1}))
             if client == "aiokafka":
                 runs[client].append(asyncio.run(aiokafka_round(bootstrap, topic, args.messages)))
-            else:
+            elif client == "confluent":
                 runs[client].append(confluent_round(bootstrap, topic, args.messages))
+            else:
+                round_ = confluent_asyncio_round(bootstrap, topic, args.messages)
+                runs[client].append(asyncio.run(round_))
     result: dict[str, Any] = {
         "benchmark": "kafka_clients",
         "messages": args.messages,
