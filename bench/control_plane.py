@@ -245,6 +245,8 @@ class Samples:
     """CPU seconds of every process (the broker and Redis too) during the lean client's
     echoes, not less any idle rate: all a call costs this machine."""
     lean_calls: int = 0
+    lean_cpu_by_round: list[float] = field(default_factory=list)
+    """Every process's CPU seconds per lean echo, round by round."""
     round_p50s: list[float] = field(default_factory=list)
     cpu: dict[str, float] = field(default_factory=dict)
     """CPU seconds each service spent on the sequential echo calls, less its idle rate."""
@@ -281,6 +283,8 @@ class Samples:
             },
             # Each round's own figures: how much the machine moved under the run.
             "echo_p50_ms_by_round": [round(v * ms, 2) for v in self.round_p50s],
+            "lean_calls_per_s_by_round": [round(v, 1) for v in self.lean_rates],
+            "cpu_ms_per_call_lean_by_round": [round(v * ms, 3) for v in self.lean_cpu_by_round],
             "calls_per_s_by_round": [round(v, 1) for v in self.rates],
             # CPU is what a busy shared machine does not blur: the services' own work.
             "cpu_ms_per_echo": round(sum(per_call.values()), 3),
@@ -373,9 +377,12 @@ async def measure(
                 before = cpu_s(every)
                 rate, client_cpu = await lean.calls(clients, per_round * 2)
                 s.lean_rates.append(rate)
-                for process, used in cpu_s(every).items():
+                after = cpu_s(every)
+                for process, used in after.items():
                     s.cpu_lean[process] = s.cpu_lean.get(process, 0.0) + used - before[process]
                 s.cpu_lean["client"] = s.cpu_lean.get("client", 0.0) + client_cpu * per_round * 2
+                spent = sum(after.values()) - sum(before.values()) + client_cpu * per_round * 2
+                s.lean_cpu_by_round.append(spent / (per_round * 2))
                 s.lean_calls += per_round * 2
             rate, client_cpu = await concurrent(https["bare"], clients, per_round * 2, "/")
             bare.rates.append(rate)
