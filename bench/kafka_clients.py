@@ -17,9 +17,9 @@ with one JSON line.
 confluent-kafka is measured twice: blocking (`confluent`: the producer and consumer
 polled in turn on one thread, librdkafka's best case) and bridged to asyncio
 (`confluent_asyncio`: what a service on an event loop would pay: a thread polls the
-producer and hands each acknowledgement to the loop, another consumes and hands each
-batch of records to it, `call_soon_threadsafe` both ways; the loop awaits them as the
-services await aiokafka's).
+producer and hands its acknowledgements to the loop, another consumes and hands each
+batch of records to it, one `call_soon_threadsafe` per poll each way; the loop awaits
+them as the services await aiokafka's).
 """
 
 from __future__ import annotations
@@ -160,18 +160,27 @@ async def confluent_asyncio_round(bootstrap: str, topic: str, n: int) -> dict[st
     received: asyncio.Queue[list[Any]] = asyncio.Queue()
     stop = threading.Event()
 
-    def poll_producer() -> None:  # delivery callbacks run on this thread
+    delivered: list[tuple[asyncio.Future[None], Any]] = []
+
+    def poll_producer() -> None:  # delivery callbacks run on this thread, within `poll`
         while not stop.is_set():
             producer.poll(0.05)
+            if delivered:  # one hand-over per poll, however many acknowledgements
+                batch = delivered.copy()
+                delivered.clear()
+                loop.call_soon_threadsafe(settle_all, batch)
 
-    def consume() -> None:
+    def consume() -> None:  # the first record as soon as it comes, then what is there
         while not stop.is_set():
-            records = consumer.consume(num_messages=500, timeout=0.05)
-            if records:
+            first = consumer.poll(0.05)
+            if first is not None:
+                records = [first, *consumer.consume(num_messages=499, timeout=0)]
                 loop.call_soon_threadsafe(received.put_nowait, records)
 
-    def settle(ack: asyncio.Future[None], error: Any) -> None:
-        if not ack.done():
+    def settle_all(batch: list[tuple[asyncio.Future[None], Any]]) -> None:
+        for ack, error in batch:
+            if ack.done():
+                continue
             if error is None:
                 ack.set_result(None)
             else:
@@ -183,7 +192,7 @@ async def confluent_asyncio_round(bootstrap: str, topic: str, n: int) -> dict[st
             topic,
             PAYLOAD,
             key=b"job",
-            on_delivery=lambda error, _: loop.call_soon_threadsafe(settle, ack, error),
+            on_delivery=lambda error, _: delivered.append((ack, error)),
         )
         return ack
 
