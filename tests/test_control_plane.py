@@ -307,6 +307,44 @@ def flaky_recorder(stores: Stores) -> tuple[FlakyProducer, ResultRecorder]:
     return producer, recorder
 
 
+async def test_calls_that_finished_together_are_recorded_in_one_round_trip(
+    stores: Stores, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    producer, recorder = flaky_recorder(stores)
+    # One of them was recorded before (a replay that ran again): that record stands.
+    first = await recorder.record(request(1), ran(), "d0", last=True)
+    assert first is not None
+    producer.queued.clear()
+    pipelines = 0
+    make = stores.calls.pipeline
+
+    def counted() -> Any:
+        nonlocal pipelines
+        pipelines += 1
+        return make()
+
+    monkeypatch.setattr(stores.calls, "pipeline", counted)
+    seen: list[Any] = []
+    announce = stores.calls.announce
+
+    async def told(completion: Any) -> None:
+        seen.append(completion.request_id)
+        await announce(completion)
+
+    monkeypatch.setattr(stores.calls, "announce", told)
+    finished = [(request(n), ran(), n == 4) for n in range(5)]
+    stood = await recorder.record_together(finished, "d1")
+    assert pipelines == 1  # five records, notices and timeline entries: one round trip
+    assert [c.request_id for c in stood] == [f"req-{n}" for n in range(5)]
+    assert [c.dispatch_id for c in stood] == ["d1", "d0", "d1", "d1", "d1"]
+    assert stood[4].last_in_dispatch and not stood[3].last_in_dispatch
+    assert seen == ["req-1"]  # the others were announced with their records
+    assert producer.queued == [f"req-{n}" for n in range(5)]  # in order, back to back
+    recorded = await stores.calls.get_completions(f"req-{n}" for n in range(5))
+    assert recorded["req-1"].dispatch_id == "d0" and recorded["req-3"].dispatch_id == "d1"
+    assert len(await stores.timeline.timeline()) == 6
+
+
 async def test_a_dispatch_settles_only_when_every_completion_is_acknowledged(
     stores: Stores,
 ) -> None:

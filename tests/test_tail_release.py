@@ -83,8 +83,8 @@ def test_the_tail_is_released_once_and_early_calls_answer_first(engine: TorchEng
     async def on_tail(running: list[int], remaining: int, total: int) -> None:
         events.append(("tail", (running, remaining, total)))
 
-    async def on_done(i: int, ran: Ran) -> None:
-        events.append(("done", i))
+    async def on_done(ended: list[tuple[int, Ran]]) -> None:
+        events.extend(("done", i) for i, _ in ended)
 
     async def main() -> list[Ran]:
         thread = EngineThread()

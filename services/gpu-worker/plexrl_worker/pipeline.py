@@ -249,11 +249,18 @@ class DispatchPipeline:
         last_i = len(dispatch.calls) - 1
         recorded: set[int] = set()
 
-        async def record(k: int, ran: Ran) -> None:
-            recorded.add(k)
-            if ran.tail_released_at is not None and asked is not None and asked.is_set():
-                ran = dataclasses.replace(ran, preempted=True)
-            await self._record(dispatch, group[k], ran, group[k] == last_i)
+        async def record(ended: list[tuple[int, Ran]]) -> None:
+            # Those that ended together are recorded together (one Redis round trip).
+            finished = []
+            for k, ran in ended:
+                recorded.add(k)
+                if ran.tail_released_at is not None and asked is not None and asked.is_set():
+                    ran = dataclasses.replace(ran, preempted=True)
+                finished.append((dispatch.calls[group[k]], ran, group[k] == last_i))
+            await retrying(
+                functools.partial(self._recorder.record_together, finished, dispatch.dispatch_id),
+                what=f"recording {', '.join(r.request_id for r, _, _ in finished)}",
+            )
 
         async def run_and_record() -> None:
             try:
@@ -268,9 +275,9 @@ class DispatchPipeline:
                 )
             finally:
                 preemption.finished(dispatch.dispatch_id)
-            for k, ran in enumerate(rans):  # those that failed before running
-                if k not in recorded:
-                    await record(k, ran)
+            failed = [(k, ran) for k, ran in enumerate(rans) if k not in recorded]
+            if failed:  # those that failed before running
+                await record(failed)
             await self._recorder.settle()  # a tail left running settles its own
 
         await self._until_released(run_and_record(), released)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from plexrl.kafka import Publisher
@@ -54,6 +54,27 @@ class ResultRecorder:
     ) -> PhaseCompletion | None:
         """Record and announce the call's completion; None when `commit` refused it (the
         call was fenced off: another worker owns its job now, so nothing is announced)."""
+        completion, entry = await self._completion(request, ran, dispatch_id, last)
+        # The job's ledger first: once the call is its last applied one, a replay is
+        # answered from there, however long after; then the future's record (first wins).
+        if commit is not None and not await commit(completion):
+            return None
+        return (await self._store([(completion, entry)]))[0]
+
+    async def record_together(
+        self, finished: Sequence[tuple[PhaseRequest, Ran, bool]], dispatch_id: str
+    ) -> list[PhaseCompletion]:
+        """`record` for calls that finished together (co-batched samples ending in one
+        decode step), none numbered: their records, notices and timeline entries in one
+        Redis round trip, their completions queued back to back, in this order. Each
+        `(request, ran, last)`."""
+        made = [await self._completion(r, ran, dispatch_id, last) for r, ran, last in finished]
+        return await self._store(made)
+
+    async def _completion(
+        self, request: PhaseRequest, ran: Ran, dispatch_id: str, last: bool
+    ) -> tuple[PhaseCompletion, TimelineEntry]:
+        """The call's completion (its output inline or by reference) and timeline entry."""
         result = (
             None
             if ran.output is None
@@ -79,10 +100,6 @@ class ResultRecorder:
             dispatch_id=dispatch_id,
             last_in_dispatch=last,
         )
-        # The job's ledger first: once the call is its last applied one, a replay is
-        # answered from there, however long after; then the future's record (first wins).
-        if commit is not None and not await commit(completion):
-            return None
         entry = TimelineEntry(
             worker_id=self._worker_id,
             job_id=request.job_id,
@@ -97,24 +114,38 @@ class ResultRecorder:
             slices=ran.slices,
             queue_s=queue_s,
         )
-        # Two independent writes in one round trip (a retry of the whole record may
-        # append the timeline entry twice, as it could before; the record is NX).
+        return completion, entry
+
+    async def _store(
+        self, made: Sequence[tuple[PhaseCompletion, TimelineEntry]]
+    ) -> list[PhaseCompletion]:
+        """Record, announce and publish completions; returns the records that stand."""
+        # Independent writes in one round trip (a retry of the whole record may append
+        # a timeline entry twice, as it could before; each record is NX).
         async with self._calls.pipeline() as pipe:
-            announced = self._calls.queue_completion(pipe, completion)
-            self._timeline.queue_timeline(pipe, entry)
-            stands, _ = await pipe.execute()
-        if not stands:  # recorded before (a replay that ran again): that record stands
-            completion = await self._calls.get_completion(completion.request_id) or completion
-        # The record (and the ledger commit and result before it) must outlive a
-        # failover before the completion is announced and published.
+            announced = [self._calls.queue_completion(pipe, c) for c, _ in made]
+            for _, entry in made:
+                self._timeline.queue_timeline(pipe, entry)
+            replies = await pipe.execute()
+        stood: list[PhaseCompletion] = []
+        for (completion, _), stands in zip(made, replies, strict=False):
+            if not stands:  # recorded before (a replay that ran again): that record stands
+                completion = await self._calls.get_completion(completion.request_id) or completion
+            stood.append(completion)
+        # The records (and the ledger commit and results before them) must outlive a
+        # failover before the completions are announced and published.
         await self._calls.replicated()
-        if not (announced and stands):
-            await self._calls.announce(completion)
-        await self.publish(completion)
-        metrics.CALLS.labels(str(request.function), str(completion.status)).inc()
-        metrics.BUSY_SECONDS.labels(str(request.function)).inc(ran.swap_s + ran.compute_s)
-        metrics.COMPUTE_SECONDS.labels(str(request.function)).observe(ran.compute_s)
-        return completion
+        for completion, told, stands in zip(stood, announced, replies, strict=False):
+            if not (told and stands):
+                await self._calls.announce(completion)
+        for completion in stood:
+            await self.publish(completion)
+        for completion, entry in made:
+            function, seconds = str(entry.function), entry.swap_s + entry.compute_s
+            metrics.CALLS.labels(function, str(completion.status)).inc()
+            metrics.BUSY_SECONDS.labels(function).inc(seconds)
+            metrics.COMPUTE_SECONDS.labels(function).observe(entry.compute_s)
+        return stood
 
     async def answer(self, stored: PhaseCompletion) -> None:
         """Answer a replayed call with the completion it had the first time."""

@@ -98,6 +98,11 @@ class Ran:
     """Micro-batches a sliced `forward_backward` ran in (0: whole, or not training)."""
 
 
+Finished = Callable[[list[tuple[int, Ran]]], Awaitable[None]]
+"""Told the sample calls of a batch that finished (their indices and Ran), those that
+ended in one decode step together."""
+
+
 class Slicing(Protocol):
     """How a sliced `forward_backward` may pause (`DispatchPipeline`'s, per call)."""
 
@@ -267,7 +272,7 @@ class CallRunner:
         *,
         tail_threshold: float = 0.0,
         on_tail: TailHook | None = None,
-        on_done: Callable[[int, Ran], Awaitable[None]] | None = None,
+        on_done: Finished | None = None,
         release: asyncio.Event | None = None,
         gate: Callable[[], Awaitable[None]] | None = None,
         paused_s: Callable[[], float] | None = None,
@@ -277,10 +282,11 @@ class CallRunner:
         seconds (see below). With `on_tail`, once fewer than `tail_threshold` of the
         batch's sequences still decode, or as soon as `release` is set (a preemption),
         it is awaited (once) and the calls finishing after carry the time in
-        `tail_released_at`. `on_done` is awaited with each call's index and Ran as it
-        finishes (before the batch does). `gate` is awaited before each decode step (a
-        preempted batch's pause; SGLang pauses in the server instead, and `paused_s`,
-        seconds paused so far, keeps the pause out of its calls' compute_s)."""
+        `tail_released_at`. `on_done` is awaited with the calls (index and Ran) as they
+        finish, before the batch does: those that ended in one decode step together.
+        `gate` is awaited before each decode step (a preempted batch's pause; SGLang
+        pauses in the server instead, and `paused_s`, seconds paused so far, keeps the
+        pause out of its calls' compute_s)."""
         if self._sglang is not None:
             return await self._run_sglang(
                 self._sglang, requests, tail_threshold, on_tail, on_done, release, paused_s
@@ -329,9 +335,9 @@ class CallRunner:
                     out = call.output()
                     done[i] = Ran(out, None, swap_s, share[i], started_at, released_at)
             if on_done is not None:
-                for i, _call, _swap in waiting:
-                    if i in done:
-                        await on_done(i, done[i])
+                ended = [(i, done[i]) for i, _call, _swap in waiting if i in done]
+                if ended:
+                    await on_done(ended)
             waiting = still
             remaining = sum(call.remaining for _, call, _ in waiting)
             await tail.check([i for i, _, _ in waiting], remaining)
@@ -343,7 +349,7 @@ class CallRunner:
         requests: Sequence[PhaseRequest],
         tail_threshold: float,
         on_tail: TailHook | None,
-        on_done: Callable[[int, Ran], Awaitable[None]] | None,
+        on_done: Finished | None,
         release: asyncio.Event | None,
         paused_s: Callable[[], float] | None = None,
     ) -> list[Ran]:
@@ -371,6 +377,7 @@ class CallRunner:
             if asked is not None and tail.released_at is None:
                 watch.add(asked)
             finished, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+            ended: list[tuple[int, Ran]] = []
             for task in [t for t in running if t in finished]:
                 i, rows, swap_s, t0 = running.pop(task)
                 wall = time.perf_counter() - paused() - t0  # not the pause's seconds
@@ -390,8 +397,9 @@ class CallRunner:
                     if isinstance(failure, Exception)
                     else Ran(task.result(), None, swap_s, compute_s, started_at, released_at)
                 )
-                if on_done is not None:
-                    await on_done(i, done[i])
+                ended.append((i, done[i]))
+            if on_done is not None and ended:
+                await on_done(ended)
             remaining = sum(rows for _, rows, _, _ in running.values())
             await tail.check([i for i, _, _, _ in running.values()], remaining)
         if asked is not None:
