@@ -259,7 +259,7 @@ class DispatchPipeline:
                 finished.append((dispatch.calls[group[k]], ran, group[k] == last_i))
             await retrying(
                 functools.partial(self._recorder.record_together, finished, dispatch.dispatch_id),
-                what=f"recording {', '.join(r.request_id for r, _, _ in finished)}",
+                what=f"recording {len(finished)} call(s) of {dispatch.dispatch_id}",
             )
 
         async def run_and_record() -> None:
