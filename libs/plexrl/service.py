@@ -51,8 +51,11 @@ def configure_logging(level: str) -> None:
     logging.getLogger("kafka").setLevel(logging.WARNING)
 
 
-def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> None:
-    """Run `serve(stop)`; SIGTERM or SIGINT sets `stop` so the service shuts down cleanly."""
+def run_until_signalled(
+    serve: Callable[[asyncio.Event], Awaitable[None]], event_loop: str = "asyncio"
+) -> None:
+    """Run `serve(stop)` on `event_loop` (`loop_factory`); SIGTERM or SIGINT sets `stop`
+    so the service shuts down cleanly."""
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -61,4 +64,21 @@ def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]]) -> No
             loop.add_signal_handler(sig, stop.set)
         await serve(stop)
 
-    asyncio.run(main())
+    with asyncio.Runner(loop_factory=loop_factory(event_loop)) as runner:
+        runner.run(main())
+
+
+def loop_factory(event_loop: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """What makes a service's event loop (`CommonSettings.event_loop`): uvloop's where it
+    is installed (a platform without it runs the standard one, and says so), or the
+    standard library's (None)."""
+    if event_loop != "uvloop":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        logging.getLogger(__name__).warning(
+            "PLEXRL_EVENT_LOOP is uvloop but uvloop is not installed: the standard event loop"
+        )
+        return None
+    return uvloop.new_event_loop

@@ -91,6 +91,9 @@ class CommonSettings(BaseSettings):
     record_ttl_s: int = 24 * 3600
     # Python log level.
     log_level: str = "INFO"
+    # The service's event loop: uvloop (libuv's; the default where it is installed,
+    # docs/control_plane.md measures it) or asyncio (the standard library's).
+    event_loop: Literal["uvloop", "asyncio"] = "uvloop"
     # Shared secret internal services present to each other (`Authorization: Bearer ...`
     # to the state-store). Unset: the state-store serves only a loopback address, without
     # authentication, and refuses to start on any other (docs/security.md).

@@ -6,7 +6,7 @@ from plexrl_gateway.main import serve
 def main() -> None:
     settings = GatewaySettings()
     configure_logging(settings.log_level)
-    run_until_signalled(lambda stop: serve(settings, stop))
+    run_until_signalled(lambda stop: serve(settings, stop), settings.event_loop)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ def main() -> None:
 
         follow_leader(settings)
         return
-    run_until_signalled(lambda stop: serve(settings, stop))
+    run_until_signalled(lambda stop: serve(settings, stop), settings.event_loop)
 
 
 if __name__ == "__main__":
