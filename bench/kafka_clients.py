@@ -90,7 +90,9 @@ async def aiokafka_round(bootstrap: str, topic: str, n: int) -> dict[str, float]
         await producer.stop()
 
 
-def confluent_round(bootstrap: str, topic: str, n: int) -> dict[str, float]:
+def confluent_pair(bootstrap: str, topic: str) -> tuple[Any, Any]:
+    """A confluent-kafka producer (as the services' producers are set) and a consumer of
+    `topic` from its start, once the consumer has its partition."""
     from confluent_kafka import Consumer, Producer
 
     producer = Producer(
@@ -109,6 +111,11 @@ def confluent_round(bootstrap: str, topic: str, n: int) -> dict[str, float]:
     deadline = time.monotonic() + 30
     while not consumer.assignment() and time.monotonic() < deadline:
         consumer.poll(0.1)
+    return producer, consumer
+
+
+def confluent_round(bootstrap: str, topic: str, n: int) -> dict[str, float]:
+    producer, consumer = confluent_pair(bootstrap, topic)
     try:
         latencies = []
         delivered: list[Any] = []
@@ -141,22 +148,10 @@ def confluent_round(bootstrap: str, topic: str, n: int) -> dict[str, float]:
 async def confluent_asyncio_round(bootstrap: str, topic: str, n: int) -> dict[str, float]:
     import threading
 
-    from confluent_kafka import Consumer, KafkaException, Producer
+    from confluent_kafka import KafkaException
 
     loop = asyncio.get_running_loop()
-    producer = Producer(
-        {"bootstrap.servers": bootstrap, "acks": "all", "enable.idempotence": True, "linger.ms": 0}
-    )
-    consumer = Consumer(
-        {
-            "bootstrap.servers": bootstrap,
-            "group.id": f"bench-{uuid.uuid4().hex[:8]}",
-            "auto.offset.reset": "earliest",
-            "enable.auto.commit": False,
-            "fetch.wait.max.ms": 500,
-        }
-    )
-    consumer.subscribe([topic])
+    producer, consumer = confluent_pair(bootstrap, topic)
     received: asyncio.Queue[list[Any]] = asyncio.Queue()
     stop = threading.Event()
 
@@ -196,9 +191,6 @@ async def confluent_asyncio_round(bootstrap: str, topic: str, n: int) -> dict[st
         )
         return ack
 
-    deadline = time.monotonic() + 30
-    while not consumer.assignment() and time.monotonic() < deadline:
-        consumer.poll(0.1)
     threads = [threading.Thread(target=t, daemon=True) for t in (poll_producer, consume)]
     for thread in threads:
         thread.start()
