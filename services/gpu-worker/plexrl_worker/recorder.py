@@ -126,16 +126,16 @@ class ResultRecorder:
             announced = [self._calls.queue_completion(pipe, c) for c, _ in made]
             for _, entry in made:
                 self._timeline.queue_timeline(pipe, entry)
-            replies = await pipe.execute()
-        stood: list[PhaseCompletion] = []
-        for (completion, _), stands in zip(made, replies, strict=False):
-            if not stands:  # recorded before (a replay that ran again): that record stands
-                completion = await self._calls.get_completion(completion.request_id) or completion
-            stood.append(completion)
+            standing = (await pipe.execute())[: len(made)]  # the records' replies
+        # Recorded before (a replay that ran again): those records stand, read in one go.
+        earlier = await self._calls.get_completions(
+            c.request_id for (c, _), stands in zip(made, standing, strict=True) if not stands
+        )
+        stood = [earlier.get(c.request_id, c) for c, _ in made]
         # The records (and the ledger commit and results before them) must outlive a
         # failover before the completions are announced and published.
         await self._calls.replicated()
-        for completion, told, stands in zip(stood, announced, replies, strict=False):
+        for completion, told, stands in zip(stood, announced, standing, strict=True):
             if not (told and stands):
                 await self._calls.announce(completion)
         for completion in stood:
