@@ -282,3 +282,64 @@ async def test_a_last_commit_that_never_returns_does_not_keep_the_consumer_in_it
         stop.set()
         await asyncio.gather(task, return_exceptions=True)
         await consumer.stop()
+
+
+async def test_a_group_member_reads_on_from_what_the_one_before_committed(env: Env) -> None:
+    """The group's committed offsets are where the next member starts: what the first
+    handled is not handled again, what it had not reached is, in order; and what the
+    wait for the group's assignment read is handed over, not dropped."""
+    first_seen: list[str] = []
+
+    async def first_handler(message: PhaseRequest, delivery: Delivery) -> None:
+        first_seen.append(message.request_id)
+
+    for rid in ("a", "b", "c"):
+        await env.publisher.publish(env.topics.requests, "job-1", call(rid))
+    first = env.consumer(first_handler, "members")
+    await first.start()
+    await first.wait_assigned()
+    stop = asyncio.Event()
+    task = asyncio.create_task(first.run(stop))
+    await until(lambda: first_seen == ["a", "b", "c"])
+    stop.set()
+    await asyncio.wait_for(task, 30)  # its last commit goes out on the way out
+    await first.stop()
+
+    later_seen: list[str] = []
+
+    async def later_handler(message: PhaseRequest, delivery: Delivery) -> None:
+        later_seen.append(message.request_id)
+
+    for rid in ("d", "e"):
+        await env.publisher.publish(env.topics.requests, "job-1", call(rid))
+    later = env.consumer(later_handler, "members")
+    async with running(later):
+        await until(lambda: later_seen == ["d", "e"])
+        await asyncio.sleep(0.5)
+    assert later_seen == ["d", "e"]
+
+
+async def test_a_consumer_started_and_never_run_holds_none_of_its_groups_partitions(
+    env: Env,
+) -> None:
+    """A scheduler term that fails after some of its consumers started leaves them
+    behind: they must not keep a share of the group's partitions from the next term."""
+
+    async def never(message: PhaseRequest, delivery: Delivery) -> None:
+        raise AssertionError("the idle consumer handled a message")
+
+    idle = env.consumer(never, "left-behind")
+    await idle.start()
+    seen: list[str] = []
+
+    async def handler(message: PhaseRequest, delivery: Delivery) -> None:
+        seen.append(message.request_id)
+
+    try:
+        wanted = {f"r{i}" for i in range(8)}
+        for i in range(8):  # keys over the topic's partitions
+            await env.publisher.publish(env.topics.requests, f"job-{i}", call(f"r{i}"))
+        async with running(env.consumer(handler, "left-behind")):
+            await until(lambda: set(seen) == wanted, timeout_s=20)
+    finally:
+        await idle.stop()

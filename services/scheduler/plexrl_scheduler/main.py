@@ -328,8 +328,13 @@ class Inbox:
         return self._receiver
 
     async def start(self) -> None:
-        """Connect every consumer at once (no message is handled before `run`)."""
-        await asyncio.gather(*(c.start() for c in self.consumers))
+        """Connect every consumer at once (no message is handled before `run`); where
+        one fails, the others are stopped before the failure is raised."""
+        started = await asyncio.gather(*(c.start() for c in self.consumers), return_exceptions=True)
+        failed = [r for r in started if isinstance(r, BaseException)]
+        if failed:
+            await asyncio.gather(*(_stopped(c) for c in self.consumers))
+            raise failed[0]
 
     def deliver_to(self, receiver: Receiver) -> None:
         self._receiver = receiver

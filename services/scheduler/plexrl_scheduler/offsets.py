@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 
-from aiokafka import TopicPartition
+from plexrl.kafka import TopicPartition
 
 
 class OffsetTracker:
