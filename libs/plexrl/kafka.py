@@ -700,10 +700,18 @@ class MessageConsumer(Generic[T]):
         offsets, self._to_commit = self._to_commit, {}
         try:
             await self._consumer.commit(offsets)
+        except asyncio.CancelledError:
+            # The periodic commit cut short on the way out: the last flush sends them
+            # (committing an offset twice is harmless; leaving it is a replay).
+            self._recommit(offsets)
+            raise
         except Exception:  # a rebalance, say: the next flush (or a replay) covers it
             log.warning("%s: committing %s failed", self._name, offsets, exc_info=True)
-            for tp, offset in offsets.items():
-                self._to_commit[tp] = max(offset, self._to_commit.get(tp, 0))
+            self._recommit(offsets)
+
+    def _recommit(self, offsets: dict[TopicPartition, int]) -> None:
+        for tp, offset in offsets.items():
+            self._to_commit[tp] = max(offset, self._to_commit.get(tp, 0))
 
     def _decode(self, record: Record) -> Any:
         """The record's message, or the MessageError that says why it is none."""
