@@ -6,10 +6,8 @@ On the Kafka and Redis of `scripts/infra.sh` (PLEXRL_KAFKA_BOOTSTRAP, PLEXRL_RED
 tracing set up as the services set it (no exporter: nothing recorded, contexts travel),
 best of `--rounds` alternating rounds, this process's CPU:
 
-- **a Kafka send** on aiokafka's idempotent producer (the services' producer before
-  they moved to librdkafka's, `bench/kafka_clients.py` compares the two), inside an
-  unrecorded span as a worker's completion is sent: bare (no headers), with the trace
-  headers the services attach
+- **a Kafka send** on an idempotent producer, inside an unrecorded span as a worker's
+  completion is sent: bare (no headers), with the trace headers the services attach
   (`tracing.record_headers`), and, where `opentelemetry-instrumentation-aiokafka` is
   installed (it is not a dependency: `pip install --target DIR
   opentelemetry-instrumentation-aiokafka` and `--instrumentation-path DIR`), through

@@ -1,22 +1,20 @@
-"""Kafka client cost per message: the services' clients beside aiokafka's and confluent-kafka's.
+"""Kafka client cost per message: aiokafka (what the services use) beside confluent-kafka.
 
     .venv/bin/python bench/kafka_clients.py [--messages 2000] [--rounds 2]
+        [--confluent-path DIR]
 
-Every client runs the same ping on the shared broker, in alternating rounds, each on a
-fresh topic: a producer sends one small message (a NOOP call's size, key and
-idempotence as the services set them), a consumer in the same process receives it,
-and the next is sent once it arrived (latency one at a time); then `--messages` are
-sent back to back and received (throughput). Reports p50 latency, messages/s and this
-process's CPU per message (producer and consumer together, librdkafka's threads
-included: what one hop costs a service's client); ends with one JSON line.
+confluent-kafka is not a dependency: install it beside the project to measure it
+(`pip install --target DIR confluent-kafka`, then `--confluent-path DIR`); without it
+only aiokafka is measured. Both run the same ping on the shared broker, in
+alternating rounds, each on a fresh topic: a producer sends one small message (a NOOP
+completion's size, key and idempotence as the services set them), a consumer in the
+same process receives it, and the next is sent once it arrived (latency one at a
+time); then `--messages` are sent back to back and received (throughput). Reports p50
+latency, messages/s and this process's CPU per message (producer and consumer
+together, librdkafka's threads included: what one hop costs a service's client); ends
+with one JSON line.
 
-`aiokafka` is the services' clients before they moved to librdkafka (aiokafka's
-producer, each message encoded with its trace headers as the `Publisher` sent it, and
-aiokafka's consumer); `services` their clients now (the `Publisher`,
-`plexrl.kafka_producer`, and librdkafka's consumer as `MessageConsumer` runs it,
-`plexrl.kafka_consumer`); `publisher` the `Publisher` read by aiokafka's consumer (its
-difference from `aiokafka` is the producer's alone).
-confluent-kafka alone is measured twice: blocking (`confluent`: the producer and consumer
+confluent-kafka is measured twice: blocking (`confluent`: the producer and consumer
 polled in turn on one thread, librdkafka's best case) and bridged to asyncio
 (`confluent_asyncio`: what a service on an event loop would pay: a thread polls the
 producer and hands its acknowledgements to the loop, another consumes and hands each
@@ -31,29 +29,16 @@ import asyncio
 import json
 import os
 import statistics
+import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from plexrl import tracing
-from plexrl.kafka import LOW_LATENCY, Publisher, ensure_topics
-from plexrl.kafka_consumer import ConsumerSettings, LoopConsumer
-from plexrl.kafka_security import PLAINTEXT
-from plexrl.messages import Function, NoopInput, PhaseRequest, encode
+from plexrl.kafka import ensure_topics
 
 PAYLOAD = b"x" * 300
-MESSAGE = PhaseRequest(
-    request_id="r" * 32,
-    job_id="job",
-    tenant="tenant",
-    function=Function.NOOP,
-    payload=NoopInput(),
-    arrival_time=0.0,
-)
-"""What the services' publisher rounds send (encoded, with a record's trace headers)."""
 
 
 def figures(
@@ -74,75 +59,6 @@ async def aiokafka_round(bootstrap: str, topic: str, n: int) -> dict[str, float]
     producer = AIOKafkaProducer(
         bootstrap_servers=bootstrap, acks="all", enable_idempotence=True, linger_ms=0
     )
-    await producer.start()
-
-    async def send() -> asyncio.Future[Any]:  # as the services' Publisher sent on aiokafka
-        value, headers = encode(MESSAGE), tracing.record_headers(topic)
-        return await producer.send(topic, value, key=b"job", headers=headers)
-
-    try:
-        return await _aiokafka_consumed(bootstrap, topic, n, send)
-    finally:
-        await producer.stop()
-
-
-async def publisher_round(bootstrap: str, topic: str, n: int) -> dict[str, float]:
-    """The services' `Publisher` (librdkafka's producer on a poll thread, trace headers
-    on every record) beside the same aiokafka consumer: the producer's share."""
-    publisher = Publisher(bootstrap, "bench-publisher")
-    await publisher.start()
-
-    async def send() -> asyncio.Future[Any]:
-        return await publisher.publish_deferred(topic, b"job", MESSAGE)
-
-    try:
-        return await _aiokafka_consumed(bootstrap, topic, n, send)
-    finally:
-        await publisher.stop()
-
-
-async def services_round(bootstrap: str, topic: str, n: int) -> dict[str, float]:
-    """The services' clients now: the `Publisher` and librdkafka's consumer as
-    `MessageConsumer` runs it (`plexrl.kafka_consumer`)."""
-    publisher = Publisher(bootstrap, "bench-publisher")
-    consumer = LoopConsumer(
-        ConsumerSettings(
-            bootstrap=bootstrap,
-            client_id="bench-consumer",
-            group=None,
-            from_latest=False,
-            fetch_max_wait_ms=LOW_LATENCY.max_wait_ms,
-            fetch_min_bytes=LOW_LATENCY.min_bytes,
-            session_timeout_ms=10000,
-            max_poll_interval_ms=300000,
-            request_timeout_ms=5000,
-            metadata_max_age_ms=5000,
-            security=PLAINTEXT,
-        ),
-        [topic],
-    )
-    await publisher.start()
-    await consumer.start()
-
-    async def send() -> asyncio.Future[Any]:
-        return await publisher.publish_deferred(topic, b"job", MESSAGE)
-
-    async def receive() -> int:
-        batches = await consumer.getmany(timeout_s=1.0, max_records=64)
-        return sum(len(v) for v in batches.values())
-
-    try:
-        return await ping_and_stream(n, send, receive)
-    finally:
-        await consumer.stop()
-        await publisher.stop()
-
-
-async def _aiokafka_consumed(
-    bootstrap: str, topic: str, n: int, send: Callable[[], Awaitable[asyncio.Future[Any]]]
-) -> dict[str, float]:
-    """One round of the ping and the stream, sent by `send` and read by an aiokafka
-    consumer (as the services read)."""
     consumer = AIOKafkaConsumer(
         topic,
         bootstrap_servers=bootstrap,
@@ -150,41 +66,28 @@ async def _aiokafka_consumed(
         auto_offset_reset="earliest",
         fetch_max_wait_ms=500,
     )
+    await producer.start()
     await consumer.start()
-
-    async def receive() -> int:
-        batches = await consumer.getmany(timeout_ms=1000)
-        return sum(len(v) for v in batches.values())
-
     try:
-        return await ping_and_stream(n, send, receive)
+        latencies = []
+        c0 = time.process_time()
+        for _ in range(min(n, 300)):
+            start = time.perf_counter()
+            await producer.send_and_wait(topic, PAYLOAD, key=b"job")
+            await consumer.getone()
+            latencies.append(time.perf_counter() - start)
+        one_at_a_time_cpu = (time.process_time() - c0) / len(latencies)
+        c0, start = time.process_time(), time.perf_counter()
+        acks = [await producer.send(topic, PAYLOAD, key=b"job") for _ in range(n)]
+        got = 0
+        while got < n:
+            batch = await consumer.getmany(timeout_ms=1000)
+            got += sum(len(v) for v in batch.values())
+        await asyncio.gather(*acks)
+        return figures(latencies, one_at_a_time_cpu, n, start, c0)
     finally:
         await consumer.stop()
-
-
-async def ping_and_stream(
-    n: int,
-    send: Callable[[], Awaitable[asyncio.Future[Any]]],
-    receive: Callable[[], Awaitable[int]],
-) -> dict[str, float]:
-    """One message at a time, each sent once the last arrived (`receive`: how many
-    records came in one poll), then `n` back to back: a round's figures."""
-    latencies = []
-    c0 = time.process_time()
-    for _ in range(min(n, 300)):
-        start = time.perf_counter()
-        await (await send())
-        while not await receive():
-            pass
-        latencies.append(time.perf_counter() - start)
-    one_at_a_time_cpu = (time.process_time() - c0) / len(latencies)
-    c0, start = time.process_time(), time.perf_counter()
-    acks = [await send() for _ in range(n)]
-    got = 0
-    while got < n:
-        got += await receive()
-    await asyncio.gather(*acks)
-    return figures(latencies, one_at_a_time_cpu, n, start, c0)
+        await producer.stop()
 
 
 def confluent_pair(bootstrap: str, topic: str) -> tuple[Any, Any]:
@@ -319,9 +222,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--messages", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--confluent-path", default=None, help="where confluent-kafka is installed")
     args = p.parse_args()
     bootstrap = os.environ.get("PLEXRL_KAFKA_BOOTSTRAP", "127.0.0.1:9092")
-    clients = ["aiokafka", "publisher", "services", "confluent", "confluent_asyncio"]
+    if args.confluent_path:
+        sys.path.insert(0, args.confluent_path)
+    try:
+        import confluent_kafka  # noqa: F401
+
+        clients = ["aiokafka", "confluent", "confluent_asyncio"]
+    except ImportError:
+        clients = ["aiokafka"]
     load = os.getloadavg()
     runs: dict[str, list[dict[str, float]]] = {c: [] for c in clients}
     for n in range(args.rounds):
@@ -330,10 +241,6 @@ def main() -> None:
             asyncio.run(ensure_topics(bootstrap, {topic: 1}))
             if client == "aiokafka":
                 runs[client].append(asyncio.run(aiokafka_round(bootstrap, topic, args.messages)))
-            elif client == "publisher":
-                runs[client].append(asyncio.run(publisher_round(bootstrap, topic, args.messages)))
-            elif client == "services":
-                runs[client].append(asyncio.run(services_round(bootstrap, topic, args.messages)))
             elif client == "confluent":
                 runs[client].append(confluent_round(bootstrap, topic, args.messages))
             else:

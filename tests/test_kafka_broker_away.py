@@ -1,4 +1,4 @@
-"""One broker's host gone silent: the publisher's health check counts any broker that
+"""One broker's host gone silent: the producer's health check counts any broker that
 answers, in time, and no admin request waits out aiokafka's 40 s default."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class Brokers:
 
 def publisher_over(client: Brokers) -> Publisher:
     publisher = Publisher(BOOTSTRAP, "ping-test")
-    publisher._meta = client
+    publisher._producer = SimpleNamespace(client=client)
     return publisher
 
 

@@ -317,29 +317,3 @@ async def test_a_group_member_reads_on_from_what_the_one_before_committed(env: E
         await until(lambda: len(later_seen) >= 2)
         await asyncio.sleep(0.5)
     assert later_seen == ["d", "e"]
-
-
-async def test_a_consumer_started_and_never_run_holds_none_of_its_groups_partitions(
-    env: Env,
-) -> None:
-    """A scheduler term that fails after some of its consumers started leaves them
-    behind: they must not keep a share of the group's partitions from the next term."""
-
-    async def never(message: PhaseRequest, delivery: Delivery) -> None:
-        raise AssertionError("the idle consumer handled a message")
-
-    idle = env.consumer(never, "left-behind")
-    await idle.start()
-    seen: list[str] = []
-
-    async def handler(message: PhaseRequest, delivery: Delivery) -> None:
-        seen.append(message.request_id)
-
-    try:
-        wanted = {f"r{i}" for i in range(8)}
-        for i in range(8):  # keys over the topic's partitions
-            await env.publisher.publish(env.topics.requests, f"job-{i}", call(f"r{i}"))
-        async with running(env.consumer(handler, "left-behind")):
-            await until(lambda: set(seen) == wanted, timeout_s=20)
-    finally:
-        await idle.stop()

@@ -23,26 +23,18 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from aiokafka import AIOKafkaClient
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRecord, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
+from aiokafka.errors import ConsumerStoppedError, KafkaConnectionError, TopicAlreadyExistsError
 from aiokafka.protocol.metadata import MetadataRequest
 from opentelemetry.context import Context
 from prometheus_client import Counter
 
 from plexrl import tracing
-from plexrl.kafka_consumer import (
-    ConsumerClosed,
-    ConsumerSettings,
-    LoopConsumer,
-    Record,
-    TopicPartition,
-)
-from plexrl.kafka_producer import LoopProducer, producer_config
 from plexrl.kafka_replication import TopicReplication
 from plexrl.kafka_security import PLAINTEXT, KafkaSecurity
 from plexrl.messages import DeadLetter, DeadLetterReason, MessageError, decode, encode
-from plexrl.retry import Backoff, is_transient, producer_ended, retrieved, retrying
+from plexrl.retry import DESYNCHRONIZED, Backoff, is_transient, retrieved, retrying
 
 log = logging.getLogger(__name__)
 
@@ -218,31 +210,19 @@ silence), while the brokers elect new leaders in a few seconds."""
 
 PRODUCER_RENEWALS = Counter(
     "plexrl_producer_renewals_total",
-    "Producers replaced after a fatal error (the brokers no longer take their sequence)",
+    "Producers replaced after the brokers refused their sequence numbers",
 )
-
-MAX_MESSAGE_BYTES = 8 * 1024 * 1024
-"""The largest message a service sends (a call's inline payload; larger ones go by the
-state-store); the brokers' `message.max.bytes` must allow it."""
-
-FINAL_FLUSH_S = 10.0
-"""On stop, what is still queued gets this long to be acknowledged."""
 
 
 class Publisher:
-    """One producer per service (librdkafka's, `plexrl.kafka_producer`); every message
-    carries the current trace context.
+    """One producer per service; every message carries the current trace context.
 
-    A producer that meets a fatal error (an idempotent producer the brokers no longer
-    take: its sequence numbers out of step with theirs) is replaced by a new one, and
-    the send that met it fails as transient: its caller sends again (`retry_until`, the
-    gateway's outbox), on the new producer. What the old one had written stays written;
-    a message it wrote whose acknowledgement was lost may be written again by the new
-    one, which the consumers already take once (they dedupe by request id and the
-    job's ledger, as after any republish).
-
-    The health check (`ping`) asks the brokers' metadata through an aiokafka client of
-    its own: it can ask every broker at once, which librdkafka cannot."""
+    A producer the brokers refuse as out of sequence (`DESYNCHRONIZED`) is replaced by a
+    new one, and the send that met it fails as transient: its caller sends again
+    (`retry_until`, the gateway's outbox), on the new producer. What the old one had
+    written stays written; a message it wrote whose acknowledgement was lost may be
+    written again by the new one, which the consumers already take once (they dedupe
+    by request id and the job's ledger, as after any republish)."""
 
     def __init__(
         self,
@@ -251,23 +231,20 @@ class Publisher:
         request_timeout_ms: int = REQUEST_TIMEOUT_MS,
         security: KafkaSecurity = PLAINTEXT,
     ) -> None:
-        self._name = client_id
-        self._config = producer_config(
-            bootstrap,
-            client_id,
-            security,
-            request_timeout_ms=request_timeout_ms,
-            metadata_max_age_ms=METADATA_MAX_AGE_MS,
-            max_message_bytes=MAX_MESSAGE_BYTES,
-        )
-        self._meta = AIOKafkaClient(
-            **security.client_options(),
+        self._settings: dict[str, Any] = dict(
+            security.client_options(),
             bootstrap_servers=bootstrap,
-            client_id=f"{client_id}-health",
+            client_id=client_id,
             request_timeout_ms=request_timeout_ms,
             metadata_max_age_ms=METADATA_MAX_AGE_MS,
+            # Idempotent: a send the producer retries after a lost acknowledgement is
+            # written once, in order (acks=all is what idempotence requires).
+            acks="all",
+            enable_idempotence=True,
+            linger_ms=0,
+            max_request_size=8 * 1024 * 1024,
         )
-        self._producer: LoopProducer | None = None
+        self._producer = AIOKafkaProducer(**self._settings)
         self._renewing = asyncio.Lock()
         self._background: set[asyncio.Future[None]] = set()
         self._retry: tuple[asyncio.Event, Backoff] | None = None
@@ -275,9 +252,7 @@ class Publisher:
         self.renewals = 0
 
     async def start(self) -> None:
-        self._producer = LoopProducer(self._config, self._name)
-        with contextlib.suppress(Exception):  # the health check fetches it when asked
-            await asyncio.wait_for(self._meta.bootstrap(), REQUEST_TIMEOUT_MS / 1000)
+        await self._producer.start()
 
     def stamp_with(self, stamp: Callable[[Any], Any] | None) -> None:
         """From now on every message passes through `stamp` before it is encoded (the
@@ -288,13 +263,7 @@ class Publisher:
         return encode(message if self._stamp is None else self._stamp(message))
 
     async def stop(self) -> None:
-        producer, self._producer = self._producer, None
-        if producer is not None:
-            left = await producer.close(FINAL_FLUSH_S)
-            if left:
-                log.warning("%s: %d messages were not acknowledged on stop", self._name, left)
-        with contextlib.suppress(Exception):
-            await self._meta.close()
+        await self._producer.stop()
         for task in list(self._background):
             task.cancel()
 
@@ -336,40 +305,48 @@ class Publisher:
         producer is idempotent), so a caller with several messages to send queues them
         all and waits once, instead of one broker round trip each. Awaiting the result
         raises what the send met; the caller decides how to retry (see `publish`)."""
-        return self._queue(topic, _key_bytes(key), self._encoded(message))
-
-    async def publish_raw(self, topic: str, key: bytes | None, value: bytes) -> None:
-        await self._queue(topic, key, value)
-
-    def _queue(self, topic: str, key: bytes | None, value: bytes) -> asyncio.Future[None]:
         producer = self._producer
-        if producer is None:
-            raise RuntimeError(f"{self._name}: the publisher is not started (or stopped)")
-        delivery = producer.send(topic, value, key, tracing.record_headers(topic))
+        delivery: asyncio.Future[Any] = await producer.send(
+            topic,
+            self._encoded(message),
+            key=_key_bytes(key),
+            headers=tracing.record_headers(topic),
+        )
         delivery.add_done_callback(lambda done: self._check(producer, done))
         return delivery
 
-    def _check(self, producer: LoopProducer, delivery: asyncio.Future[None]) -> None:
-        """A send's outcome: a fatal error renews the producer."""
+    async def publish_raw(self, topic: str, key: bytes | None, value: bytes) -> None:
+        producer = self._producer
+        try:
+            await producer.send_and_wait(
+                topic, value, key=key, headers=tracing.record_headers(topic)
+            )
+        except DESYNCHRONIZED as exc:
+            await self._renew(producer, exc)
+            raise
+
+    def _check(self, producer: AIOKafkaProducer, delivery: asyncio.Future[Any]) -> None:
+        """A queued send's outcome: a refused sequence renews the producer."""
         if delivery.cancelled():
             return
-        if producer.fatal is not None or producer_ended(delivery.exception()):
-            self._in_background(self._renew(producer))
+        exc = delivery.exception()
+        if isinstance(exc, DESYNCHRONIZED):
+            self._in_background(self._renew(producer, exc))
 
-    async def _renew(self, broken: LoopProducer) -> None:
+    async def _renew(self, broken: AIOKafkaProducer, exc: BaseException) -> None:
         """Replace `broken` (once, however many sends met it) with a fresh producer."""
         async with self._renewing:
             if self._producer is not broken:
-                return  # another send renewed it already, or the publisher stopped
-            self._producer = LoopProducer(self._config, self._name)
+                return  # another send renewed it already
+            fresh = AIOKafkaProducer(**self._settings)
+            await fresh.start()
+            self._producer = fresh
             self.renewals += 1
             PRODUCER_RENEWALS.inc()
-        log.warning(
-            "%s: the producer met a fatal error (%s): a new producer", self._name, broken.fatal
-        )
-        self._in_background(_close_quietly(broken))
+        log.warning("the brokers refused this producer's sequence (%r): a new producer", exc)
+        self._in_background(_stop_quietly(broken))
 
-    def _in_background(self, work: Awaitable[Any]) -> None:
+    def _in_background(self, work: Awaitable[None]) -> None:
         """Run `work` as a task held until it ends (cancelled by `stop`)."""
         task = asyncio.ensure_future(work)
         self._background.add(task)
@@ -378,10 +355,10 @@ class Publisher:
     async def ping(self, timeout_s: float = 2.0) -> bool:
         """True when a broker answers a metadata request within `timeout_s` (health checks).
 
-        Every broker the client knows is asked at once and the first answer counts: one
+        Every broker the producer knows is asked at once and the first answer counts: one
         broker's host lost (the cluster still serves, its partitions led elsewhere) must
         not make every service look unhealthy while a request to it times out."""
-        client = self._meta
+        client = self._producer.client
         nodes = [b.nodeId for b in client.cluster.brokers()]
         if not nodes:  # no metadata yet: ask the bootstrap servers
             try:
@@ -404,11 +381,11 @@ class Publisher:
                 ask.add_done_callback(retrieved)
 
 
-async def _close_quietly(producer: LoopProducer) -> None:
-    """Close a replaced producer: what it still holds fails (its senders retry on the
-    new one)."""
+async def _stop_quietly(producer: AIOKafkaProducer, timeout_s: float = 10.0) -> None:
+    """Stop a replaced producer: what it still holds fails (its senders retry on the new
+    one); a stop that hangs on an unreachable broker is given up."""
     with contextlib.suppress(Exception):
-        await producer.close(0)
+        await asyncio.wait_for(producer.stop(), timeout_s)
 
 
 def _log_failure(delivery: asyncio.Future[Any]) -> None:
@@ -534,21 +511,26 @@ class MessageConsumer(Generic[T]):
         self._tuning = tuning or ConsumerTuning()
         self._clock = clock
         self._to_commit: dict[TopicPartition, int] = {}
-        self._consumer = LoopConsumer(
-            ConsumerSettings(
-                bootstrap=bootstrap,
-                client_id=name,
-                group=group,
-                from_latest=from_latest,
-                fetch_max_wait_ms=fetch.max_wait_ms,
-                fetch_min_bytes=fetch.min_bytes,
-                session_timeout_ms=self._tuning.session_timeout_ms,
-                max_poll_interval_ms=self._tuning.max_poll_interval_ms,
-                request_timeout_ms=self._tuning.request_timeout_ms,
-                metadata_max_age_ms=METADATA_MAX_AGE_MS,
-                security=security,
-            ),
-            topics,
+        self._consumer = AIOKafkaConsumer(
+            *topics,
+            **security.client_options(),
+            bootstrap_servers=bootstrap,
+            group_id=group,
+            client_id=name,
+            enable_auto_commit=False,
+            auto_offset_reset="latest" if from_latest else "earliest",
+            # By default the broker answers a fetch as soon as a record arrives
+            # (fetch_min_bytes=1): the wait bounds only how often an idle consumer asks
+            # again (a request, a response, a socket write and a wake-up each time).
+            fetch_max_wait_ms=fetch.max_wait_ms,
+            fetch_min_bytes=fetch.min_bytes,
+            max_partition_fetch_bytes=16 * 1024 * 1024,
+            fetch_max_bytes=64 * 1024 * 1024,
+            session_timeout_ms=self._tuning.session_timeout_ms,
+            max_poll_interval_ms=self._tuning.max_poll_interval_ms,
+            heartbeat_interval_ms=1000,
+            request_timeout_ms=self._tuning.request_timeout_ms,
+            metadata_max_age_ms=METADATA_MAX_AGE_MS,
         )
         self.handled = 0
         self.dead_lettered = 0
@@ -572,7 +554,16 @@ class MessageConsumer(Generic[T]):
 
     async def wait_assigned(self, timeout_s: float = 30.0) -> None:
         """Until the group gave this consumer its partitions (or, without a group, at once)."""
-        await self._consumer.wait_assigned(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while not self._consumer.assignment():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self._name}: no partitions assigned after {timeout_s}s")
+            await asyncio.sleep(0.05)
+        if self._group is None:
+            # Resolve the start position now, so that a message published after this
+            # returns is seen even though the consumer starts from `latest`.
+            for tp in self._consumer.assignment():
+                await self._consumer.position(tp)
 
     def health(self) -> dict[str, Any]:
         """`ok` is False when the loop died while the service runs, or is stuck."""
@@ -613,7 +604,7 @@ class MessageConsumer(Generic[T]):
         committer = asyncio.create_task(self._commit_periodically(stop))
         try:
             await self._consume(stop)
-        except ConsumerClosed:
+        except ConsumerStoppedError:
             self._died = "the Kafka consumer was stopped"
         except BaseException as exc:
             self._died = f"{type(exc).__name__}: {exc}"
@@ -638,7 +629,7 @@ class MessageConsumer(Generic[T]):
         while not stop.is_set():
             try:
                 batches = await self._poll()
-            except ConsumerClosed:
+            except ConsumerStoppedError:
                 raise
             except Exception as exc:  # a broker away: poll again, never end the loop
                 polls_failed += 1
@@ -679,10 +670,10 @@ class MessageConsumer(Generic[T]):
                 return
             self._last_poll = self._clock()
 
-    async def _poll(self) -> dict[TopicPartition, list[Record]]:
+    async def _poll(self) -> dict[TopicPartition, list[ConsumerRecord[bytes, bytes]]]:
         """A poll. No span marks it: each handler continues its message's trace from the
         record's headers (`Delivery.context`) in a span of its own."""
-        return await self._consumer.getmany(timeout_s=0.2, max_records=64)
+        return await self._consumer.getmany(timeout_ms=200, max_records=64)
 
     async def commit_upto(self, tp: TopicPartition, next_offset: int) -> None:
         """Every message of `tp` before `next_offset` has had its effect: commit it soon."""
@@ -713,14 +704,16 @@ class MessageConsumer(Generic[T]):
         for tp, offset in offsets.items():
             self._to_commit[tp] = max(offset, self._to_commit.get(tp, 0))
 
-    def _decode(self, record: Record) -> Any:
+    def _decode(self, record: ConsumerRecord[bytes, bytes]) -> Any:
         """The record's message, or the MessageError that says why it is none."""
         try:
             return decode(record.value or b"", self._message_type)
         except MessageError as exc:
             return exc
 
-    async def _handle(self, record: Record, message: Any, stop: asyncio.Event) -> _Outcome:
+    async def _handle(
+        self, record: ConsumerRecord[bytes, bytes], message: Any, stop: asyncio.Event
+    ) -> _Outcome:
         """Hand the (decoded) message on, retrying failures; dead-letter it only if it
         cannot be read or its handler keeps failing for reasons other than unavailable
         infrastructure."""
@@ -786,7 +779,7 @@ class MessageConsumer(Generic[T]):
 
     async def _dead_letter(
         self,
-        record: Record,
+        record: ConsumerRecord[bytes, bytes],
         delivery: Delivery,
         reason: DeadLetterReason,
         detail: str,

@@ -85,27 +85,3 @@ class KafkaSecurity:
 
 PLAINTEXT = KafkaSecurity()
 """No TLS, no authentication: one machine, or a private network."""
-
-
-def librdkafka_options(security: KafkaSecurity) -> dict[str, Any]:
-    """The same rule as `KafkaSecurity.client_options`, as librdkafka's configuration
-    properties (the services' producers)."""
-    options: dict[str, Any] = {"security.protocol": security.protocol.lower()}
-    if security.protocol in ("SSL", "SASL_SSL"):
-        # None: the system's CAs, as the standard library's default context takes them.
-        options["ssl.ca.location"] = security.cafile or "probe"
-        if security.certfile is not None:
-            options["ssl.certificate.location"] = security.certfile
-            options["ssl.key.location"] = security.keyfile
-        options["ssl.endpoint.identification.algorithm"] = (
-            "https" if security.check_hostname else "none"
-        )
-    if security.sasl_mechanism is not None:
-        options.update(
-            {
-                "sasl.mechanism": security.sasl_mechanism,
-                "sasl.username": security.sasl_username,
-                "sasl.password": security.sasl_password,
-            }
-        )
-    return options

@@ -20,44 +20,23 @@ from typing import Any, TypeVar
 
 import httpx
 import redis.exceptions
-from aiokafka.errors import KafkaError, KafkaTimeoutError, RequestTimedOutError
-from confluent_kafka import KafkaError as RdKafkaError
-from confluent_kafka import KafkaException as RdKafkaException
+from aiokafka.errors import (
+    InvalidProducerEpoch,
+    KafkaError,
+    KafkaTimeoutError,
+    OutOfOrderSequenceNumber,
+    RequestTimedOutError,
+    UnknownProducerId,
+)
 
 log = logging.getLogger(__name__)
 
-_RDKAFKA_TRANSIENT = frozenset(
-    {
-        RdKafkaError._MSG_TIMED_OUT,
-        RdKafkaError._TIMED_OUT,
-        RdKafkaError._TRANSPORT,
-        RdKafkaError._ALL_BROKERS_DOWN,
-        RdKafkaError._QUEUE_FULL,
-        RdKafkaError._PURGE_QUEUE,
-        RdKafkaError._PURGE_INFLIGHT,
-        RdKafkaError._UNKNOWN_PARTITION,
-        RdKafkaError.UNKNOWN_TOPIC_OR_PART,
-        RdKafkaError.LEADER_NOT_AVAILABLE,
-        RdKafkaError.NOT_LEADER_FOR_PARTITION,
-        RdKafkaError.REQUEST_TIMED_OUT,
-        RdKafkaError.NOT_ENOUGH_REPLICAS,
-        RdKafkaError.NOT_ENOUGH_REPLICAS_AFTER_APPEND,
-    }
-)
-"""What librdkafka reports for a send that met brokers away, slow, electing a leader or
-short of replicas (or a producer purged on its way out): the same send goes through
-later."""
-
-
-def producer_ended(exc: BaseException | None) -> bool:
-    """Whether `exc` is a producer's fatal error (librdkafka's idempotent producer whose
-    sequence numbers the brokers no longer take, say): that producer sends nothing more,
-    and `plexrl.kafka.Publisher` starts a new one."""
-    if not isinstance(exc, RdKafkaException) or not exc.args:
-        return False
-    err = exc.args[0]
-    return isinstance(err, RdKafkaError) and err.fatal()
-
+DESYNCHRONIZED = (OutOfOrderSequenceNumber, UnknownProducerId, InvalidProducerEpoch)
+"""What the brokers answer an idempotent producer whose sequence numbers no longer match
+theirs (a batch failed after its number was spent: a leader that moved mid-send, say).
+The producer never recovers by itself: every later batch of that partition is refused
+the same way. `plexrl.kafka.Publisher` starts a new one (a new producer id, numbers
+from 0), so a send that met it is worth sending again."""
 
 T = TypeVar("T")
 
@@ -92,10 +71,8 @@ def is_transient(exc: BaseException) -> bool:
         return True  # includes BusyLoadingError: Redis replaying its append-only file
     if isinstance(exc, KafkaTimeoutError | RequestTimedOutError):
         return True
-    if isinstance(exc, RdKafkaException) and exc.args and isinstance(exc.args[0], RdKafkaError):
-        err = exc.args[0]
-        # A fatal error: the publisher replaced its producer (plexrl.kafka.Publisher).
-        return err.fatal() or err.retriable() or err.code() in _RDKAFKA_TRANSIENT
+    if isinstance(exc, DESYNCHRONIZED):
+        return True  # the publisher replaced its producer (plexrl.kafka.Publisher): send again
     if isinstance(exc, KafkaError):
         return bool(getattr(exc, "retriable", False))
     if isinstance(exc, httpx.TransportError):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import heapq
 
-from plexrl.kafka import TopicPartition
+from aiokafka import TopicPartition
 
 
 class OffsetTracker:
