@@ -37,7 +37,7 @@ from plexrl.messages import (
 from plexrl.settings import SchedulerSettings
 from plexrl.stores import JobStore, Stores
 from plexrl.topics import Topics, core_topics
-from plexrl_scheduler.main import serve
+from plexrl_scheduler.main import Inbox, serve
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration
@@ -241,3 +241,29 @@ async def test_a_terms_end_is_bounded_when_its_consumers_hang(
     for task in list(main._lingering):
         task.cancel()
     await asyncio.gather(*main._lingering, return_exceptions=True)
+
+
+class _Consumer:
+    """The edge of a term's inbox: a consumer whose start fails or not."""
+
+    def __init__(self, name: str, fails: bool) -> None:
+        self.name, self.fails, self.stopped = name, fails, False
+
+    async def start(self) -> None:
+        if self.fails:
+            raise KafkaConnectionError("the broker is away")
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+
+async def test_a_term_whose_consumer_cannot_start_stops_those_that_did() -> None:
+    """A term that fails while its consumers connect leaves none behind: one left
+    started would keep its group's partitions from the next term."""
+    inbox = Inbox.__new__(Inbox)  # the consumers alone: nothing else of a term is needed
+    consumers = [_Consumer("requests", False), _Consumer("completions", True)]
+    consumers.append(_Consumer("events", False))
+    inbox.consumers = consumers  # type: ignore[assignment]
+    with pytest.raises(KafkaConnectionError):
+        await inbox.start()
+    assert all(c.stopped for c in consumers)
