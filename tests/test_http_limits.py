@@ -136,6 +136,62 @@ async def test_a_head_trickled_in_is_cut_at_its_deadline() -> None:
         writer.close()
 
 
+async def test_a_head_over_the_cap_is_answered_431_and_one_under_it_is_served() -> None:
+    limits = HttpLimits(max_head_bytes=4096, head_timeout_s=5.0)
+    async with served(limits) as port:
+        # Under the cap, whole.
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
+            answer = await http.get("/ping", headers={"X-Big": "a" * 3000})
+        assert answer.status_code == 200
+        # Over it: one header that never ends, streamed fast (the parser would hold it
+        # all in memory): cut once the head passes the cap, long before the deadline.
+        reader, writer = await half_sent(port, b"GET /ping HTTP/1.1\r\nX-Endless: ")
+        started = time.monotonic()
+
+        async def stream() -> None:
+            with contextlib.suppress(ConnectionError):
+                for _ in range(100):
+                    writer.write(b"a" * 1024)
+                    await writer.drain()
+                    await asyncio.sleep(0.01)
+
+        streaming = asyncio.create_task(stream())
+        answered = await closed_within(reader, 3.0)
+        assert time.monotonic() - started < 2.0
+        streaming.cancel()
+        writer.close()
+        # (A reset may beat the answer: the client is still sending when the server closes.)
+        if answered:
+            assert answered.startswith(b"HTTP/1.1 431 "), answered[:80]
+            assert b"PLEXRL_HTTP_MAX_HEAD_BYTES" in answered
+        # Sent at once, then read: the answer says what to change.
+        reader, writer = await half_sent(port, b"GET /ping HTTP/1.1\r\nX-Big: " + b"a" * 5000)
+        answered = await closed_within(reader, 3.0)
+        writer.close()
+        assert answered.startswith(b"HTTP/1.1 431 "), answered[:80]
+        assert b"larger than 4096 bytes" in answered
+
+
+async def test_pipelined_requests_are_answered_in_order_and_a_pipelined_head_has_a_deadline() -> (
+    None
+):
+    async with served(HttpLimits(head_timeout_s=1.0)) as port:
+        one = b"GET /wait?s=0.3 HTTP/1.1\r\nHost: t\r\n\r\n"
+        two = (
+            b"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 8\r\n\r\n{"a": 2}'
+        )
+        reader, writer = await half_sent(port, one + two + b"GET /ping HTTP/1.1\r\nHo")
+        started = time.monotonic()
+        # Both whole requests are answered, in order; the third, half-sent, is cut at
+        # the head deadline (counted from when its first bytes came, the app at work).
+        answered = await closed_within(reader, 4.0)
+        writer.close()
+        assert answered.count(b"HTTP/1.1 200 ") == 2, answered
+        assert answered.index(b'{"waited":0.3}') < answered.index(b'{"a":2}')
+        assert 0.9 < time.monotonic() - started < 2.5
+
+
 async def test_a_body_that_stops_is_cut_and_a_slow_app_is_not() -> None:
     limits = HttpLimits(head_timeout_s=0.5, body_timeout_s=1.0)
     async with served(limits) as port:

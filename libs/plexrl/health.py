@@ -21,11 +21,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Protocol
 
-import h11
 import uvicorn
 from fastapi import FastAPI, Header, HTTPException, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from plexrl import tracing
 from plexrl.service_auth import bearer_matches
@@ -133,7 +132,7 @@ class HttpLimits:
     keep_alive_s: int = 5
     """Seconds an idle keep-alive connection waits for its next request."""
     max_head_bytes: int = 64 * 1024
-    """Largest request line plus headers; a longer head is answered 400."""
+    """Largest request line plus headers; a longer head is answered 431 and closed."""
     log_every_s: float = 10.0
     """Refused and timed-out connections are logged as one line per this many seconds."""
 
@@ -175,43 +174,59 @@ class ConnectionReport:
         log.warning("HTTP server %s: connections %s %s", self._server, counts, since)
 
 
-_BUSY_BODY = json.dumps(
-    {"error": "too many open connections to this server; retry shortly", "category": "server"}
-).encode()
-_BUSY = (
-    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-    b"retry-after: 1\r\nconnection: close\r\ncontent-length: "
-    + str(len(_BUSY_BODY)).encode()
-    + b"\r\n\r\n"
-    + _BUSY_BODY
+_HEAD, _BODY = "head", "body"
+"""What a client owes the server: a request's line and headers, or the rest of its body."""
+
+
+def _refusal(status: bytes, message: str, category: str) -> bytes:
+    """A whole response that closes the connection, in the Tinker API's error shape."""
+    body = json.dumps({"error": message, "category": category}).encode()
+    return (
+        b"HTTP/1.1 " + status + b"\r\ncontent-type: application/json\r\n"
+        b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
+
+
+_BUSY = _refusal(
+    b"503 Service Unavailable\r\nretry-after: 1",
+    "too many open connections to this server; retry shortly",
+    "server",
 )
 
 
-class LimitedH11Protocol(H11Protocol):
-    """Uvicorn's h11 protocol with a connection cap and read deadlines.
+class LimitedHttpProtocol(HttpToolsProtocol):
+    """Uvicorn's httptools protocol (llhttp, in C) with a connection cap, read deadlines
+    and a cap on a request's head.
 
-    Invariant: while the client owes the server bytes (h11's `their_state` is IDLE, a
-    head to come, or SEND_BODY, a body to come) exactly one deadline is armed, set when
-    that phase began; while the app works or the response goes out, none is. One class
-    per server (`for_server`) carries that server's limits, report and open connections
-    per client address."""
+    Invariant: while the client owes the server bytes (a head: from when the connection
+    opens or its previous response ends, or a pipelined request begins; a body: from the
+    end of its head to its last byte) exactly one deadline is armed, set when that phase
+    began; while the app works or the response goes out, none is. One class per server
+    (`for_server`) carries that server's limits, report and open connections per client
+    address."""
 
     limits: ClassVar[HttpLimits] = HttpLimits()
     report: ClassVar[ConnectionReport] = ConnectionReport("?", HttpLimits().log_every_s)
 
-    _phase: object = None
-    """h11.IDLE (a head is owed), h11.SEND_BODY (a body is owed) or None."""
+    _reading: str | None = None
+    """_HEAD between a request's first byte and the end of its head, _BODY from there to
+    its last byte, None between requests (the parser's callbacks keep it)."""
+    _phase: str | None = None
+    """What the armed deadline is for: _HEAD, _BODY or None."""
     _deadline: asyncio.TimerHandle | None = None
     _body_started: float = 0.0
     _body_bytes: int = 0
     """Bytes received since the body's deadline was armed."""
+    _head_bytes: int = 0
+    """Bytes received since the last head ended (or the connection opened): all of them
+    belong to the next head until it ends."""
 
     per_client: ClassVar[Counter[str]] = Counter()
     """Open connections by client address, of this server."""
     _counted: str | None = None
 
     @classmethod
-    def for_server(cls, name: str, limits: HttpLimits) -> type[LimitedH11Protocol]:
+    def for_server(cls, name: str, limits: HttpLimits) -> type[LimitedHttpProtocol]:
         state = {
             "limits": limits,
             "report": ConnectionReport(name, limits.log_every_s),
@@ -242,34 +257,69 @@ class LimitedH11Protocol(H11Protocol):
             self._counted = None
         super().connection_lost(exc)
 
-    def _refuse(self, transport: asyncio.Transport, why: str) -> None:
+    def _refuse(self, transport: asyncio.Transport, why: str, answer: bytes = _BUSY) -> None:
         self.report.note(why)
-        transport.write(_BUSY)
+        transport.write(answer)
         transport.close()
 
     def data_received(self, data: bytes) -> None:
-        if self._phase is h11.SEND_BODY:
+        if self._phase is _BODY:
             self._body_bytes += len(data)
+        else:
+            self._head_bytes += len(data)
         super().data_received(data)
+        if self._reading is _HEAD and self._head_bytes > self.limits.max_head_bytes:
+            # The parser holds a head's partial header in memory until it ends: cut it here.
+            cap = self.limits.max_head_bytes
+            self._disarm()
+            self._refuse(
+                self.transport,
+                f"closed with a request head over {cap} bytes",
+                _refusal(
+                    b"431 Request Header Fields Too Large",
+                    f"the request line and headers are larger than {cap} bytes; send less "
+                    "in the URL and headers (the limit is PLEXRL_HTTP_MAX_HEAD_BYTES)",
+                    "user",
+                ),
+            )
+            return
         self._watch()
+
+    def on_message_begin(self) -> None:
+        self._reading = _HEAD
+        super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        self._reading, self._head_bytes = _BODY, 0
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        self._reading = None
+        super().on_message_complete()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._watch()
+        if not self.transport.is_closing():
+            self._watch()
+
+    def _owed(self) -> str | None:
+        if self._reading is not None:
+            return self._reading
+        working = self.cycle is not None and not self.cycle.response_complete
+        return None if working or self.pipeline else _HEAD
 
     def _watch(self) -> None:
         """Arms the deadline of the phase the connection is in, if it changed."""
-        state = self.conn.their_state
-        phase = state if state in (h11.IDLE, h11.SEND_BODY) else None
+        phase = self._owed()
         if phase is self._phase:
             return
         self._disarm()
         self._phase = phase
-        if phase is h11.IDLE:
-            self._deadline = self.loop.call_later(self.limits.head_timeout_s, self._expire, "head")
-        elif phase is h11.SEND_BODY:
+        if phase is _HEAD:
+            self._deadline = self.loop.call_later(self.limits.head_timeout_s, self._expire, _HEAD)
+        elif phase is _BODY:
             self._body_started, self._body_bytes = self.loop.time(), 0
-            self._deadline = self.loop.call_later(self.limits.body_timeout_s, self._expire, "body")
+            self._deadline = self.loop.call_later(self.limits.body_timeout_s, self._expire, _BODY)
 
     def _disarm(self) -> None:
         if self._deadline is not None:
@@ -280,7 +330,7 @@ class LimitedH11Protocol(H11Protocol):
         self._deadline = None
         if self.transport.is_closing():
             return
-        if what == "body":
+        if what is _BODY:
             # Still arriving at the least rate on average: the body keeps going.
             due = (
                 self._body_started
@@ -288,11 +338,11 @@ class LimitedH11Protocol(H11Protocol):
                 + self._body_bytes / self.limits.min_body_bytes_per_s
             )
             if due > self.loop.time():
-                self._deadline = self.loop.call_at(due, self._expire, "body")
+                self._deadline = self.loop.call_at(due, self._expire, _BODY)
                 return
-        timeout = self.limits.head_timeout_s if what == "head" else self.limits.body_timeout_s
-        kept_alive = self.cycle is not None and not self.conn.trailing_data[0]
-        if what == "body" or not kept_alive:
+        timeout = self.limits.head_timeout_s if what is _HEAD else self.limits.body_timeout_s
+        kept_alive = self.cycle is not None and self._reading is None
+        if what is _BODY or not kept_alive:
             # A used keep-alive connection that sent nothing more is closed quietly, as
             # uvicorn's keep-alive timer does; a connection that never sent a whole
             # request, or stalled in one, is what the report counts.
@@ -322,9 +372,8 @@ class HttpServer:
             port=port,
             log_level="warning",
             lifespan="off",
-            http=LimitedH11Protocol.for_server(f"{host}:{port}", limits),
+            http=LimitedHttpProtocol.for_server(f"{host}:{port}", limits),
             timeout_keep_alive=limits.keep_alive_s,
-            h11_max_incomplete_event_size=limits.max_head_bytes,
             # HTTPS where the service has a certificate (PLEXRL_HTTP_TLS_*).
             ssl_certfile=settings.http_tls_certfile,
             ssl_keyfile=settings.http_tls_keyfile,
