@@ -114,7 +114,7 @@ class CommonSettings(BaseSettings):
     http_min_body_bytes_per_s: float = Field(default=float(1 << 20), gt=0)
     # Seconds an idle keep-alive connection is kept between requests.
     http_keep_alive_s: int = Field(default=5, ge=1)
-    # Largest request line plus headers, bytes; a longer head is answered 400.
+    # Largest request line plus headers, bytes; a longer head is answered 431.
     http_max_head_bytes: int = Field(default=64 * 1024, ge=1024)
     # This service's certificate and unencrypted key (PEM): set, it serves HTTPS on its
     # port (the API, /healthz, /metrics, the service token's routes), and the others
