@@ -195,10 +195,10 @@ async def app(scope, receive, send):
     await send({"type": "http.response.body", "body": b"{}"})
 
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
-            http="h11", lifespan="off")
+            http="httptools", lifespan="off")
 """
 """An ASGI app that answers every request at once, on uvicorn as the services run it
-(h11, one process): no framework, no I/O. Its calls/s with the same clients is what
+(httptools, one process): no framework, no I/O. Its calls/s with the same clients is what
 this machine's HTTP stack and client allow before any service does anything."""
 
 

@@ -22,10 +22,11 @@ With `--previous REV` a second cluster runs the services of git revision REV (a 
 worktree` under the temp directory, imported through PYTHONPATH ahead of this
 checkout's install, same `.venv`) beside the first, on the same broker and Redis; the
 two are measured in alternating rounds and the ratios printed. With `--uvloop DIR`
-(uvloop and httptools installed there: `pip install --target DIR uvloop httptools`;
-neither is a dependency) a cluster of this revision runs every service on uvloop (and
-uvicorn's httptools parser) beside the plain one, measured the same way. Ends with one
-JSON line.
+(uvloop installed there: `pip install --target DIR uvloop`) a cluster of this revision
+runs every service on uvloop beside the plain one, measured the same way; both are the
+services' defaults now (uvloop as `PLEXRL_EVENT_LOOP`, uvicorn's httptools parser
+always), so the comparison means something only with `PLEXRL_EVENT_LOOP=asyncio`.
+Ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -289,7 +290,7 @@ def main() -> None:
     p.add_argument("--sequential", type=int, default=100, help="one-at-a-time calls per round")
     p.add_argument("--previous", default=None, help="git revision to measure beside this one")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds")
-    p.add_argument("--uvloop", default=None, help="a directory with uvloop and httptools")
+    p.add_argument("--uvloop", default=None, help="a directory with uvloop")
     args = p.parse_args()
     load_avg = os.getloadavg()
     with tempfile.TemporaryDirectory() as tmp_dir, contextlib.ExitStack() as stack:
