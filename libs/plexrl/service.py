@@ -51,11 +51,10 @@ def configure_logging(level: str) -> None:
     logging.getLogger("kafka").setLevel(logging.WARNING)
 
 
-def run_until_signalled(
-    serve: Callable[[asyncio.Event], Awaitable[None]], event_loop: str = "asyncio"
-) -> None:
-    """Run `serve(stop)` on `event_loop` (`loop_factory`); SIGTERM or SIGINT sets `stop`
-    so the service shuts down cleanly."""
+def run_until_signalled(serve: Callable[[asyncio.Event], Awaitable[None]], event_loop: str) -> None:
+    """Run `serve(stop)` on `event_loop` (`loop_factory`; a service passes its setting,
+    `CommonSettings.event_loop`); SIGTERM or SIGINT sets `stop` so the service shuts
+    down cleanly."""
 
     async def main() -> None:
         stop = asyncio.Event()
