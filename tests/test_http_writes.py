@@ -50,6 +50,15 @@ async def test_a_head_and_its_body_in_one_step_are_one_send() -> None:
     assert sent.sent == [HEAD + b"{}"]
 
 
+async def test_a_large_body_follows_its_head_uncopied() -> None:
+    sent = Recorder()
+    transport = HeadWithBody(sent, asyncio.get_running_loop())
+    body = b"x" * (1 << 20)
+    transport.write(HEAD)
+    transport.write(body)
+    assert sent.sent == [HEAD, body]
+
+
 async def test_a_head_alone_goes_out_at_the_end_of_its_step_and_close_sends_what_is_held() -> None:
     sent = Recorder()
     transport = HeadWithBody(sent, asyncio.get_running_loop())

@@ -194,6 +194,10 @@ _BUSY = _refusal(
 )
 
 
+_JOINED_MAX = 64 * 1024
+"""Largest body `HeadWithBody` copies to send with its head."""
+
+
 class HeadWithBody(asyncio.Transport):
     """A connection's transport that sends a response's head together with what follows
     it in the same step of the loop (its body, as uvicorn writes the two apart): one
@@ -210,7 +214,11 @@ class HeadWithBody(asyncio.Transport):
         held = self._held
         if held is not None:
             self._held = None
-            self._transport.write(held + bytes(data))
+            if len(data) <= _JOINED_MAX:
+                self._transport.write(held + bytes(data))
+                return
+            self._transport.write(held)  # (a large body is not copied to join it)
+            self._transport.write(data)
         elif data[:5] == b"HTTP/":
             self._held = bytes(data)
             self._loop.call_soon(self._flush)
