@@ -181,7 +181,7 @@ class LeanClient:
         return n / (time.perf_counter() - start), (time.process_time() - cpu) / n
 
 
-BARE_APP = """
+BARE_ASGI = """
 import sys, uvicorn
 
 async def app(scope, receive, send):
@@ -193,21 +193,32 @@ async def app(scope, receive, send):
                 "headers": [(b"content-type", b"application/json"),
                             (b"content-length", b"2")]})
     await send({"type": "http.response.body", "body": b"{}"})
+"""
+"""An ASGI app `app` that answers every request at once: no framework, no I/O (the
+source of a program's start, which serves it)."""
 
+BARE_APP = (
+    BARE_ASGI
+    + """
 uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning",
             http="httptools", lifespan="off")
 """
-"""An ASGI app that answers every request at once, on uvicorn as the services run it
-(httptools, one process): no framework, no I/O. Its calls/s with the same clients is what
-this machine's HTTP stack and client allow before any service does anything."""
+)
+"""`BARE_ASGI` on uvicorn as the services run it (httptools, one process). Its calls/s
+with the same clients is what this machine's HTTP stack and client allow before any
+service does anything."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager
 def bare_server() -> Iterator[str]:
     """`BARE_APP` in a process of its own; its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", BARE_APP, str(port)])
     url = f"http://127.0.0.1:{port}"
     try:

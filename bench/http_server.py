@@ -20,30 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-SERVER = r"""
-import asyncio, sys
-import uvicorn
+from control_plane import BARE_ASGI, cpu_s, free_port
 
-BODY = b'{"ok":true}'
-
-
-async def app(scope, receive, send):
-    if scope["type"] != "http":
-        return
-    while (await receive()).get("more_body"):
-        pass
-    await send({"type": "http.response.start", "status": 200,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(BODY)).encode())]})
-    await send({"type": "http.response.body", "body": BODY})
-
+SERVER = (
+    BARE_ASGI
+    + r"""
+import asyncio
 
 kind, port = sys.argv[1], int(sys.argv[2])
 if kind == "services":
@@ -59,6 +46,7 @@ else:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", http=kind,
                 lifespan="off", loop="asyncio")
 """
+)
 
 CLIENT = r"""
 import selectors, socket, sys
@@ -89,17 +77,6 @@ while answered < n:
 KINDS = ("services", "h11", "httptools")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def wait_listening(port: int, proc: subprocess.Popen[bytes]) -> None:
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -121,10 +98,11 @@ def one_round(kind: str, requests: int, clients: int) -> tuple[float, float]:
     try:
         wait_listening(port, server)
         subprocess.run([*client, str(requests // 10), str(clients)], check=True)
-        before, started = cpu_s(server.pid), time.perf_counter()
+        pid = {"server": server.pid}
+        before, started = cpu_s(pid)["server"], time.perf_counter()
         subprocess.run([*client, str(requests), str(clients)], check=True)
         wall = time.perf_counter() - started
-        return (cpu_s(server.pid) - before) / requests * 1e6, requests / wall
+        return (cpu_s(pid)["server"] - before) / requests * 1e6, requests / wall
     finally:
         server.terminate()
         server.wait()
