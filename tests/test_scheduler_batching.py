@@ -24,7 +24,7 @@ from plexrl.messages import (
     Timings,
     WorkerHeartbeat,
 )
-from plexrl.policy import PolicyConfig, Run, decide
+from plexrl.policy import PolicyConfig, Run, decide, follow_up
 from plexrl.topics import Topics
 from plexrl_scheduler.actuator import Actuator
 from plexrl_scheduler.loop import ControlLoop, Step
@@ -240,7 +240,9 @@ class Producer:
         self.sent.append(message)
 
 
-def follow_ups(state: ClusterState, depth: int = 2) -> tuple[FollowUps, Producer]:
+def follow_ups(
+    state: ClusterState, depth: int = 2, policy: PolicyConfig = POLICY
+) -> tuple[FollowUps, Producer]:
     producer = Producer()
     actuator = Actuator(
         state,
@@ -251,7 +253,15 @@ def follow_ups(state: ClusterState, depth: int = 2) -> tuple[FollowUps, Producer
         finished=lambda _: asyncio.sleep(0),
         ledger=Ledger(aioredis.Redis(), "t"),  # NOOPs: nothing to number
     )
-    return FollowUps(state, actuator, PipelineConfig(depth=depth, max_calls=8)), producer
+    return FollowUps(state, actuator, PipelineConfig(depth=depth), policy), producer
+
+
+def following(state: ClusterState, worker: str = "w0") -> tuple[str, ...]:
+    """What the pipeline would send behind the worker's dispatch now."""
+    running = state.follow_up_running(worker)
+    if running is None:
+        return ()
+    return follow_up(state.snapshot((worker,)), POLICY, worker, running)
 
 
 async def test_a_running_jobs_next_calls_follow_its_dispatch_when_no_other_job_waits() -> None:
@@ -282,11 +292,36 @@ async def test_no_call_follows_while_another_job_waits_for_the_worker_or_past_a_
     for rid, fn in (("r0", Function.NOOP), ("r1", Function.NOOP), ("r2", Function.SAMPLE)):
         state.on_request(replace(req(rid, "a"), function=fn), None)
     state.apply_run("d1", "w0", "a", state.take_pending(("r0",)), ())
-    assert state.follow_up_calls("w0", 8) == ["r1"]  # the sample is the policy's to batch
+    assert following(state) == ("r1",)  # the sample is the policy's to batch
     state.on_request(req("rb", "b"), None)  # another job homed on w0 now waits
     pipeline, producer = follow_ups(state)
     await pipeline.step()
-    assert producer.sent == [] and state.follow_up_calls("w0", 8) == []
+    assert producer.sent == [] and following(state) == ()
+
+
+async def test_a_follow_up_stops_at_the_policys_quantum_and_never_follows_a_sample_batch() -> None:
+    clock = Clock()
+    state = two_groups(clock)
+    for job, worker in (("a", "w0"), ("c", "w1")):
+        state.apply_admit(job, worker, epoch=1)
+        for n in range(4):
+            state.on_request(req(f"{job}{n}", job), None)
+        state.apply_run(f"d{job}", worker, job, state.take_pending((f"{job}0",)), ())
+    # a shares w0 with b: its Run stops at the quantum (each NOOP expected 0.05 s), so
+    # only one more call fits beside the running one; c is alone on w1: no quantum.
+    pipeline, producer = follow_ups(state, policy=PolicyConfig(name="plexrl", quantum_s=0.12))
+    await pipeline.step()
+    sent = {d.worker_id: [c.request_id for c in d.calls] for d in producer.sent}
+    assert sent == {"w0": ["a1"], "w1": ["c1", "c2", "c3"]}
+
+    batch = two_groups(clock)
+    batch.apply_admit("c", "w1", epoch=1)
+    batch.on_request(replace(req("s0", "c"), function=Function.SAMPLE), None)
+    batch.apply_run("ds", "w1", "c", batch.take_pending(("s0",)), ())
+    batch.on_request(req("t1", "c"), None)  # its training, queued behind its rollout
+    pipeline, producer = follow_ups(batch)
+    await pipeline.step()
+    assert producer.sent == [] and following(batch, "w1") == ()
 
 
 def test_a_follow_up_whose_dispatch_ended_while_it_was_numbered_is_a_dispatch_of_its_own() -> None:
@@ -296,7 +331,7 @@ def test_a_follow_up_whose_dispatch_ended_while_it_was_numbered_is_a_dispatch_of
     for n in range(2):
         state.on_request(req(f"r{n}", "a"), None)
     state.apply_run("d1", "w0", "a", state.take_pending(("r0",)), ())
-    taken = state.take_pending(tuple(state.follow_up_calls("w0", 8)))
+    taken = state.take_pending(following(state))
     state.on_completion(done("r0", "a", 0.01, clock.t))  # (while the ledger numbered r1)
     state.apply_follow_up("d2", "w0", "a", taken)
     assert state.inflight["w0"].dispatch_id == "d2" and state.dispatched("r1")

@@ -488,7 +488,7 @@ def test_training_dispatched_whole_stays_whole_when_its_job_turns_asynchronous()
 def test_training_with_a_follow_up_behind_it_is_not_sliced() -> None:
     state = ClusterState(clock=Clock())
     _training(state)
-    assert state.follow_up_calls("w0", 8) == []  # b waits: no follow-up
+    assert state.follow_up_running("w0") is None  # b waits: no follow-up
     state.apply_follow_up("d2", "w0", "a", state.take_pending(("a2",)))
     assert not state.snapshot().workers["w0"].sliced
 

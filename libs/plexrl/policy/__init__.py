@@ -26,6 +26,7 @@ from plexrl.policy.backfill import plan_spread_backfill
 from plexrl.policy.config import PolicyConfig
 from plexrl.policy.cosample import co_sample
 from plexrl.policy.fifo import plan_fifo
+from plexrl.policy.follow import follow_up
 from plexrl.policy.pack import plan_pack
 from plexrl.policy.plexrl_policy import plan_plexrl
 from plexrl.policy.preempt import preemptions
@@ -101,6 +102,7 @@ __all__ = [
     "WorkerView",
     "co_sample",
     "decide",
+    "follow_up",
     "plan",
     "preemptions",
 ]

@@ -338,6 +338,25 @@ def quiet_s(snapshot: ClusterSnapshot, worker_id: str, job: JobView) -> float:
     return quiet if quiet != _INF else 0.0
 
 
+def run_quantum(
+    snapshot: ClusterSnapshot,
+    worker_id: str,
+    job: JobView,
+    quantum_s: float | None,
+    tenant_quantum_s: float | None = None,
+) -> float | None:
+    """The expected seconds a Run of `job` on the group may hold it before the group is
+    decided again (None: no limit). With `quantum_s`, on a group shared with other jobs:
+    the quantum, or `tenant_quantum_s` where another tenant's job is active there, unless
+    every other job there said it will stay idle longer (`quiet_s`)."""
+    if quantum_s is None or len(snapshot.homed_view(worker_id)) <= 1:
+        return None
+    slice_s = quantum_s
+    if tenant_quantum_s is not None and beside_other_tenants(snapshot, worker_id, job):
+        slice_s = min(quantum_s, tenant_quantum_s)
+    return max(slice_s, quiet_s(snapshot, worker_id, job))
+
+
 def dispatch(
     snapshot: ClusterSnapshot,
     config: PolicyConfig,
@@ -367,12 +386,7 @@ def dispatch(
             evict = make_room(snapshot, worker_id, job, key)
             if evict is None:
                 continue
-            quantum = None
-            if quantum_s is not None and len(snapshot.homed_view(worker_id)) > 1:
-                slice_s = quantum_s
-                if tenant_quantum_s is not None and beside_other_tenants(snapshot, worker_id, job):
-                    slice_s = min(quantum_s, tenant_quantum_s)
-                quantum = max(slice_s, quiet_s(snapshot, worker_id, job))
+            quantum = run_quantum(snapshot, worker_id, job, quantum_s, tenant_quantum_s)
             runs.append(run_of(snapshot, config, worker_id, job, evict, quantum))
             break
     if keep_snapshot and runs:

@@ -823,6 +823,12 @@ def longest_declared_first(jobs: list[JobView]) -> list[JobView]:
     return sorted(jobs, key=lambda j: -declared_run_s(j))
 
 
+def quanta(config: PolicyConfig) -> tuple[float, float | None]:
+    """The quantum a Run on a shared group stops at, and the shorter one beside another
+    tenant's active job (with `fair_share`; None without): `common.run_quantum`."""
+    return config.quantum_s, config.tenant_quantum_s if config.fair_share else None
+
+
 def plan_plexrl(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
     actions: list[Action] = []
     if waiting_jobs(snapshot):  # (most plans only dispatch: no placement to set up)
@@ -848,14 +854,15 @@ def plan_plexrl(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
         return srf(snap, worker, not_passed_over(snap, worker, jobs))
 
     prefetch = config.prefetch and _off_device(snapshot)
+    quantum_s, tenant_quantum_s = quanta(config)
     runs, snapshot = dispatch(
         snapshot,
         config,
         order,
         key=_idle_first(snapshot.now),
         keep_snapshot=prefetch,
-        quantum_s=config.quantum_s,
-        tenant_quantum_s=config.tenant_quantum_s if config.fair_share else None,
+        quantum_s=quantum_s,
+        tenant_quantum_s=tenant_quantum_s,
     )
     actions.extend(runs)
     roaming = roaming_runs(snapshot, config, runs)

@@ -221,7 +221,7 @@ class Actuator:
 
     async def follow_up(self, worker_id: str, request_ids: list[str]) -> None:
         """Send the worker's job's next calls behind its dispatch in flight (numbered and
-        fenced as any dispatch; `ClusterState.follow_up_calls` says which)."""
+        fenced as any dispatch; `plexrl.policy.follow_up` says which)."""
         run = self._state.inflight[worker_id]
         await self._run(Run(worker_id, run.job_id, tuple(request_ids)), follow_up=True)
 

@@ -143,11 +143,7 @@ async def lead(
         direct=direct,
     )
     liveness = Liveness(state, ledger, LivenessConfig(lease_grace_s=settings.lease_grace_s), direct)
-    follow_ups = FollowUps(
-        state,
-        actuator,
-        PipelineConfig(depth=settings.dispatch_depth, max_calls=settings.max_calls_per_run),
-    )
+    follow_ups = FollowUps(state, actuator, PipelineConfig(depth=settings.dispatch_depth), policy)
     receiver.use(actuator)
     # Dispatches and answers must go out: wait out a broker that is away (for this term).
     publisher.retry_until(stop)

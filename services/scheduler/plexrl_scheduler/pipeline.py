@@ -6,7 +6,9 @@ completions to the scheduler, a pass, the next dispatch back). When the job runn
 there has more calls queued and no other job homed on the worker waits, there is no
 choice to make: those calls are sent at once, behind the running dispatch on the
 worker's topic (the worker's intake takes them as soon as it is done), numbered and
-fenced as any dispatch. The worker counts as running that job until all are answered.
+fenced as any dispatch, as far as the policy's own rules for a Run allow
+(`plexrl.policy.follow_up`: never behind or of a sample batch, within the quantum on a
+shared worker). The worker counts as running that job until all are answered.
 Calls of a job holding a direct lease never reach the scheduler's queue; this is for
 the others (a job whose lease was revoked, or leases off).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from plexrl.policy import PolicyConfig, follow_up
 from plexrl_scheduler.actuator import Actuator
 from plexrl_scheduler.state import ClusterState
 
@@ -25,29 +28,47 @@ class PipelineConfig:
 
     depth: int = 2
     """Dispatches in flight per worker at most (1: one at a time, decided each time)."""
-    max_calls: int = 8
-    """Calls in one follow-up at most (the policy's `max_calls_per_run`)."""
 
     def __post_init__(self) -> None:
-        if self.depth < 1 or self.max_calls < 1:
+        if self.depth < 1:
             raise ValueError(
-                f"depth is {self.depth} and max_calls {self.max_calls}; both must be at "
-                "least 1 (depth 1 sends one dispatch at a time)"
+                f"depth is {self.depth}; it must be at least 1 (1 sends one dispatch at a time)"
             )
 
 
 class FollowUps:
-    def __init__(self, state: ClusterState, actuator: Actuator, config: PipelineConfig) -> None:
+    def __init__(
+        self,
+        state: ClusterState,
+        actuator: Actuator,
+        config: PipelineConfig,
+        policy: PolicyConfig,
+    ) -> None:
         self._state = state
         self._actuator = actuator
         self._config = config
+        self._policy = policy
+        self._refused: dict[str, tuple[str, int]] = {}
+        """By worker: the dispatch and its job's queue length when the policy last sent
+        nothing behind it; not asked again until either changes (a follow-up missed is
+        decided when the dispatch ends)."""
 
     async def step(self) -> None:
         if self._config.depth < 2:
             return
-        for worker_id, run in list(self._state.inflight.items()):
+        state, refused = self._state, self._refused
+        for worker_id, run in list(state.inflight.items()):
             if run.dispatches >= self._config.depth:
                 continue
-            calls = self._state.follow_up_calls(worker_id, self._config.max_calls)
+            running = state.follow_up_running(worker_id)
+            if running is None:
+                continue
+            asked = (run.dispatch_id, state.queued_count(run.job_id))
+            if refused.get(worker_id) == asked:
+                continue
+            calls = follow_up(state.snapshot((worker_id,)), self._policy, worker_id, running)
             if calls:
-                await self._actuator.follow_up(worker_id, calls)
+                refused.pop(worker_id, None)
+                await self._actuator.follow_up(worker_id, list(calls))
+            else:
+                refused[worker_id] = asked

@@ -473,29 +473,28 @@ class ClusterState:
 
     # Follow-ups: more than one dispatch in flight per worker ---------------------
 
-    def follow_up_calls(self, worker_id: str, limit: int) -> list[str]:
-        """The calls that may follow the worker's dispatch in flight at once, before it
-        ends (a second dispatch behind it on the worker's topic): its job's next queued
-        calls, in order, up to `limit` and up to the first SAMPLE (co-batched and
-        preempted by the policy's own rules); none while another job homed there waits
-        (the policy chooses between them when the worker is free), or once that
-        dispatch was asked to yield."""
+    def queued_count(self, job_id: str) -> int:
+        """The job's calls waiting in the queue."""
+        return len(self._queued.get(job_id, ()))
+
+    def follow_up_running(self, worker_id: str) -> list[Function] | None:
+        """The functions of the worker's dispatch in flight, in order, when its job has
+        calls queued that might follow it at once (a second dispatch behind it on the
+        worker's topic; `plexrl.policy.follow_up` says which); None when none may: no
+        dispatch, or one asked to yield, its job not homed there or with nothing queued,
+        or another job homed there waiting (the policy chooses between them when the
+        worker is free)."""
         run = self.inflight.get(worker_id)
         if run is None or run.preempt_asked or run.job_id not in self._queued:
-            return []
+            return None
         job = self.jobs.get(run.job_id)
         if job is None or job.home != worker_id:
-            return []
+            return None
         if any(
             j.job_id != job.job_id and j.job_id in self._queued for j in self._homed_on(worker_id)
         ):
-            return []
-        calls = []
-        for rid in sorted(self._queued[job.job_id], key=self._place.__getitem__)[:limit]:
-            if self.pending[rid].request.function == Function.SAMPLE:
-                break
-            calls.append(rid)
-        return calls
+            return None
+        return [p.request.function for p in run.calls]
 
     def apply_follow_up(
         self, dispatch_id: str, worker_id: str, job_id: str, taken: list[Pending]
