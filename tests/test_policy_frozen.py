@@ -30,7 +30,6 @@ from plexrl.policy.plexrl_policy import Figures
 QUICK = (
     Admit,
     CallEstimates,
-    ClusterSnapshot,
     Described,
     Figures,
     JobView,
@@ -87,6 +86,8 @@ def test_built_objects_equal_the_dataclass_ones_and_stay_frozen():
     )
     assert snapshot.swap == SwapCosts()
     assert snapshot.homed("g") == [job] and snapshot.calls_of("a")[0].request_id == "r1"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        snapshot.now = 2.0  # type: ignore[misc]
     assert Reject("a", RejectReason.TOO_LARGE, "x").reason is RejectReason.TOO_LARGE
     assert Prefetch("g", "a").evict == () and Admit("a", "g").worker_id == "g"
 
@@ -106,3 +107,19 @@ def test_refuses_what_it_cannot_copy():
     for cls in (Checked, Mutable):
         with pytest.raises(TypeError):
             quick_init(cls)
+
+
+def test_a_snapshots_indexes_are_its_own_and_a_replaced_one_builds_its_own() -> None:
+    a, b = JobView("a", 1, home="g"), JobView("b", 1, home="h")
+    calls = (
+        PendingCall("r1", "a", Function.SAMPLE, 0.5),
+        PendingCall("r2", "b", Function.SAMPLE, 1.0),
+    )
+    snapshot = ClusterSnapshot(1.0, {}, {"a": a}, calls[:1])
+    assert snapshot.homed_view("g") == [a] and list(snapshot.callers()) == ["a"]
+    moved = dataclasses.replace(snapshot, jobs={"a": a, "b": b}, pending=calls)
+    assert moved.homed_view("h") == [b] and list(moved.callers()) == ["a", "b"]
+    assert snapshot.homed_view("h") == () and list(snapshot.callers()) == ["a"]
+    # The indexes are caches, not part of what the snapshot is.
+    assert moved == ClusterSnapshot(1.0, {}, {"a": a, "b": b}, calls)
+    assert "_homes" not in repr(moved)

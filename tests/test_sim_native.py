@@ -16,8 +16,9 @@ import pytest
 from plexrl_sim import native
 
 REPO = Path(__file__).resolve().parent.parent
-SMALL = ("plexrl_sim/events.py", "plexrl_sim/accounting.py")
-"""Two of the compiled modules: enough to compile and run a build for real, cheaply."""
+SMALL = ("plexrl_sim/events.py", "plexrl_sim/accounting.py", "plexrl/policy/snapshot.py")
+"""Three of the compiled modules, the snapshot's thawed types among them: enough to
+compile and run a build for real, cheaply."""
 
 
 def fake_libs(root: Path) -> Path:
@@ -85,9 +86,37 @@ def test_a_compiled_build_gives_the_same_figures(tmp_path: Path) -> None:
     assert not (target / "build").exists()  # mypyc's scratch is gone
     assert native.build(tmp_path / "builds", native.libs_dir(), SMALL) == target  # kept
 
+    # The snapshot's types are native classes there, plain dataclasses hashed and
+    # compared as the frozen ones are (`native.thaw`); the sources keep them frozen.
+    probe = (
+        "import dataclasses; from plexrl.policy.snapshot import JobView, WorkerView;"
+        "j = JobView('a', 1, home='g'); w = WorkerView('g', 1, 1);"
+        "print(hasattr(j, '__dict__'), JobView.__dataclass_params__.frozen,"
+        " hash(w) == hash(WorkerView('g', 1, 1)), dataclasses.replace(j, home='h').home)"
+    )
+    env = native.rerun_env(target, dict(os.environ))
+    shown = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+    )
+    assert shown.stdout.split() == ["False", "False", "True", "h"]
+
     plain, _ = sim(tmp_path / "py", {**os.environ, native.ENV: "0"})
     over, stderr = sim(tmp_path / "c", native.rerun_env(target, dict(os.environ)))
     assert "compiled build" in stderr
     assert over == plain
     for name in ("cost.csv", "jobs.csv", "report.md", "timeline.csv"):
         assert (tmp_path / "c" / name).read_bytes() == (tmp_path / "py" / name).read_bytes()
+
+
+def test_the_snapshots_types_are_thawed_for_a_build_and_only_there() -> None:
+    source = (native.libs_dir() / "plexrl/policy/snapshot.py").read_text()
+    assert "@quick_init\n@dataclass(frozen=True)\nclass JobView:" in source
+    thawed = native.thaw(source)
+    assert "frozen=True" not in thawed and "@quick_init\n" not in thawed
+    assert "@dataclass(unsafe_hash=True)\nclass JobView:" in thawed
+    assert native.thaw("@dataclass(frozen=True)\nclass A:\n    x: int\n") == (
+        "@dataclass(unsafe_hash=True)\nclass A:\n    x: int\n"
+    )
+    with pytest.raises(ValueError, match="nothing to thaw"):
+        native.thaw("@dataclass\nclass A:\n    x: int\n")
+    assert set(native.THAWED) <= set(native.COMPILED)

@@ -7,36 +7,13 @@ so both run exactly the same decisions.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar, overload
 
 from plexrl.messages import Function, Tier
 from plexrl.policy.frozen import quick_init
 
-_T = TypeVar("_T")
 _TIER_ORDER = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
-
-
-class _lazy(Generic[_T]):
-    """`functools.cached_property` without its lock (Python 3.11 takes one on every first
-    read): a snapshot is built and read by one thread, and the simulator builds one per
-    decision, so the lock cost more than the index it guarded."""
-
-    def __init__(self, build: Callable[[Any], _T]) -> None:
-        self.build = build
-        self.name = build.__name__
-
-    @overload
-    def __get__(self, obj: None, owner: type) -> _lazy[_T]: ...
-    @overload
-    def __get__(self, obj: object, owner: type) -> _T: ...
-    def __get__(self, obj: object | None, owner: type) -> _T | _lazy[_T]:
-        if obj is None:
-            return self
-        value = self.build(obj)
-        obj.__dict__[self.name] = value  # later reads find it before this descriptor
-        return value
 
 
 @dataclass(frozen=True)
@@ -212,7 +189,6 @@ class PendingCall:
     serves the job's base model (`plexrl.policy.roam`)."""
 
 
-@quick_init
 @dataclass(frozen=True)
 class ClusterSnapshot:
     now: float
@@ -221,12 +197,28 @@ class ClusterSnapshot:
     pending: tuple[PendingCall, ...]
     """In arrival order."""
     swap: SwapCosts = field(default_factory=SwapCosts)
+    _homes: dict[str, list[JobView]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+    """The jobs by home, built at the first question that needs it (`_by_home`)."""
+    _calls: dict[str, list[PendingCall]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+    """The pending calls by job, likewise (`_pending_by_job`)."""
 
-    @_lazy
+    def __post_init__(self) -> None:
+        # (Set here as well: a compiled build's classes leave an `init=False` field unset.)
+        object.__setattr__(self, "_homes", None)
+        object.__setattr__(self, "_calls", None)
+
+    @property
     def _by_home(self) -> dict[str, list[JobView]]:
         # Built once per snapshot so per-group questions cost O(jobs on the group),
         # not O(all jobs): admission asks them for every group.
-        index: dict[str, list[JobView]] = {}
+        index = self._homes
+        if index is not None:
+            return index
+        index = {}
         for job in self.jobs.values():
             home = job.home
             if home is not None:
@@ -235,17 +227,22 @@ class ClusterSnapshot:
                     index[home] = [job]  # (not setdefault: no empty list per job)
                 else:
                     homed.append(job)
+        object.__setattr__(self, "_homes", index)  # a cache: the snapshot stays as built
         return index
 
-    @_lazy
+    @property
     def _pending_by_job(self) -> dict[str, list[PendingCall]]:
-        index: dict[str, list[PendingCall]] = {}
+        index = self._calls
+        if index is not None:
+            return index
+        index = {}
         for call in self.pending:
             calls = index.get(call.job_id)
             if calls is None:
                 index[call.job_id] = [call]
             else:
                 calls.append(call)
+        object.__setattr__(self, "_calls", index)
         return index
 
     def callers(self) -> Iterable[str]:
