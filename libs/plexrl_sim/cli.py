@@ -59,7 +59,7 @@ def _use_native_build() -> None:
     if target is None:
         typer.echo(
             "plexrl sim: interpreted; `plexrl sim-build` compiles it once (about 45 s of "
-            "CPU) and makes long runs about a third cheaper",
+            "CPU) and makes long runs about half as dear",
             err=True,
         )
         return

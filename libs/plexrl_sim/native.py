@@ -1,4 +1,4 @@
-"""The simulator compiled to C with mypyc: the same code, about a third less CPU.
+"""The simulator compiled to C with mypyc: the same code, about half the CPU.
 
 A 2,048-GPU, three-month trace makes millions of policy decisions, each a few dozen
 small Python functions; compiling the hot modules (the event loop, the group executor,
