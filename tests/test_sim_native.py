@@ -89,16 +89,19 @@ def test_a_compiled_build_gives_the_same_figures(tmp_path: Path) -> None:
     # The snapshot's types are native classes there, plain dataclasses hashed and
     # compared as the frozen ones are (`native.thaw`); the sources keep them frozen.
     probe = (
-        "import dataclasses; from plexrl.policy.snapshot import JobView, WorkerView;"
+        "import dataclasses; from plexrl.policy.snapshot import *;"
         "j = JobView('a', 1, home='g'); w = WorkerView('g', 1, 1);"
+        "s = ClusterSnapshot(0.0, {'g': w}, {'a': j}, ());"
+        "t = dataclasses.replace(s, jobs={'a': dataclasses.replace(j, home='h')});"
         "print(hasattr(j, '__dict__'), JobView.__dataclass_params__.frozen,"
-        " hash(w) == hash(WorkerView('g', 1, 1)), dataclasses.replace(j, home='h').home)"
+        " hash(w) == hash(WorkerView('g', 1, 1)), s.homed_view('g') == [j],"
+        " t.homed_view('h')[0].home, t.homed_view('g'))"
     )
     env = native.rerun_env(target, dict(os.environ))
     shown = subprocess.run(
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
     )
-    assert shown.stdout.split() == ["False", "False", "True", "h"]
+    assert shown.stdout.split() == ["False", "False", "True", "True", "h", "()"]
 
     plain, _ = sim(tmp_path / "py", {**os.environ, native.ENV: "0"})
     over, stderr = sim(tmp_path / "c", native.rerun_env(target, dict(os.environ)))

@@ -200,25 +200,21 @@ class ClusterSnapshot:
     _homes: dict[str, list[JobView]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
-    """The jobs by home, built at the first question that needs it (`_by_home`)."""
+    """The jobs by home, built at the first question that needs it (`_by_home`): per-group
+    questions then cost O(jobs on the group), not O(all jobs)."""
     _calls: dict[str, list[PendingCall]] | None = field(
         default=None, init=False, repr=False, compare=False
     )
     """The pending calls by job, likewise (`_pending_by_job`)."""
 
     def __post_init__(self) -> None:
-        # (Set here as well: a compiled build's classes leave an `init=False` field unset.)
+        # (Here, not by `quick_init`: a compiled build's classes leave an `init=False`
+        # field unset.)
         object.__setattr__(self, "_homes", None)
         object.__setattr__(self, "_calls", None)
 
-    @property
     def _by_home(self) -> dict[str, list[JobView]]:
-        # Built once per snapshot so per-group questions cost O(jobs on the group),
-        # not O(all jobs): admission asks them for every group.
-        index = self._homes
-        if index is not None:
-            return index
-        index = {}
+        index: dict[str, list[JobView]] = {}
         for job in self.jobs.values():
             home = job.home
             if home is not None:
@@ -230,12 +226,8 @@ class ClusterSnapshot:
         object.__setattr__(self, "_homes", index)  # a cache: the snapshot stays as built
         return index
 
-    @property
     def _pending_by_job(self) -> dict[str, list[PendingCall]]:
-        index = self._calls
-        if index is not None:
-            return index
-        index = {}
+        index: dict[str, list[PendingCall]] = {}
         for call in self.pending:
             calls = index.get(call.job_id)
             if calls is None:
@@ -245,13 +237,17 @@ class ClusterSnapshot:
         object.__setattr__(self, "_calls", index)
         return index
 
+    # The indexes' readers test the cache themselves: the policy asks them millions of
+    # times a simulated run, and a property's call would cost more than the read.
+
     def callers(self) -> Iterable[str]:
         """The jobs with pending calls, each once, in the order of their oldest call."""
-        return self._pending_by_job.keys()
+        index = self._calls
+        return (index if index is not None else self._pending_by_job()).keys()
 
     def calls_of(self, job_id: str) -> list[PendingCall]:
         """The job's pending calls, in arrival order."""
-        return list(self._pending_by_job.get(job_id, ()))
+        return list(self.calls_view(job_id))
 
     def device_used(self, worker_id: str) -> int:
         return sum(j.state_bytes for j in self.homed_view(worker_id) if j.tier == Tier.DEVICE)
@@ -260,15 +256,17 @@ class ClusterSnapshot:
         return sum(j.state_bytes for j in self.homed_view(worker_id) if j.tier == Tier.HOST)
 
     def homed(self, worker_id: str) -> list[JobView]:
-        return list(self._by_home.get(worker_id, ()))
+        return list(self.homed_view(worker_id))
 
     # Read-only views of the indexes, not copied: for the policy's own loops, which run
     # once per decision (the simulator makes millions) and never change what they read.
 
     def homed_view(self, worker_id: str) -> Sequence[JobView]:
         """`homed`, not copied: do not change it."""
-        return self._by_home.get(worker_id, ())
+        index = self._homes
+        return (index if index is not None else self._by_home()).get(worker_id, ())
 
     def calls_view(self, job_id: str) -> Sequence[PendingCall]:
         """`calls_of`, not copied: do not change it."""
-        return self._pending_by_job.get(job_id, ())
+        index = self._calls
+        return (index if index is not None else self._pending_by_job()).get(job_id, ())
