@@ -24,7 +24,7 @@ from plexrl.messages import (
     Timings,
     WorkerHeartbeat,
 )
-from plexrl.policy import PolicyConfig, Run, decide, follow_up
+from plexrl.policy import PolicyConfig, Run, decide
 from plexrl.topics import Topics
 from plexrl_scheduler.actuator import Actuator
 from plexrl_scheduler.loop import ControlLoop, Step
@@ -258,10 +258,7 @@ def follow_ups(
 
 def following(state: ClusterState, worker: str = "w0") -> tuple[str, ...]:
     """What the pipeline would send behind the worker's dispatch now."""
-    running = state.follow_up_running(worker)
-    if running is None:
-        return ()
-    return follow_up(state.snapshot((worker,)), POLICY, worker, running)
+    return follow_ups(state)[0].calls(worker)
 
 
 async def test_a_running_jobs_next_calls_follow_its_dispatch_when_no_other_job_waits() -> None:

@@ -49,9 +49,9 @@ class FollowUps:
         self._config = config
         self._policy = policy
         self._refused: dict[str, tuple[str, int]] = {}
-        """By worker: the dispatch and its job's queue length when the policy last sent
-        nothing behind it; not asked again until either changes (a follow-up missed is
-        decided when the dispatch ends)."""
+        """By worker: the dispatch and its job's queue length when nothing could follow
+        it; not asked again until either changes (a follow-up missed is decided when the
+        dispatch ends)."""
 
     async def step(self) -> None:
         if self._config.depth < 2:
@@ -60,15 +60,22 @@ class FollowUps:
         for worker_id, run in list(state.inflight.items()):
             if run.dispatches >= self._config.depth:
                 continue
-            running = state.follow_up_running(worker_id)
-            if running is None:
-                continue
             asked = (run.dispatch_id, state.queued_count(run.job_id))
             if refused.get(worker_id) == asked:
                 continue
-            calls = follow_up(state.snapshot((worker_id,)), self._policy, worker_id, running)
+            calls = self.calls(worker_id)
             if calls:
                 refused.pop(worker_id, None)
                 await self._actuator.follow_up(worker_id, list(calls))
             else:
                 refused[worker_id] = asked
+
+    def calls(self, worker_id: str) -> tuple[str, ...]:
+        """The calls that may follow the worker's dispatch in flight now: none where its
+        state rules them out (`ClusterState.follow_up_running`), else as the policy says
+        from the worker's group alone (`plexrl.policy.follow_up`)."""
+        running = self._state.follow_up_running(worker_id)
+        if running is None:
+            return ()
+        snapshot = self._state.snapshot((worker_id,))
+        return follow_up(snapshot, self._policy, worker_id, running)
