@@ -3,6 +3,7 @@ hand-built snapshots and on a small event loop that runs the policy call by call
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field, replace
 
 import pytest
@@ -272,6 +273,50 @@ def test_packing_prefers_a_group_of_the_jobs_own_tenant() -> None:
     free = SharingCosts(switch_s=0.0)
     assert _admitted(s, PolicyConfig(name="plexrl", pack=True, sharing=free)) == {"new": "g1"}
     assert _admitted(s, replace(BLIND, pack=True, sharing=free)) == {"new": "g0"}
+
+
+def turn_order(jobs: list[JobView], calls: list[PendingCall], ready: list[JobView]) -> list[str]:
+    """The turn rule as written: a tenant had its turn if its last Run started after some
+    other waiting tenant began waiting (its oldest call, or when it was last served if
+    later); those owed a turn go first by least use (then served longest ago), then the
+    others by when their turns began."""
+    tenant_of = {j.job_id: j.tenant for j in jobs}
+    tenants = set(tenant_of.values())
+    used = {t: sum(j.used_s for j in jobs if j.tenant == t) for t in tenants}
+    started = {t: max(j.last_started for j in jobs if j.tenant == t) for t in tenants}
+    served = {t: max(j.last_active for j in jobs if j.tenant == t) for t in tenants}
+    oldest = {
+        t: min((c.arrival_time for c in calls if tenant_of[c.job_id] == t), default=1e9)
+        for t in tenants
+    }
+    waiting = {j.tenant for j in ready}
+
+    def key(t: str) -> tuple[int, float, float, str]:
+        had = any(started[t] > max(oldest[o], served[o]) for o in waiting if o != t)
+        return (1, started[t], used[t], t) if had else (0, used[t], served[t], t)
+
+    return sorted(waiting, key=key)
+
+
+def test_the_order_is_the_turn_rule_as_written_for_any_tenants() -> None:
+    draw = random.Random(11)
+    for _ in range(400):
+        tenants = [f"t{i}" for i in range(draw.randint(1, 6))]
+        jobs = [
+            job(
+                f"j{i}",
+                draw.choice(tenants),
+                used_s=float(draw.randint(0, 3)),
+                last_active=float(draw.randint(90, 99)),
+                last_started=float(draw.randint(88, 99)),
+            )
+            for i in range(draw.randint(1, 8))
+        ]
+        calls = [call(j.job_id, float(draw.randint(85, 99))) for j in jobs if draw.random() < 0.7]
+        s = snap(jobs, calls)
+        ready = [j for j in jobs if s.calls_view(j.job_id)]
+        if ready:
+            assert tenant_order(s, "g0", ready) == turn_order(jobs, calls, ready)
 
 
 # Anticipation -----------------------------------------------------------------------------

@@ -22,7 +22,7 @@ from plexrl.messages import (
     WorkerHeartbeat,
 )
 from plexrl.policy import Move, PolicyConfig, Run, plan
-from plexrl.policy.history import CallHistory, describe
+from plexrl.policy.history import CallHistory, describe, priors
 from plexrl_scheduler.offsets import OffsetTracker
 from plexrl_scheduler.state import ClusterState
 
@@ -196,9 +196,12 @@ def test_a_new_job_borrows_the_figures_of_its_kind() -> None:
     # Another tenant's job learns nothing from it.
     state.add_job("other", "u", JobSpec(base_model="m"), home=None)
     assert state.snapshot().jobs["other"].duty_cycle == 0.5
-    # Once the newcomer has its own history, its own figures count.
+    assert view.duty_bound > 0.0  # borrowed: bounded by its kind's busiest
+    # Once the newcomer has its own history, its own figures count, in a decision on its
+    # group (the kinds' figures as the last whole snapshot learned them) as in a whole one.
     clock.t += 10
-    assert state.snapshot().jobs["new"].duty_cycle == 0.01
+    for snapshot in (state.snapshot(["w0"]), state.snapshot()):
+        assert (snapshot.jobs["new"].duty_cycle, snapshot.jobs["new"].duty_bound) == (0.01, 0.0)
 
 
 def test_queueing_is_not_counted_as_idle() -> None:
@@ -257,17 +260,32 @@ def test_snapshot_describes_a_job_as_its_call_history_does() -> None:
         (Function.OPTIM_STEP, 0.0, 0.0, 0.0, 0.7),
         (Function.SAMPLE, 1.0, 0.0, 0.0, 0.0),
     ]
+    kind = state.jobs["j"].kind
+
+    def described_as_its_history() -> None:
+        # At every snapshot, whatever the view kept from the one before (only its duty
+        # cycle is described again while its history has not changed).
+        view = state.snapshot().jobs["j"]
+        prior = priors([(kind, expected)], clock.t, 5.0).get(kind)
+        want = describe(expected, prior, clock.t, 5.0)
+        assert view.duty_cycle == pytest.approx(want.duty_cycle)
+        assert view.estimates.seconds == want.durations
+        assert (view.step_calls, view.tail_s) == (want.step_calls, want.tail_s)
+
     for i, (function, idle_s, queue_s, swap_s, compute_s) in enumerate(calls):
         clock.t += idle_s
+        described_as_its_history()
         state.on_request(req(f"r{i}", "j", function), delivery(i))
         expected.arrived(function)
         if i == len(calls) - 1:
             break  # the last sample is still waiting
         clock.t += queue_s
         state.apply_run(f"d{i}", "w0", "j", state.take_pending((f"r{i}",)), ())
+        described_as_its_history()
         clock.t += swap_s + compute_s
         state.on_completion(done(f"r{i}", "j", compute_s, function, swap_s=swap_s, queue_s=queue_s))
         expected.observe(function, compute_s, swap_s, queue_s)
+        described_as_its_history()
 
     view = state.snapshot().jobs["j"]
     want = describe(expected, None, clock.t, 5.0)

@@ -79,14 +79,16 @@ def tenant_order(snapshot: ClusterSnapshot, worker_id: str, ready: Sequence[JobV
         if calls:
             t.oldest_call = min(t.oldest_call, calls[0].arrival_time)
     waiting = {job.tenant for job in ready}
-
-    def had_turn(name: str) -> bool:
-        started = tenants[name].started
-        return any(started > tenants[o].waiting_since for o in waiting if o != name)
+    # A tenant had its turn if it started after another waiting tenant began waiting:
+    # after the earliest such time among the others (the earliest, or the second
+    # earliest for the tenant that holds the earliest).
+    since = sorted((tenants[name].waiting_since, name) for name in waiting)
+    first = since[0]
+    second = since[1] if len(since) > 1 else (float("inf"), "")
 
     def key(name: str) -> tuple[int, float, float, str]:
         t = tenants[name]
-        if had_turn(name):
+        if t.started > (second[0] if first[1] == name else first[0]):
             return (1, t.started, t.used_s, name)
         return (0, t.used_s, t.served, name)
 

@@ -34,7 +34,7 @@ from plexrl.policy import (
     WorkerView,
 )
 from plexrl.policy.common import fewest_devices
-from plexrl.policy.history import CallHistory, Prior, RecentUse, describe, priors
+from plexrl.policy.history import CallHistory, Described, Prior, RecentUse, describe, priors
 
 Clock = Callable[[], float]
 log = logging.getLogger(__name__)
@@ -86,6 +86,8 @@ class JobState:
     """Idle hints it sent."""
     hinted_s: float = 0.0
     """Their seconds, summed: their mean is `JobView.stall_s`."""
+    described: _Described | None = field(default=None, repr=False, compare=False)
+    """Its figures for the policy as last described (`ClusterState._view`)."""
 
     @property
     def kind(self) -> Kind:
@@ -93,6 +95,20 @@ class JobState:
         without them a new job counts as half busy with near-instant calls until it has
         run for `_MIN_HISTORY_S`, and an interference-aware policy finds no group for it."""
         return (self.tenant, self.spec.base_model, self.spec.lora is None)
+
+
+@dataclass(frozen=True)
+class _Described:
+    """A job's `describe`d figures and their `CallEstimates`, with what they were
+    described from: the history's `version`, its kind's prior, whether it had a history
+    of its own. Until one of those changes, only the duty cycle (which reads the clock)
+    is described again: a decision on a group reads each job homed there."""
+
+    version: int
+    prior: Prior | None
+    own: bool
+    seen: Described
+    estimates: CallEstimates
 
 
 @dataclass
@@ -664,7 +680,22 @@ class ClusterState:
     def _view(
         job: JobState, now: float, learned: dict[Kind, Prior], pinned: bool, dormant: bool
     ) -> JobView:
-        seen = describe(job.history, learned.get(job.kind), now, _MIN_HISTORY_S)
+        prior, history = learned.get(job.kind), job.history
+        own = history.has_history(now, _MIN_HISTORY_S)
+        was = job.described
+        if (
+            was is None
+            or was.version != history.version
+            or was.prior is not prior
+            or was.own != own
+        ):
+            seen = describe(history, prior, now, _MIN_HISTORY_S)
+            was = job.described = _Described(
+                history.version, prior, own, seen, CallEstimates(seen.durations)
+            )
+        seen = was.seen
+        # `describe`'s duty cycle: the job's own (as of now), or its kind's until it has one.
+        duty = history.duty_cycle(now, _MIN_HISTORY_S) if own or prior is None else seen.duty_cycle
         return JobView(
             job_id=job.job_id,
             state_bytes=job.state_bytes,
@@ -675,8 +706,8 @@ class ClusterState:
             base_model=job.spec.base_model,
             last_active=job.last_active,
             idle_until=job.idle_until,
-            estimates=CallEstimates(seen.durations),
-            duty_cycle=0.0 if dormant else seen.duty_cycle,
+            estimates=was.estimates,
+            duty_cycle=0.0 if dormant else duty,
             duty_bound=0.0 if dormant else seen.duty_bound,
             step_calls=seen.step_calls,
             pinned=pinned,
