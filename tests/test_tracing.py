@@ -424,6 +424,53 @@ def test_a_kafka_record_carries_a_send_span_only_inside_a_sampled_trace() -> Non
     assert exporter.get_finished_spans() == ()
 
 
+def test_an_unrecorded_span_is_made_from_the_header_as_the_tracer_would_make_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from opentelemetry import trace
+    from opentelemetry.trace import use_span
+
+    tracing.setup_tracing("test")
+    monkeypatch.setattr(tracing, "_exporters", [])  # nowhere to send spans
+    tracer = tracing.tracer("test")
+    parent = b"00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    headers = [("traceparent", parent)]
+    fast = tracing.unrecorded_child(headers)
+    slow = tracer.start_span("s", context=tracing.context_of_headers(headers))
+    assert fast is not None and not fast.is_recording() and not slow.is_recording()
+    made, expected = fast.get_span_context(), slow.get_span_context()
+    assert (made.trace_id, made.trace_flags, made.trace_state, made.is_remote) == (
+        expected.trace_id,
+        expected.trace_flags,
+        expected.trace_state,
+        expected.is_remote,
+    )
+    assert made.span_id not in (0, 0xB7AD6B7169203331, expected.span_id)
+    # A record sent inside it carries what the propagator would have written.
+    with use_span(fast):
+        assert tracing.unrecorded_headers(fast) == tracing.record_headers("t.dispatch.w0")
+    assert tracing.span_traceparent(fast).endswith("-00")
+    # Anything but one plain version-00 traceparent goes the tracer's way.
+    for odd in (
+        [],
+        [("traceparent", parent), ("tracestate", b"k=v")],
+        [("traceparent", b"01-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")],
+        [("traceparent", b"00-00000000000000000000000000000000-b7ad6b7169203331-01")],
+        [("traceparent", b"00-0af7651916cd43dd8448eb211c80319c-0000000000000000-01")],
+        [("traceparent", b"00-0AF7651916CD43DD8448EB211C80319C-b7ad6b7169203331-01")],
+        [("Traceparent", parent)],
+    ):
+        assert tracing.unrecorded_child(odd) is None, odd
+    # A sampled span's record gets its producer span: no shortcut there.
+    sampled = trace.NonRecordingSpan(
+        trace.SpanContext(1, 2, False, trace.TraceFlags(trace.TraceFlags.SAMPLED))
+    )
+    assert tracing.unrecorded_headers(sampled) is None
+    # Where spans are exported, every span is started by the tracer.
+    monkeypatch.setattr(tracing, "_exporters", [InMemorySpanExporter()])
+    assert tracing.unrecorded_child(headers) is None
+
+
 def test_a_trace_is_recorded_only_where_spans_go_and_for_the_ratio_of_trace_ids() -> None:
     from opentelemetry.sdk.trace.sampling import Decision, ParentBased
     from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, set_span_in_context

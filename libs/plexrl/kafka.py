@@ -274,21 +274,35 @@ class Publisher:
         completions); the gateway fails fast instead and lets its outbox retry."""
         self._retry = (stop, backoff or Backoff(first_s=0.05, max_s=2.0))
 
-    async def publish(self, topic: str, key: str | bytes | None, message: Any) -> None:
-        """Send and wait for the broker's acknowledgement (retrying, after `retry_until`)."""
+    async def publish(
+        self,
+        topic: str,
+        key: str | bytes | None,
+        message: Any,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> None:
+        """Send and wait for the broker's acknowledgement (retrying, after `retry_until`).
+        `headers`: the record's trace context where the caller has it already (see
+        `tracing.unrecorded_headers`); by default the current span's (`record_headers`)."""
         if self._retry is None:
-            await self._send(topic, key, message)
+            await self._send(topic, key, message, headers)
             return
         stop, backoff = self._retry
         await retrying(
-            lambda: self._send(topic, key, message),
+            lambda: self._send(topic, key, message, headers),
             what=f"publishing to {topic}",
             stop=stop,
             backoff=backoff,
         )
 
-    async def _send(self, topic: str, key: str | bytes | None, message: Any) -> None:
-        await self.publish_raw(topic, _key_bytes(key), self._encoded(message))
+    async def _send(
+        self,
+        topic: str,
+        key: str | bytes | None,
+        message: Any,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> None:
+        await self.publish_raw(topic, _key_bytes(key), self._encoded(message), headers)
 
     async def publish_soon(self, topic: str, key: str | bytes | None, message: Any) -> None:
         """Queue a message without waiting for the broker: for announcements whose loss
@@ -315,12 +329,18 @@ class Publisher:
         delivery.add_done_callback(lambda done: self._check(producer, done))
         return delivery
 
-    async def publish_raw(self, topic: str, key: bytes | None, value: bytes) -> None:
+    async def publish_raw(
+        self,
+        topic: str,
+        key: bytes | None,
+        value: bytes,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> None:
         producer = self._producer
+        if headers is None:
+            headers = tracing.record_headers(topic)
         try:
-            await producer.send_and_wait(
-                topic, value, key=key, headers=tracing.record_headers(topic)
-            )
+            await producer.send_and_wait(topic, value, key=key, headers=headers)
         except DESYNCHRONIZED as exc:
             await self._renew(producer, exc)
             raise

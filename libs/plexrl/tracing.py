@@ -15,6 +15,7 @@ and neither are `/healthz` and `/metrics` requests.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -326,6 +327,50 @@ def record_headers(topic: str) -> list[tuple[str, bytes]]:
         )
         propagate.inject(carrier, context=trace.set_span_in_context(NonRecordingSpan(fresh)))
     return [(k, v.encode("latin-1")) for k, v in carrier.items()]
+
+
+_TRACEPARENT = re.compile(rb"00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}")
+
+
+def unrecorded_child(headers: Sequence[tuple[str, bytes]] | None) -> NonRecordingSpan | None:
+    """The span this process's tracer would start under the context a Kafka record's
+    `headers` carry, while it exports nothing (`setup_tracing` with no exporter): not
+    recorded, in the parent's trace, with a span id of its own, not sampled. Built from
+    the header without the propagator's round through a carrier and the sampler: the
+    scheduler starts one per dispatched call. None where that shortcut does not apply
+    (spans are exported, or the headers carry anything but one plain version-00
+    `traceparent`): start the span the usual way."""
+    if not _configured or _exporters or not headers or len(headers) != 1:
+        return None
+    key, value = headers[0]
+    found = _TRACEPARENT.fullmatch(value) if key == "traceparent" else None
+    if found is None:
+        return None
+    trace_id, parent_id = int(found[1], 16), int(found[2], 16)
+    if not trace_id or not parent_id:
+        return None
+    return NonRecordingSpan(
+        SpanContext(trace_id, _ids.generate_span_id(), False, TraceFlags(TraceFlags.DEFAULT))
+    )
+
+
+def unrecorded_headers(span: trace.Span) -> list[tuple[str, bytes]] | None:
+    """The headers `record_headers` writes for a record sent inside `span` where that
+    makes no producer span (`span` not sampled) and carries only its `traceparent`
+    (no trace state): built from the span's ids directly, without making it current
+    and the propagator's round through a carrier. None otherwise: send inside `span`."""
+    context = span.get_span_context()
+    if context.trace_flags.sampled or not context.is_valid or context.trace_state:
+        return None
+    return [("traceparent", span_traceparent(span).encode("ascii"))]
+
+
+def span_traceparent(span: trace.Span) -> str:
+    """The span's W3C traceparent ('' when there is none)."""
+    context = span.get_span_context()
+    if not context.is_valid:
+        return ""
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
 
 
 def context_of_headers(headers: Sequence[tuple[str, bytes]] | None) -> Context:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -45,8 +46,13 @@ def dispatch_span(pending: Pending, action: Run) -> trace.Span:
     """The call's `scheduler.dispatch` span, in the trace its request carried. It is
     started and ended here, never made current: it marks the dispatch, and nothing runs
     in it, so the context switches and the propagator's round through a carrier are
-    skipped."""
+    skipped. While the scheduler exports no spans, the unrecorded span is made from the
+    request's header directly (`tracing.unrecorded_child`)."""
     request = pending.request
+    if pending.delivery is not None:
+        unrecorded = tracing.unrecorded_child(pending.delivery.headers)
+        if unrecorded is not None:
+            return unrecorded
     span = _tracer.start_span(
         "scheduler.dispatch",
         context=pending.delivery.context if pending.delivery else None,
@@ -61,14 +67,6 @@ def dispatch_span(pending: Pending, action: Run) -> trace.Span:
     )
     span.end()
     return span
-
-
-def traceparent(span: trace.Span) -> str:
-    """The span's W3C traceparent, for the worker to continue ('' when there is none)."""
-    context = span.get_span_context()
-    if not context.is_valid:
-        return ""
-    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{context.trace_flags:02x}"
 
 
 class Actuator:
@@ -235,7 +233,7 @@ class Actuator:
         # job's lease stays with its home.
         lease = None if roaming else await self._lease(action.job_id, action.worker_id, chosen)
         taken = self._state.take_pending(action.request_ids)
-        dispatch_id = uuid.uuid4().hex
+        dispatch_id = os.urandom(16).hex()
         spans = [dispatch_span(p, action) for p in taken]
         now = time.time()
         functions: dict[str, int] = {}
@@ -249,7 +247,7 @@ class Actuator:
             dispatch_id=dispatch_id,
             worker_id=action.worker_id,
             calls=[p.request for p in taken],
-            traceparents=[traceparent(span) for span in spans],
+            traceparents=[tracing.span_traceparent(span) for span in spans],
             evict=[StateMove(m.job_id, m.to_tier) for m in action.evict],
             issued_at=time.time(),
             lease=lease,
@@ -273,10 +271,13 @@ class Actuator:
                 sliceable=dispatch.sliceable,
             )
         # The dispatch message's producer span (its Kafka header) under the first call's.
-        with trace.use_span(spans[0], record_exception=False, set_status_on_exception=False):
-            await self._publisher.publish(
-                self._topics.dispatch(action.worker_id), action.job_id, dispatch
-            )
+        topic = self._topics.dispatch(action.worker_id)
+        headers = tracing.unrecorded_headers(spans[0])
+        if headers is not None:
+            await self._publisher.publish(topic, action.job_id, dispatch, headers)
+        else:
+            with trace.use_span(spans[0], record_exception=False, set_status_on_exception=False):
+                await self._publisher.publish(topic, action.job_id, dispatch)
         self.dispatches += 1
         metrics.DISPATCHES.labels(action.worker_id).inc()
         if roaming:
