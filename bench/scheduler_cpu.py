@@ -61,7 +61,7 @@ class Edge:
     def __init__(self) -> None:
         self.sent = 0
 
-    async def publish(self, topic: str, key: Any, message: Any) -> None:
+    async def publish(self, topic: str, key: Any, message: Any, headers: Any = None) -> None:
         self.sent += 1
 
     async def add_usages(self, usages: Any) -> None:

@@ -65,10 +65,12 @@ async def faults(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Faults]:
     send = Publisher._send
     set_home = JobStore.set_home
 
-    async def flaky_send(self: Publisher, topic: str, key: Any, message: Any) -> None:
+    async def flaky_send(
+        self: Publisher, topic: str, key: Any, message: Any, headers: Any = None
+    ) -> None:
         if isinstance(message, Dispatch) and faults.once("publish"):
             raise KafkaConnectionError("the broker went away (injected)")
-        await send(self, topic, key, message)
+        await send(self, topic, key, message, headers)
 
     async def flaky_set_home(self: JobStore, job_id: str, worker_id: str) -> None:
         if faults.once("store"):

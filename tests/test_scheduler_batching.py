@@ -236,7 +236,7 @@ class Producer:
     def __init__(self) -> None:
         self.sent: list[Dispatch] = []
 
-    async def publish(self, topic: str, key: Any, message: Any) -> None:
+    async def publish(self, topic: str, key: Any, message: Any, headers: Any = None) -> None:
         self.sent.append(message)
 
 
@@ -357,7 +357,7 @@ class HeldProducer:
         self.release = asyncio.Event()
         self._failing = failing
 
-    async def publish(self, topic: str, key: Any, message: Any) -> None:
+    async def publish(self, topic: str, key: Any, message: Any, headers: Any = None) -> None:
         self.started.append(topic)
         await self.release.wait()
         if topic == self._failing:
