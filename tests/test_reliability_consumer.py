@@ -317,3 +317,54 @@ async def test_a_group_member_reads_on_from_what_the_one_before_committed(env: E
         await until(lambda: len(later_seen) >= 2)
         await asyncio.sleep(0.5)
     assert later_seen == ["d", "e"]
+
+
+async def test_what_the_handlers_queued_is_written_before_each_commit_of_their_offsets(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`before_commit`: effects the handlers queue (the scheduler's usage) are written
+    once per commit, before it, so no offset is committed ahead of its message's effect;
+    a write that fails holds that commit back, and the next one covers it."""
+    queued: list[str] = []
+    written: list[str] = []
+    committed: list[tuple[int, list[str]]] = []  # (offset, what was written by then)
+    failures = [1]
+
+    async def handler(message: PhaseRequest, _: Delivery) -> None:
+        queued.append(message.request_id)
+
+    async def write() -> None:
+        if failures[0]:
+            failures[0] -= 1
+            raise redis.exceptions.ConnectionError("Redis went away (injected)")
+        written.extend(queued)
+        queued.clear()
+
+    consumer = env.consumer(handler, "before-commit", before_commit=write, commit_interval_s=0.05)
+    real_commit = consumer._consumer.commit
+
+    async def commit(offsets: Any) -> None:
+        committed.extend((offset, list(written)) for offset in offsets.values())
+        await real_commit(offsets)
+
+    monkeypatch.setattr(consumer._consumer, "commit", commit)
+    rids = [f"r{i}" for i in range(6)]
+    async with running(consumer):
+        for rid in rids:
+            await env.publisher.publish(env.topics.requests, "job-1", call(rid))
+            await asyncio.sleep(0.03)
+        await until(lambda: written == rids)
+    assert committed and committed[-1][0] == len(rids)  # all of them, in the end
+    for offset, by_then in committed:  # (one partition: offset n follows message n-1)
+        assert set(rids[:offset]) <= set(by_then), (offset, by_then)
+    with pytest.raises(ValueError, match="consumer group"):
+        MessageConsumer(
+            bootstrap=env.kafka,
+            topics=[env.topics.events],
+            group=None,
+            message_type=PhaseRequest,
+            handler=handler,
+            dlq=(env.publisher, env.topics.dlq),
+            name="no-group",
+            before_commit=write,
+        )

@@ -501,6 +501,7 @@ class MessageConsumer(Generic[T]):
         answer: Answer | None = None,
         skipped: Skipped | None = None,
         after_batch: AfterBatch | None = None,
+        before_commit: AfterBatch | None = None,
         before_batch: BeforeBatch | None = None,
         tuning: ConsumerTuning | None = None,
         fetch: FetchTuning = LOW_LATENCY,
@@ -524,6 +525,12 @@ class MessageConsumer(Generic[T]):
         # round trip per poll, not per message): the offsets of a poll are marked for
         # commit only after it returned, so a crash before it replays the poll.
         self._after_batch = after_batch
+        # For handlers whose queued effects may lag their messages by a commit interval:
+        # written once per commit, before it (a crash before the write replays the
+        # messages, as a crash before `after_batch` does), not once per poll.
+        self._before_commit = before_commit if group is not None else None
+        if before_commit is not None and group is None:
+            raise ValueError(f"{name}: before_commit needs a consumer group (offsets to commit)")
         # For handlers that read ahead for a whole poll (one round trip for all its
         # messages): an optimisation only, so a failure is logged and the handlers read
         # for themselves.
@@ -710,6 +717,8 @@ class MessageConsumer(Generic[T]):
             return
         offsets, self._to_commit = self._to_commit, {}
         try:
+            if self._before_commit is not None:
+                await self._before_commit()
             await self._consumer.commit(offsets)
         except asyncio.CancelledError:
             # The periodic commit cut short on the way out: the last flush sends them

@@ -84,7 +84,7 @@ class Receiver:
 
     async def on_completion(self, completion: PhaseCompletion, delivery: Delivery) -> None:
         """Take the completion into the state now; its usage is written with the rest
-        of its poll's (`flush_usage`, before the poll's offsets are committed). A call
+        taken since the last commit (`flush_usage`, before their offsets are committed). A call
         sent straight to its worker (`plexrl.direct`) is seen here for the first time."""
         # By what this scheduler dispatched first: a call answered from its ledger keeps
         # the dispatch id it first ran under (a requeued direct call, say).
@@ -106,7 +106,7 @@ class Receiver:
 
     async def flush_usage(self) -> None:
         """Write the usage of the completions taken since the last flush: one Redis
-        transaction for a whole poll of them. Retried in place while Redis is away: the
+        transaction for all of them (a commit interval's). Retried in place while Redis is away: the
         state already took the completions, so a second delivery would not count again."""
         usages = self._usage_due.take()
         if not usages:
