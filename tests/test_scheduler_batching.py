@@ -236,7 +236,9 @@ class Producer:
     def __init__(self) -> None:
         self.sent: list[Dispatch] = []
 
-    async def publish(self, topic: str, key: Any, message: Any, headers: Any = None) -> None:
+    async def publish(
+        self, topic: str, key: Any, message: Any, headers: list[tuple[str, bytes]] | None = None
+    ) -> None:
         self.sent.append(message)
 
 
@@ -246,7 +248,7 @@ def follow_ups(
     producer = Producer()
     actuator = Actuator(
         state,
-        producer,  # type: ignore[arg-type]
+        producer,
         None,  # type: ignore[arg-type]  # no admissions here
         None,  # type: ignore[arg-type]  # no refusals here
         Topics("t"),
@@ -357,7 +359,9 @@ class HeldProducer:
         self.release = asyncio.Event()
         self._failing = failing
 
-    async def publish(self, topic: str, key: Any, message: Any, headers: Any = None) -> None:
+    async def publish(
+        self, topic: str, key: Any, message: Any, headers: list[tuple[str, bytes]] | None = None
+    ) -> None:
         self.started.append(topic)
         await self.release.wait()
         if topic == self._failing:
@@ -373,7 +377,7 @@ def three_runs(producer: HeldProducer) -> tuple[Actuator, tuple[Run, ...]]:
         state.on_request(req(rid, job), Delivery("requests", 0, offset))
     actuator = Actuator(
         state,
-        producer,  # type: ignore[arg-type]
+        producer,
         None,  # type: ignore[arg-type]
         None,  # type: ignore[arg-type]
         Topics("t"),

@@ -8,11 +8,12 @@ import os
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
 
 from opentelemetry import trace
 
 from plexrl import tracing
-from plexrl.kafka import Delivery, Publisher
+from plexrl.kafka import Delivery
 from plexrl.ledger import SEQUENCED, Ledger
 from plexrl.messages import (
     CompletionStatus,
@@ -40,6 +41,19 @@ log = logging.getLogger(__name__)
 _tracer = tracing.tracer("plexrl.scheduler")
 
 Committer = Callable[[Delivery | None], Awaitable[None]]
+
+
+class Sends(Protocol):
+    """What the actuator sends with (`plexrl.kafka.Publisher`): a message, and with
+    `headers` the record's trace context where the caller has it already."""
+
+    async def publish(
+        self,
+        topic: str,
+        key: str | bytes | None,
+        message: Any,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> None: ...
 
 
 def dispatch_span(pending: Pending, action: Run) -> trace.Span:
@@ -73,7 +87,7 @@ class Actuator:
     def __init__(
         self,
         state: ClusterState,
-        publisher: Publisher,
+        publisher: Sends,
         jobs: JobStore,
         calls: CallStore,
         topics: Topics,
