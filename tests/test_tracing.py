@@ -466,6 +466,25 @@ def test_an_unrecorded_span_is_made_from_the_header_as_the_tracer_would_make_it(
         trace.SpanContext(1, 2, False, trace.TraceFlags(trace.TraceFlags.SAMPLED))
     )
     assert tracing.unrecorded_headers(sampled) is None
+    # Baggage in the context travels in its own header: the propagator writes it.
+    from opentelemetry import baggage
+    from opentelemetry import context as otel_context
+
+    token = otel_context.attach(baggage.set_baggage("k", "v"))
+    try:
+        assert tracing.unrecorded_headers(fast) is None
+    finally:
+        otel_context.detach(token)
+    # A process told to propagate another format (OTEL_PROPAGATORS) goes its way.
+    from opentelemetry import propagate
+
+    class B3Like:
+        fields = frozenset({"b3"})
+
+    monkeypatch.setattr(propagate, "get_global_textmap", lambda: B3Like())
+    assert tracing.unrecorded_child(headers) is None
+    assert tracing.unrecorded_headers(fast) is None
+    monkeypatch.undo()
     # Where spans are exported, every span is started by the tracer.
     monkeypatch.setattr(tracing, "_exporters", [InMemorySpanExporter()])
     assert tracing.unrecorded_child(headers) is None

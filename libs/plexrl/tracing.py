@@ -21,8 +21,8 @@ from typing import Any
 
 import httpx
 from fastapi.telemetry import TelemetryConfig
+from opentelemetry import baggage, propagate, trace
 from opentelemetry import context as otel_context
-from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
 from opentelemetry.propagators.textmap import Getter
@@ -330,6 +330,15 @@ def record_headers(topic: str) -> list[tuple[str, bytes]]:
 
 
 _TRACEPARENT = re.compile(rb"00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}")
+_W3C_FIELDS = frozenset({"traceparent", "tracestate", "baggage"})
+
+
+def _w3c_propagation() -> bool:
+    """Whether the process propagates trace context by W3C `traceparent` (with trace
+    state and baggage) alone: OpenTelemetry's default, unless OTEL_PROPAGATORS names
+    another format. The shortcuts below apply only then."""
+    fields = propagate.get_global_textmap().fields
+    return "traceparent" in fields and fields <= _W3C_FIELDS
 
 
 def unrecorded_child(headers: Sequence[tuple[str, bytes]] | None) -> NonRecordingSpan | None:
@@ -339,8 +348,11 @@ def unrecorded_child(headers: Sequence[tuple[str, bytes]] | None) -> NonRecordin
     the header without the propagator's round through a carrier and the sampler: the
     scheduler starts one per dispatched call. None where that shortcut does not apply
     (spans are exported, or the headers carry anything but one plain version-00
-    `traceparent`): start the span the usual way."""
+    `traceparent`, or the process propagates another format): start the span the usual
+    way."""
     if not _configured or _exporters or not headers or len(headers) != 1:
+        return None
+    if not _w3c_propagation():
         return None
     key, value = headers[0]
     found = _TRACEPARENT.fullmatch(value) if key == "traceparent" else None
@@ -357,10 +369,13 @@ def unrecorded_child(headers: Sequence[tuple[str, bytes]] | None) -> NonRecordin
 def unrecorded_headers(span: trace.Span) -> list[tuple[str, bytes]] | None:
     """The headers `record_headers` writes for a record sent inside `span` where that
     makes no producer span (`span` not sampled) and carries only its `traceparent`
-    (no trace state): built from the span's ids directly, without making it current
-    and the propagator's round through a carrier. None otherwise: send inside `span`."""
+    (no trace state, no baggage, W3C propagation): built from the span's ids directly,
+    without making it current and the propagator's round through a carrier. None
+    otherwise: send inside `span`."""
     context = span.get_span_context()
     if context.trace_flags.sampled or not context.is_valid or context.trace_state:
+        return None
+    if baggage.get_all() or not _w3c_propagation():
         return None
     return [("traceparent", span_traceparent(span).encode("ascii"))]
 
