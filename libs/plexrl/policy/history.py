@@ -204,13 +204,18 @@ def describe(
     history, and for any function or step loop it has not shown yet (a job that has
     only sampled so far would otherwise look as if its training took no time)."""
     step, tail = history.step_calls, history.tail_s
+    duty = duty_of(history, prior, now, min_history_s)
     if prior is None:
-        duty = history.duty_cycle(now, min_history_s)
         return Described(duty, dict(history.durations), step, tail)
-    bound = 0.0
-    if history.has_history(now, min_history_s):
-        duty = history.duty_cycle(now, min_history_s)
-    else:
-        duty, bound = prior.duty_cycle, prior.duty_high
+    bound = 0.0 if history.has_history(now, min_history_s) else prior.duty_high
     durations = prior.durations | history.durations
     return Described(duty, durations, step or prior.step_calls, tail or prior.tail_s, bound)
+
+
+def duty_of(history: CallHistory, prior: Prior | None, now: float, min_history_s: float) -> float:
+    """`describe`'s duty cycle: the job's own as of `now`, or its kind's (`prior`) until it
+    has a history (`UNKNOWN_DUTY` with neither). The one figure of `describe`'s that
+    changes with the clock alone."""
+    if prior is None or history.has_history(now, min_history_s):
+        return history.duty_cycle(now, min_history_s)
+    return prior.duty_cycle

@@ -84,8 +84,9 @@ class Receiver:
 
     async def on_completion(self, completion: PhaseCompletion, delivery: Delivery) -> None:
         """Take the completion into the state now; its usage is written with the rest
-        taken since the last commit (`flush_usage`, before their offsets are committed). A call
-        sent straight to its worker (`plexrl.direct`) is seen here for the first time."""
+        taken since the last commit (`flush_usage`, before their offsets are committed).
+        A call sent straight to its worker (`plexrl.direct`) is seen here for the first
+        time."""
         # By what this scheduler dispatched first: a call answered from its ledger keeps
         # the dispatch id it first ran under (a requeued direct call, say).
         dispatched = self._state.dispatched(completion.request_id)
@@ -106,8 +107,9 @@ class Receiver:
 
     async def flush_usage(self) -> None:
         """Write the usage of the completions taken since the last flush: one Redis
-        transaction for all of them (a commit interval's). Retried in place while Redis is away: the
-        state already took the completions, so a second delivery would not count again."""
+        transaction for all of them (a commit interval's). Retried in place while Redis is
+        away: the state already took the completions, so a second delivery would not count
+        again."""
         usages = self._usage_due.take()
         if not usages:
             return

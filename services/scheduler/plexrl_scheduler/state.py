@@ -34,7 +34,15 @@ from plexrl.policy import (
     WorkerView,
 )
 from plexrl.policy.common import fewest_devices
-from plexrl.policy.history import CallHistory, Described, Prior, RecentUse, describe, priors
+from plexrl.policy.history import (
+    CallHistory,
+    Described,
+    Prior,
+    RecentUse,
+    describe,
+    duty_of,
+    priors,
+)
 
 Clock = Callable[[], float]
 log = logging.getLogger(__name__)
@@ -694,8 +702,7 @@ class ClusterState:
                 history.version, prior, own, seen, CallEstimates(seen.durations)
             )
         seen = was.seen
-        # `describe`'s duty cycle: the job's own (as of now), or its kind's until it has one.
-        duty = history.duty_cycle(now, _MIN_HISTORY_S) if own or prior is None else seen.duty_cycle
+        duty = duty_of(history, prior, now, _MIN_HISTORY_S)
         return JobView(
             job_id=job.job_id,
             state_bytes=job.state_bytes,
