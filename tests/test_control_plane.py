@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
+import types
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import pytest
 import pytest_asyncio
 from aiokafka import AIOKafkaConsumer
@@ -22,10 +24,12 @@ from aiokafka.errors import KafkaConnectionError
 
 from plexrl.direct import Route
 from plexrl.kafka import Delivery, MessageConsumer, Publisher, ensure_topics
+from plexrl.ledger import Ledger
 from plexrl.messages import (
     CompletionStatus,
     Dispatch,
     Function,
+    Lease,
     NoopInput,
     NoopOutput,
     PhaseRequest,
@@ -39,6 +43,8 @@ from plexrl_gateway.render import ResponseKind
 from plexrl_gateway.sequencer import Sequencer
 from plexrl_gateway.submitter import Call, Submission, Submitter, ready
 from plexrl_worker.intake import PollIntake
+from plexrl_worker.numbering import NumberedCalls
+from plexrl_worker.pipeline import DispatchPipeline
 from plexrl_worker.recorder import ResultRecorder
 from plexrl_worker.runner import Ran
 
@@ -333,7 +339,8 @@ async def test_calls_that_finished_together_are_recorded_in_one_round_trip(
 
     monkeypatch.setattr(stores.calls, "announce", told)
     finished = [(request(n), ran(), n == 4) for n in range(5)]
-    stood = await recorder.record_together(finished, "d1")
+    together = await recorder.record_together(finished, "d1")
+    stood = [c for c in together if c is not None]
     assert pipelines == 1  # five records, notices and timeline entries: one round trip
     assert [c.request_id for c in stood] == [f"req-{n}" for n in range(5)]
     assert [c.dispatch_id for c in stood] == ["d1", "d0", "d1", "d1", "d1"]
@@ -468,10 +475,10 @@ def dispatch(*ns: int) -> Dispatch:
 
 
 async def test_the_intake_reads_a_polls_records_once_and_settles_after_its_last_dispatch(
-    stores: Stores,
+    stores: Stores, cluster_id: str
 ) -> None:
     producer, recorder = flaky_recorder(stores)
-    intake = PollIntake(recorder)
+    intake = PollIntake(recorder, stores.calls, Ledger(stores.keys.redis, cluster_id))
     await recorder.record(request(0), ran(), "d0", last=True)  # a replay in this poll
     producer.acks[0].set_result(None)
     await recorder.settle()
@@ -489,6 +496,132 @@ async def test_the_intake_reads_a_polls_records_once_and_settles_after_its_last_
     assert not settle.done()  # the poll's offsets wait for its completions
     producer.acks[1].set_result(None)
     await asyncio.wait_for(settle, 5)
+
+
+def numbered(job_id: str, n: int, epoch: int = 1) -> Dispatch:
+    call = msgspec.structs.replace(request(n), job_id=job_id)
+    return Dispatch(dispatch_id=f"d{n}", worker_id="w", calls=[call], lease=Lease(epoch, [n]))
+
+
+async def test_the_intake_reads_the_ledger_head_of_each_jobs_first_numbered_dispatch_ahead(
+    stores: Stores, cluster_id: str
+) -> None:
+    """In the round trip of the poll's records: the head of each job whose first dispatch
+    in the poll is numbered, handed to that dispatch once; a later dispatch of the same
+    job (the first may commit before it runs) and an unnumbered one read their own."""
+    _, recorder = flaky_recorder(stores)
+    ledger = Ledger(stores.keys.redis, cluster_id)
+    intake = PollIntake(recorder, stores.calls, ledger)
+    await ledger.bump_epoch("a", "w")  # epoch 1
+    await ledger.bump_epoch("b", "w")
+    await ledger.bump_epoch("b", "w")  # epoch 2
+    a1, b2, a3, plain = numbered("a", 1), numbered("b", 2, epoch=2), numbered("a", 3), dispatch(4)
+    await intake.read_ahead([a1, b2, a3, plain])
+    await ledger.bump_epoch("a", "v")  # after the read: the dispatch gets what was read
+    head = intake.head(a1)
+    assert head is not None and (head.epoch, head.owner) == (1, "w")
+    assert intake.head(a1) is None  # once
+    head = intake.head(b2)
+    assert head is not None and head.epoch == 2
+    assert intake.head(a3) is None and intake.head(plain) is None
+    # Asked for no heads (a call commits in the background), it reads the records only.
+    await intake.read_ahead([a1, b2], heads=False)
+    assert intake.head(a1) is None and intake.head(b2) is None
+    assert await intake.recorded(a1.calls) == {}
+
+
+async def test_the_pipeline_reads_no_heads_ahead_while_a_call_runs_in_the_background(
+    stores: Stores, cluster_id: str
+) -> None:
+    """A preempted training call finishing in the background commits to its job's
+    ledger whenever it ends: a head read ahead meanwhile could miss it."""
+    _, recorder = flaky_recorder(stores)
+    ledger = Ledger(stores.keys.redis, cluster_id)
+    intake = PollIntake(recorder, stores.calls, ledger)
+    unused: Any = None  # the parts a poll's read-ahead does not touch
+    pipeline = DispatchPipeline(unused, unused, recorder, unused, unused, unused, intake=intake)
+    background = asyncio.create_task(asyncio.sleep(60))
+    pipeline.tails.add(background)
+    await pipeline.read_ahead([numbered("a", 1)])
+    assert intake.head(numbered("a", 1)) is None
+    background.cancel()
+    pipeline.tails.clear()
+    await pipeline.read_ahead([numbered("a", 1)])
+    assert intake.head(numbered("a", 1)) is not None
+
+
+class Forgets:
+    """The worker's recovery, where a re-homed job's copy is dropped."""
+
+    def __init__(self) -> None:
+        self.forgotten: list[str] = []
+
+    async def forget(self, job_id: str) -> None:
+        self.forgotten.append(job_id)
+
+
+@dataclass
+class Runs:
+    """Runs NOOPs, counting them."""
+
+    ran: list[str] = field(default_factory=list)
+
+    async def run(self, request: PhaseRequest, *args: Any) -> Ran:
+        self.ran.append(request.request_id)
+        return ran()
+
+
+async def test_unnumbered_calls_run_before_any_read_and_their_lease_is_checked_at_the_record(
+    stores: Stores, cluster_id: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Echoes and samples (pure, unnumbered) of a leased job: nothing is read before they
+    run; each record stands only while the lease does (re-homed, the rest of the
+    dispatch is left to the new home), and a replay runs again but is answered with the
+    record that stood."""
+    producer, recorder = flaky_recorder(stores)
+    ledger = Ledger(stores.keys.redis, cluster_id)
+    recovery, runs = Forgets(), Runs()
+    calls = NumberedCalls(ledger=ledger, recovery=recovery, runner=runs, recorder=recorder)  # type: ignore[arg-type]
+    intake = PollIntake(recorder, stores.calls, ledger)
+    unused: Any = None
+    beat: Any = types.SimpleNamespace(busy=False)
+    pipeline = DispatchPipeline(unused, runs, recorder, beat, calls, unused, intake=intake)  # type: ignore[arg-type]
+    delivery = Delivery("t", 0, 0)
+    await ledger.bump_epoch(JOB, "w")  # epoch 1
+    pipelines = 0
+    pipeline_of = stores.calls.pipeline
+
+    def counted() -> Any:
+        nonlocal pipelines
+        pipelines += 1
+        return pipeline_of()
+
+    monkeypatch.setattr(stores.calls, "pipeline", counted)
+    first = Dispatch("d1", "w", calls=[request(1), request(2)], lease=Lease(1, [0, 0]))
+    await pipeline.read_ahead([first])
+    assert pipelines == 0  # nothing to read ahead
+    await pipeline(first, delivery)
+    assert pipelines == 2 and runs.ran == ["req-1", "req-2"]  # one record each
+    assert (await stores.calls.get_completion("req-2")) is not None
+    # A replay: run again, answered with the first record.
+    stored = await stores.calls.get_completion("req-1")
+    await pipeline(Dispatch("d9", "w", calls=[request(1)], lease=Lease(1, [0])), delivery)
+    assert runs.ran[-1] == "req-1" and producer.queued[-1] == "req-1"
+    assert await stores.calls.get_completion("req-1") == stored
+    # Re-homed (epoch 2) before a dispatch under epoch 1 ran: its first call runs, its
+    # record is refused, the rest is left to the new home.
+    await ledger.bump_epoch(JOB, "v")
+    queued = len(producer.queued)
+    await pipeline(
+        Dispatch("d3", "w", calls=[request(3), request(4)], lease=Lease(1, [0, 0])), delivery
+    )
+    assert runs.ran[-1] == "req-3" and "req-4" not in runs.ran
+    assert await stores.calls.get_completion("req-3") is None
+    assert len(producer.queued) == queued  # nothing published
+    assert calls.fenced == 1 and recovery.forgotten == [JOB]
+    # Under the current epoch the same calls are recorded.
+    await pipeline(Dispatch("d4", "w", calls=[request(3)], lease=Lease(2, [0])), delivery)
+    assert await stores.calls.get_completion("req-3") is not None
 
 
 async def test_a_consumer_hands_a_whole_poll_ahead_before_handling_its_first_message(

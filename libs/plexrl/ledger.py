@@ -319,6 +319,20 @@ class Ledger:
         raw: dict[Any, Any] = await self._redis.hgetall(self._k(job_id))
         return _head(raw)
 
+    def head_key(self, job_id: str) -> str:
+        """The Redis key of the job's head (a hash; `epoch` its current lease's)."""
+        return self._k(job_id)
+
+    def queue_head(self, pipe: Any, job_id: str) -> None:
+        """`head` on a pipeline of this ledger's Redis client; its reply is read with
+        `head_of`."""
+        pipe.hgetall(self._k(job_id))
+
+    @staticmethod
+    def head_of(reply: dict[Any, Any]) -> LedgerState:
+        """The head a reply of `queue_head`'s read holds."""
+        return _head(reply)
+
     async def commit(
         self,
         job_id: str,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -28,20 +29,47 @@ class FutureRecord(msgspec.Struct, frozen=True):
     """W3C traceparent of the API call's span: `retrieve_future` spans link to it."""
 
 
-_RECORD_AND_ANNOUNCE = """
+_RECORD = """
+if ARGV[4] ~= '' and tonumber(redis.call('HGET', KEYS[3], 'epoch') or '0') > tonumber(ARGV[4]) then
+  return -1
+end
 if redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2], 'NX') then
-  redis.call('PUBLISH', KEYS[2], ARGV[3])
+  if ARGV[3] ~= '' then redis.call('PUBLISH', KEYS[2], ARGV[3]) end
   return 1
 end
 return 0
 """
-"""A completion's record and, if it stands, its notice: one step, for a store that waits
-for no replica (with one, the notice must wait until the replicas hold the record)."""
+"""A completion's record, unless its fence's job moved on to a newer epoch (-1); if it
+stands (1, else 0: one stood already), its notice with it, where one is passed (a store
+that waits for replicas announces only once they hold the record)."""
+
+
+@dataclass(frozen=True)
+class EpochFence:
+    """A record that stands only while the job's lease is still the one it ran under:
+    the job's ledger head (`Ledger.head_key`) holds no newer epoch."""
+
+    ledger_key: str
+    epoch: int
+
+
+FENCED = -1
+"""`queue_completion`'s reply when its fence refused the record."""
 
 
 def _notice(completion: PhaseCompletion) -> bytes:
     """The encoded `CompletionNotice` of a completion, in the current span's trace."""
     return encode(CompletionNotice(completion, tracing.traceparent_of() or ""))
+
+
+def completions_of(request_ids: list[str], reply: list[Any]) -> dict[str, PhaseCompletion]:
+    """The completions recorded for these calls, from the reply of
+    `CallStore.queue_get_completions`."""
+    return {
+        i: decode(raw_bytes(r), PhaseCompletion)
+        for i, r in zip(request_ids, reply, strict=True)
+        if r
+    }
 
 
 class CallStore(RedisStore):
@@ -75,26 +103,29 @@ class CallStore(RedisStore):
         await self.announce(stands)
         return stands
 
-    def queue_completion(self, pipe: Any, completion: PhaseCompletion) -> bool:
-        """`record_completion` on a pipeline (`RedisStore.pipeline`); its reply is true if
-        this record stands, None or 0 if one stood already (then read it:
-        `get_completion`). Returns whether the record, if it stands, is announced with
-        it (only where no replica is waited for); otherwise the caller announces the
-        record that stands (`announce`) once the replicas hold it."""
+    def queue_completion(
+        self, pipe: Any, completion: PhaseCompletion, fence: EpochFence | None = None
+    ) -> bool:
+        """`record_completion` on a pipeline (`RedisStore.pipeline`), and only while
+        `fence` stands: its reply is 1 if this record stands, 0 if one stood already
+        (then read it: `get_completion`), `FENCED` if the fence refused it. Returns
+        whether the record, if it stands, is announced with it (only where no replica
+        is waited for); otherwise the caller announces the record that stands
+        (`announce`) once the replicas hold it."""
         key = self._k("done", completion.request_id)
-        if self._keys.waits_for_replicas:
-            pipe.set(key, encode(completion), ex=self._keys.ttl_s, nx=True)
-            return False
+        announced = not self._keys.waits_for_replicas
         pipe.eval(
-            _RECORD_AND_ANNOUNCE,
-            2,
+            _RECORD,
+            3,
             key,
             self.completed_channel,
+            key if fence is None else fence.ledger_key,
             encode(completion),
             self._keys.ttl_s,
-            _notice(completion),
+            _notice(completion) if announced else b"",
+            "" if fence is None else str(fence.epoch),
         )
-        return True
+        return announced
 
     @property
     def completed_channel(self) -> str:
@@ -113,10 +144,12 @@ class CallStore(RedisStore):
         ids = list(request_ids)
         if not ids:
             return {}
-        raws = await self._redis.mget([self._k("done", i) for i in ids])
-        return {
-            i: decode(raw_bytes(r), PhaseCompletion) for i, r in zip(ids, raws, strict=True) if r
-        }
+        return completions_of(ids, await self._redis.mget([self._k("done", i) for i in ids]))
+
+    def queue_get_completions(self, pipe: Any, request_ids: list[str]) -> None:
+        """`get_completions` (of at least one call) on a pipeline (`RedisStore.pipeline`);
+        its reply is read with `completions_of`."""
+        pipe.mget([self._k("done", i) for i in request_ids])
 
     # Client retries and per-job call order -----------------------------------
 

@@ -148,7 +148,7 @@ async def build(settings: WorkerSettings, link: ClusterLink) -> Worker:
         settings.tail_threshold,
         lambda event: publisher.publish(topics.events, settings.worker_id, event),
     )
-    poll = PollIntake(recorder)
+    poll = PollIntake(recorder, stores.calls, ledger)
     leader = LeaderFence(stores.keys.redis, lease_key(stores.keys.key, SCHEDULER) + ":token")
     pipeline = DispatchPipeline(
         states,
@@ -171,7 +171,7 @@ async def build(settings: WorkerSettings, link: ClusterLink) -> Worker:
         publisher=publisher,
         handler=pipeline,
         preemption=preemption,
-        poll=poll,
+        poll=pipeline,
     )
     metrics.watch(states, lambda: len(executor.installed_samplers()))
     health = HttpServer(

@@ -10,9 +10,13 @@ sample batch running now.
 Dispatches queue on the topic while the worker runs one, and the consumer fetches them
 ahead. `PollIntake` takes what one poll brought together:
 
-- before the first of them runs, the completions already recorded for any of their
-  calls (a replay is answered, not run again) are read in one round trip for all of
-  them, instead of one per dispatch;
+- before the first of them runs, the completions already recorded for the calls of
+  its numbered dispatches (a replay is answered, not run again) are read in one round
+  trip for all of them, instead of one per dispatch, and in the same round trip the
+  ledger head of each job whose first dispatch in the poll is numbered (its stale-epoch
+  check and its calls' verdicts), instead of one more round trip when that dispatch
+  runs; a dispatch of unnumbered calls only reads nothing (`DispatchPipeline`: their
+  epoch and replay checks ride in their records);
 - after the last, their completions are awaited together: each dispatch queues its
   completions on the producer and goes on to the next, and the poll's offsets are
   committed only once every completion of it is acknowledged (`settle`).
@@ -28,8 +32,10 @@ from typing import Protocol
 from plexrl.dead_letters import DeadLetters
 from plexrl.kafka import Delivery, MessageConsumer, Publisher
 from plexrl.kafka_security import PLAINTEXT, KafkaSecurity
+from plexrl.ledger import Ledger, LedgerState
 from plexrl.messages import Dispatch, PhaseCompletion, PhaseRequest, PreemptBatch
-from plexrl.stores import Stores
+from plexrl.stores import CallStore, Stores
+from plexrl.stores.calls import completions_of
 from plexrl.topics import Topics
 from plexrl_worker.preemption import Preemption
 from plexrl_worker.recorder import ResultRecorder
@@ -50,21 +56,57 @@ class DispatchSource(Protocol):
 
 
 class PollIntake:
-    """A poll's recorded completions read ahead, and its completions settled after it."""
+    """A poll's recorded completions and ledger heads read ahead, and its completions
+    settled after it."""
 
-    def __init__(self, recorder: ResultRecorder) -> None:
+    def __init__(self, recorder: ResultRecorder, calls: CallStore, ledger: Ledger) -> None:
+        """`calls` and `ledger` on one Redis client (read in one round trip)."""
         self._recorder = recorder
+        self._calls = calls
+        self._ledger = ledger
         self._read: set[str] = set()
         """Calls of this poll whose record was read ahead and not asked for yet."""
         self._recorded: dict[str, PhaseCompletion] = {}
+        self._heads: dict[str, LedgerState] = {}
+        """By dispatch id: the head of its job's ledger, for a numbered dispatch that is
+        its job's first in this poll, until it is asked for."""
 
-    async def read_ahead(self, dispatches: list[Dispatch]) -> None:
-        """Before a poll's dispatches run: their calls' recorded completions, at once."""
-        self._read, self._recorded = set(), {}
-        calls = [c for d in dispatches for c in d.calls]
-        if calls:
-            self._recorded = await self._recorder.recorded(calls)
-            self._read = {c.request_id for c in calls}
+    async def read_ahead(self, dispatches: list[Dispatch], heads: bool = True) -> None:
+        """Before a poll's dispatches run: for those with numbered calls, their calls'
+        recorded completions and, with `heads`, the ledger head of each job whose first
+        dispatch in the poll is one of them, in one round trip. (A dispatch of unnumbered
+        calls only reads nothing before it runs: `DispatchPipeline`.)
+
+        A head read here is as good as one read when its dispatch runs only if nothing
+        commits to that ledger in between: not the poll's earlier dispatches (they are
+        of other jobs), and not a call running in the background, which the caller
+        rules out by asking for no heads while one runs. A job re-homed in between is
+        fenced at its commit, as one re-homed after `NumberedCalls.open` is."""
+        self._read, self._recorded, self._heads = set(), {}, {}
+        firsts: dict[str, Dispatch] = {}
+        for dispatch in dispatches:
+            for call in dispatch.calls:
+                firsts.setdefault(call.job_id, dispatch)
+        calls = [c for d in dispatches if numbered(d) for c in d.calls]
+        if not calls:
+            return
+        ahead = [
+            (job_id, d)
+            for job_id, d in firsts.items()
+            if heads and numbered(d) and d.calls[0].job_id == job_id
+        ]
+        ids = [c.request_id for c in calls]
+        async with self._calls.pipeline() as pipe:
+            self._calls.queue_get_completions(pipe, ids)
+            for job_id, _ in ahead:
+                self._ledger.queue_head(pipe, job_id)
+            replies = await pipe.execute()
+        self._recorded = completions_of(ids, replies[0])
+        self._read = set(ids)
+        self._heads = {
+            d.dispatch_id: self._ledger.head_of(reply)
+            for (_, d), reply in zip(ahead, replies[1:], strict=True)
+        }
 
     async def recorded(self, calls: list[PhaseRequest]) -> dict[str, PhaseCompletion]:
         """Completions recorded for any of these calls: read ahead once per call (a call
@@ -72,14 +114,31 @@ class PollIntake:
         else from Redis."""
         ids = [c.request_id for c in calls]
         if not all(i in self._read for i in ids):
-            return await self._recorder.recorded(calls)
+            return await self._calls.get_completions(ids)
         self._read.difference_update(ids)
         return {i: self._recorded[i] for i in ids if i in self._recorded}
 
+    def head(self, dispatch: Dispatch) -> LedgerState | None:
+        """Its job's ledger head read ahead for this dispatch, once (None: not read)."""
+        return self._heads.pop(dispatch.dispatch_id, None)
+
     async def settle(self) -> None:
         """After a poll's dispatches ran: until each of their completions is in Kafka."""
-        self._read, self._recorded = set(), {}
+        self._read, self._recorded, self._heads = set(), {}, {}
         await self._recorder.settle()
+
+
+def numbered(dispatch: Dispatch) -> bool:
+    """Whether the dispatch holds a numbered call (run in its job's ledger order)."""
+    return dispatch.lease is not None and any(dispatch.lease.seqs)
+
+
+class PollHooks(Protocol):
+    """What a dispatch consumer runs around each poll (`PollIntake`'s, through the
+    pipeline that knows what runs in the background)."""
+
+    async def read_ahead(self, dispatches: list[Dispatch]) -> None: ...
+    async def settle(self) -> None: ...
 
 
 class KafkaDispatches:
@@ -96,7 +155,7 @@ class KafkaDispatches:
         publisher: Publisher,
         handler: DispatchHandler,
         preemption: Preemption,
-        poll: PollIntake | None = None,
+        poll: PollHooks | None = None,
         security: KafkaSecurity = PLAINTEXT,
     ) -> None:
         """`poll`: reads each poll's records ahead and settles its completions once

@@ -25,6 +25,7 @@ from plexrl.ledger import MUTATING, Committed, Ledger, LedgerState, Verdict, ver
 from plexrl.messages import ErrorCode, ErrorInfo, PhaseCompletion, PhaseRequest
 from plexrl.retry import is_transient
 from plexrl.state_store_client import Fence
+from plexrl.stores.calls import EpochFence
 from plexrl_worker.recorder import ResultRecorder
 from plexrl_worker.recovery import JobRecovery
 from plexrl_worker.runner import CallRunner, Ran, Slicing
@@ -75,23 +76,33 @@ class NumberedCalls:
         self.answered = 0
         self.fenced = 0
 
-    async def open(self, job_id: str, epoch: int) -> Turn | None:
+    async def open(self, job_id: str, epoch: int, head: LedgerState | None = None) -> Turn | None:
         """The turn of a dispatch issued under `epoch`; None when the job was re-homed
         since (the scheduler requeued its calls for the new home, which answers them;
-        this worker drops its copy of the job)."""
-        head = await self._ledger.head(job_id)
+        this worker drops its copy of the job). `head`: the job's ledger head read ahead
+        (`PollIntake`) with nothing committed to it since; None reads it."""
+        if head is None:
+            head = await self._ledger.head(job_id)
         if epoch >= head.epoch:
             return Turn(job_id, epoch, head)
+        await self.left_behind(job_id, epoch, f"epoch {head.epoch}, owner {head.owner!r}")
+        return None
+
+    def fence(self, job_id: str, epoch: int) -> EpochFence:
+        """The fence of a dispatch's unnumbered calls issued under `epoch`: each is
+        recorded only while the job's ledger holds no newer epoch (they run before any
+        read of it: `ResultRecorder.record`)."""
+        return EpochFence(self._ledger.head_key(job_id), epoch)
+
+    async def left_behind(self, job_id: str, epoch: int, why: str = "a newer epoch") -> None:
+        """The job was re-homed since a dispatch under `epoch` was issued: its calls are
+        left to the new home (the scheduler requeued them there), and this worker drops
+        its copy of the job."""
         self.fenced += 1
         log.warning(
-            "calls of %s under epoch %d are stale (epoch %d, owner %r): left to the new home",
-            job_id,
-            epoch,
-            head.epoch,
-            head.owner,
+            "calls of %s under epoch %d are stale (%s): left to the new home", job_id, epoch, why
         )
         await self._recovery.forget(job_id)
-        return None
 
     async def run(
         self,

@@ -31,6 +31,7 @@ from plexrl.messages import (
     TailReleased,
 )
 from plexrl.retry import retrying
+from plexrl.stores.calls import EpochFence
 from plexrl_worker import metrics
 from plexrl_worker.heartbeat import Heartbeat
 from plexrl_worker.intake import PollIntake
@@ -98,6 +99,18 @@ class DispatchPipeline:
         """Sample batches left to finish their tails in the background, and preempted
         training calls left to finish there once their pause lifts."""
 
+    async def read_ahead(self, dispatches: list[Dispatch]) -> None:
+        """Before a poll's dispatches run (the consumer's hook): the intake reads their
+        records, and their jobs' ledger heads unless a call runs in the background (it
+        may commit before they are used)."""
+        if self._intake is not None:
+            await self._intake.read_ahead(dispatches, heads=not self.tails)
+
+    async def settle(self) -> None:
+        """After a poll's last dispatch (the consumer's hook): the intake's `settle`."""
+        if self._intake is not None:
+            await self._intake.settle()
+
     async def __call__(self, dispatch: Dispatch, delivery: Delivery) -> None:
         if direct.lease_of(dispatch.dispatch_id) is not None:
             failpoint("worker.direct_received")
@@ -112,29 +125,39 @@ class DispatchPipeline:
             for move in dispatch.evict:
                 await self._states.move(move.job_id, move.to_tier)
             lease = dispatch.lease
-            # A dispatch's numbered calls are of one job (its lease's): its ledger head is
-            # read once, beside the replays' records (one Redis round trip's wait).
-            recorded = self._intake.recorded if self._intake else self._recorder.recorded
-            turn, replayed = await asyncio.gather(
-                self._numbered.open(dispatch.calls[0].job_id, lease.epoch)
-                if lease is not None and dispatch.calls
-                else _none(),
-                recorded(dispatch.calls),
-            )
-            if lease is not None and dispatch.calls and turn is None:
-                return  # re-homed since it was issued: the new home answers its calls
             seqs = [
                 lease.seqs[i] if lease is not None and i < len(lease.seqs) else 0
                 for i in range(len(dispatch.calls))
             ]
+            fence: EpochFence | None = None
+            turn: Turn | None = None
+            replayed: dict[str, PhaseCompletion] = {}
+            if lease is not None and any(seqs):
+                # A dispatch's numbered calls are of one job (its lease's): its ledger
+                # head is read once, beside its other calls' records (one Redis round
+                # trip's wait, read ahead with the poll's where the intake could).
+                recorded = self._intake.recorded if self._intake else self._recorder.recorded
+                read = self._intake.head(dispatch) if self._intake else None
+                turn, replayed = await asyncio.gather(
+                    self._numbered.open(dispatch.calls[0].job_id, lease.epoch, read),
+                    recorded(dispatch.calls),
+                )
+                if turn is None:
+                    return  # re-homed since it was issued: the new home answers its calls
+            elif lease is not None and dispatch.calls:
+                # Pure calls only (samples, echoes): they run at once, and each is recorded
+                # only while its lease stands, or answered by a record made before it
+                # (a replay runs again; the first record stands).
+                fence = self._numbered.fence(dispatch.calls[0].job_id, lease.epoch)
             groups = _groups(dispatch, seqs, replayed)
             for n, (group, cobatched) in enumerate(groups):
                 # Only the last group may leave its tail running: calls after it would
                 # otherwise overtake it.
                 releasable = cobatched and n == len(groups) - 1
-                await self._run_group(
-                    dispatch, delivery, group, cobatched, releasable, seqs, replayed, turn
-                )
+                if not await self._run_group(
+                    dispatch, delivery, group, cobatched, releasable, seqs, replayed, turn, fence
+                ):
+                    break  # re-homed while it ran: the new home answers the rest
             # Every completion of the dispatch is in Kafka before its offset is committed
             # (with an intake, once the poll's last dispatch ran).
             if self._intake is None:
@@ -158,9 +181,11 @@ class DispatchPipeline:
         seqs: list[int],
         replayed: dict[str, PhaseCompletion],
         turn: Turn | None,
-    ) -> None:
+        fence: EpochFence | None,
+    ) -> bool:
         """Run calls `group` of the dispatch: one call, or sample calls co-batched (and
-        with `releasable`, left to finish in the background once down to their tail)."""
+        with `releasable`, left to finish in the background once down to their tail).
+        False when `fence` refused a record: the job was re-homed meanwhile."""
         with contextlib.ExitStack() as spans:
             for i in group:
                 request = dispatch.calls[i]
@@ -188,8 +213,8 @@ class DispatchPipeline:
                 metrics.SAMPLE_BATCH_CALLS.observe(len(group))
                 # Sample calls join a preempted batch rather than wait for it.
                 await self._preemption.open()
-                await self._run_samples(dispatch, group, releasable)
-                return
+                await self._run_samples(dispatch, group, releasable, fence)
+                return True
             i = group[0]
             request = dispatch.calls[i]
             if turn is not None and seqs[i] > 0:  # exactly once by the job's ledger
@@ -205,15 +230,18 @@ class DispatchPipeline:
                         turn, request, seqs[i], dispatch.dispatch_id, i == last_i
                     )
                 self.calls += 1
-                return
+                return True
             done = replayed.get(request.request_id)
             if done is not None:  # a replay: answer with the recorded result
                 await self._recorder.replay(done)
                 metrics.REPLAYED_CALLS.inc()
-                return
-            await self._record(dispatch, i, await self._runner.run(request), i == last_i)
+                return True
+            ran = await self._runner.run(request)
+            return await self._record(dispatch, i, ran, i == last_i, fence)
 
-    async def _run_samples(self, dispatch: Dispatch, group: list[int], releasable: bool) -> None:
+    async def _run_samples(
+        self, dispatch: Dispatch, group: list[int], releasable: bool, fence: EpochFence | None
+    ) -> None:
         """Run a co-batched group and record its calls. When it is releasable, return as
         soon as the batch is down to its tail (with the tail release on) or the scheduler
         preempts it (announced on the events topic) and let it finish in the background:
@@ -248,6 +276,7 @@ class DispatchPipeline:
 
         last_i = len(dispatch.calls) - 1
         recorded: set[int] = set()
+        left_behind: list[bool] = []  # told once that the fence refused a record
 
         async def record(ended: list[tuple[int, Ran]]) -> None:
             # Those that ended together are recorded together (one Redis round trip).
@@ -257,10 +286,15 @@ class DispatchPipeline:
                 if ran.tail_released_at is not None and asked is not None and asked.is_set():
                     ran = dataclasses.replace(ran, preempted=True)
                 finished.append((dispatch.calls[group[k]], ran, group[k] == last_i))
-            await retrying(
-                functools.partial(self._recorder.record_together, finished, dispatch.dispatch_id),
+            stood = await retrying(
+                functools.partial(
+                    self._recorder.record_together, finished, dispatch.dispatch_id, fence
+                ),
                 what=f"recording {len(finished)} call(s) of {dispatch.dispatch_id}",
             )
+            if fence is not None and None in stood and not left_behind:
+                left_behind.append(True)
+                await self._numbered.left_behind(dispatch.calls[0].job_id, fence.epoch)
 
         async def run_and_record() -> None:
             try:
@@ -341,16 +375,24 @@ class DispatchPipeline:
         self.tails.add(task)
         task.add_done_callback(_finished_tail(self.tails))
 
-    async def _record(self, dispatch: Dispatch, i: int, ran: Ran, last: bool) -> None:
+    async def _record(
+        self, dispatch: Dispatch, i: int, ran: Ran, last: bool, fence: EpochFence | None
+    ) -> bool:
+        """Record an unnumbered call; False when `fence` refused it (re-homed since)."""
         # Retried in place while Redis is away: the call ran, only its record is
         # missing, and running it again would apply it twice.
-        await retrying(
+        request = dispatch.calls[i]
+        stood = await retrying(
             functools.partial(
-                self._recorder.record, dispatch.calls[i], ran, dispatch.dispatch_id, last
+                self._recorder.record, request, ran, dispatch.dispatch_id, last, fence=fence
             ),
-            what=f"recording {dispatch.calls[i].request_id}",
+            what=f"recording {request.request_id}",
         )
+        if stood is None and fence is not None:
+            await self._numbered.left_behind(request.job_id, fence.epoch)
+            return False
         self.calls += 1
+        return True
 
 
 class _TrainingSlices:

@@ -12,6 +12,7 @@ from plexrl.kafka import Publisher
 from plexrl.messages import CompletionStatus, PhaseCompletion, PhaseRequest, Timings
 from plexrl.payloads import inline_or_ref
 from plexrl.stores import CallStore, PayloadStore, TimelineEntry, TimelineStore
+from plexrl.stores.calls import FENCED, EpochFence
 from plexrl_worker import metrics
 from plexrl_worker.runner import Ran
 
@@ -51,25 +52,30 @@ class ResultRecorder:
         dispatch_id: str,
         last: bool,
         commit: Callable[[PhaseCompletion], Awaitable[bool]] | None = None,
+        fence: EpochFence | None = None,
     ) -> PhaseCompletion | None:
-        """Record and announce the call's completion; None when `commit` refused it (the
-        call was fenced off: another worker owns its job now, so nothing is announced)."""
+        """Record and announce the call's completion; None when `commit` or `fence`
+        refused it (the call was fenced off: another worker owns its job now, so nothing
+        is announced)."""
         completion, entry = await self._completion(request, ran, dispatch_id, last)
         # The job's ledger first: once the call is its last applied one, a replay is
         # answered from there, however long after; then the future's record (first wins).
         if commit is not None and not await commit(completion):
             return None
-        return (await self._store([(completion, entry)]))[0]
+        return (await self._store([(completion, entry)], fence))[0]
 
     async def record_together(
-        self, finished: Sequence[tuple[PhaseRequest, Ran, bool]], dispatch_id: str
-    ) -> list[PhaseCompletion]:
+        self,
+        finished: Sequence[tuple[PhaseRequest, Ran, bool]],
+        dispatch_id: str,
+        fence: EpochFence | None = None,
+    ) -> list[PhaseCompletion | None]:
         """`record` for calls that finished together (co-batched samples ending in one
         decode step), none numbered: their records, notices and timeline entries in one
         Redis round trip, their completions queued back to back, in this order. Each
         `(request, ran, last)`."""
         made = [await self._completion(r, ran, dispatch_id, last) for r, ran, last in finished]
-        return await self._store(made)
+        return await self._store(made, fence)
 
     async def _completion(
         self, request: PhaseRequest, ran: Ran, dispatch_id: str, last: bool
@@ -117,30 +123,37 @@ class ResultRecorder:
         return completion, entry
 
     async def _store(
-        self, made: Sequence[tuple[PhaseCompletion, TimelineEntry]]
-    ) -> list[PhaseCompletion]:
-        """Record, announce and publish completions; returns the records that stand."""
+        self, made: Sequence[tuple[PhaseCompletion, TimelineEntry]], fence: EpochFence | None
+    ) -> list[PhaseCompletion | None]:
+        """Record, announce and publish completions while `fence` stands; returns the
+        records that stand (None: the fence refused it, nothing was announced)."""
         # Independent writes in one round trip (a retry of the whole record may append
         # a timeline entry twice, as it could before; each record is NX).
         async with self._calls.pipeline() as pipe:
-            announced = [self._calls.queue_completion(pipe, c) for c, _ in made]
+            announced = [self._calls.queue_completion(pipe, c, fence) for c, _ in made]
             for _, entry in made:
                 self._timeline.queue_timeline(pipe, entry)
-            standing = (await pipe.execute())[: len(made)]  # the records' replies
+            replies = (await pipe.execute())[: len(made)]  # the records' replies
         # Recorded before (a replay that ran again): those records stand, read in one go.
         earlier = await self._calls.get_completions(
-            c.request_id for (c, _), stands in zip(made, standing, strict=True) if not stands
+            c.request_id for (c, _), reply in zip(made, replies, strict=True) if reply == 0
         )
-        stood = [earlier.get(c.request_id, c) for c, _ in made]
+        stood = [
+            None if reply == FENCED else earlier.get(c.request_id, c)
+            for (c, _), reply in zip(made, replies, strict=True)
+        ]
         # The records (and the ledger commit and results before them) must outlive a
         # failover before the completions are announced and published.
         await self._calls.replicated()
-        for completion, told, stands in zip(stood, announced, standing, strict=True):
-            if not (told and stands):
+        for completion, told, reply in zip(stood, announced, replies, strict=True):
+            if completion is not None and not (told and reply == 1):
                 await self._calls.announce(completion)
         for completion in stood:
-            await self.publish(completion)
-        for completion, entry in made:
+            if completion is not None:
+                await self.publish(completion)
+        for (completion, entry), reply in zip(made, replies, strict=True):
+            if reply == FENCED:
+                continue
             function, seconds = str(entry.function), entry.swap_s + entry.compute_s
             metrics.CALLS.labels(function, str(completion.status)).inc()
             metrics.BUSY_SECONDS.labels(function).inc(seconds)
