@@ -24,6 +24,7 @@ from aiokafka.errors import KafkaConnectionError
 
 from plexrl.direct import Route
 from plexrl.kafka import Delivery, MessageConsumer, Publisher, ensure_topics
+from plexrl.lease import SCHEDULER, lease_key
 from plexrl.ledger import Ledger
 from plexrl.messages import (
     CompletionStatus,
@@ -43,6 +44,7 @@ from plexrl_gateway.render import ResponseKind
 from plexrl_gateway.sequencer import Sequencer
 from plexrl_gateway.submitter import Call, Submission, Submitter, ready
 from plexrl_worker.intake import PollIntake
+from plexrl_worker.leader import LeaderFence
 from plexrl_worker.numbering import NumberedCalls
 from plexrl_worker.pipeline import DispatchPipeline
 from plexrl_worker.recorder import ResultRecorder
@@ -622,6 +624,52 @@ async def test_unnumbered_calls_run_before_any_read_and_their_lease_is_checked_a
     # Under the current epoch the same calls are recorded.
     await pipeline(Dispatch("d4", "w", calls=[request(3)], lease=Lease(2, [0])), delivery)
     assert await stores.calls.get_completion("req-3") is not None
+
+
+async def test_a_deposed_schedulers_pure_calls_run_but_are_not_recorded(
+    stores: Stores, cluster_id: str
+) -> None:
+    """A dispatch of pure calls is checked against the scheduler's term as each call is
+    recorded, not before it runs; a numbered one before, with the token read ahead."""
+    producer, recorder = flaky_recorder(stores)
+    ledger = Ledger(stores.keys.redis, cluster_id)
+    leader = LeaderFence(stores.keys.redis, lease_key(stores.keys.key, SCHEDULER) + ":token")
+    recovery, runs = Forgets(), Runs()
+    calls = NumberedCalls(ledger=ledger, recovery=recovery, runner=runs, recorder=recorder)  # type: ignore[arg-type]
+    intake = PollIntake(recorder, stores.calls, ledger, leader)
+    unused: Any = None
+    beat: Any = types.SimpleNamespace(busy=False)
+    pipeline = DispatchPipeline(
+        unused,
+        runs,  # type: ignore[arg-type]
+        recorder,
+        beat,
+        calls,
+        unused,
+        intake=intake,
+        leader=leader,
+    )
+    delivery = Delivery("t", 0, 0)
+    await ledger.bump_epoch(JOB, "w")
+    await stores.keys.redis.set(leader.token_key, 5)
+
+    def pure(n: int, token: int) -> Dispatch:
+        return Dispatch(f"d{n}", "w", calls=[request(n)], lease=Lease(1, [0]), leader_token=token)
+
+    await pipeline(pure(1, 5), delivery)
+    assert await stores.calls.get_completion("req-1") is not None
+    await stores.keys.redis.set(leader.token_key, 6)  # a newer term began
+    await pipeline(pure(2, 5), delivery)
+    assert runs.ran == ["req-1", "req-2"]  # it ran ...
+    assert await stores.calls.get_completion("req-2") is None  # ... and is not answered here
+    assert leader.skipped == 1 and recovery.forgotten == [] and calls.fenced == 0
+    # A numbered dispatch is skipped before it runs, by the token read with the poll's.
+    numbered_one = msgspec.structs.replace(numbered(JOB, 1), leader_token=5)
+    await pipeline.read_ahead([numbered_one])
+    assert intake.latest_token() == 6
+    await pipeline(numbered_one, delivery)
+    assert runs.ran == ["req-1", "req-2"] and leader.skipped == 2
+    assert producer.queued == ["req-1"]
 
 
 async def test_a_consumer_hands_a_whole_poll_ahead_before_handling_its_first_message(

@@ -33,24 +33,31 @@ _RECORD = """
 if ARGV[4] ~= '' and tonumber(redis.call('HGET', KEYS[3], 'epoch') or '0') > tonumber(ARGV[4]) then
   return -1
 end
+if ARGV[5] ~= '' and tonumber(redis.call('GET', KEYS[4]) or '0') > tonumber(ARGV[5]) then
+  return -1
+end
 if redis.call('SET', KEYS[1], ARGV[1], 'EX', ARGV[2], 'NX') then
   if ARGV[3] ~= '' then redis.call('PUBLISH', KEYS[2], ARGV[3]) end
   return 1
 end
 return 0
 """
-"""A completion's record, unless its fence's job moved on to a newer epoch (-1); if it
-stands (1, else 0: one stood already), its notice with it, where one is passed (a store
-that waits for replicas announces only once they hold the record)."""
+"""A completion's record, unless its fence refuses it (-1): the job moved on to a newer
+epoch, or a newer scheduler term began; if it stands (1, else 0: one stood already),
+its notice with it, where one is passed (a store that waits for replicas announces only
+once they hold the record)."""
 
 
 @dataclass(frozen=True)
-class EpochFence:
-    """A record that stands only while the job's lease is still the one it ran under:
-    the job's ledger head (`Ledger.head_key`) holds no newer epoch."""
+class RecordFence:
+    """What a call's record stands on: the lease it ran under (the job's ledger head,
+    `Ledger.head_key`, holds no newer epoch) and the scheduler term that sent it (the
+    `scheduler` lease's token key holds no newer token); an empty key checks nothing."""
 
-    ledger_key: str
-    epoch: int
+    ledger_key: str = ""
+    epoch: int = 0
+    token_key: str = ""
+    token: int = 0
 
 
 FENCED = -1
@@ -104,7 +111,7 @@ class CallStore(RedisStore):
         return stands
 
     def queue_completion(
-        self, pipe: Any, completion: PhaseCompletion, fence: EpochFence | None = None
+        self, pipe: Any, completion: PhaseCompletion, fence: RecordFence | None = None
     ) -> bool:
         """`record_completion` on a pipeline (`RedisStore.pipeline`), and only while
         `fence` stands: its reply is 1 if this record stands, 0 if one stood already
@@ -114,16 +121,19 @@ class CallStore(RedisStore):
         (`announce`) once the replicas hold it."""
         key = self._k("done", completion.request_id)
         announced = not self._keys.waits_for_replicas
+        fence = fence or RecordFence()
         pipe.eval(
             _RECORD,
-            3,
+            4,
             key,
             self.completed_channel,
-            key if fence is None else fence.ledger_key,
+            fence.ledger_key or key,
+            fence.token_key or key,
             encode(completion),
             self._keys.ttl_s,
             _notice(completion) if announced else b"",
-            "" if fence is None else str(fence.epoch),
+            str(fence.epoch) if fence.ledger_key else "",
+            str(fence.token) if fence.token_key else "",
         )
         return announced
 

@@ -148,8 +148,8 @@ async def build(settings: WorkerSettings, link: ClusterLink) -> Worker:
         settings.tail_threshold,
         lambda event: publisher.publish(topics.events, settings.worker_id, event),
     )
-    poll = PollIntake(recorder, stores.calls, ledger)
     leader = LeaderFence(stores.keys.redis, lease_key(stores.keys.key, SCHEDULER) + ":token")
+    poll = PollIntake(recorder, stores.calls, ledger, leader)
     pipeline = DispatchPipeline(
         states,
         runner,

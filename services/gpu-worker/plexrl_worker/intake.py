@@ -37,6 +37,7 @@ from plexrl.messages import Dispatch, PhaseCompletion, PhaseRequest, PreemptBatc
 from plexrl.stores import CallStore, Stores
 from plexrl.stores.calls import completions_of
 from plexrl.topics import Topics
+from plexrl_worker.leader import LeaderFence
 from plexrl_worker.preemption import Preemption
 from plexrl_worker.recorder import ResultRecorder
 
@@ -59,11 +60,21 @@ class PollIntake:
     """A poll's recorded completions and ledger heads read ahead, and its completions
     settled after it."""
 
-    def __init__(self, recorder: ResultRecorder, calls: CallStore, ledger: Ledger) -> None:
-        """`calls` and `ledger` on one Redis client (read in one round trip)."""
+    def __init__(
+        self,
+        recorder: ResultRecorder,
+        calls: CallStore,
+        ledger: Ledger,
+        leader: LeaderFence | None = None,
+    ) -> None:
+        """`calls`, `ledger` and `leader` on one Redis client (read in one round trip)."""
         self._recorder = recorder
         self._calls = calls
         self._ledger = ledger
+        self._leader = leader
+        self._latest: int | None = None
+        """The scheduler lease's latest token, read ahead for this poll's numbered
+        dispatches from a leader (`LeaderFence.deposed`)."""
         self._read: set[str] = set()
         """Calls of this poll whose record was read ahead and not asked for yet."""
         self._recorded: dict[str, PhaseCompletion] = {}
@@ -82,7 +93,7 @@ class PollIntake:
         of other jobs), and not a call running in the background, which the caller
         rules out by asking for no heads while one runs. A job re-homed in between is
         fenced at its commit, as one re-homed after `NumberedCalls.open` is."""
-        self._read, self._recorded, self._heads = set(), {}, {}
+        self._read, self._recorded, self._heads, self._latest = set(), {}, {}, None
         firsts: dict[str, Dispatch] = {}
         for dispatch in dispatches:
             for call in dispatch.calls:
@@ -96,17 +107,22 @@ class PollIntake:
             if heads and numbered(d) and d.calls[0].job_id == job_id
         ]
         ids = [c.request_id for c in calls]
+        led = self._leader is not None and any(d.leader_token for d in dispatches if numbered(d))
         async with self._calls.pipeline() as pipe:
             self._calls.queue_get_completions(pipe, ids)
             for job_id, _ in ahead:
                 self._ledger.queue_head(pipe, job_id)
+            if led and self._leader is not None:
+                self._leader.queue_latest(pipe)
             replies = await pipe.execute()
         self._recorded = completions_of(ids, replies[0])
         self._read = set(ids)
         self._heads = {
             d.dispatch_id: self._ledger.head_of(reply)
-            for (_, d), reply in zip(ahead, replies[1:], strict=True)
+            for (_, d), reply in zip(ahead, replies[1 : 1 + len(ahead)], strict=True)
         }
+        if led:
+            self._latest = LeaderFence.latest_of(replies[-1])
 
     async def recorded(self, calls: list[PhaseRequest]) -> dict[str, PhaseCompletion]:
         """Completions recorded for any of these calls: read ahead once per call (a call
@@ -118,13 +134,19 @@ class PollIntake:
         self._read.difference_update(ids)
         return {i: self._recorded[i] for i in ids if i in self._recorded}
 
+    def latest_token(self) -> int | None:
+        """The scheduler lease's latest token read ahead for this poll (None: not read).
+        It only grows: one read at the poll's start skips no fewer dispatches than a
+        read before each would have, but for a term that began in between."""
+        return self._latest
+
     def head(self, dispatch: Dispatch) -> LedgerState | None:
         """Its job's ledger head read ahead for this dispatch, once (None: not read)."""
         return self._heads.pop(dispatch.dispatch_id, None)
 
     async def settle(self) -> None:
         """After a poll's dispatches ran: until each of their completions is in Kafka."""
-        self._read, self._recorded, self._heads = set(), {}, {}
+        self._read, self._recorded, self._heads, self._latest = set(), {}, {}, None
         await self._recorder.settle()
 
 

@@ -25,7 +25,7 @@ from plexrl.ledger import MUTATING, Committed, Ledger, LedgerState, Verdict, ver
 from plexrl.messages import ErrorCode, ErrorInfo, PhaseCompletion, PhaseRequest
 from plexrl.retry import is_transient
 from plexrl.state_store_client import Fence
-from plexrl.stores.calls import EpochFence
+from plexrl.stores.calls import RecordFence
 from plexrl_worker.recorder import ResultRecorder
 from plexrl_worker.recovery import JobRecovery
 from plexrl_worker.runner import CallRunner, Ran, Slicing
@@ -88,11 +88,11 @@ class NumberedCalls:
         await self.left_behind(job_id, epoch, f"epoch {head.epoch}, owner {head.owner!r}")
         return None
 
-    def fence(self, job_id: str, epoch: int) -> EpochFence:
+    def fence(self, job_id: str, epoch: int) -> RecordFence:
         """The fence of a dispatch's unnumbered calls issued under `epoch`: each is
         recorded only while the job's ledger holds no newer epoch (they run before any
         read of it: `ResultRecorder.record`)."""
-        return EpochFence(self._ledger.head_key(job_id), epoch)
+        return RecordFence(self._ledger.head_key(job_id), epoch)
 
     async def left_behind(self, job_id: str, epoch: int, why: str = "a newer epoch") -> None:
         """The job was re-homed since a dispatch under `epoch` was issued: its calls are

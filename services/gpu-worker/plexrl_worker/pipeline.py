@@ -31,7 +31,7 @@ from plexrl.messages import (
     TailReleased,
 )
 from plexrl.retry import retrying
-from plexrl.stores.calls import EpochFence
+from plexrl.stores.calls import RecordFence
 from plexrl_worker import metrics
 from plexrl_worker.heartbeat import Heartbeat
 from plexrl_worker.intake import PollIntake
@@ -114,8 +114,19 @@ class DispatchPipeline:
     async def __call__(self, dispatch: Dispatch, delivery: Delivery) -> None:
         if direct.lease_of(dispatch.dispatch_id) is not None:
             failpoint("worker.direct_received")
-        if self._leader is not None and await self._leader.deposed(dispatch):
-            return
+        lease = dispatch.lease
+        seqs = [
+            lease.seqs[i] if lease is not None and i < len(lease.seqs) else 0
+            for i in range(len(dispatch.calls))
+        ]
+        # Pure calls only (samples, echoes) that move nothing: they run at once, and
+        # each is recorded only while its lease and its scheduler's term stand, or
+        # answered by a record made before it (a replay runs again; the first stands).
+        pure = bool(dispatch.calls) and not any(seqs) and not dispatch.evict
+        if self._leader is not None and dispatch.leader_token and not pure:
+            latest = self._intake.latest_token() if self._intake else None
+            if await self._leader.deposed(dispatch, latest):
+                return
         self._heartbeat.busy = True
         # A batch or training call preempted for this dispatch stays paused until it
         # lets go (below).
@@ -124,12 +135,7 @@ class DispatchPipeline:
         try:
             for move in dispatch.evict:
                 await self._states.move(move.job_id, move.to_tier)
-            lease = dispatch.lease
-            seqs = [
-                lease.seqs[i] if lease is not None and i < len(lease.seqs) else 0
-                for i in range(len(dispatch.calls))
-            ]
-            fence: EpochFence | None = None
+            fence: RecordFence | None = None
             turn: Turn | None = None
             replayed: dict[str, PhaseCompletion] = {}
             if lease is not None and any(seqs):
@@ -144,25 +150,24 @@ class DispatchPipeline:
                 )
                 if turn is None:
                     return  # re-homed since it was issued: the new home answers its calls
-            elif lease is not None and dispatch.calls:
-                # Pure calls only (samples, echoes): they run at once, and each is recorded
-                # only while its lease stands, or answered by a record made before it
-                # (a replay runs again; the first record stands).
-                fence = self._numbered.fence(dispatch.calls[0].job_id, lease.epoch)
+            elif dispatch.calls:
+                fence = self._fence(dispatch, pure)
             groups = _groups(dispatch, seqs, replayed)
+            left = False
             for n, (group, cobatched) in enumerate(groups):
                 # Only the last group may leave its tail running: calls after it would
                 # otherwise overtake it.
                 releasable = cobatched and n == len(groups) - 1
-                if not await self._run_group(
+                left = not await self._run_group(
                     dispatch, delivery, group, cobatched, releasable, seqs, replayed, turn, fence
-                ):
-                    break  # re-homed while it ran: the new home answers the rest
+                )
+                if left:
+                    break  # re-homed or deposed while it ran: the rest is left to the new one
             # Every completion of the dispatch is in Kafka before its offset is committed
             # (with an intake, once the poll's last dispatch ran).
             if self._intake is None:
                 await self._recorder.settle()
-            for move in dispatch.prefetch:
+            for move in [] if left else dispatch.prefetch:
                 await self._states.move(move.job_id, move.to_tier)
         finally:
             self._heartbeat.busy = False
@@ -170,6 +175,25 @@ class DispatchPipeline:
                 await self._preemption.open(claimed)
             if training is not None:
                 await self._training_pause.open(training)
+
+    def _fence(self, dispatch: Dispatch, pure: bool) -> RecordFence | None:
+        """What the records of a dispatch of unnumbered calls stand on: its lease, and
+        (`pure`: not checked before it ran) its scheduler's term."""
+        lease, job_id = dispatch.lease, dispatch.calls[0].job_id
+        fence = RecordFence() if lease is None else self._numbered.fence(job_id, lease.epoch)
+        if pure and self._leader is not None and dispatch.leader_token:
+            fence = dataclasses.replace(
+                fence, token_key=self._leader.token_key, token=dispatch.leader_token
+            )
+        return fence if fence != RecordFence() else None
+
+    async def _refused(self, dispatch: Dispatch, fence: RecordFence) -> None:
+        """A record `fence` refused: the scheduler that sent the dispatch was deposed, or
+        its job re-homed since (read again to tell which: it is rare), and the rest of
+        the dispatch is left to the new leader or home."""
+        if fence.token_key and self._leader is not None and await self._leader.deposed(dispatch):
+            return
+        await self._numbered.left_behind(dispatch.calls[0].job_id, fence.epoch)
 
     async def _run_group(
         self,
@@ -181,7 +205,7 @@ class DispatchPipeline:
         seqs: list[int],
         replayed: dict[str, PhaseCompletion],
         turn: Turn | None,
-        fence: EpochFence | None,
+        fence: RecordFence | None,
     ) -> bool:
         """Run calls `group` of the dispatch: one call, or sample calls co-batched (and
         with `releasable`, left to finish in the background once down to their tail).
@@ -240,7 +264,7 @@ class DispatchPipeline:
             return await self._record(dispatch, i, ran, i == last_i, fence)
 
     async def _run_samples(
-        self, dispatch: Dispatch, group: list[int], releasable: bool, fence: EpochFence | None
+        self, dispatch: Dispatch, group: list[int], releasable: bool, fence: RecordFence | None
     ) -> None:
         """Run a co-batched group and record its calls. When it is releasable, return as
         soon as the batch is down to its tail (with the tail release on) or the scheduler
@@ -294,7 +318,7 @@ class DispatchPipeline:
             )
             if fence is not None and None in stood and not left_behind:
                 left_behind.append(True)
-                await self._numbered.left_behind(dispatch.calls[0].job_id, fence.epoch)
+                await self._refused(dispatch, fence)
 
         async def run_and_record() -> None:
             try:
@@ -376,7 +400,7 @@ class DispatchPipeline:
         task.add_done_callback(_finished_tail(self.tails))
 
     async def _record(
-        self, dispatch: Dispatch, i: int, ran: Ran, last: bool, fence: EpochFence | None
+        self, dispatch: Dispatch, i: int, ran: Ran, last: bool, fence: RecordFence | None
     ) -> bool:
         """Record an unnumbered call; False when `fence` refused it (re-homed since)."""
         # Retried in place while Redis is away: the call ran, only its record is
@@ -389,7 +413,7 @@ class DispatchPipeline:
             what=f"recording {request.request_id}",
         )
         if stood is None and fence is not None:
-            await self._numbered.left_behind(request.job_id, fence.epoch)
+            await self._refused(dispatch, fence)
             return False
         self.calls += 1
         return True

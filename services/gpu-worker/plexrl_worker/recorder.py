@@ -12,7 +12,7 @@ from plexrl.kafka import Publisher
 from plexrl.messages import CompletionStatus, PhaseCompletion, PhaseRequest, Timings
 from plexrl.payloads import inline_or_ref
 from plexrl.stores import CallStore, PayloadStore, TimelineEntry, TimelineStore
-from plexrl.stores.calls import FENCED, EpochFence
+from plexrl.stores.calls import FENCED, RecordFence
 from plexrl_worker import metrics
 from plexrl_worker.runner import Ran
 
@@ -52,7 +52,7 @@ class ResultRecorder:
         dispatch_id: str,
         last: bool,
         commit: Callable[[PhaseCompletion], Awaitable[bool]] | None = None,
-        fence: EpochFence | None = None,
+        fence: RecordFence | None = None,
     ) -> PhaseCompletion | None:
         """Record and announce the call's completion; None when `commit` or `fence`
         refused it (the call was fenced off: another worker owns its job now, so nothing
@@ -68,7 +68,7 @@ class ResultRecorder:
         self,
         finished: Sequence[tuple[PhaseRequest, Ran, bool]],
         dispatch_id: str,
-        fence: EpochFence | None = None,
+        fence: RecordFence | None = None,
     ) -> list[PhaseCompletion | None]:
         """`record` for calls that finished together (co-batched samples ending in one
         decode step), none numbered: their records, notices and timeline entries in one
@@ -123,7 +123,7 @@ class ResultRecorder:
         return completion, entry
 
     async def _store(
-        self, made: Sequence[tuple[PhaseCompletion, TimelineEntry]], fence: EpochFence | None
+        self, made: Sequence[tuple[PhaseCompletion, TimelineEntry]], fence: RecordFence | None
     ) -> list[PhaseCompletion | None]:
         """Record, announce and publish completions while `fence` stands; returns the
         records that stand (None: the fence refused it, nothing was announced)."""
