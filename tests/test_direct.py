@@ -335,6 +335,43 @@ async def test_a_job_whose_dispatch_ends_with_nothing_queued_gets_a_lease(
     ]
 
 
+async def test_a_job_whose_next_call_runs_behind_its_ended_dispatch_gets_a_lease(
+    gateway: Gateway, ledger: Ledger, leases: DirectLeases
+) -> None:
+    """A client one call at a time sends its next call before the scheduler sees the
+    last one's completion (it reads completions up to a fetch's wait late): that call is
+    dispatched the normal way, and the lease is granted behind it, not only when the
+    worker is idle; another job's dispatch on the worker keeps it ungranted."""
+    s = scheduler(leases)
+    await resident_after_a_dispatch(s, ledger)
+    s.state.on_request(request(1, Function.NOOP), delivery(1))
+    s.state.apply_run("d1", WORKER, JOB, s.state.take_pending(("req-1",)), ())
+    await s.path.step()
+    assert s.state.held == {WORKER: JOB}
+    (fb,) = await gateway.call(Function.FORWARD_BACKWARD)
+    assert [(rid, route.seq if route else None) for rid, route in await gateway.flush()] == [
+        (fb, 2)
+    ]
+    # The dispatch in flight ends: the lease stands.
+    s.state.on_completion(replace(completion("req-1", "d1"), last_in_dispatch=True))
+    await s.path.step()
+    assert s.state.held == {WORKER: JOB}
+
+
+async def test_no_lease_while_another_jobs_dispatch_runs_on_the_worker(
+    ledger: Ledger, leases: DirectLeases
+) -> None:
+    s = scheduler(leases)
+    await resident_after_a_dispatch(s, ledger)
+    other = "job-2"
+    s.state.add_job(other, "t", JobSpec(base_model="m"), home=WORKER)
+    s.state.apply_admit(other, WORKER, await ledger.bump_epoch(other, WORKER))
+    s.state.on_request(request(1, Function.NOOP, job=other), delivery(1))
+    s.state.apply_run("d1", WORKER, other, s.state.take_pending(("req-1",)), ())
+    await s.path.step()
+    assert s.state.held == {}
+
+
 async def test_no_lease_for_an_asynchronous_job_on_a_worker_that_slices_training(
     ledger: Ledger, leases: DirectLeases
 ) -> None:

@@ -3,8 +3,8 @@ worker, and the scheduler takes the lease back before it acts on that worker.
 
 The protocol, and why per-job order and exactly-once hold across a grant and a revoke,
 are in `plexrl.direct`; this component decides when. It grants a lease when a job's
-dispatch has just ended on its home with nothing else queued for that worker (the job
-is resident and active); renews it while the job keeps calling; revokes it when a call
+dispatch has just ended on its home with nothing else queued for that worker and no
+other job's dispatch running there (the job is resident and active); renews it while the job keeps calling; revokes it when a call
 of any job is queued for the worker (one of the job's own that came the normal way
 too), when the actuator is about to act on the worker (a swap, a preemption), when the
 worker dies or the job leaves its home. From the grant until every call handed out
@@ -215,7 +215,11 @@ class DirectPath:
             or job.home != worker_id
             or job.tier != Tier.DEVICE
             or job.epoch == 0  # not known since a restart: its next dispatch learns it
-            or worker_id in self._state.inflight
+            # The worker runs another dispatch; one of this job's own (its next call,
+            # dispatched before this one's end was seen: completions come up to a
+            # fetch's wait late) does not stand in the way: the lease's calls go to the
+            # worker's topic behind it, and the grant waits for its numbered calls.
+            or self._state.inflight.get(worker_id, run).job_id != run.job_id
             or not self._state.healthy(worker_id)
             or not any(p.request.function in LEASED for p in run.calls)  # sampling, say
             or any(t.worker_id == worker_id for t in self._state.tails.values())
