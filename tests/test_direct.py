@@ -352,10 +352,17 @@ async def test_a_job_whose_next_call_runs_behind_its_ended_dispatch_gets_a_lease
     assert [(rid, route.seq if route else None) for rid, route in await gateway.flush()] == [
         (fb, 2)
     ]
-    # The dispatch in flight ends: the lease stands.
+    # A call of the job that came the normal way does not follow the dispatch in
+    # flight (the direct call may be on the worker's topic already): it revokes the
+    # lease, and the worker stays held after the dispatch ends, until the direct call
+    # is answered.
+    s.state.on_request(request(3, Function.NOOP), delivery(3))
+    assert s.state.follow_up_running(WORKER) is None
     s.state.on_completion(replace(completion("req-1", "d1"), last_in_dispatch=True))
     await s.path.step()
-    assert s.state.held == {WORKER: JOB}
+    (late,) = await gateway.call(Function.FORWARD_BACKWARD)
+    assert (await gateway.flush())[0] == (late, None)  # revoked: the normal way
+    assert s.state.held == {WORKER: JOB} and s.path.status()["draining"] == 1
 
 
 async def test_no_lease_while_another_jobs_dispatch_runs_on_the_worker(

@@ -507,9 +507,13 @@ class ClusterState:
         worker's topic; `plexrl.policy.follow_up` says which); None when none may: no
         dispatch, or one asked to yield, its job not homed there or with nothing queued,
         or another job homed there waiting (the policy chooses between them when the
-        worker is free)."""
+        worker is free), or a direct lease holding the worker (granted behind the
+        dispatch: its calls may be on the topic already, and nothing of the scheduler's
+        goes after them until they are answered)."""
         run = self.inflight.get(worker_id)
         if run is None or run.preempt_asked or run.job_id not in self._queued:
+            return None
+        if worker_id in self.held:
             return None
         job = self.jobs.get(run.job_id)
         if job is None or job.home != worker_id:
