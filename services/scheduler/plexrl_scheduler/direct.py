@@ -4,16 +4,17 @@ worker, and the scheduler takes the lease back before it acts on that worker.
 The protocol, and why per-job order and exactly-once hold across a grant and a revoke,
 are in `plexrl.direct`; this component decides when. It grants a lease when a job's
 dispatch has just ended on its home with nothing else queued for that worker and no
-other job's dispatch running there (the job is resident and active); renews it while the job keeps calling; revokes it when a call
-of any job is queued for the worker (one of the job's own that came the normal way
-too), when the actuator is about to act on the worker (a swap, a preemption), when the
-worker dies or the job leaves its home. From the grant until every call handed out
-under the lease is answered, the worker is held (`ClusterState.held`): the policy sees
-the job running there and nothing else is sent to it, so no dispatch of the scheduler
-overtakes a direct call on the worker's topic. A direct call that will not be answered
-(its worker died; or the worker reported idle past the grace with it unanswered: a
-gateway died holding it) is put back in the queue, numbered as it was, for the
-scheduler to dispatch itself.
+other job's dispatch running there (the job is resident and active); renews it while the
+job keeps calling; revokes it when a call of any job is queued for the worker (one of
+the job's own that came the normal way too), when the actuator is about to act on the
+worker (a swap, a preemption), when the worker dies or the job leaves its home. From the
+grant until every call handed out under the lease is answered, the worker is held
+(`ClusterState.held`): the policy sees the job running there and nothing else is sent to
+it (nor follows a dispatch of the job still in flight there), so no dispatch of the
+scheduler overtakes a direct call on the worker's topic. A direct call that will not be
+answered (its worker died; or the worker reported idle past the grace with it
+unanswered: a gateway died holding it) is put back in the queue, numbered as it was, for
+the scheduler to dispatch itself.
 """
 
 from __future__ import annotations
