@@ -187,6 +187,7 @@ SHARED_KEYS = {
     "tml-trace": "tracer",
     "tml-trace-other": "not-the-tracer",
     "tml-cli": "cli-user",
+    "tml-pure-kill": "pure-kill",
 }
 """API keys (and their tenants) of the shared cluster: each test module using it has
 keys of its own, so no module sees another's jobs or checkpoints."""
