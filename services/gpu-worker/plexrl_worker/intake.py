@@ -107,13 +107,14 @@ class PollIntake:
             if heads and numbered(d) and d.calls[0].job_id == job_id
         ]
         ids = [c.request_id for c in calls]
-        led = self._leader is not None and any(d.leader_token for d in dispatches if numbered(d))
+        led = any(d.leader_token for d in dispatches if numbered(d))
+        leader = self._leader if led else None
         async with self._calls.pipeline() as pipe:
             self._calls.queue_get_completions(pipe, ids)
             for job_id, _ in ahead:
                 self._ledger.queue_head(pipe, job_id)
-            if led and self._leader is not None:
-                self._leader.queue_latest(pipe)
+            if leader is not None:
+                leader.queue_latest(pipe)
             replies = await pipe.execute()
         self._recorded = completions_of(ids, replies[0])
         self._read = set(ids)
@@ -121,8 +122,8 @@ class PollIntake:
             d.dispatch_id: self._ledger.head_of(reply)
             for (_, d), reply in zip(ahead, replies[1 : 1 + len(ahead)], strict=True)
         }
-        if led:
-            self._latest = LeaderFence.latest_of(replies[-1])
+        if leader is not None:
+            self._latest = leader.latest_of(replies[-1])
 
     async def recorded(self, calls: list[PhaseRequest]) -> dict[str, PhaseCompletion]:
         """Completions recorded for any of these calls: read ahead once per call (a call

@@ -55,15 +55,11 @@ class LeaderFence:
             latest = self.latest_of(await self._redis.get(self._token_key))
         if dispatch.leader_token >= latest:
             return False
-        self.skip(dispatch, f"the leader's is {latest}")
-        return True
-
-    def skip(self, dispatch: Dispatch, why: str = "a newer term began") -> None:
-        """Count and log a dispatch left because its scheduler was deposed."""
         self.skipped += 1
         log.warning(
-            "dispatch %s is from a deposed scheduler (token %d; %s): skipped",
+            "dispatch %s is from a deposed scheduler (token %d, the leader's is %d): skipped",
             dispatch.dispatch_id,
             dispatch.leader_token,
-            why,
+            latest,
         )
+        return True

@@ -34,7 +34,7 @@ from plexrl.retry import retrying
 from plexrl.stores.calls import RecordFence
 from plexrl_worker import metrics
 from plexrl_worker.heartbeat import Heartbeat
-from plexrl_worker.intake import PollIntake
+from plexrl_worker.intake import PollIntake, numbered
 from plexrl_worker.leader import LeaderFence
 from plexrl_worker.numbering import NumberedCalls, Turn
 from plexrl_worker.preemption import Preemption
@@ -115,14 +115,10 @@ class DispatchPipeline:
         if direct.lease_of(dispatch.dispatch_id) is not None:
             failpoint("worker.direct_received")
         lease = dispatch.lease
-        seqs = [
-            lease.seqs[i] if lease is not None and i < len(lease.seqs) else 0
-            for i in range(len(dispatch.calls))
-        ]
         # Pure calls only (samples, echoes) that move nothing: they run at once, and
         # each is recorded only while its lease and its scheduler's term stand, or
         # answered by a record made before it (a replay runs again; the first stands).
-        pure = bool(dispatch.calls) and not any(seqs) and not dispatch.evict
+        pure = bool(dispatch.calls) and not numbered(dispatch) and not dispatch.evict
         if self._leader is not None and dispatch.leader_token and not pure:
             latest = self._intake.latest_token() if self._intake else None
             if await self._leader.deposed(dispatch, latest):
@@ -138,7 +134,7 @@ class DispatchPipeline:
             fence: RecordFence | None = None
             turn: Turn | None = None
             replayed: dict[str, PhaseCompletion] = {}
-            if lease is not None and any(seqs):
+            if lease is not None and numbered(dispatch):
                 # A dispatch's numbered calls are of one job (its lease's): its ledger
                 # head is read once, beside its other calls' records (one Redis round
                 # trip's wait, read ahead with the poll's where the intake could).
@@ -152,6 +148,10 @@ class DispatchPipeline:
                     return  # re-homed since it was issued: the new home answers its calls
             elif dispatch.calls:
                 fence = self._fence(dispatch, pure)
+            seqs = [
+                lease.seqs[i] if lease is not None and i < len(lease.seqs) else 0
+                for i in range(len(dispatch.calls))
+            ]
             groups = _groups(dispatch, seqs, replayed)
             left = False
             for n, (group, cobatched) in enumerate(groups):
@@ -473,10 +473,6 @@ class _TrainingSlices:
             self.released.set()
         if self.released.is_set():  # only a released call waits for the pause
             await self._pause.wait_open()
-
-
-async def _none() -> None:
-    return None
 
 
 def _groups(
