@@ -14,7 +14,7 @@ import time
 import types
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -296,6 +296,24 @@ class FlakyProducer:
         self.published.append(message.request_id)
 
 
+@dataclass
+class Pipelines:
+    """Counts the Redis pipelines (round trips) the call store makes."""
+
+    made: int = 0
+
+
+def count_pipelines(stores: Stores, monkeypatch: pytest.MonkeyPatch) -> Pipelines:
+    counter, make = Pipelines(), stores.calls.pipeline
+
+    def counted() -> Any:
+        counter.made += 1
+        return make()
+
+    monkeypatch.setattr(stores.calls, "pipeline", counted)
+    return counter
+
+
 def ran() -> Ran:
     return Ran(NoopOutput(), None, 0.0, 0.001, time.time())
 
@@ -323,15 +341,7 @@ async def test_calls_that_finished_together_are_recorded_in_one_round_trip(
     first = await recorder.record(request(1), ran(), "d0", last=True)
     assert first is not None
     producer.queued.clear()
-    pipelines = 0
-    make = stores.calls.pipeline
-
-    def counted() -> Any:
-        nonlocal pipelines
-        pipelines += 1
-        return make()
-
-    monkeypatch.setattr(stores.calls, "pipeline", counted)
+    pipelines = count_pipelines(stores, monkeypatch)
     seen: list[Any] = []
     announce = stores.calls.announce
 
@@ -343,7 +353,7 @@ async def test_calls_that_finished_together_are_recorded_in_one_round_trip(
     finished = [(request(n), ran(), n == 4) for n in range(5)]
     together = await recorder.record_together(finished, "d1")
     stood = [c for c in together if c is not None]
-    assert pipelines == 1  # five records, notices and timeline entries: one round trip
+    assert pipelines.made == 1  # five records, notices and timeline entries: one round trip
     assert [c.request_id for c in stood] == [f"req-{n}" for n in range(5)]
     assert [c.dispatch_id for c in stood] == ["d1", "d0", "d1", "d1", "d1"]
     assert stood[4].last_in_dispatch and not stood[3].last_in_dispatch
@@ -573,6 +583,37 @@ class Runs:
         return ran()
 
 
+@dataclass
+class Worker:
+    """A worker's dispatch pipeline on the real Redis: its recorder's producer, recovery
+    and runner stood in for (`FlakyProducer`, `Forgets`, `Runs`)."""
+
+    producer: FlakyProducer
+    ledger: Ledger
+    recovery: Forgets
+    runs: Runs
+    calls: NumberedCalls
+    intake: PollIntake
+    pipeline: DispatchPipeline
+
+    @classmethod
+    def on(cls, stores: Stores, cluster_id: str, leader: LeaderFence | None = None) -> Worker:
+        producer, recorder = flaky_recorder(stores)
+        ledger = Ledger(stores.keys.redis, cluster_id)
+        recovery, runs = Forgets(), Runs()
+        runner: Any = runs
+        calls = NumberedCalls(
+            ledger=ledger, recovery=cast(Any, recovery), runner=runner, recorder=recorder
+        )
+        intake = PollIntake(recorder, stores.calls, ledger, leader)
+        unused: Any = None
+        beat: Any = types.SimpleNamespace(busy=False)
+        pipeline = DispatchPipeline(
+            unused, runner, recorder, beat, calls, unused, intake=intake, leader=leader
+        )
+        return cls(producer, ledger, recovery, runs, calls, intake, pipeline)
+
+
 async def test_unnumbered_calls_run_before_any_read_and_their_lease_is_checked_at_the_record(
     stores: Stores, cluster_id: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -580,30 +621,16 @@ async def test_unnumbered_calls_run_before_any_read_and_their_lease_is_checked_a
     run; each record stands only while the lease does (re-homed, the rest of the
     dispatch is left to the new home), and a replay runs again but is answered with the
     record that stood."""
-    producer, recorder = flaky_recorder(stores)
-    ledger = Ledger(stores.keys.redis, cluster_id)
-    recovery, runs = Forgets(), Runs()
-    calls = NumberedCalls(ledger=ledger, recovery=recovery, runner=runs, recorder=recorder)  # type: ignore[arg-type]
-    intake = PollIntake(recorder, stores.calls, ledger)
-    unused: Any = None
-    beat: Any = types.SimpleNamespace(busy=False)
-    pipeline = DispatchPipeline(unused, runs, recorder, beat, calls, unused, intake=intake)  # type: ignore[arg-type]
-    delivery = Delivery("t", 0, 0)
+    w = Worker.on(stores, cluster_id)
+    producer, ledger, recovery, runs, calls = w.producer, w.ledger, w.recovery, w.runs, w.calls
+    pipeline, delivery = w.pipeline, Delivery("t", 0, 0)
     await ledger.bump_epoch(JOB, "w")  # epoch 1
-    pipelines = 0
-    pipeline_of = stores.calls.pipeline
-
-    def counted() -> Any:
-        nonlocal pipelines
-        pipelines += 1
-        return pipeline_of()
-
-    monkeypatch.setattr(stores.calls, "pipeline", counted)
+    pipelines = count_pipelines(stores, monkeypatch)
     first = Dispatch("d1", "w", calls=[request(1), request(2)], lease=Lease(1, [0, 0]))
     await pipeline.read_ahead([first])
-    assert pipelines == 0  # nothing to read ahead
+    assert pipelines.made == 0  # nothing to read ahead
     await pipeline(first, delivery)
-    assert pipelines == 2 and runs.ran == ["req-1", "req-2"]  # one record each
+    assert pipelines.made == 2 and runs.ran == ["req-1", "req-2"]  # one record each
     assert (await stores.calls.get_completion("req-2")) is not None
     # A replay: run again, answered with the first record.
     stored = await stores.calls.get_completion("req-1")
@@ -631,25 +658,10 @@ async def test_a_deposed_schedulers_pure_calls_run_but_are_not_recorded(
 ) -> None:
     """A dispatch of pure calls is checked against the scheduler's term as each call is
     recorded, not before it runs; a numbered one before, with the token read ahead."""
-    producer, recorder = flaky_recorder(stores)
-    ledger = Ledger(stores.keys.redis, cluster_id)
     leader = LeaderFence(stores.keys.redis, lease_key(stores.keys.key, SCHEDULER) + ":token")
-    recovery, runs = Forgets(), Runs()
-    calls = NumberedCalls(ledger=ledger, recovery=recovery, runner=runs, recorder=recorder)  # type: ignore[arg-type]
-    intake = PollIntake(recorder, stores.calls, ledger, leader)
-    unused: Any = None
-    beat: Any = types.SimpleNamespace(busy=False)
-    pipeline = DispatchPipeline(
-        unused,
-        runs,  # type: ignore[arg-type]
-        recorder,
-        beat,
-        calls,
-        unused,
-        intake=intake,
-        leader=leader,
-    )
-    delivery = Delivery("t", 0, 0)
+    w = Worker.on(stores, cluster_id, leader)
+    producer, ledger, recovery, runs, calls = w.producer, w.ledger, w.recovery, w.runs, w.calls
+    intake, pipeline, delivery = w.intake, w.pipeline, Delivery("t", 0, 0)
     await ledger.bump_epoch(JOB, "w")
     await stores.keys.redis.set(leader.token_key, 5)
 
