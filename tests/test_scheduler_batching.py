@@ -11,6 +11,7 @@ import redis.asyncio as aioredis
 from aiokafka import TopicPartition
 from msgspec.structs import replace
 
+from plexrl import tracing
 from plexrl.kafka import Delivery
 from plexrl.ledger import Ledger
 from plexrl.messages import (
@@ -237,7 +238,7 @@ class Producer:
         self.sent: list[Dispatch] = []
 
     async def publish(
-        self, topic: str, key: Any, message: Any, headers: list[tuple[str, bytes]] | None = None
+        self, topic: str, key: Any, message: Any, headers: tracing.Headers | None = None
     ) -> None:
         self.sent.append(message)
 
@@ -360,7 +361,7 @@ class HeldProducer:
         self._failing = failing
 
     async def publish(
-        self, topic: str, key: Any, message: Any, headers: list[tuple[str, bytes]] | None = None
+        self, topic: str, key: Any, message: Any, headers: tracing.Headers | None = None
     ) -> None:
         self.started.append(topic)
         await self.release.wait()

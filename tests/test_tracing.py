@@ -391,7 +391,7 @@ def test_a_kafka_record_carries_a_send_span_only_inside_a_sampled_trace() -> Non
     tracing.setup_tracing("test", exporter)
     tracer = tracing.tracer("test")
 
-    def carried(headers: list[tuple[str, bytes]]) -> Any:
+    def carried(headers: tracing.Headers) -> Any:
         assert [k for k, _ in headers] == ["traceparent"]
         context = tracing.context_of_headers(headers)
         from opentelemetry import trace

@@ -279,7 +279,7 @@ class Publisher:
         topic: str,
         key: str | bytes | None,
         message: Any,
-        headers: list[tuple[str, bytes]] | None = None,
+        headers: tracing.Headers | None = None,
     ) -> None:
         """Send and wait for the broker's acknowledgement (retrying, after `retry_until`).
         `headers`: the record's trace context where the caller has it already (see
@@ -300,7 +300,7 @@ class Publisher:
         topic: str,
         key: str | bytes | None,
         message: Any,
-        headers: list[tuple[str, bytes]] | None = None,
+        headers: tracing.Headers | None = None,
     ) -> None:
         await self.publish_raw(topic, _key_bytes(key), self._encoded(message), headers)
 
@@ -334,7 +334,7 @@ class Publisher:
         topic: str,
         key: bytes | None,
         value: bytes,
-        headers: list[tuple[str, bytes]] | None = None,
+        headers: tracing.Headers | None = None,
     ) -> None:
         producer = self._producer
         if headers is None:

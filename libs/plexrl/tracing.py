@@ -294,7 +294,11 @@ _ids = RandomIdGenerator()
 _kafka_tracer = trace.get_tracer("plexrl.kafka")
 
 
-def record_headers(topic: str) -> list[tuple[str, bytes]]:
+Headers = list[tuple[str, bytes]]
+"""A Kafka record's headers, as the producer takes them."""
+
+
+def record_headers(topic: str) -> Headers:
     """The headers of a Kafka record sent now: the trace context it carries.
 
     Inside a sampled span a `<topic> send` PRODUCER span is made (ended at once, as a
@@ -366,7 +370,7 @@ def unrecorded_child(headers: Sequence[tuple[str, bytes]] | None) -> NonRecordin
     )
 
 
-def unrecorded_headers(span: trace.Span) -> list[tuple[str, bytes]] | None:
+def unrecorded_headers(span: trace.Span) -> Headers | None:
     """The headers `record_headers` writes for a record sent inside `span` where that
     makes no producer span (`span` not sampled) and carries only its `traceparent`
     (no trace state, no baggage, W3C propagation): built from the span's ids directly,

@@ -52,7 +52,7 @@ class Sends(Protocol):
         topic: str,
         key: str | bytes | None,
         message: Any,
-        headers: list[tuple[str, bytes]] | None = None,
+        headers: tracing.Headers | None = None,
     ) -> None: ...
 
 
