@@ -12,7 +12,7 @@ from aiokafka import TopicPartition
 from msgspec.structs import replace
 
 from plexrl import tracing
-from plexrl.kafka import Delivery
+from plexrl.kafka import LOW_LATENCY, Delivery
 from plexrl.ledger import Ledger
 from plexrl.messages import (
     CompletionStatus,
@@ -29,7 +29,7 @@ from plexrl.policy import PolicyConfig, Run, decide
 from plexrl.topics import Topics
 from plexrl_scheduler.actuator import Actuator
 from plexrl_scheduler.loop import ControlLoop, Step
-from plexrl_scheduler.main import Pace
+from plexrl_scheduler.main import COMPLETIONS_FETCH, Pace, completions_fetch
 from plexrl_scheduler.offsets import OffsetTracker
 from plexrl_scheduler.pipeline import FollowUps, PipelineConfig
 from plexrl_scheduler.receiver import Receiver
@@ -229,6 +229,13 @@ def test_whole_decisions_take_at_most_their_share_of_the_time() -> None:
     pace.decided(False, 0.001)  # decisions on touched groups do not move it
     clock.t += 0.1
     assert pace.whole_now() and pace.wait_s(whole_due=True) == 0.0
+
+
+def test_completions_are_fetched_at_once_while_calls_wait_and_in_fuller_fetches_otherwise() -> None:
+    assert completions_fetch(queued=True) == LOW_LATENCY
+    assert LOW_LATENCY.min_bytes == 1  # answered at the first record
+    assert completions_fetch(queued=False) == COMPLETIONS_FETCH
+    assert COMPLETIONS_FETCH.min_bytes > 1 and COMPLETIONS_FETCH.max_wait_ms <= 5
 
 
 class Producer:

@@ -559,6 +559,7 @@ class MessageConsumer(Generic[T]):
             request_timeout_ms=self._tuning.request_timeout_ms,
             metadata_max_age_ms=METADATA_MAX_AGE_MS,
         )
+        self._fetch = fetch
         self.handled = 0
         self.dead_lettered = 0
         self.retries = 0
@@ -572,6 +573,23 @@ class MessageConsumer(Generic[T]):
     @property
     def name(self) -> str:
         return self._name
+
+    @property
+    def fetch(self) -> FetchTuning:
+        """How its fetches ask the broker now (`tune`)."""
+        return self._fetch
+
+    def tune(self, fetch: FetchTuning) -> None:
+        """Ask the broker this way from the next fetch on (one waiting at the broker now
+        keeps the terms it was sent with). aiokafka reads the two figures from its
+        fetcher for every request it builds and has no setter for them."""
+        if fetch == self._fetch:
+            return
+        self._fetch = fetch
+        for holder in (self._consumer, getattr(self._consumer, "_fetcher", None)):
+            if holder is not None:
+                holder._fetch_max_wait_ms = fetch.max_wait_ms
+                holder._fetch_min_bytes = fetch.min_bytes
 
     async def start(self) -> None:
         await self._consumer.start()

@@ -15,7 +15,14 @@ from fastapi import HTTPException
 from plexrl.dead_letters import DeadLetters
 from plexrl.direct import DirectLeases
 from plexrl.health import HttpServer, health_app
-from plexrl.kafka import ConsumerTuning, FetchTuning, MessageConsumer, Publisher, ensure_topics
+from plexrl.kafka import (
+    LOW_LATENCY,
+    ConsumerTuning,
+    FetchTuning,
+    MessageConsumer,
+    Publisher,
+    ensure_topics,
+)
 from plexrl.lease import Fence, Term
 from plexrl.ledger import Ledger
 from plexrl.messages import Dispatch, Event, PhaseCompletion, PhaseRequest
@@ -38,9 +45,18 @@ from plexrl_scheduler.state import ClusterState
 log = logging.getLogger("plexrl.scheduler")
 
 COMPLETIONS_FETCH = FetchTuning(max_wait_ms=5, min_bytes=16 * 1024)
-"""The scheduler's completions: a fetch waits up to 5 ms for 16 KiB (some 40 completions)
-of records, so at thousands of calls a second it fetches a few hundred times a second,
-not once per record; a dispatch's end is seen at most 5 ms later."""
+"""The scheduler's completions while no call waits in its queue: a fetch waits up to
+5 ms for 16 KiB (some 40 completions) of records, so at thousands of calls a second
+under direct leases it fetches a few hundred times a second, not once per record."""
+
+
+def completions_fetch(queued: bool) -> FetchTuning:
+    """How the scheduler's completions consumer asks the broker, `queued`: whether calls
+    wait in the scheduler's queue. While they do, a completion may free the worker one
+    of them waits for, and a dispatch's end seen 5 ms late idles that worker 5 ms: each
+    fetch is answered at the first record. While none does (idle, or every job's calls
+    under a direct lease), fuller fetches (`COMPLETIONS_FETCH`)."""
+    return LOW_LATENCY if queued else COMPLETIONS_FETCH
 
 
 async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
@@ -157,6 +173,9 @@ async def lead(
     async def record() -> None:
         metrics.observe(state)
 
+    async def fetch_completions() -> None:
+        inbox.completions.tune(completions_fetch(bool(state.pending)))
+
     loop = ControlLoop(  # each step guarded: a failure is logged, the next pass retries
         [
             Step("topics", lambda: ensure_worker_topics(settings, topics, receiver)),
@@ -167,6 +186,8 @@ async def lead(
             Step("follow-ups", follow_ups.step),
             # Grants where a job's dispatch just ended, renewals, revocations on demand.
             Step("direct leases", direct.step),
+            # Completions at once while calls wait for a worker, fuller fetches otherwise.
+            Step("completions fetch", fetch_completions),
             Step("record", record, every_s=0.5),
         ]
     )
@@ -296,20 +317,21 @@ class Inbox:
             commit_after_handler=False,
             skipped=lambda d: self.receiver.finished(d),
         )
+        self.completions: MessageConsumer[PhaseCompletion] = consumer(
+            topics.completions,
+            topics.group("scheduler-completions"),
+            PhaseCompletion,
+            lambda m, d: self.receiver.on_completion(m, d),
+            # One Redis round trip per offset commit (every 0.25 s while busy):
+            # the usage in Redis lags the calls by at most that.
+            before_commit=lambda: self.receiver.flush_usage(),
+            # Fuller fetches until calls wait (`completions_fetch`): the gateways answer
+            # calls from their own notices.
+            fetch=COMPLETIONS_FETCH,
+        )
         self.consumers: list[MessageConsumer[Any]] = [
             self.requests,
-            consumer(
-                topics.completions,
-                topics.group("scheduler-completions"),
-                PhaseCompletion,
-                lambda m, d: self.receiver.on_completion(m, d),
-                # One Redis round trip per offset commit (every 0.25 s while busy):
-                # the usage in Redis lags the calls by at most that.
-                before_commit=lambda: self.receiver.flush_usage(),
-                # Fuller fetches, fewer of them: the gateways answer calls from their own
-                # consumers; the scheduler may see a completion a few milliseconds late.
-                fetch=COMPLETIONS_FETCH,
-            ),
+            self.completions,
             consumer(
                 topics.events,
                 None,
