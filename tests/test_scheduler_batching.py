@@ -232,9 +232,9 @@ def test_whole_decisions_take_at_most_their_share_of_the_time() -> None:
 
 
 def test_completions_are_fetched_at_once_while_calls_wait_and_in_fuller_fetches_otherwise() -> None:
-    assert completions_fetch(queued=True) == LOW_LATENCY
+    assert completions_fetch(busy=True) == LOW_LATENCY
     assert LOW_LATENCY.min_bytes == 1  # answered at the first record
-    assert completions_fetch(queued=False) == COMPLETIONS_FETCH
+    assert completions_fetch(busy=False) == COMPLETIONS_FETCH
     assert COMPLETIONS_FETCH.min_bytes > 1 and COMPLETIONS_FETCH.max_wait_ms <= 5
 
 

@@ -50,13 +50,14 @@ COMPLETIONS_FETCH = FetchTuning(max_wait_ms=5, min_bytes=16 * 1024)
 under direct leases it fetches a few hundred times a second, not once per record."""
 
 
-def completions_fetch(queued: bool) -> FetchTuning:
-    """How the scheduler's completions consumer asks the broker, `queued`: whether calls
-    wait in the scheduler's queue. While they do, a completion may free the worker one
-    of them waits for, and a dispatch's end seen 5 ms late idles that worker 5 ms: each
-    fetch is answered at the first record. While none does (idle, or every job's calls
-    under a direct lease), fuller fetches (`COMPLETIONS_FETCH`)."""
-    return LOW_LATENCY if queued else COMPLETIONS_FETCH
+def completions_fetch(busy: bool) -> FetchTuning:
+    """How the scheduler's completions consumer asks the broker; `busy`: whether calls
+    wait in the scheduler's queue or a dispatch of its own is in flight. Then a
+    completion may free a worker that a queued call, or the next to come, waits for,
+    and a dispatch's end seen 5 ms late idles that worker 5 ms: each fetch is answered
+    at the first record. Otherwise (idle, or every job's calls under a direct lease,
+    whose ends decide nothing at once) fuller fetches (`COMPLETIONS_FETCH`)."""
+    return LOW_LATENCY if busy else COMPLETIONS_FETCH
 
 
 async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
@@ -174,7 +175,7 @@ async def lead(
         metrics.observe(state)
 
     async def fetch_completions() -> None:
-        inbox.completions.tune(completions_fetch(bool(state.pending)))
+        inbox.completions.tune(completions_fetch(bool(state.pending or state.inflight)))
 
     loop = ControlLoop(  # each step guarded: a failure is logged, the next pass retries
         [
@@ -186,7 +187,7 @@ async def lead(
             Step("follow-ups", follow_ups.step),
             # Grants where a job's dispatch just ended, renewals, revocations on demand.
             Step("direct leases", direct.step),
-            # Completions at once while calls wait for a worker, fuller fetches otherwise.
+            # Completions at once while its calls wait or run, fuller fetches otherwise.
             Step("completions fetch", fetch_completions),
             Step("record", record, every_s=0.5),
         ]
