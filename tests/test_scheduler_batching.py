@@ -231,11 +231,17 @@ def test_whole_decisions_take_at_most_their_share_of_the_time() -> None:
     assert pace.whole_now() and pace.wait_s(whole_due=True) == 0.0
 
 
-def test_completions_are_fetched_at_once_while_calls_wait_and_in_fuller_fetches_otherwise() -> None:
-    assert completions_fetch(busy=True) == LOW_LATENCY
-    assert LOW_LATENCY.min_bytes == 1  # answered at the first record
-    assert completions_fetch(busy=False) == COMPLETIONS_FETCH
+def test_completions_are_fetched_in_fuller_fetches_only_while_leases_carry_every_call() -> None:
+    assert completions_fetch(queued=False, running=False, leased=True) == COMPLETIONS_FETCH
     assert COMPLETIONS_FETCH.min_bytes > 1 and COMPLETIONS_FETCH.max_wait_ms <= 5
+    # A call waits, a dispatch runs, or nothing is leased: at the first record.
+    for queued, running, leased in [
+        (True, False, True),
+        (False, True, True),
+        (False, False, False),
+    ]:
+        assert completions_fetch(queued, running, leased) == LOW_LATENCY
+    assert LOW_LATENCY.min_bytes == 1
 
 
 class Producer:

@@ -45,19 +45,20 @@ from plexrl_scheduler.state import ClusterState
 log = logging.getLogger("plexrl.scheduler")
 
 COMPLETIONS_FETCH = FetchTuning(max_wait_ms=5, min_bytes=16 * 1024)
-"""The scheduler's completions while no call waits in its queue: a fetch waits up to
-5 ms for 16 KiB (some 40 completions) of records, so at thousands of calls a second
-under direct leases it fetches a few hundred times a second, not once per record."""
+"""The scheduler's completions while direct leases carry every call: a fetch waits up
+to 5 ms for 16 KiB (some 40 completions) of records, so at thousands of calls a second
+it fetches a few hundred times a second, not once per record."""
 
 
-def completions_fetch(busy: bool) -> FetchTuning:
-    """How the scheduler's completions consumer asks the broker; `busy`: whether calls
-    wait in the scheduler's queue or a dispatch of its own is in flight. Then a
-    completion may free a worker that a queued call, or the next to come, waits for,
-    and a dispatch's end seen 5 ms late idles that worker 5 ms: each fetch is answered
-    at the first record. Otherwise (idle, or every job's calls under a direct lease,
-    whose ends decide nothing at once) fuller fetches (`COMPLETIONS_FETCH`)."""
-    return LOW_LATENCY if busy else COMPLETIONS_FETCH
+def completions_fetch(queued: bool, running: bool, leased: bool) -> FetchTuning:
+    """How the scheduler's completions consumer asks the broker: `queued`, calls wait in
+    its queue; `running`, a dispatch of its own is in flight; `leased`, direct leases
+    hold workers. Fuller fetches (`COMPLETIONS_FETCH`) only where the calls are all
+    under leases, whose ends decide nothing at once; otherwise each fetch is answered
+    at the first record: a dispatch's end seen 5 ms late idles its worker as long when
+    a call waits for it or comes next, and a fetch held when nothing ran holds the
+    first end after it (an idle consumer asks every half second, which costs nothing)."""
+    return COMPLETIONS_FETCH if leased and not (queued or running) else LOW_LATENCY
 
 
 async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
@@ -175,7 +176,8 @@ async def lead(
         metrics.observe(state)
 
     async def fetch_completions() -> None:
-        inbox.completions.tune(completions_fetch(bool(state.pending or state.inflight)))
+        fetch = completions_fetch(bool(state.pending), bool(state.inflight), bool(state.held))
+        inbox.completions.tune(fetch)
 
     loop = ControlLoop(  # each step guarded: a failure is logged, the next pass retries
         [
@@ -187,7 +189,7 @@ async def lead(
             Step("follow-ups", follow_ups.step),
             # Grants where a job's dispatch just ended, renewals, revocations on demand.
             Step("direct leases", direct.step),
-            # Completions at once while its calls wait or run, fuller fetches otherwise.
+            # Fuller completions fetches only while direct leases carry every call.
             Step("completions fetch", fetch_completions),
             Step("record", record, every_s=0.5),
         ]
