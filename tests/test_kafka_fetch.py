@@ -16,8 +16,9 @@ from plexrl.kafka import (
     Publisher,
     ensure_topics,
 )
-from plexrl.messages import Function, NoopInput, PhaseRequest
+from plexrl.messages import PhaseRequest
 from plexrl.topics import Topics, core_topics
+from tests.test_plumbing import noop
 
 pytestmark = pytest.mark.integration
 
@@ -25,17 +26,6 @@ HELD = FetchTuning(max_wait_ms=2000, min_bytes=1024 * 1024)
 """The broker holds each fetch the whole 2 s: one record never makes a megabyte."""
 EAGER = FetchTuning(max_wait_ms=5000, min_bytes=1)
 """Answered at the first record (held 5 s, were its terms not the ones sent)."""
-
-
-def request(n: int) -> PhaseRequest:
-    return PhaseRequest(
-        request_id=f"r{n}",
-        job_id="j",
-        tenant="t",
-        function=Function.NOOP,
-        payload=NoopInput(),
-        arrival_time=time.time(),
-    )
 
 
 async def test_a_tuned_consumer_fetches_on_its_new_terms_from_its_next_fetch(
@@ -67,7 +57,7 @@ async def test_a_tuned_consumer_fetches_on_its_new_terms_from_its_next_fetch(
     try:
         await asyncio.sleep(0.3)  # its first fetch is at the broker, held
         sent = time.monotonic()
-        await publisher.publish(topics.requests, "j", request(1))
+        await publisher.publish(topics.requests, "j", noop("r1"))
         rid, at = await asyncio.wait_for(arrived.get(), 10)
         assert rid == "r1"
         assert at - sent >= 1.0, "a held fetch answered at the first record"
@@ -76,7 +66,7 @@ async def test_a_tuned_consumer_fetches_on_its_new_terms_from_its_next_fetch(
         assert consumer.fetch == EAGER
         await asyncio.sleep(HELD.max_wait_ms / 1000 + 0.5)  # the fetch sent held has ended
         sent = time.monotonic()
-        await publisher.publish(topics.requests, "j", request(2))
+        await publisher.publish(topics.requests, "j", noop("r2"))
         rid, at = await asyncio.wait_for(arrived.get(), 10)
         assert rid == "r2"
         assert at - sent < 1.0, f"tuned to answer at once, it took {at - sent:.2f}s"

@@ -328,8 +328,8 @@ class Inbox:
             # One Redis round trip per offset commit (every 0.25 s while busy):
             # the usage in Redis lags the calls by at most that.
             before_commit=lambda: self.receiver.flush_usage(),
-            # Fuller fetches until calls wait (`completions_fetch`): the gateways answer
-            # calls from their own notices.
+            # Fuller fetches only while direct leases carry every call: each pass sets
+            # the terms (`completions_fetch`); the gateways answer calls from notices.
             fetch=COMPLETIONS_FETCH,
         )
         self.consumers: list[MessageConsumer[Any]] = [
