@@ -4,12 +4,14 @@ over it gives the interpreted run's figures (the whole build, side by side at sc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -95,13 +97,18 @@ def test_a_compiled_build_gives_the_same_figures(tmp_path: Path) -> None:
         "t = dataclasses.replace(s, jobs={'a': dataclasses.replace(j, home='h')});"
         "print(hasattr(j, '__dict__'), JobView.__dataclass_params__.frozen,"
         " hash(w) == hash(WorkerView('g', 1, 1)), s.homed_view('g') == [j],"
-        " t.homed_view('h')[0].home, t.homed_view('g'))"
+        " t.homed_view('h')[0].home, t.homed_view('g'),"
+        " type(JobView.__init__).__name__, type(j.estimates).__name__, s.swap.fixed_s)"
     )
     env = native.rerun_env(target, dict(os.environ))
     shown = subprocess.run(
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
     )
-    assert shown.stdout.split() == ["False", "False", "True", "True", "h", "()"]
+    # ... with their own `__init__`s compiled (`native.with_inits`), not a Python function.
+    assert shown.stdout.split() == [
+        *("False", "False", "True", "True", "h", "()"),
+        *("wrapper_descriptor", "CallEstimates", "0.0"),
+    ]
 
     plain, _ = sim(tmp_path / "py", {**os.environ, native.ENV: "0"})
     over, stderr = sim(tmp_path / "c", native.rerun_env(target, dict(os.environ)))
@@ -123,3 +130,67 @@ def test_the_snapshots_types_are_thawed_for_a_build_and_only_there() -> None:
     with pytest.raises(ValueError, match="nothing to thaw"):
         native.thaw("@dataclass\nclass A:\n    x: int\n")
     assert set(native.THAWED) <= set(native.COMPILED)
+
+
+SHAPES = """
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+@dataclass
+class Plain:
+    a: int
+    b: str = "b"
+    c: list[int] = field(default_factory=list)
+    d: float = field(default=2.5, repr=False)
+    e: int = field(init=False, default=7)
+    f: int = field(init=False)
+    g: ClassVar[int] = 3
+
+    def __post_init__(self) -> None:
+        self.f = self.a + 1
+
+@dataclass(unsafe_hash=True)
+class Hashed:
+    x: int
+    y: tuple[int, ...] = ()
+
+@dataclass(frozen=True)
+class Frozen:
+    z: int
+"""
+
+
+def test_each_plain_dataclass_gets_an_init_of_its_own_that_builds_what_the_generated_one_did() -> (
+    None
+):
+    written = native.with_inits(SHAPES)
+    assert written.count("def __init__(") == 2  # not the frozen one's
+    made: list[dict[str, Any]] = []
+    for source in (SHAPES, written):
+        namespace: dict[str, Any] = {}
+        exec(compile(source, "<shapes>", "exec", dont_inherit=True), namespace)
+        made.append(namespace)
+    generated, own = made
+    assert "__init__" in own["Plain"].__dict__ and own["Plain"].__init__.__name__ == "__init__"
+    for args, kwargs in (((1,), {}), ((1, "x", [2]), {"d": 0.5})):
+        a, b = generated["Plain"](*args, **kwargs), own["Plain"](*args, **kwargs)
+        assert dataclasses.astuple(a) == dataclasses.astuple(b) and (a.e, a.f) == (7, 2)
+    assert own["Plain"](1).c is not own["Plain"](1).c  # a fresh list each
+    assert hash(own["Hashed"](1, (2,))) == hash(generated["Hashed"](1, (2,)))
+    assert dataclasses.replace(own["Hashed"](1), y=(3,)) == own["Hashed"](1, (3,))
+    with pytest.raises(TypeError):
+        own["Plain"]()  # `a` has no default
+
+
+def test_a_dataclass_it_cannot_write_an_init_for_is_refused() -> None:
+    for source, match in (
+        ("@dataclass\nclass A:\n    x: int | None = field(default_factory=f)\n", "takes None"),
+        ("@dataclass\nclass A:\n    x: int = field(kw_only=True)\n", "kw_only"),
+        ("@dataclass\nclass A:\n    x: int = field(init=False)\n", "no default nor"),
+        ("@dataclass\nclass A:\n    x: InitVar[int]\n", "InitVar"),
+        ("@dataclass(kw_only=True)\nclass A:\n    x: int\n", "keyword-only"),
+        ("@dataclass\nclass A:\n    x: int\n    def __init__(self) -> None: ...\n", "its own"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            native.with_inits(source)
+    assert set(native.INITS) <= set(native.COMPILED)

@@ -31,8 +31,7 @@ moves whenever a Run starts or ends on its group.
 
 from __future__ import annotations
 
-from copy import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from plexrl.messages import Function, Tier
 from plexrl.policy import Admit, Move, PendingCall, Preempt, Prefetch, Run, WorkerView
@@ -599,7 +598,7 @@ class GroupExecutor:
         group.paused = None
         # A new record for its new end: the event of the old one (its `due` left at -1)
         # is stale, however soon the pause ended.
-        run = copy(paused)
+        run = replace(paused)
         run.paused_s += now - paused.paused_at
         run.due = now + paused.left_s
         for job in self._jobs_of(run):

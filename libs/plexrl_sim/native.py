@@ -17,6 +17,7 @@ the sources.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib.metadata
 import os
@@ -60,14 +61,24 @@ COMPILED = (
 `frozen.py` (it writes `__init__`s with `exec`), `follow.py` (the live scheduler's
 only), the workload loader, the report and the command line (not hot)."""
 
-THAWED = ("plexrl/policy/snapshot.py",)
+THAWED = ("plexrl/policy/snapshot.py", "plexrl/policy/actions.py", "plexrl/policy/history.py")
 """Compiled with their frozen dataclasses as plain ones (`thaw`): the snapshot's types,
-which the policy reads millions of times a run. Compiled as they are, they are native
+which the policy reads millions of times a run, and the actions and the history's
+types, which it builds as often (each with an `__init__` of its own, `INITS`, which a
+frozen class cannot have). Compiled as they are, they are native
 classes whose frozen `__init__` sets each field through `object.__setattr__` (a
 `JobView` 4.2 µs against 1.3 interpreted, `quick_init` cannot apply to a native
 class); plain, they build in 1.2 µs and the compiled policy reads their fields
 directly. Nothing assigns to them: mypy checks that on the source, where they stay
 frozen (and the live scheduler, which runs the source, enforces it)."""
+
+
+INITS = (*THAWED, "plexrl_sim/executor.py")
+"""Compiled with an `__init__` of their own in each plain dataclass (`with_inits`): the
+types the simulator builds per decision and per Run (views, actions, the history's
+descriptions, runs in flight). Not the results, which go back from the deployments'
+processes pickled: a native class with its own `__init__` cannot be made without its
+arguments, as unpickling and `copy.copy` make one."""
 
 
 def thaw(source: str) -> str:
@@ -79,6 +90,104 @@ def thaw(source: str) -> str:
     if frozen not in source:
         raise ValueError("nothing to thaw: no @dataclass(frozen=True) in the source")
     return source.replace("@quick_init\n", "").replace(frozen, "@dataclass(unsafe_hash=True)\n")
+
+
+def with_inits(source: str) -> str:
+    """`source` with an `__init__` of its own written into each plain (not frozen)
+    dataclass, as the dataclass's would be: a parameter per field in order (its
+    default, a `default_factory` called when it is left out, an `init=False` field set
+    to its default or left to `__post_init__`), then `__post_init__` if the class has
+    one. `dataclasses` leaves a
+    class's own `__init__` in place, and mypyc compiles it; the one `dataclasses`
+    generates is made with `exec` at import and stays interpreted, a Python frame for
+    every view, action and run the simulator builds. A frozen dataclass's fields cannot
+    be set this way (`thaw` it first, or it keeps the generated one). Raises ValueError
+    for a dataclass it cannot write one for."""
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    inserts: list[tuple[int, str]] = []
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and any(_plain_dataclass(d) for d in node.decorator_list):
+            inserts.append((_end_line(node), _init_of(node, source)))
+    for end, init in sorted(inserts, reverse=True):
+        lines.insert(end, init)
+    return "".join(lines)
+
+
+def _plain_dataclass(decorator: ast.expr) -> bool:
+    called = decorator.func if isinstance(decorator, ast.Call) else decorator
+    frozen = isinstance(decorator, ast.Call) and any(
+        k.arg == "frozen" and not (isinstance(k.value, ast.Constant) and not k.value.value)
+        for k in decorator.keywords
+    )
+    if isinstance(decorator, ast.Call) and any(k.arg == "kw_only" for k in decorator.keywords):
+        raise ValueError("a keyword-only dataclass: not written")
+    return isinstance(called, ast.Name) and called.id == "dataclass" and not frozen
+
+
+def _end_line(node: ast.ClassDef) -> int:
+    end = node.end_lineno
+    assert end is not None  # (parsed from source)
+    return end
+
+
+def _init_of(node: ast.ClassDef, source: str) -> str:
+    params: list[str] = []
+    body: list[str] = []
+    post_init = any(isinstance(i, ast.FunctionDef) and i.name == "__post_init__" for i in node.body)
+    for item in node.body:
+        if not isinstance(item, ast.AnnAssign) or not isinstance(item.target, ast.Name):
+            continue
+        name, annotation = item.target.id, ast.get_source_segment(source, item.annotation)
+        if annotation is None or annotation.startswith(("ClassVar", "typing.ClassVar")):
+            continue
+        if annotation.startswith(("InitVar", "KW_ONLY", "dataclasses.")):
+            raise ValueError(f"{node.name}.{name}: {annotation}")
+        default: str | None = None
+        factory: str | None = None
+        init = True
+        value = item.value
+        if (
+            isinstance(value, ast.Call)
+            and isinstance(value.func, ast.Name)
+            and value.func.id == "field"
+        ):
+            for keyword in value.keywords:
+                text = ast.get_source_segment(source, keyword.value)
+                if keyword.arg == "default":
+                    default = text
+                elif keyword.arg == "default_factory":
+                    factory = text
+                elif keyword.arg == "init":
+                    init = not (isinstance(keyword.value, ast.Constant) and not keyword.value.value)
+                elif keyword.arg not in ("repr", "compare", "hash", "metadata"):
+                    raise ValueError(f"{node.name}.{name}: field({keyword.arg}=...)")
+            value = None
+        if value is not None:
+            default = ast.get_source_segment(source, value)
+        if not init:
+            if default is not None:
+                body.append(f"        self.{name} = {default}")
+            elif not post_init:
+                raise ValueError(f"{node.name}.{name}: init=False, no default nor __post_init__")
+        elif factory is not None:
+            if "None" in annotation:
+                raise ValueError(f"{node.name}.{name}: a factory's field that takes None")
+            params.append(f"{name}: {annotation} | None = None")
+            body.append(f"        self.{name} = ({factory})() if {name} is None else {name}")
+        else:
+            params.append(f"{name}: {annotation}" + ("" if default is None else f" = {default}"))
+            body.append(f"        self.{name} = {name}")
+    if any(isinstance(i, ast.FunctionDef) and i.name == "__init__" for i in node.body):
+        raise ValueError(f"{node.name} has an __init__ of its own already")
+    if post_init:
+        body.append("        self.__post_init__()")
+    head = (
+        f"    def __init__(self, {', '.join(params)}) -> None:\n"
+        if params
+        else ("    def __init__(self) -> None:\n")
+    )
+    return "\n" + head + "\n".join(body or ["        pass"]) + "\n"
 
 
 ENV = "PLEXRL_SIM_NATIVE"
@@ -136,9 +245,10 @@ def build(root: Path, libs: Path, modules: Sequence[str] = COMPILED) -> Path:
     skip = shutil.ignore_patterns("__pycache__", "*.so", "*.c")
     for package in PACKAGES:
         shutil.copytree(libs / package, work / package, ignore=skip)
-    for module in THAWED:
+    for module in (m for m in modules if m in INITS):
         copy = work / module
-        copy.write_text(thaw(copy.read_text()))
+        source = copy.read_text()
+        copy.write_text(with_inits(thaw(source) if module in THAWED else source))
     env = {**os.environ, "MYPYPATH": str(work)}
     done = subprocess.run(
         [sys.executable, "-m", "mypyc", *modules],
