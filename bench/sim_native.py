@@ -1,4 +1,5 @@
-"""The simulator interpreted against its mypyc build, side by side: CPU and sameness.
+"""The simulator interpreted against its mypyc build, or one build against another's:
+CPU and sameness.
 
 Builds the compiled simulator if there is no current build (`plexrl sim-build`, its CPU
 reported), then runs one `plexrl sim` both ways, one after the other, each in its own
@@ -6,8 +7,15 @@ process, and measures each run's CPU (user + system, of the process and its chil
 Every output file must be byte for byte the same, and the JSON line the same but for
 its timings (wall_s, sim_wall_s, policy_s). Ends with one JSON line.
 
+With `--previous REV` it compares builds instead: this checkout's and that of git
+revision REV (a `git worktree`, built by its own `plexrl_sim.native` into the same
+build directory), the two runs side by side, one per core, so both have the same hour
+of the shared machine. Arguments after `--` go to `plexrl sim` as they are.
+
     .venv/bin/python bench/sim_native.py                     # a quarter of the trace
     .venv/bin/python bench/sim_native.py --gpus 2048 --jobs 0  # the whole trace
+    .venv/bin/python bench/sim_native.py --gpus 2048 --jobs 0 --previous REV \\
+        --policy plexrl+tail,split-async,isolated -- --staleness 1 --partition packed --fb-slices 8
 """
 
 from __future__ import annotations
@@ -23,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from control_plane import worktree
 
 from plexrl_sim import native
 
@@ -52,6 +62,80 @@ def run(args: list[str], out: Path, compiled: bool) -> tuple[float, dict[str, An
     return cpu, json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def build_of(libs: Path, root: Path) -> Path:
+    """The compiled build of the sources in `libs`, made by their own `native` module
+    if there is none yet under `root`."""
+    made = subprocess.run(
+        [sys.executable, "-c", BUILD, str(root), str(libs)],
+        env={**os.environ, "PYTHONPATH": str(libs)},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if made.returncode != 0:
+        sys.exit(f"building the simulator of {libs} failed:\n{made.stderr}")
+    return Path(made.stdout.strip().splitlines()[-1])
+
+
+BUILD = (
+    "import sys; from pathlib import Path; from plexrl_sim import native;"
+    "print(native.build(Path(sys.argv[1]), Path(sys.argv[2])))"
+)
+
+
+def side_by_side(args: list[str], builds: dict[str, Path], outs: dict[str, Path]) -> dict[str, Any]:
+    """Each build's run of `plexrl sim args` at the same time; per build its CPU (its
+    process and the deployments' processes it waited for) and its JSON line."""
+    running: dict[str, tuple[subprocess.Popen[bytes], Path]] = {}
+    for name, build in builds.items():
+        env = {**os.environ, native.ENV: "active", "PYTHONPATH": str(build)}
+        logs = outs[name].with_suffix(".log")
+        with open(logs, "wb") as log, open(logs.with_suffix(".json"), "wb") as line:
+            command = [sys.executable, "-m", "plexrl_tools.cli", "sim", *args]
+            command += ["--out", str(outs[name]), "--no-charts"]
+            running[name] = (subprocess.Popen(command, env=env, stdout=line, stderr=log), logs)
+    done: dict[str, Any] = {}
+    for name, (process, logs) in running.items():
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        if process.returncode != 0:
+            sys.exit(f"plexrl sim over {builds[name]} failed:\n{logs.read_text()[-4000:]}")
+        figures = json.loads(logs.with_suffix(".json").read_text().strip().splitlines()[-1])
+        done[name] = (usage.ru_utime + usage.ru_stime, figures)
+    return done
+
+
+def compare_builds(previous: str, sim_args: list[str]) -> None:
+    root, libs = native.default_root(), native.libs_dir()
+    with (
+        worktree(previous) as (commit, path),
+        tempfile.TemporaryDirectory(prefix="plexrl-sim-builds-") as tmp,
+    ):
+        print(f"building this checkout's simulator and {commit[:10]}'s...", file=sys.stderr)
+        builds = {"this": build_of(libs, root), "previous": build_of(path / "libs", root)}
+        outs = {name: Path(tmp) / name for name in builds}
+        print(f"plexrl sim {' '.join(sim_args)}: both builds at once...", file=sys.stderr)
+        runs = side_by_side(sim_args, builds, outs)
+        files = sorted(p.name for p in outs["this"].iterdir() if p.name != "summary.csv")
+        _, mismatch, errors = filecmp.cmpfiles(outs["this"], outs["previous"], files, shallow=False)
+    (cpu, figures), (cpu_prev, figures_prev) = runs["this"], runs["previous"]
+    same_json = without_timings(figures) == without_timings(figures_prev)
+    line = {
+        "benchmark": "sim_native",
+        "sim_args": sim_args,
+        "previous": commit,
+        "this_cpu_s": round(cpu, 1),
+        "previous_cpu_s": round(cpu_prev, 1),
+        "this_over_previous": round(cpu / cpu_prev, 3) if cpu_prev else None,
+        "files_compared": len(files),
+        "files_differing": mismatch + errors,
+        "figures_identical": same_json and not (mismatch or errors),
+    }
+    print(json.dumps(line))
+    if not line["figures_identical"]:
+        sys.exit(1)
+
+
 def without_timings(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: without_timings(v) for k, v in value.items() if k not in TIMINGS}
@@ -64,7 +148,19 @@ def main() -> None:
     parser.add_argument("--policy", default="plexrl+tail")
     parser.add_argument("--gpus", type=int, default=512)
     parser.add_argument("--jobs", type=int, default=225, help="0: the workload's")
+    parser.add_argument(
+        "--previous", metavar="REV", help="compare this checkout's build with REV's, side by side"
+    )
+    parser.add_argument("sim_args", nargs=argparse.REMAINDER, help="after --: to plexrl sim")
     args = parser.parse_args()
+    extra = args.sim_args[1:] if args.sim_args[:1] == ["--"] else args.sim_args
+    sim_args = ["--workload", args.workload, "--policy", args.policy, "--gpus", str(args.gpus)]
+    if args.jobs:
+        sim_args += ["--jobs", str(args.jobs)]
+    sim_args += extra
+    if args.previous:
+        compare_builds(args.previous, sim_args)
+        return
 
     root, libs = native.default_root(), native.libs_dir()
     build_cpu = None
@@ -74,9 +170,6 @@ def main() -> None:
         native.build(root, libs)
         build_cpu = round(time.process_time() - before[0] + children_cpu() - before[1], 1)
 
-    sim_args = ["--workload", args.workload, "--policy", args.policy, "--gpus", str(args.gpus)]
-    if args.jobs:
-        sim_args += ["--jobs", str(args.jobs)]
     with tempfile.TemporaryDirectory(prefix="plexrl-sim-native-") as tmp:
         outs = {name: Path(tmp) / name for name in ("interpreted", "compiled")}
         print(f"plexrl sim {' '.join(sim_args)}: interpreted...", file=sys.stderr, flush=True)
