@@ -189,6 +189,7 @@ def test_a_dataclass_it_cannot_write_an_init_for_is_refused() -> None:
         ("@dataclass\nclass A:\n    x: int = field(init=False)\n", "no default nor"),
         ("@dataclass\nclass A:\n    x: InitVar[int]\n", "InitVar"),
         ("@dataclass(kw_only=True)\nclass A:\n    x: int\n", "keyword-only"),
+        ("@dataclass\nclass A(B):\n    x: int\n", "base class"),
         ("@dataclass\nclass A:\n    x: int\n    def __init__(self) -> None: ...\n", "its own"),
     ):
         with pytest.raises(ValueError, match=match):

@@ -97,12 +97,12 @@ def with_inits(source: str) -> str:
     dataclass, as the dataclass's would be: a parameter per field in order (its
     default, a `default_factory` called when it is left out, an `init=False` field set
     to its default or left to `__post_init__`), then `__post_init__` if the class has
-    one. `dataclasses` leaves a
-    class's own `__init__` in place, and mypyc compiles it; the one `dataclasses`
-    generates is made with `exec` at import and stays interpreted, a Python frame for
-    every view, action and run the simulator builds. A frozen dataclass's fields cannot
-    be set this way (`thaw` it first, or it keeps the generated one). Raises ValueError
-    for a dataclass it cannot write one for."""
+    one. `dataclasses` leaves a class's own `__init__` in place, and mypyc compiles it;
+    the one `dataclasses` generates is made with `exec` at import and stays interpreted,
+    a Python frame for every view, action and run the simulator builds. A frozen
+    dataclass's fields cannot be set this way (`thaw` it first, or it keeps the
+    generated one). Raises ValueError for a dataclass it cannot write one for (one with
+    a base class, keyword-only or init-only fields, or an `__init__` of its own)."""
     tree = ast.parse(source)
     lines = source.splitlines(keepends=True)
     inserts: list[tuple[int, str]] = []
@@ -132,6 +132,8 @@ def _end_line(node: ast.ClassDef) -> int:
 
 
 def _init_of(node: ast.ClassDef, source: str) -> str:
+    if node.bases or node.keywords:  # (a base's fields would come first)
+        raise ValueError(f"{node.name} has a base class")
     params: list[str] = []
     body: list[str] = []
     post_init = any(isinstance(i, ast.FunctionDef) and i.name == "__post_init__" for i in node.body)
@@ -182,12 +184,10 @@ def _init_of(node: ast.ClassDef, source: str) -> str:
         raise ValueError(f"{node.name} has an __init__ of its own already")
     if post_init:
         body.append("        self.__post_init__()")
-    head = (
-        f"    def __init__(self, {', '.join(params)}) -> None:\n"
-        if params
-        else ("    def __init__(self) -> None:\n")
+    signature = ", ".join(["self", *params])
+    return (
+        f"\n    def __init__({signature}) -> None:\n" + "\n".join(body or ["        pass"]) + "\n"
     )
-    return "\n" + head + "\n".join(body or ["        pass"]) + "\n"
 
 
 ENV = "PLEXRL_SIM_NATIVE"
