@@ -100,6 +100,8 @@ def side_by_side(args: list[str], builds: dict[str, Path], outs: dict[str, Path]
         process.returncode = os.waitstatus_to_exitcode(status)
         if process.returncode != 0:
             sys.exit(f"plexrl sim over {builds[name]} failed:\n{logs.read_text()[-4000:]}")
+        if "compiled build" not in logs.read_text():
+            sys.exit(f"plexrl sim did not run over {builds[name]}:\n{logs.read_text()[-4000:]}")
         figures = json.loads(logs.with_suffix(".json").read_text().strip().splitlines()[-1])
         done[name] = (usage.ru_utime + usage.ru_stime, figures)
     return done
@@ -116,21 +118,36 @@ def compare_builds(previous: str, sim_args: list[str]) -> None:
         outs = {name: Path(tmp) / name for name in builds}
         print(f"plexrl sim {' '.join(sim_args)}: both builds at once...", file=sys.stderr)
         runs = side_by_side(sim_args, builds, outs)
-        files = sorted(p.name for p in outs["this"].iterdir() if p.name != "summary.csv")
-        _, mismatch, errors = filecmp.cmpfiles(outs["this"], outs["previous"], files, shallow=False)
-    (cpu, figures), (cpu_prev, figures_prev) = runs["this"], runs["previous"]
-    same_json = without_timings(figures) == without_timings(figures_prev)
-    line = {
-        "benchmark": "sim_native",
-        "sim_args": sim_args,
-        "previous": commit,
-        "this_cpu_s": round(cpu, 1),
-        "previous_cpu_s": round(cpu_prev, 1),
-        "this_over_previous": round(cpu / cpu_prev, 3) if cpu_prev else None,
+        (cpu, figures), (cpu_prev, figures_prev) = runs["this"], runs["previous"]
+        same = sameness((outs["this"], outs["previous"]), (figures, figures_prev))
+    finish(
+        {
+            "benchmark": "sim_native",
+            "sim_args": sim_args,
+            "previous": commit,
+            "this_cpu_s": round(cpu, 1),
+            "previous_cpu_s": round(cpu_prev, 1),
+            "this_over_previous": round(cpu / cpu_prev, 3) if cpu_prev else None,
+            **same,
+        }
+    )
+
+
+def sameness(outs: tuple[Path, Path], figures: tuple[Any, Any]) -> dict[str, Any]:
+    """Two runs' output files compared byte for byte (`summary.csv` holds timings) and
+    their JSON lines but for their timings."""
+    files = sorted(p.name for p in outs[0].iterdir() if p.name != "summary.csv")
+    _, mismatch, errors = filecmp.cmpfiles(outs[0], outs[1], files, shallow=False)
+    same_json = without_timings(figures[0]) == without_timings(figures[1])
+    return {
         "files_compared": len(files),
         "files_differing": mismatch + errors,
         "figures_identical": same_json and not (mismatch or errors),
     }
+
+
+def finish(line: dict[str, Any]) -> None:
+    """Print the JSON line; exit 1 unless the two runs' figures were the same."""
     print(json.dumps(line))
     if not line["figures_identical"]:
         sys.exit(1)
@@ -177,28 +194,21 @@ def main() -> None:
         print(f"  {cpu_py:.1f} s CPU; compiled...", file=sys.stderr, flush=True)
         cpu_c, figs_c = run(sim_args, outs["compiled"], compiled=True)
         print(f"  {cpu_c:.1f} s CPU", file=sys.stderr, flush=True)
-        files = sorted(p.name for p in outs["interpreted"].iterdir() if p.name != "summary.csv")
-        _, mismatch, errors = filecmp.cmpfiles(
-            outs["interpreted"], outs["compiled"], files, shallow=False
-        )
-    same_json = without_timings(figs_py) == without_timings(figs_c)
-    line = {
-        "benchmark": "sim_native",
-        "workload": args.workload,
-        "policy": args.policy,
-        "gpus": args.gpus,
-        "jobs": args.jobs or None,
-        "build_cpu_s": build_cpu,
-        "interpreted_cpu_s": round(cpu_py, 1),
-        "compiled_cpu_s": round(cpu_c, 1),
-        "compiled_over_interpreted": round(cpu_c / cpu_py, 3) if cpu_py else None,
-        "files_compared": len(files),
-        "files_differing": mismatch + errors,
-        "figures_identical": same_json and not (mismatch or errors),
-    }
-    print(json.dumps(line))
-    if not line["figures_identical"]:
-        sys.exit(1)
+        same = sameness((outs["interpreted"], outs["compiled"]), (figs_py, figs_c))
+    finish(
+        {
+            "benchmark": "sim_native",
+            "workload": args.workload,
+            "policy": args.policy,
+            "gpus": args.gpus,
+            "jobs": args.jobs or None,
+            "build_cpu_s": build_cpu,
+            "interpreted_cpu_s": round(cpu_py, 1),
+            "compiled_cpu_s": round(cpu_c, 1),
+            "compiled_over_interpreted": round(cpu_c / cpu_py, 3) if cpu_py else None,
+            **same,
+        }
+    )
 
 
 if __name__ == "__main__":
