@@ -44,11 +44,25 @@ def children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def sim_command(args: list[str], out: Path) -> list[str]:
+    """`plexrl sim args`, its outputs to `out`, without charts."""
+    return [
+        sys.executable,
+        "-m",
+        "plexrl_tools.cli",
+        "sim",
+        *args,
+        "--out",
+        str(out),
+        "--no-charts",
+    ]
+
+
 def run(args: list[str], out: Path, compiled: bool) -> tuple[float, dict[str, Any]]:
     env = {**os.environ, native.ENV: "1" if compiled else "0"}
     before = children_cpu()
     done = subprocess.run(
-        [sys.executable, "-m", "plexrl_tools.cli", "sim", *args, "--out", str(out), "--no-charts"],
+        sim_command(args, out),
         env=env,
         capture_output=True,
         text=True,
@@ -91,8 +105,7 @@ def side_by_side(args: list[str], builds: dict[str, Path], outs: dict[str, Path]
         env = {**os.environ, native.ENV: "active", "PYTHONPATH": str(build)}
         logs = outs[name].with_suffix(".log")
         with open(logs, "wb") as log, open(logs.with_suffix(".json"), "wb") as line:
-            command = [sys.executable, "-m", "plexrl_tools.cli", "sim", *args]
-            command += ["--out", str(outs[name]), "--no-charts"]
+            command = sim_command(args, outs[name])
             running[name] = (subprocess.Popen(command, env=env, stdout=line, stderr=log), logs)
     done: dict[str, Any] = {}
     for name, (process, logs) in running.items():

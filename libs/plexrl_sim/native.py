@@ -116,13 +116,15 @@ def with_inits(source: str) -> str:
 
 def _plain_dataclass(decorator: ast.expr) -> bool:
     called = decorator.func if isinstance(decorator, ast.Call) else decorator
-    frozen = isinstance(decorator, ast.Call) and any(
-        k.arg == "frozen" and not (isinstance(k.value, ast.Constant) and not k.value.value)
-        for k in decorator.keywords
-    )
-    if isinstance(decorator, ast.Call) and any(k.arg == "kw_only" for k in decorator.keywords):
+    if not (isinstance(called, ast.Name) and called.id == "dataclass"):
+        return False
+    keywords = decorator.keywords if isinstance(decorator, ast.Call) else []
+    if any(k.arg == "kw_only" for k in keywords):
         raise ValueError("a keyword-only dataclass: not written")
-    return isinstance(called, ast.Name) and called.id == "dataclass" and not frozen
+    return not any(
+        k.arg == "frozen" and not (isinstance(k.value, ast.Constant) and not k.value.value)
+        for k in keywords
+    )
 
 
 def _end_line(node: ast.ClassDef) -> int:
@@ -134,6 +136,8 @@ def _end_line(node: ast.ClassDef) -> int:
 def _init_of(node: ast.ClassDef, source: str) -> str:
     if node.bases or node.keywords:  # (a base's fields would come first)
         raise ValueError(f"{node.name} has a base class")
+    if any(isinstance(i, ast.FunctionDef) and i.name == "__init__" for i in node.body):
+        raise ValueError(f"{node.name} has an __init__ of its own already")
     params: list[str] = []
     body: list[str] = []
     post_init = any(isinstance(i, ast.FunctionDef) and i.name == "__post_init__" for i in node.body)
@@ -180,8 +184,6 @@ def _init_of(node: ast.ClassDef, source: str) -> str:
         else:
             params.append(f"{name}: {annotation}" + ("" if default is None else f" = {default}"))
             body.append(f"        self.{name} = {name}")
-    if any(isinstance(i, ast.FunctionDef) and i.name == "__init__" for i in node.body):
-        raise ValueError(f"{node.name} has an __init__ of its own already")
     if post_init:
         body.append("        self.__post_init__()")
     signature = ", ".join(["self", *params])
