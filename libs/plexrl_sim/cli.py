@@ -156,6 +156,15 @@ def sim(
             "the workload's.",
         ),
     ] = None,
+    known_duty: Annotated[
+        bool,
+        typer.Option(
+            help="A control: each shared deployment runs twice, the second time with "
+            "every job's duty cycle as the first run learned it by the job's last step "
+            "given to the policy from the job's arrival, instead of its kind's figures "
+            "until the job has a history of its own (what the live scheduler knows).",
+        ),
+    ] = False,
     charts: Annotated[bool, typer.Option(help="Write the PNG charts.")] = True,
 ) -> None:
     """Simulate RLVR jobs on a cluster under the scheduler's own policy code."""
@@ -178,6 +187,7 @@ def sim(
             staleness=staleness,
             fb_slices=fb_slices,
             declared_error=declared_error,
+            known_duty=known_duty,
         )
     except (OSError, ValueError) as err:
         typer.echo(f"plexrl sim: {err}", err=True)

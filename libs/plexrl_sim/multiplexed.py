@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -70,7 +70,11 @@ class MultiplexedSim:
         record_trail: bool = False,
         name: str | None = None,
         colocation: CoLocation | None = None,
+        known_duty: Mapping[str, float] | None = None,
     ) -> None:
+        """`known_duty`: by job, the duty cycle the policy is given for it from its
+        arrival, until it has a history of its own (`SimJob.known_duty`): a control for
+        what judging a newcomer by its kind's figures costs admission."""
         chosen = colocation if colocation is not None else factory.workload.cluster.colocation
         costs = chosen.costs()
         # One definition of the costs of sharing: the executor charges them, the policy
@@ -109,6 +113,8 @@ class MultiplexedSim:
             sampler = int(nbytes(p.sampler_bytes)) if p.sampler_bytes is not None else state // 8
             alone = alone_reference_s(factory, spec, costs)  # its slowdown reference
             job = SimJob.of(spec, factory.steps(spec), p.devices, state, sampler, alone)
+            if known_duty is not None:
+                job.known_duty = known_duty.get(spec.job_id, 0.0)
             if record_trail:
                 job.trail = []
             self.jobs[spec.job_id] = job

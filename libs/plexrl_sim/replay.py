@@ -87,6 +87,10 @@ class SimJob:
     sample_group: str | None = None
     """Where its last sample ran (its home, or another group of its size)."""
     first_step_at: float = math.nan
+    known_duty: float = 0.0
+    """Its own duty cycle, given to the policy before it has a history of its own
+    (`plexrl sim --known-duty`, a control: `MultiplexedSim`); 0: its kind's until then,
+    as the live scheduler does."""
     pending: list[PendingCall] = field(default_factory=list)
     view: JobView | None = None
     trail: list[tuple[int, Function]] | None = None
@@ -171,6 +175,8 @@ class SimJob:
                 duty, bound = h.duty_cycle(now, min_history_s), 0.0
             else:
                 duty, bound = prior.duty_cycle, prior.duty_high
+            if self.known_duty > 0 and not h.has_history(now, min_history_s):
+                duty, bound = self.known_duty, 0.0
             self.view = JobView(
                 job_id=self.spec.job_id,
                 state_bytes=self.state_bytes,
@@ -417,5 +423,6 @@ class JobReplay:
         r = job.result
         r.finish_s = self.events.now
         r.step_time_s = self.events.now - job.first_step_at
+        r.learned_duty = job.history.duty_cycle(self.events.now, 0.0)
         self.tails.unhome(job)
         self.attention.admission_due = True

@@ -43,6 +43,9 @@ class JobResult:
     swapped_bytes: float = 0.0
     group: str = ""
     rejected: str = ""
+    learned_duty: float = math.nan
+    """Its duty cycle as the scheduler had learned it by its last step
+    (`CallHistory.duty_cycle`); NaN: it did not finish."""
     roamed: int = 0
     """Calls of it that ran on a group other than its home (`plexrl.policy.roam`)."""
     rollout_share: float = math.nan

@@ -80,6 +80,28 @@ class Setup:
     """The jobs' loop, when the command line set it (`prepare`)."""
     fb_slices: int | None = None
     """The jobs' forward_backward slicing, when the command line set it."""
+    known_duty: bool = False
+    """A control: each shared deployment runs twice, the second time with every job's
+    duty cycle as the first run had learned it by the job's last step given to the
+    policy from the job's arrival (`MultiplexedSim`), instead of its kind's figures
+    until it has a history of its own."""
+    declared_error: float | None = None
+    """How far the jobs' declared steps are off, when the command line set it."""
+
+    def recipe(self) -> dict[str, Any]:
+        """`prepare`'s arguments that make this setup again (in another process)."""
+        return {
+            "workload_path": self.workload_path,
+            "seed": self.seed,
+            "gpus": self.gpus if self.gpus != self.workload.cluster.gpus else None,
+            "days": self.days,
+            "jobs": self.job_count,
+            "partition": self.partition,
+            "staleness": self.staleness,
+            "fb_slices": self.fb_slices,
+            "declared_error": self.declared_error,
+            "known_duty": self.known_duty,
+        }
 
     def groups_for(
         self,
@@ -127,11 +149,13 @@ def prepare(
     staleness: int | None = None,
     fb_slices: int | None = None,
     declared_error: float | None = None,
+    known_duty: bool = False,
 ) -> Setup:
     """One seed of a workload; `staleness` replaces every job's declared loop (and
     Split-Async's staleness from 1 on: `workload.at_staleness`), `fb_slices` every job's
     forward_backward slicing (`workload.with_fb_slices`), `declared_error` how far the
-    trace's jobs' declared steps are off (`workload.with_declared_error`)."""
+    trace's jobs' declared steps are off (`workload.with_declared_error`); `known_duty`,
+    `Setup.known_duty`."""
     workload = load_workload(workload_path)
     if declared_error is not None:
         workload = with_declared_error(workload, declared_error)
@@ -163,6 +187,8 @@ def prepare(
         split,
         staleness,
         fb_slices,
+        known_duty,
+        declared_error,
     )
 
 
@@ -205,30 +231,32 @@ def run_deployment(
         )
     config = policy_config(setup, policy, overrides or {})
     groups = setup.groups_for(name, factory, config, colocation)
+    known = None
+    if setup.known_duty:
+        first = MultiplexedSim(
+            factory, setup.jobs, groups, config, setup.gpus, name=name, colocation=colocation
+        ).run()
+        known = {j.job_id: j.learned_duty for j in first.jobs if j.done}
     sim = MultiplexedSim(
-        factory, setup.jobs, groups, config, setup.gpus, name=name, colocation=colocation
+        factory,
+        setup.jobs,
+        groups,
+        config,
+        setup.gpus,
+        name=name,
+        colocation=colocation,
+        known_duty=known,
     )
     return sim.run(progress)
 
 
-_ChildArgs = tuple[
-    str,
-    int,
-    int | None,
-    float | None,
-    int | None,
-    str,
-    int | None,
-    int | None,
-    str,
-    dict[str, float | int | bool],
-]
+_ChildArgs = tuple[dict[str, Any], str, dict[str, float | int | bool]]
+"""A deployment to run in another process: `Setup.recipe`, its name, its overrides."""
 
 
 def _run_in_child(args: _ChildArgs) -> DeploymentResult:
-    path, seed, gpus, days, jobs, partition, staleness, slices, name, overrides = args
-    setup = prepare(path, seed, gpus, days, jobs, partition, staleness, slices)
-    return run_deployment(setup, name, None, overrides)
+    recipe, name, overrides = args
+    return run_deployment(prepare(**recipe), name, None, overrides)
 
 
 def run_many(
@@ -249,22 +277,8 @@ def run_many(
             if on_done:
                 on_done(result)
         return results
-    gpus = setup.gpus if setup.gpus != setup.workload.cluster.gpus else None
-    jobs_arg: list[_ChildArgs] = [
-        (
-            setup.workload_path,
-            setup.seed,
-            gpus,
-            setup.days,
-            setup.job_count,
-            setup.partition,
-            setup.staleness,
-            setup.fb_slices,
-            n,
-            overrides or {},
-        )
-        for n in names
-    ]
+    recipe = setup.recipe()
+    jobs_arg: list[_ChildArgs] = [(recipe, n, overrides or {}) for n in names]
     workers = min(parallel, len(names), os.cpu_count() or 1)
     with ProcessPoolExecutor(max_workers=workers) as pool:
         for name, result in zip(names, pool.map(_run_in_child, jobs_arg), strict=True):
