@@ -74,6 +74,30 @@ def test_unknown_policy_says_what_to_choose(tmp_path):
     assert "unknown deployment 'nope'" in result.output
 
 
+def test_the_known_duty_control_from_the_command_line_in_parallel_or_not(tmp_path):
+    def run(*extra: str) -> dict:
+        result = CliRunner().invoke(
+            app(),
+            [
+                "--workload",
+                str(ROOT / "workloads" / "small-cpu.yaml"),
+                "--policy",
+                "plexrl",
+                "--out",
+                str(tmp_path / "-".join(extra)),
+                "--no-charts",
+                *extra,
+            ],
+        )
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout.strip().splitlines()[-1])["deployments"]["plexrl"]
+
+    # The same control in one process and in several: the same figures.
+    one, many = run("--known-duty"), run("--known-duty", "--parallel", "2")
+    for key in ("mean_slowdown", "makespan_days", "occupied_gpu_h_per_step"):
+        assert one[key] == many[key], key
+
+
 @pytest.mark.parametrize("path", WORKLOADS, ids=lambda p: p.name)
 def test_shipped_workloads_load(path):
     workload = load_workload(path)
