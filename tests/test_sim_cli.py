@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -55,6 +56,11 @@ def test_small_setting_report_and_json_line(tmp_path):
         assert (out / name).stat().st_size > 0, name
     report = (out / "report.md").read_text()
     assert "GPU-hours per training step" in report and "Per-job prediction" in report
+    with (out / "jobs.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    # The duty cycle a shared deployment learned for each job; none where nothing learns.
+    assert all(0 < float(r["learned_duty"]) <= 1 for r in rows if r["deployment"] == "plexrl")
+    assert all(r["learned_duty"] == "" for r in rows if r["deployment"] == "isolated")
 
 
 def test_unknown_policy_says_what_to_choose(tmp_path):

@@ -532,6 +532,7 @@ def write_csvs(
                 "useful_device_s",
                 "charged_gpu_s",
                 "occupied_gpu_s",
+                "learned_duty",
                 "rejected",
             ]
         )
@@ -557,6 +558,7 @@ def write_csvs(
                         f"{j.useful_device_s:.0f}",
                         f"{j.used_device_s:.0f}",
                         f"{j.occupied_gpu_s:.0f}",
+                        "" if math.isnan(j.learned_duty) else f"{j.learned_duty:.4f}",
                         j.rejected,
                     ]
                 )
