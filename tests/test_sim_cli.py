@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import typer
+from click.testing import Result
 from typer.testing import CliRunner
 
 from plexrl_sim.cli import sim
@@ -23,19 +24,16 @@ def app() -> typer.Typer:
     return a
 
 
+def run_small(*args: str) -> Result:
+    """`plexrl sim` on the shipped small setting with these further arguments."""
+    return CliRunner().invoke(
+        app(), ["--workload", str(ROOT / "workloads" / "small-cpu.yaml"), *args]
+    )
+
+
 def test_small_setting_report_and_json_line(tmp_path):
     out = tmp_path / "out"
-    result = CliRunner().invoke(
-        app(),
-        [
-            "--workload",
-            str(ROOT / "workloads" / "small-cpu.yaml"),
-            "--policy",
-            "all",
-            "--out",
-            str(out),
-        ],
-    )
+    result = run_small("--policy", "all", "--out", str(out))
     assert result.exit_code == 0, result.output
     last = result.stdout.strip().splitlines()[-1]
     figures = json.loads(last)
@@ -64,37 +62,15 @@ def test_small_setting_report_and_json_line(tmp_path):
 
 
 def test_unknown_policy_says_what_to_choose(tmp_path):
-    result = CliRunner().invoke(
-        app(),
-        [
-            "--workload",
-            str(ROOT / "workloads" / "small-cpu.yaml"),
-            "--policy",
-            "nope",
-            "--out",
-            str(tmp_path),
-            "--no-charts",
-        ],
-    )
+    result = run_small("--policy", "nope", "--out", str(tmp_path), "--no-charts")
     assert result.exit_code == 2
     assert "unknown deployment 'nope'" in result.output
 
 
 def test_the_known_duty_control_from_the_command_line_in_parallel_or_not(tmp_path):
     def run(*extra: str) -> dict:
-        result = CliRunner().invoke(
-            app(),
-            [
-                "--workload",
-                str(ROOT / "workloads" / "small-cpu.yaml"),
-                "--policy",
-                "plexrl",
-                "--out",
-                str(tmp_path / "-".join(extra)),
-                "--no-charts",
-                *extra,
-            ],
-        )
+        out = str(tmp_path / "-".join(extra))
+        result = run_small("--policy", "plexrl", "--out", out, "--no-charts", *extra)
         assert result.exit_code == 0, result.output
         return json.loads(result.stdout.strip().splitlines()[-1])["deployments"]["plexrl"]
 

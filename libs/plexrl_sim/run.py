@@ -231,22 +231,23 @@ def run_deployment(
         )
     config = policy_config(setup, policy, overrides or {})
     groups = setup.groups_for(name, factory, config, colocation)
-    known = None
-    if setup.known_duty:
-        first = MultiplexedSim(
-            factory, setup.jobs, groups, config, setup.gpus, name=name, colocation=colocation
-        ).run()
-        known = {j.job_id: j.learned_duty for j in first.jobs if j.done}
-    sim = MultiplexedSim(
-        factory,
-        setup.jobs,
-        groups,
-        config,
-        setup.gpus,
-        name=name,
-        colocation=colocation,
-        known_duty=known,
-    )
+
+    def deployment(known_duty: dict[str, float] | None = None) -> MultiplexedSim:
+        return MultiplexedSim(
+            factory,
+            setup.jobs,
+            groups,
+            config,
+            setup.gpus,
+            name=name,
+            colocation=colocation,
+            known_duty=known_duty,
+        )
+
+    if not setup.known_duty:
+        return deployment().run(progress)
+    first = deployment().run()
+    sim = deployment({j.job_id: j.learned_duty for j in first.jobs if j.done})
     return sim.run(progress)
 
 
