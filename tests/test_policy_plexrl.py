@@ -441,9 +441,9 @@ def test_a_refused_job_is_remembered_until_a_group_changes():
     tried: list[str] = []
 
     class Counting(InterferenceFit):
-        def _fullest_within(self, snapshot, job, fig):
+        def _fullest_within(self, snapshot, job, fig, empty_ok=True):
             tried.append(job.job_id)
-            return super()._fullest_within(snapshot, job, fig)
+            return super()._fullest_within(snapshot, job, fig, empty_ok)
 
     fit = Counting(CFG.slowdown_budget)
     answers = {j.job_id: fit(s, j) for j in jobs if j.home is None}

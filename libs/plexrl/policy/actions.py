@@ -32,6 +32,23 @@ class Admit:
 
 @quick_init
 @dataclass(frozen=True)
+class Rehome:
+    """Review a job's home once it has figures of its own (`plexrl.policy.rehome`):
+    move it to `to_worker`, or keep it where it is when that is `from_worker`. Either
+    way its review is done; a moved job's state is restored at its new home from the
+    disk tier (its snapshot and logged calls)."""
+
+    job_id: str
+    from_worker: str
+    to_worker: str
+
+    @property
+    def moves(self) -> bool:
+        return self.to_worker != self.from_worker
+
+
+@quick_init
+@dataclass(frozen=True)
 class Reject:
     """Refuse a job; every pending call of it fails with the reason."""
 
@@ -86,7 +103,7 @@ class Preempt:
     """The waiting job it yields to."""
 
 
-Action = Admit | Reject | Run | Prefetch | Preempt
+Action = Admit | Rehome | Reject | Run | Prefetch | Preempt
 Plan = tuple[Action, ...]
 
 

@@ -93,6 +93,19 @@ class PolicyConfig:
     saved sampler weights, waiting while its home group is busy, runs on an idle group of
     the same size whose jobs all expect to stay idle that long. False: every call on its
     home group."""
+    rehome: bool = True
+    """The plexrl policy's re-homing (`plexrl.policy.rehome`): a job placed on its
+    kind's figures is placed again, once, when it has figures of its own, and moves
+    where that pays (its state is restored at the new home from the disk tier). False:
+    a job keeps its first home for its whole run (unless its worker is lost)."""
+    review_histories: float = 8.0
+    """A newcomer's home is reviewed once it has this many times the history the
+    scheduler needs before it judges a job by its own figures (`min_history_s`): a
+    duty cycle learned from a few steps is noisy, and the jobs whose early steps
+    looked idle enough to join a group turn out busier."""
+    rehome_gain: float = 0.02
+    """In a fixed pool (`pack` False), a reviewed job moves only where the jobs' summed
+    predicted slowdown drops by more than this (0.02: two points of one job's step)."""
     sharing: SharingCosts = field(default_factory=SharingCosts)
     """What sharing a group costs beyond swaps (engine switches, stragglers' memory and
     contention): the plexrl policy's interference model predicts with these; the
@@ -122,6 +135,13 @@ class PolicyConfig:
             raise ValueError(
                 f"slowdown_budget is {self.slowdown_budget}; it must be 0 or more (0.05 = 5%)"
             )
+        if self.review_histories < 1:
+            raise ValueError(
+                f"review_histories is {self.review_histories}; it must be at least 1 "
+                "(a home is reviewed on the job's own figures)"
+            )
+        if self.rehome_gain < 0:
+            raise ValueError(f"rehome_gain is {self.rehome_gain}; it must be 0 or more")
         if self.hold_s < 0:
             raise ValueError(f"hold_s is {self.hold_s}; it must be 0 (off) or more (seconds)")
         if self.tenant_quantum_s <= 0:

@@ -88,6 +88,7 @@ from plexrl.policy.costs import SharingCosts
 from plexrl.policy.defer import not_passed_over, slack_s
 from plexrl.policy.fifo import last_served
 from plexrl.policy.frozen import quick_init
+from plexrl.policy.rehome import due, rehomes
 from plexrl.policy.roam import roaming_runs, with_roaming
 from plexrl.policy.share import tenant_order
 from plexrl.policy.snapshot import ClusterSnapshot, JobView, WorkerView
@@ -659,7 +660,9 @@ class InterferenceFit:
             self._placed += 1
         return chosen
 
-    def _fullest_within(self, snapshot: ClusterSnapshot, job: JobView, fig: Figures) -> str | None:
+    def _fullest_within(
+        self, snapshot: ClusterSnapshot, job: JobView, fig: Figures, empty_ok: bool = True
+    ) -> str | None:
         empty: WorkerView | None = None
         shared: list[tuple[float, float, int, WorkerView, _Group]] = []
         tenant = job.tenant
@@ -674,7 +677,7 @@ class InterferenceFit:
                 shared.append((foreign, -group.load, i, worker, group))
         # Fullest first (least of other tenants' load before that, with fair share): the
         # first group within budget is the answer.
-        chosen = empty
+        chosen = empty if empty_ok else None
         busiest = self.busiest(job)
         for _, _, _, worker, group in sorted(shared, key=lambda c: (c[0], c[1], c[2])):
             if self._within_adding(group, fig, busiest):
@@ -684,6 +687,42 @@ class InterferenceFit:
             return None
         self._groups[chosen.worker_id].add(fig, job.state_bytes, self.meet, tenant)
         return chosen.worker_id
+
+    # Re-homing (`plexrl.policy.rehome`): questions about a job not homed in `snapshot`.
+
+    def keeps_within(self, snapshot: ClusterSnapshot, worker_id: str, job: JobView) -> bool:
+        """Whether the group's jobs and `job` beside them stay within budget."""
+        return self._within_adding(self._group(snapshot, worker_id), self.figures(job), None)
+
+    def added_slowdown(self, snapshot: ClusterSnapshot, worker_id: str, job: JobView) -> float:
+        """How much `job` beside the group's jobs adds to their summed predicted
+        slowdown, its own included (inf where the group would not drain)."""
+        group = self._group(snapshot, worker_id)
+        fig = self.figures(job)
+        if group.load + fig.duty >= 1.0 and group.members:
+            return _UNBOUNDED
+        before = sum(
+            _slowdown(other, meets, group.load - other.duty)
+            for other, meets in zip(group.members, group.meets, strict=True)
+        )
+        return self._mean_adding(group, fig) * (len(group.members) + 1) - before
+
+    def shared_within(self, snapshot: ClusterSnapshot, job: JobView) -> str | None:
+        """The fullest group holding other jobs where `job` keeps everyone within
+        budget (None: none); the job is added to it."""
+        return self._fullest_within(snapshot, job, self.figures(job), empty_ok=False)
+
+
+def interference_fit(config: PolicyConfig) -> InterferenceFit:
+    """A fresh placement model for one admission (or re-homing) pass."""
+    return InterferenceFit(
+        config.slowdown_budget,
+        config.pack,
+        config.fair_share,
+        config.max_load,
+        config.sharing,
+        config.bound_newcomers,
+    )
 
 
 def _idle_first(now: float) -> partial[tuple[float, ...]]:
@@ -831,15 +870,11 @@ def quanta(config: PolicyConfig) -> tuple[float, float | None]:
 
 def plan_plexrl(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
     actions: list[Action] = []
+    if config.rehome and due(snapshot):
+        moved, snapshot = rehomes(snapshot, config, partial(interference_fit, config))
+        actions.extend(moved)
     if waiting_jobs(snapshot):  # (most plans only dispatch: no placement to set up)
-        place = InterferenceFit(
-            config.slowdown_budget,
-            config.pack,
-            config.fair_share,
-            config.max_load,
-            config.sharing,
-            config.bound_newcomers,
-        )
+        place = interference_fit(config)
         first = longest_declared_first if config.longest_first else None
         admitted, snapshot = admit_waiting(snapshot, place, backfill=True, order=first)
         actions.extend(admitted)

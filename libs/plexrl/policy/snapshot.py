@@ -121,6 +121,10 @@ class JobView:
     """While `duty_cycle` is borrowed from its kind (no history of its own yet), how
     busy it may well turn out (its kind's `history.Prior.duty_high`); admission guards
     the group's tail with it. 0: the duty cycle is the job's own, or nothing to say."""
+    review: bool = False
+    """Its home was chosen on its kind's figures (a newcomer) and it has figures of its
+    own now: the plexrl policy reviews its home once (`plexrl.policy.rehome`) and the
+    caller clears this on the answer (a `Rehome`)."""
     pinned: bool = False
     """Its device-tier state is in use outside any Run (e.g. a rollout's straggler
     sequences still decoding after the group was released); never evict it."""
