@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 import typer
-from click.testing import Result
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from plexrl_sim.cli import sim
 from plexrl_sim.workload import load_workload

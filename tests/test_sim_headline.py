@@ -85,31 +85,31 @@ PINNED: dict = {
     (0, 1): {
         "split_vs_isolated": {"7B": -0.1099, "30B": -0.1774, "235B": -0.1},
         "own": {
-            "occupied_vs_split_async": {"7B": -0.0487, "30B": -0.0438, "235B": -0.2135},
+            "occupied_vs_split_async": {"7B": -0.0658, "30B": 0.1075, "235B": -0.1776},
             "alone_billed_vs_split_async": {"7B": -0.7815, "30B": -0.6967, "235B": -0.8114},
-            "mean_slowdown": 0.0192,
-            "mean_slowdown_vs_split_async": 0.1862,
-            "makespan_vs_isolated": 1.0,
+            "mean_slowdown": 0.0131,
+            "mean_slowdown_vs_split_async": 0.1788,
+            "makespan_vs_isolated": 1.0065,
         },
     },
     (1, 1): {
         "split_vs_isolated": {"7B": 0.0257, "30B": 0.0411, "235B": 0.0311},
         "own": {
-            "occupied_vs_split_async": {"7B": -0.1511, "30B": -0.2979, "235B": -0.3051},
+            "occupied_vs_split_async": {"7B": -0.2627, "30B": -0.3276, "235B": -0.3051},
             "alone_billed_vs_split_async": {"7B": -0.7815, "30B": -0.6967, "235B": -0.8114},
-            "mean_slowdown": 0.0313,
-            "mean_slowdown_vs_split_async": -0.0031,
-            "makespan_vs_isolated": 1.0002,
+            "mean_slowdown": 0.0397,
+            "mean_slowdown_vs_split_async": 0.0051,
+            "makespan_vs_isolated": 1.0029,
         },
     },
     (1, 8): {
         "split_vs_isolated": {"7B": 0.0257, "30B": 0.0411, "235B": 0.0311},
         "own": {
-            "occupied_vs_split_async": {"7B": -0.1509, "30B": -0.3335, "235B": -0.4202},
+            "occupied_vs_split_async": {"7B": -0.2428, "30B": -0.3218, "235B": -0.3673},
             "alone_billed_vs_split_async": {"7B": -0.7815, "30B": -0.6967, "235B": -0.8114},
-            "mean_slowdown": 0.0342,
-            "mean_slowdown_vs_split_async": -0.0002,
-            "makespan_vs_isolated": 1.0002,
+            "mean_slowdown": 0.0358,
+            "mean_slowdown_vs_split_async": 0.0012,
+            "makespan_vs_isolated": 1.0029,
         },
     },
 }
@@ -117,6 +117,7 @@ PINNED: dict = {
 each forward_backward whole or, at staleness 1, in 8 slices an asynchronous job's
 training yields to samples at (`--fb-slices 8`),
 with the live scheduler's rules in the simulator, the costs of sharing in the
-prediction and the longest declared work admitted first (every job declares its
-steps; a small, short-job slice: its figures are not the trace's;
+prediction, the longest declared work admitted first (every job declares its
+steps) and newcomers re-homed once their figures are known (a small, short-job
+slice: its figures are not the trace's;
 docs/simulator.md has those)."""

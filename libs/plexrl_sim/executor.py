@@ -18,6 +18,9 @@ What the live worker does with a Run, the executor does too:
   at most a full batch at full speed), each job's stragglers then in the background.
   Each call is charged and observed its share of the batch by useful work (the
   worker's rows).
+- **Re-homing** (`plexrl.policy.Rehome`): a job between calls leaves its group and is
+  restored at another from the disk tier, its logged calls since its snapshot replayed
+  on its next Run there.
 - **Preemption** (`plexrl.policy.Preempt`): a running sample batch yields to the next
   Run on its group and is paused while that Run runs, then resumes where it was and
   holds the group to its end; it is asked once.
@@ -34,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from plexrl.messages import Function, Tier
-from plexrl.policy import Admit, Move, PendingCall, Preempt, Prefetch, Run, WorkerView
+from plexrl.policy import Admit, Move, PendingCall, Preempt, Prefetch, Rehome, Run, WorkerView
 from plexrl.policy.costs import SharingCosts
 from plexrl_sim.accounting import Accounting
 from plexrl_sim.events import Attention, Event, EventQueue
@@ -44,6 +47,11 @@ from plexrl_sim.workload import GroupSpec
 _DEVICE, _RUN_DONE, _TAIL_DONE = Tier.DEVICE, Event.RUN_DONE, Event.TAIL_DONE
 _SAMPLE, _FB = Function.SAMPLE, Function.FORWARD_BACKWARD
 """(Module constants: an enum member read off its class costs an attribute lookup.)"""
+
+RESTORE_REPLAYED_CALLS = 1.5
+"""Training calls a re-homed job's restore replays on average: the worker snapshots a
+job after every 4 logged calls (`SnapshotConfig.every_calls`), so 0 to 3 follow its
+latest snapshot."""
 
 
 class SimulationError(Exception):
@@ -210,6 +218,8 @@ class GroupExecutor:
         """Every job, by id (a roaming Run's job is not homed on its group)."""
         self.cosampled = 0
         """Calls that rode along in another job's sample batch."""
+        self.rehomed = 0
+        """Jobs moved to another group once their own figures were known."""
 
     # Admission ---------------------------------------------------------------------------
 
@@ -219,6 +229,8 @@ class GroupExecutor:
             raise SimulationError(f"{action.job_id} admitted to a group too small for it")
         now = self.events.now
         job.home = action.worker_id
+        # Placed on its kind's figures unless the policy was given its own (a control).
+        job.provisional = job.known_duty <= 0
         # The duty cycle counts from here: waiting for a home is not the job's idleness.
         job.history.homed(now)
         job.touch()
@@ -227,6 +239,38 @@ class GroupExecutor:
         group.homed[job.job_id] = job
         self.accounting.hold(group.group_id, now, len(group.homed))
         self.attention.group(action.worker_id)
+
+    def rehome(self, job: SimJob, action: Rehome) -> None:
+        """Move a job between calls to another group (`plexrl.policy.rehome`): its state
+        leaves the old group and is restored at the new one from the disk tier, its
+        snapshot read and its logged calls since replayed (`restore_s`, charged to its
+        next Run there: on average half a snapshot interval of training calls). A sample
+        of it roaming on a third group runs on its saved sampler weights and goes on."""
+        old = self.groups[action.from_worker]
+        new = self.groups[action.to_worker]
+        if job.home != old.group_id or job.pinned or old.running == job.job_id:
+            raise SimulationError(f"re-home of {job.job_id} while its calls hold its group")
+        if new.spec.devices < job.devices:
+            raise SimulationError(f"{job.job_id} re-homed to a group too small for it")
+        now = self.events.now
+        del old.homed[job.job_id]
+        if not old.homed:
+            self.accounting.release(old.group_id, now)
+        new.homed[job.job_id] = job
+        self.accounting.hold(new.group_id, now, len(new.homed))
+        job.home = new.group_id
+        job.tier = Tier.DISK
+        seconds_of = job.figures()[0]
+        training = [seconds_of[f] for f in (_FB, Function.OPTIM_STEP) if f in seconds_of]
+        if training:
+            job.restore_s = RESTORE_REPLAYED_CALLS * sum(training) / len(training)
+        job.result.group = new.group_id
+        job.result.rehomed_from = old.group_id
+        job.touch()
+        old.view = new.view = None
+        self.rehomed += 1
+        self.attention.group(old.group_id)
+        self.attention.group(new.group_id)
 
     def unhome(self, job: SimJob) -> None:
         group = self.groups[job.home or ""]
@@ -420,6 +464,10 @@ class GroupExecutor:
             swap += self._move_s(group, job, job.tier, _DEVICE)
             job.tier = _DEVICE
         swap += max(0.0, job.ready_at - now, group.free_at - now)
+        if job.restore_s:
+            moved = True
+            swap += job.restore_s
+            job.restore_s = 0.0
         last = group.last_job
         if last is not None and last != job.job_id:
             swap += self.costs.switch_s

@@ -34,6 +34,7 @@ from plexrl.policy import (
     PolicyConfig,
     Preempt,
     Prefetch,
+    Rehome,
     Reject,
     Run,
     decide,
@@ -105,6 +106,11 @@ class MultiplexedSim:
         """Per group size, the groups that hold jobs and have nothing to run."""
         self._roam_due: set[int] = set()
         """Group sizes where a roamer or an idle group came up since the last ask."""
+        self._reviewing = config.name == "plexrl" and config.rehome
+        self._reviews = False
+        self._review_after_s = config.review_histories * self.min_history_s
+        """A job's home is due for review (`plexrl.policy.rehome`): the next decision is
+        on the whole cluster, where every group it could move to is seen."""
         self.events = 0
         profiles = factory.workload.profiles
         for spec in jobs:
@@ -170,6 +176,7 @@ class MultiplexedSim:
                 "cosampled": self.executor.cosampled,
                 "roamed": self.executor.roamed,
                 "held": self.held,
+                "rehomed": self.executor.rehomed,
             },
         )
 
@@ -180,6 +187,13 @@ class MultiplexedSim:
         if done.riders is not None:
             for rider in done.riders:
                 self.replay.calls_done(rider.job, rider.calls)
+        if self._reviewing:
+            self._reviews |= self._due_for_review(done.job) or any(
+                self._due_for_review(r.job) for r in done.riders or ()
+            )
+
+    def _due_for_review(self, job: SimJob) -> bool:
+        return job.provisional and job.history.has_history(self.now, self._review_after_s)
 
     def _tail_done(self, tail: Tail) -> None:
         if self.executor.tail_end(tail):
@@ -198,9 +212,10 @@ class MultiplexedSim:
 
     def _decide(self) -> None:
         attention = self.attention
-        if attention.admission_due:
+        if attention.admission_due or self._reviews:
             attention.admission_due = False
-            if self.waiting:
+            if self.waiting or self._reviews:
+                self._reviews = False
                 self._carry_out(self.full_snapshot())
         dirty = attention.groups
         if dirty:
@@ -332,8 +347,13 @@ class MultiplexedSim:
         jobs: dict[str, JobView] = {}
         calls: list[PendingCall] = []
         paused = {g.paused.job.job_id for g in self.groups.values() if g.paused is not None}
+        reviewing = self._reviewing
         for j in (*homed, *self.waiting.values()):
-            jobs[j.job_id] = j.as_view(self.now, self._priors, self.min_history_s)
+            view = j.as_view(self.now, self._priors, self.min_history_s)
+            # Only a decision that sees every group reviews a home.
+            if reviewing and self._due_for_review(j):
+                view = replace(view, review=True)
+            jobs[j.job_id] = view
             if j.job_id not in paused:
                 calls.extend(j.pending)
         calls.sort(key=_arrival)
@@ -359,6 +379,11 @@ class MultiplexedSim:
                 if job is None:
                     raise SimulationError(f"admit of {action.job_id}, which is not waiting")
                 executor.admit(job, action)
+            elif isinstance(action, Rehome):
+                moving = self.jobs[action.job_id]
+                if action.moves:
+                    executor.rehome(moving, action)
+                moving.provisional = False
             elif isinstance(action, Reject):
                 rejected = self.waiting.pop(action.job_id, None)
                 if rejected is not None:

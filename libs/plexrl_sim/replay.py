@@ -91,6 +91,11 @@ class SimJob:
     """Its own duty cycle, given to the policy before it has a history of its own
     (`plexrl sim --known-duty`, a control: `MultiplexedSim`); 0: its kind's until then,
     as the live scheduler does."""
+    provisional: bool = False
+    """Homed on its kind's figures and not reviewed since (`plexrl.policy.rehome`)."""
+    restore_s: float = 0.0
+    """Seconds its next Run first spends replaying its logged calls (it was re-homed:
+    its new home restores it from its snapshot and the calls logged since)."""
     pending: list[PendingCall] = field(default_factory=list)
     view: JobView | None = None
     trail: list[tuple[int, Function]] | None = None

@@ -533,6 +533,7 @@ def write_csvs(
                 "charged_gpu_s",
                 "occupied_gpu_s",
                 "learned_duty",
+                "rehomed_from",
                 "rejected",
             ]
         )
@@ -559,6 +560,7 @@ def write_csvs(
                         f"{j.used_device_s:.0f}",
                         f"{j.occupied_gpu_s:.0f}",
                         "" if math.isnan(j.learned_duty) else f"{j.learned_duty:.4f}",
+                        j.rehomed_from,
                         j.rejected,
                     ]
                 )

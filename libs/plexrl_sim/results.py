@@ -46,6 +46,9 @@ class JobResult:
     learned_duty: float = math.nan
     """Its duty cycle as the scheduler had learned it by its last step
     (`CallHistory.duty_cycle`); NaN: it did not finish."""
+    rehomed_from: str = ""
+    """The group it left when its home was reviewed (`plexrl.policy.rehome`); empty:
+    it kept its first home."""
     roamed: int = 0
     """Calls of it that ran on a group other than its home (`plexrl.policy.roam`)."""
     rollout_share: float = math.nan

@@ -1,0 +1,60 @@
+"""Re-homing in the simulator: a newcomer's home reviewed once its own figures are known,
+carried out by the executor with the costs of a restore from the disk tier."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from plexrl_sim.results import DeploymentResult
+from plexrl_sim.run import Setup, prepare, run_deployment
+from tests.sim_fixtures import write_workload
+from tests.test_sim_headline import small_h200_trace
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
+    path = write_workload(tmp_path_factory.mktemp("w"), small_h200_trace())
+    return prepare(path, seed=0, staleness=1)
+
+
+@pytest.fixture(scope="module")
+def runs(setup: Setup) -> dict[str, DeploymentResult]:
+    return {
+        "on": run_deployment(setup, "plexrl+tail"),
+        "off": run_deployment(setup, "plexrl+tail", overrides={"rehome": False}),
+    }
+
+
+def test_newcomers_move_once_to_a_group_of_their_size(runs: dict[str, DeploymentResult]):
+    on = runs["on"]
+    moved = [j for j in on.jobs if j.rehomed_from]
+    assert moved and on.counts["rehomed"] == len(moved)
+    for job in moved:
+        assert job.group != job.rehomed_from
+        assert job.group.split("-")[0] == job.rehomed_from.split("-")[0]  # its size class
+        assert job.done
+    assert runs["off"].counts["rehomed"] == 0
+    assert not any(j.rehomed_from for j in runs["off"].jobs)
+
+
+def test_a_moved_job_pays_its_restore(runs: dict[str, DeploymentResult]):
+    # Its state read from the disk tier at the new home and its logged calls replayed
+    # there: swap seconds it did not pay where it kept its home.
+    off = {j.job_id: j for j in runs["off"].jobs}
+    for job in (j for j in runs["on"].jobs if j.rehomed_from):
+        assert job.swaps >= 1 and job.swap_s > 0, job.job_id
+        assert off[job.job_id].rehomed_from == ""
+
+
+def test_the_known_duty_control_places_on_own_figures_and_reviews_nothing(setup: Setup):
+    control = replace(setup, known_duty=True)
+    assert run_deployment(control, "plexrl+tail").counts["rehomed"] == 0
+
+
+def test_same_figures_again(setup: Setup, runs: dict[str, DeploymentResult]):
+    again = run_deployment(setup, "plexrl+tail")
+    assert [(j.job_id, j.group, j.step_time_s) for j in again.jobs] == [
+        (j.job_id, j.group, j.step_time_s) for j in runs["on"].jobs
+    ]
