@@ -629,3 +629,48 @@ def test_a_jobs_declared_options_reach_the_policys_view() -> None:
     view = state.snapshot().jobs["j"]
     assert (view.staleness, view.declared_steps) == (1, 1500)
     state.on_job_options("nobody", 1, 10)  # an unknown job: nothing to change
+
+
+def test_a_newcomers_home_is_reviewed_once_in_a_whole_decision() -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock, review_histories=2.0)  # after 10 s of its own
+    for w in ("w0", "w1"):
+        state.on_heartbeat(beat(w))
+    state.add_job("j", "t", JobSpec(base_model="m", state_bytes=10), home=None)
+    state.apply_admit("j", "w0", epoch=1)
+    state.on_request(req("r1", "j"), delivery(0))
+    state.apply_run("d", "w0", "j", state.take_pending(("r1",)), ())
+    clock.t += 6  # a history of its own, not yet the review's
+    state.on_completion(done("r1", "j"))
+    assert not state.snapshot().jobs["j"].review
+    clock.t += 5
+    state.on_request(req("r2", "j"), delivery(1))
+    state.apply_run("d2", "w0", "j", state.take_pending(("r2",)), ())
+    assert not state.between_calls("j")
+    state.take_touched(True)
+    state.on_completion(done("r2", "j"))
+    assert state.between_calls("j")
+    assert state.everything_due  # its review waits for a whole decision
+    assert state.snapshot().jobs["j"].review
+    assert not state.snapshot({"w0"}).jobs["j"].review  # only a whole one reviews
+    state.apply_rehome("j", "w1", epoch=2)
+    job = state.snapshot().jobs["j"]
+    assert (job.home, job.tier, job.review) == ("w1", Tier.DISK, False)
+    assert state.jobs["j"].epoch == 2
+    assert "j" not in {v.job_id for v in state.snapshot({"w0"}).jobs.values()}
+
+
+def test_a_job_admitted_on_its_own_figures_is_not_reviewed() -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock, review_histories=1.0)
+    state.on_heartbeat(beat("w0"))
+    state.add_job("j", "t", JobSpec(base_model="m"), home=None)
+    state.apply_admit("j", "w0", epoch=1)
+    clock.t += 10
+    state.apply_review("j")  # the policy kept it where it is
+    assert not state.snapshot().jobs["j"].review
+    # Re-admitted after its worker was lost, with a history of its own: not provisional.
+    state.on_worker_lost("w0")
+    state.on_heartbeat(beat("w1"))
+    state.apply_admit("j", "w1", epoch=2)
+    assert not state.jobs["j"].provisional

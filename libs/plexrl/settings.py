@@ -272,6 +272,13 @@ class SchedulerSettings(CommonSettings):
     # sampler weights whose home worker is busy may run on an idle worker serving the
     # same base model (an asynchronous job samples there while it trains at home).
     roam_samples: bool = True
+    # The plexrl policy's re-homing (`PolicyConfig.rehome`): a job homed on its kind's
+    # figures is placed again, once, when it has its own, and moves between calls where
+    # that pays (its new home restores it from its snapshot and logged calls).
+    rehome: bool = True
+    # A newcomer's home is reviewed once it has this many times the history (5 s) its
+    # own figures need (`PolicyConfig.review_histories`): early figures are noisy.
+    review_histories: float = Field(default=8.0, ge=1.0)
     # A worker whose last heartbeat is older than this is treated as down (its jobs
     # are re-homed and restored elsewhere). Heartbeats come every second; a false alarm
     # costs a restore, never a wrong result (the old home is fenced off).

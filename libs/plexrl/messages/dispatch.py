@@ -1,7 +1,8 @@
 """Topic `plexrl.dispatch.<worker>` (key: job id): scheduler → that worker.
 
 A Dispatch says which calls to run, in order, and which states to move first.
-The worker applies `evict` before `onload`, then runs `calls`, then `prefetch`.
+The worker drops the states of `drop`, applies `evict` before `onload`, then runs
+`calls`, then `prefetch`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class Dispatch(msgspec.Struct, frozen=True):
     """Moves down (device → host/disk) that make room, applied first."""
     prefetch: list[StateMove] = []
     """Moves up for a job likely next, applied after the calls."""
+    drop: list[str] = []
+    """Jobs re-homed away from this worker between calls (`plexrl.policy.Rehome`): it
+    drops its copies of their states first, leaving their records be (the new home
+    restores each from its snapshot and logged calls)."""
     issued_at: float = 0.0
     lease: Lease | None = None
     """None (an older scheduler): the calls run unnumbered and unfenced."""

@@ -118,7 +118,12 @@ class DispatchPipeline:
         # Pure calls only (samples, echoes) that move nothing: they run at once, and
         # each is recorded only while its lease and its scheduler's term stand, or
         # answered by a record made before it (a replay runs again; the first stands).
-        pure = bool(dispatch.calls) and not numbered(dispatch) and not dispatch.evict
+        pure = (
+            bool(dispatch.calls)
+            and not numbered(dispatch)
+            and not dispatch.evict
+            and not dispatch.drop
+        )
         if self._leader is not None and dispatch.leader_token and not pure:
             latest = self._intake.latest_token() if self._intake else None
             if await self._leader.deposed(dispatch, latest):
@@ -129,6 +134,9 @@ class DispatchPipeline:
         claimed = self._preemption.claim() if dispatch.calls else None
         training = self._training_pause.claim() if dispatch.calls else None
         try:
+            for job_id in dispatch.drop:
+                await self._states.forget(job_id)
+                log.info("dropped the copy of %s: re-homed to another worker", job_id)
             for move in dispatch.evict:
                 await self._states.move(move.job_id, move.to_tier)
             fence: RecordFence | None = None

@@ -29,7 +29,17 @@ from plexrl.messages import (
     Tier,
     Timings,
 )
-from plexrl.policy import Action, Admit, Plan, Preempt, Prefetch, Reject, RejectReason, Run
+from plexrl.policy import (
+    Action,
+    Admit,
+    Plan,
+    Preempt,
+    Prefetch,
+    Rehome,
+    Reject,
+    RejectReason,
+    Run,
+)
 from plexrl.retry import retrying
 from plexrl.stores import CallStore, JobStore
 from plexrl.topics import Topics
@@ -119,7 +129,12 @@ class Actuator:
                 runs[action.worker_id] = action
                 continue
             await self._runs(runs)
-            if isinstance(action, Run):
+            if isinstance(action, Rehome):
+                if not await self._rehome(action):
+                    # The rest of the plan has the job at its new home: decided again.
+                    self._state.review_again()
+                    return
+            elif isinstance(action, Run):
                 runs[action.worker_id] = action
             else:
                 await self._act(action)
@@ -184,19 +199,55 @@ class Actuator:
         # A new lease: whoever held the job before (a dead worker) is fenced off now.
         epoch = await self._ledger.bump_epoch(action.job_id, action.worker_id)
         self._state.apply_admit(action.job_id, action.worker_id, epoch)
-        job = self._state.jobs[action.job_id]
-        await self._jobs.set_home(action.job_id, action.worker_id)
+        await self._announce_home(action.job_id, action.worker_id)
+        metrics.JOBS_ADMITTED.labels(action.worker_id).inc()
+        log.info("admitted %s on %s", action.job_id, action.worker_id)
+
+    async def _rehome(self, action: Rehome) -> bool:
+        """Move a job between calls to another worker: a new lease there fences off its
+        old home, which is told to drop its copy; the new home restores the job from its
+        snapshot and logged calls at its next call (as for a lost worker's jobs). False
+        (nothing moved) for a job with a call in flight at home, or on a worker whose
+        direct lease is being revoked: it is reviewed again at a later decision."""
+        state, job_id, old = self._state, action.job_id, action.from_worker
+        job = state.jobs.get(job_id)
+        if job is None or job.home != old:
+            return False
+        if not action.moves:
+            state.apply_review(job_id)
+            return True
+        if not state.between_calls(job_id):
+            return False
+        if self._direct is not None and not await self._direct.clear(old):
+            return False
+        epoch = await self._ledger.bump_epoch(job_id, action.to_worker)
+        state.apply_rehome(job_id, action.to_worker, epoch)
+        await self._announce_home(job_id, action.to_worker)
+        drop = Dispatch(
+            dispatch_id=uuid.uuid4().hex,
+            worker_id=old,
+            calls=[],
+            drop=[job_id],
+            issued_at=time.time(),
+        )
+        await self._publisher.publish(self._topics.dispatch(old), job_id, drop)
+        metrics.REHOMES.labels(old).inc()
+        log.info("re-homed %s from %s to %s (its own figures)", job_id, old, action.to_worker)
+        return True
+
+    async def _announce_home(self, job_id: str, worker_id: str) -> None:
+        """Record the job's home and tell the cluster (`JobAdmitted`)."""
+        job = self._state.jobs[job_id]
+        await self._jobs.set_home(job_id, worker_id)
         event = JobAdmitted(
             job_id=job.job_id,
             tenant=job.tenant,
-            home_worker=action.worker_id,
+            home_worker=worker_id,
             base_model=job.spec.base_model,
             state_bytes=job.state_bytes,
             at=time.time(),
         )
-        await self._publisher.publish(self._topics.events, action.worker_id, event)
-        metrics.JOBS_ADMITTED.labels(action.worker_id).inc()
-        log.info("admitted %s on %s", job.job_id, action.worker_id)
+        await self._publisher.publish(self._topics.events, worker_id, event)
 
     async def _reject(self, action: Reject) -> None:
         if action.reason == RejectReason.NO_WORKERS:

@@ -128,7 +128,11 @@ async def lead(
     # the term's state (whose clock decides when a silent worker is dead) starts after.
     inbox = Inbox(settings, topics, publisher, stores)
     await inbox.start()
-    state = ClusterState(worker_timeout_s=settings.worker_timeout_s, burst_gap_s=settings.hold_s)
+    state = ClusterState(
+        worker_timeout_s=settings.worker_timeout_s,
+        burst_gap_s=settings.hold_s,
+        review_histories=settings.review_histories,
+    )
     await restore(state, stores.jobs)
     policy = PolicyConfig(
         name=settings.policy,
@@ -140,6 +144,8 @@ async def lead(
         preempt_ratio=settings.preempt_ratio,
         fair_share=settings.fair_share,
         roam=settings.roam_samples,
+        rehome=settings.rehome,
+        review_histories=settings.review_histories,
     )
     direct = DirectPath(
         state,

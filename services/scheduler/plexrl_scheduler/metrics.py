@@ -44,6 +44,12 @@ ROAMED_CALLS = Counter(
     "(plexrl policy, PLEXRL_ROAM_SAMPLES), by that worker",
     ["worker"],
 )
+REHOMES = Counter(
+    "plexrl_scheduler_rehomes_total",
+    "Jobs moved to another worker once their own figures were known (plexrl policy, "
+    "PLEXRL_REHOME), by the worker they left",
+    ["worker"],
+)
 HOLDING_PASSES = Counter(
     "plexrl_scheduler_holding_passes_total",
     "Decision passes that held a free worker for a bursting job's next call "

@@ -94,6 +94,9 @@ class JobState:
     """Idle hints it sent."""
     hinted_s: float = 0.0
     """Their seconds, summed: their mean is `JobView.stall_s`."""
+    provisional: bool = False
+    """Homed on its kind's figures (it had no history of its own then) and not reviewed
+    since: a whole decision reviews its home once it has its own (`JobView.review`)."""
     described: _Described | None = field(default=None, repr=False, compare=False)
     """Its figures for the policy as last described (`ClusterState._view`)."""
 
@@ -166,8 +169,12 @@ class ClusterState:
         worker_timeout_s: float = 10.0,
         swap: SwapCosts | None = None,
         burst_gap_s: float = 0.1,
+        review_histories: float = 8.0,
     ) -> None:
+        """`review_histories`: a newcomer's home is reviewed once it has this many
+        times the history it is judged on alone (`PolicyConfig.review_histories`)."""
         self._clock = clock
+        self._review_after_s = review_histories * _MIN_HISTORY_S
         self._burst_gap_s = burst_gap_s
         """A gap between a job's calls longer than this ends its burst (the policy's
         `hold_s`)."""
@@ -362,6 +369,8 @@ class ClusterState:
             self._served[job.tenant] = job
         if job.home is not None and job.home != worker_id:
             self._touch(job.home)
+        if self._due_for_review(job, now):
+            self._touch(None)  # its home is reviewed at the next whole decision
         if completion.function == Function.UNLOAD:
             del self.jobs[job.job_id]
             if self._served.get(job.tenant) is job:
@@ -456,6 +465,45 @@ class ClusterState:
         # seconds measured so far belong to.
         if job.history.first_seen is None:
             job.history.homed(self._clock())
+        job.provisional = not job.history.has_history(self._clock(), _MIN_HISTORY_S)
+
+    def apply_rehome(self, job_id: str, worker_id: str, epoch: int) -> None:
+        """The job moved to `worker_id` between calls (`plexrl.policy.Rehome`): its new
+        home restores it from the disk tier; its figures and history go with it."""
+        job = self.jobs[job_id]
+        old = job.home
+        self.apply_admit(job_id, worker_id, epoch)
+        job.provisional = False
+        job.tier = Tier.DISK if job.tier is not None else None
+        self._touch(old)
+        self._touch(worker_id)
+
+    def apply_review(self, job_id: str) -> None:
+        """The policy kept the job where it is (`plexrl.policy.Rehome` to its own home)."""
+        job = self.jobs.get(job_id)
+        if job is not None:
+            job.provisional = False
+
+    def _due_for_review(self, job: JobState, now: float) -> bool:
+        return job.provisional and job.history.has_history(now, self._review_after_s)
+
+    def between_calls(self, job_id: str) -> bool:
+        """No call of the job is in flight on its home (dispatched, co-sampled in
+        another job's dispatch, or decoding as a released tail). A sample of it roaming
+        on another worker reads its saved sampler weights, not its state there."""
+        home = self.jobs[job_id].home
+        runs = [*self.inflight.values(), *self.tails.values()]
+        return not any(
+            run.worker_id == home
+            and p.request.job_id == job_id
+            and p.request.request_id in run.remaining
+            for run in runs
+            for p in run.calls
+        )
+
+    def review_again(self) -> None:
+        """A review could not be carried out now: the next decision is a whole one."""
+        self._touch(None)
 
     def apply_epoch(self, job_id: str, epoch: int) -> None:
         self.jobs[job_id].epoch = epoch
@@ -690,8 +738,15 @@ class ClusterState:
 
     @staticmethod
     def _view(
-        job: JobState, now: float, learned: dict[Kind, Prior], pinned: bool, dormant: bool
+        job: JobState,
+        now: float,
+        learned: dict[Kind, Prior],
+        pinned: bool,
+        dormant: bool,
+        review: bool = False,
     ) -> JobView:
+        """`review`: its home is due for review, and the view is for a decision on every
+        group (only such a decision reviews a home, `JobView.review`)."""
         prior, history = learned.get(job.kind), job.history
         own = history.has_history(now, _MIN_HISTORY_S)
         was = job.described
@@ -734,6 +789,7 @@ class ClusterState:
             train_slices=job.train_slices,
             # A LoRA job's sampler weights are its adapter: a few MB, nothing to plan.
             sampler_bytes=job.state_bytes // 8 if job.spec.lora is None else 0,
+            review=review and not dormant,
         )
 
     def _worker_view(self, wid: str, w: WorkerState, jobs: dict[str, JobView]) -> WorkerView:
@@ -849,7 +905,14 @@ class ClusterState:
                 if p.request.job_id != run.job_id and p.request.request_id in run.remaining:
                     pinned.add(p.request.job_id)
         jobs = {
-            jid: self._view(j, now, learned, jid in pinned, jid in dormant)
+            jid: self._view(
+                j,
+                now,
+                learned,
+                jid in pinned,
+                jid in dormant,
+                groups is None and self._due_for_review(j, now),
+            )
             for jid, j in chosen.items()
         }
         workers = {
