@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import msgspec
 import pytest
 from aiokafka import TopicPartition
@@ -674,3 +676,54 @@ def test_a_job_admitted_on_its_own_figures_is_not_reviewed() -> None:
     state.on_heartbeat(beat("w1"))
     state.apply_admit("j", "w1", epoch=2)
     assert not state.jobs["j"].provisional
+
+
+async def test_a_move_fences_the_old_home_before_telling_it_to_drop_its_copy() -> None:
+    from plexrl.messages import Dispatch, JobAdmitted
+    from plexrl.policy import Rehome
+    from plexrl.topics import Topics
+    from plexrl_scheduler.actuator import Actuator
+
+    events: list[tuple[str, object]] = []
+
+    class Ledger:  # the edge: the real ledger is Redis's (tests/test_live_rehome.py)
+        async def bump_epoch(self, job_id: str, worker_id: str) -> int:
+            events.append(("epoch", worker_id))
+            return 7
+
+    class Jobs:
+        async def set_home(self, job_id: str, worker_id: str) -> None:
+            events.append(("home", worker_id))
+
+    class Publisher:
+        async def publish(self, topic: str, key: str, message: object, headers=None) -> None:
+            events.append((topic, message))
+
+    async def finished(_: object) -> None:
+        return None
+
+    clock = Clock()
+    state = ClusterState(clock=clock)
+    for w in ("w0", "w1"):
+        state.on_heartbeat(beat(w))
+    state.add_job("j", "t", JobSpec(base_model="m", state_bytes=10), home="w0")
+    state.on_request(req("r1", "j"), delivery(0))
+    state.apply_run("d", "w0", "j", state.take_pending(("r1",)), ())
+    topics = Topics("c")
+    publisher: Any = Publisher()
+    jobs: Any = Jobs()
+    ledger: Any = Ledger()
+    actuator = Actuator(state, publisher, jobs, cast(Any, None), topics, finished, ledger)
+    move = Rehome("j", "w0", "w1")
+    # A call of it in flight at home: nothing moves, the rest of the plan is dropped.
+    await actuator.carry_out((move, Run("w1", "j", ("r2",))))
+    assert events == [] and state.jobs["j"].home == "w0" and state.everything_due
+    state.on_completion(done("r1", "j"))
+    await actuator.carry_out((move,))
+    assert [e[0] for e in events] == ["epoch", "home", topics.events, topics.dispatch("w0")]
+    assert events[0] == ("epoch", "w1")  # fenced before the old home hears of it
+    assert isinstance(events[2][1], JobAdmitted) and events[2][1].home_worker == "w1"
+    drop = events[3][1]
+    assert isinstance(drop, Dispatch) and drop.drop == ["j"] and drop.calls == []
+    assert (state.jobs["j"].home, state.jobs["j"].epoch) == ("w1", 7)
+    assert state.jobs["j"].tier in (Tier.DISK, None)
