@@ -252,12 +252,9 @@ class GroupExecutor:
             raise SimulationError(f"re-home of {job.job_id} while its calls hold its group")
         if new.spec.devices < job.devices:
             raise SimulationError(f"{job.job_id} re-homed to a group too small for it")
-        now = self.events.now
-        del old.homed[job.job_id]
-        if not old.homed:
-            self.accounting.release(old.group_id, now)
+        self.unhome(job)
         new.homed[job.job_id] = job
-        self.accounting.hold(new.group_id, now, len(new.homed))
+        self.accounting.hold(new.group_id, self.events.now, len(new.homed))
         job.home = new.group_id
         job.tier = Tier.DISK
         seconds_of = job.figures()[0]
@@ -269,7 +266,6 @@ class GroupExecutor:
         job.touch()
         old.view = new.view = None
         self.rehomed += 1
-        self.attention.group(old.group_id)
         self.attention.group(new.group_id)
 
     def unhome(self, job: SimJob) -> None:

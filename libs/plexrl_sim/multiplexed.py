@@ -107,8 +107,8 @@ class MultiplexedSim:
         self._roam_due: set[int] = set()
         """Group sizes where a roamer or an idle group came up since the last ask."""
         self._reviewing = config.name == "plexrl" and config.rehome
-        self._reviews = False
         self._review_after_s = config.review_histories * self.min_history_s
+        self._reviews = False
         """A job's home is due for review (`plexrl.policy.rehome`): the next decision is
         on the whole cluster, where every group it could move to is seen."""
         self.events = 0

@@ -71,12 +71,9 @@ def rehomes(
         jobs = dict(snapshot.jobs)
         jobs[job.job_id] = alone
         without = replace(snapshot, jobs=jobs)
-        target = _target(without, alone, home, config, fit())
-        actions.append(Rehome(job.job_id, home, target or home))
-        moved = replace(alone, home=target or home)
-        if target is not None and target != home:
-            moved = replace(moved, tier=Tier.DISK)
-        jobs[job.job_id] = moved
+        to = _target(without, alone, home, config, fit()) or home
+        actions.append(Rehome(job.job_id, home, to))
+        jobs[job.job_id] = replace(alone, home=to, tier=Tier.DISK if to != home else job.tier)
         snapshot = replace(snapshot, jobs=jobs)
     return actions, snapshot
 
