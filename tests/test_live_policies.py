@@ -98,10 +98,25 @@ def restart_scheduler(cluster: LocalCluster, env: dict[str, str]) -> None:
     cluster.restart("scheduler", env=env)
 
 
+def training_at_home(cluster: LocalCluster, job_id: str) -> None:
+    """Wait (a few seconds at most) until the scheduler says the job runs on a worker:
+    the SDK sends a job's calls concurrently, so a sample sent after a training call may
+    reach the scheduler first; the test's sample is to come while the job trains."""
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline:
+        status = httpx.get(
+            f"{cluster.config.gateway_url}/plexrl/v1/cluster", headers={"X-API-Key": KEY}
+        ).json()
+        if job_id in status["scheduler"].get("inflight", {}).values():
+            return
+        time.sleep(0.005)
+
+
 def async_job(cluster: LocalCluster, steps: int = 3) -> tuple[str, list[float], list[object]]:
     """An asynchronous GRPO-like loop on the SDK (staleness 1): rollout k + 1 is sampled
     with the weights saved before step k trains, while step k trains on rollout k; the
-    training calls are sent first, so the job's home is busy when its sample comes."""
+    sample is sent once the job's training runs (on enough data to take a while), so
+    the job's home is busy when its sample comes."""
     config = cluster.config
     service = tinker.ServiceClient(base_url=config.gateway_url, api_key=KEY)
     client = service.create_lora_training_client(
@@ -137,9 +152,10 @@ def async_job(cluster: LocalCluster, steps: int = 3) -> tuple[str, list[float], 
             )
             for seq in rollout
             if seq
-        ]
+        ] * 64
         trained = client.forward_backward(data, "cross_entropy")
         stepped = client.optim_step(types.AdamParams(learning_rate=1e-2))
+        training_at_home(cluster, str(client.model_id))
         pending = sample(sampler, k + 1)  # the weights before this step: staleness 1
         losses.append(trained.result().metrics["loss:sum"])
         stepped.result()

@@ -9,12 +9,13 @@ and leaves its stragglers there in the background, as at home. An asynchronous j
 from its home while its home trains it, or while its home trains a neighbour.
 
 The rule (plexrl policy, `PolicyConfig.roam`): for each job whose portable calls wait
-while its home group is busy (running, or given another Run in this plan), oldest call
-first, a group of the home's size that serves its base model, runs nothing, has no call
-of its own waiting, is held anyway (it holds a job, or the pool is fixed: `pack`
-False), and whose jobs all said they will stay idle at least as long as the roaming
-Run is expected to take (a stopped job, duty cycle 0, and an empty group are quiet):
-the quietest such group. So a roaming sample never delays a job at
+while its home group is busy (running, or given another Run in this plan — its own
+training included: a sample that came with the calls its home now runs need not wait
+for them), oldest call first, a group of the home's size that serves its base model,
+runs nothing, has no call of its own waiting, is held anyway (it holds a job, or the
+pool is fixed: `pack` False), and whose jobs all said they will stay idle at least as
+long as the roaming Run is expected to take (a stopped job, duty cycle 0, and an empty
+group are quiet): the quietest such group. So a roaming sample never delays a job at
 home on the group it borrows, as far as the idle hints go; its stragglers may still
 slow a call that comes there later, which the costs of sharing price.
 """
@@ -43,7 +44,7 @@ def roaming_runs(snapshot: ClusterSnapshot, config: PolicyConfig, runs: list[Run
     if not config.roam:
         return []
     taken = {r.worker_id for r in runs}
-    started = {r.job_id for r in runs}
+    started = {rid for r in runs for rid in r.request_ids}
     idle = [
         w
         for w in snapshot.workers.values()
@@ -57,12 +58,13 @@ def roaming_runs(snapshot: ClusterSnapshot, config: PolicyConfig, runs: list[Run
     out: list[Run] = []
     for job_id in snapshot.callers():
         job = snapshot.jobs.get(job_id)
-        if job is None or job.home is None or job_id in started:
+        if job is None or job.home is None:
             continue
         home = snapshot.workers.get(job.home)
         if home is None or (home.running is None and home.worker_id not in taken):
             continue  # its home can run it now
-        calls = _portable(snapshot.calls_view(job_id), config.max_calls_per_run)
+        waiting = [c for c in snapshot.calls_view(job_id) if c.request_id not in started]
+        calls = _portable(waiting, config.max_calls_per_run)
         if not calls:
             continue
         expected = sum(job.estimates.expected_s(c.function) for c in calls)

@@ -1,0 +1,40 @@
+"""Roaming samples: an asynchronous job's sample runs on an idle group while its home
+trains it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from plexrl.messages import Function
+from plexrl.policy import PolicyConfig, Run, plan
+from tests.test_policy_plexrl import call, job, snap, worker
+
+CFG = PolicyConfig(name="plexrl", pack=False)
+
+
+def runs(actions) -> dict[str, tuple[str, ...]]:
+    return {a.worker_id: a.request_ids for a in actions if isinstance(a, Run)}
+
+
+def test_a_sample_that_came_with_the_training_its_home_starts_roams_at_once():
+    # The job's training and its next rollout's sample wait together: the home takes
+    # the training and the sample goes to the idle group now, not after the training.
+    sample = replace(call("a", 3.0, Function.SAMPLE), portable=True)
+    calls = [call("a", 1.0, Function.FORWARD_BACKWARD), call("a", 2.0, Function.OPTIM_STEP)]
+    s = snap([worker("g0"), worker("g1")], [job("a", "g0", staleness=1)], [*calls, sample])
+    assert runs(plan(s, CFG)) == {
+        "g0": ("a/forward_backward", "a/optim_step"),
+        "g1": ("a/sample",),
+    }
+
+
+def test_a_sample_its_home_is_free_for_stays_home():
+    sample = replace(call("a", 3.0, Function.SAMPLE), portable=True)
+    s = snap([worker("g0"), worker("g1")], [job("a", "g0", staleness=1)], [sample])
+    assert runs(plan(s, CFG)) == {"g0": ("a/sample",)}
+
+
+def test_a_sample_that_needs_its_jobs_state_never_roams():
+    calls = [call("a", 1.0, Function.FORWARD_BACKWARD), call("a", 3.0, Function.SAMPLE)]
+    s = snap([worker("g0"), worker("g1")], [job("a", "g0", staleness=1)], calls)
+    assert runs(plan(s, CFG)) == {"g0": ("a/forward_backward",)}
