@@ -141,6 +141,8 @@ class Recipes:
     base_url: str
     runs: Path
     """Each run logs under runs/<name>."""
+    scheduler_log: Path | None = None
+    """The cluster's scheduler log, where a test reads what the scheduler made of a run."""
 
     def run(
         self, module: str, name: str, *args: str, timeout_s: float = 900

@@ -22,6 +22,7 @@ from plexrl.messages import (
     Tier,
     Timings,
     WorkerHeartbeat,
+    WorkHint,
 )
 from plexrl.policy import Move, PolicyConfig, Run, plan
 from plexrl.policy.history import CallHistory, describe, priors
@@ -631,6 +632,57 @@ def test_a_jobs_declared_options_reach_the_policys_view() -> None:
     view = state.snapshot().jobs["j"]
     assert (view.staleness, view.declared_steps) == (1, 1500)
     state.on_job_options("nobody", 1, 10)  # an unknown job: nothing to change
+
+
+def _portable(rid: str, job: str) -> PhaseRequest:
+    return msgspec.structs.replace(
+        req(rid, job, Function.SAMPLE), work=WorkHint(sequences=4, portable=True)
+    )
+
+
+def test_a_job_that_samples_while_it_trains_is_taken_as_asynchronous() -> None:
+    state = ClusterState(clock=Clock())
+    state.on_heartbeat(msgspec.structs.replace(beat("w0"), slices_training=True))
+    for job in ("a", "b"):
+        state.add_job(job, "t", JobSpec(base_model="m", state_bytes=10), home="w0")
+    # A synchronous loop: its sample comes when its training is answered.
+    state.on_request(req("a1", "a", Function.FORWARD_BACKWARD), delivery(0))
+    state.apply_run("d1", "w0", "a", state.take_pending(("a1",)), ())
+    state.on_completion(done("a1", "a", fn=Function.FORWARD_BACKWARD))
+    state.on_request(_portable("a2", "a"), delivery(1))
+    # A sample on the job's own weights (not portable) beside its training says nothing.
+    state.on_request(req("b1", "b", Function.FORWARD_BACKWARD), delivery(2))
+    state.on_request(req("b2", "b", Function.SAMPLE), delivery(3))
+    views = state.snapshot().jobs
+    assert (views["a"].staleness, views["b"].staleness) == (0, 0)
+    assert not state.sliceable("a", "w0")
+    # b's sample on saved weights comes while its training is queued: asynchronous.
+    state.on_request(_portable("b3", "b"), delivery(4))
+    assert state.snapshot().jobs["b"].staleness == 1 and state.sliceable("b", "w0")
+    # So is a's, once one comes while its training runs; a declared staleness stands.
+    state.on_job_options("a", 2)
+    state.on_request(req("a3", "a", Function.OPTIM_STEP), delivery(5))
+    state.apply_run("d2", "w0", "a", state.take_pending(("a3",)), ())
+    state.on_request(_portable("a4", "a"), delivery(6))
+    assert state.snapshot().jobs["a"].staleness == 2
+    state.on_job_options("a", 0)
+    assert state.snapshot().jobs["a"].staleness == 1
+
+
+def test_a_job_that_trains_while_it_samples_is_taken_as_asynchronous() -> None:
+    state = ClusterState(clock=Clock())
+    for job, worker in (("a", "w0"), ("b", "w1")):
+        state.on_heartbeat(beat(worker))
+        state.add_job(job, "t", JobSpec(base_model="m", state_bytes=10), home=worker)
+    # a's sample is answered before its training comes; b's is still running.
+    for job, worker in (("a", "w0"), ("b", "w1")):
+        state.on_request(_portable(f"{job}1", job), delivery(0))
+        state.apply_run(f"d{job}", worker, job, state.take_pending((f"{job}1",)), ())
+    state.on_completion(done("a1", "a", fn=Function.SAMPLE))
+    for job in ("a", "b"):
+        state.on_request(req(f"{job}2", job, Function.FORWARD_BACKWARD), delivery(1))
+    views = state.snapshot().jobs
+    assert (views["a"].staleness, views["b"].staleness) == (0, 1)
 
 
 def test_a_newcomers_home_is_reviewed_once_in_a_whole_decision() -> None:

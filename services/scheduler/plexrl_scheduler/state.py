@@ -47,6 +47,8 @@ from plexrl.policy.history import (
 Clock = Callable[[], float]
 log = logging.getLogger(__name__)
 
+_TRAINING = frozenset({Function.FORWARD_BACKWARD, Function.OPTIM_STEP})
+
 # Wall time a job must have been seen for before its measured duty cycle is used.
 _MIN_HISTORY_S = 5.0
 # A job that has made no call for this long, has none waiting or running and no idle
@@ -85,6 +87,11 @@ class JobState:
     """When a dispatch with its calls was last sent (`JobView.last_started`)."""
     staleness: int = 0
     """Its declared loop (`JobOptions`, `JobView.staleness`): 0 synchronous."""
+    learned_staleness: int = 0
+    """1 once a sample of it on saved weights and its own training were open (queued or
+    running) at once: an asynchronous loop, though it declared none (`loop_staleness`)."""
+    open_samples: set[str] = field(default_factory=set)
+    """Its sample calls on saved weights (`WorkHint.portable`) not answered yet."""
     declared_steps: int = 0
     """Its declared training steps in all (`JobOptions`, `JobView.declared_steps`)."""
     train_slices: int = 1
@@ -99,6 +106,11 @@ class JobState:
     since: a whole decision reviews its home once it has its own (`JobView.review`)."""
     described: _Described | None = field(default=None, repr=False, compare=False)
     """Its figures for the policy as last described (`ClusterState._view`)."""
+
+    @property
+    def loop_staleness(self) -> int:
+        """The staleness its loop runs at: declared, or learned from its calls."""
+        return max(self.staleness, self.learned_staleness)
 
     @property
     def kind(self) -> Kind:
@@ -246,6 +258,12 @@ class ClusterState:
         job = self.jobs.get(request.job_id)
         if job is not None:
             job.history.arrived(request.function)
+            if request.work.portable:
+                job.open_samples.add(request.request_id)
+            if not job.learned_staleness and self._overlaps(job, request):
+                job.learned_staleness = 1
+                if not job.staleness:
+                    log.info("%s samples while it trains: asynchronous (staleness 1)", job.job_id)
             if job.last_active > 0 and not self._open.get(job.job_id):
                 now = self._clock()
                 job.last_gap_s = max(now - job.last_active, 1e-6)
@@ -255,6 +273,33 @@ class ClusterState:
             self._queue(request.job_id, request.request_id, back=True)
         self.pending[request.request_id] = Pending(request, delivery)
         self._touch(job.home if job is not None else None)
+
+    def _overlaps(self, job: JobState, request: PhaseRequest) -> bool:
+        """The call is a sample of the job on saved weights while its training is open,
+        or its training while such a sample is: a synchronous loop sends neither."""
+        if request.function in _TRAINING:
+            return bool(job.open_samples)
+        return request.work.portable and self._training(job)
+
+    def _training(self, job: JobState) -> bool:
+        """A training call of the job (`forward_backward`, `optim_step`) is queued, or
+        running on its home (as a dispatch or released there to the background)."""
+        if any(
+            self.pending[rid].request.function in _TRAINING
+            for rid in self._queued.get(job.job_id, ())
+            if rid in self.pending
+        ):
+            return True
+        at_home = self.inflight.get(job.home or "")
+        runs = [r for r in (at_home, *self.tails.values()) if r is not None]
+        return any(
+            run.worker_id == job.home
+            and p.request.job_id == job.job_id
+            and p.request.function in _TRAINING
+            and p.request.request_id in run.remaining
+            for run in runs
+            for p in run.calls
+        )
 
     def _touch(self, worker_id: str | None) -> None:
         """An event changed what the group's decision reads (None: a job with no home,
@@ -319,6 +364,9 @@ class ClusterState:
 
     def on_completion(self, completion: PhaseCompletion) -> Delivery | None:
         """Free the worker when its dispatch is done; returns the request's delivery."""
+        job = self.jobs.get(completion.job_id)
+        if job is not None:
+            job.open_samples.discard(completion.request_id)
         entry = self._inflight_requests.pop(completion.request_id, None)
         if entry is None:
             return None
@@ -331,7 +379,6 @@ class ClusterState:
             if not run.remaining:
                 del self.inflight[worker_id]
                 self._freed[worker_id] = run
-        job = self.jobs.get(completion.job_id)
         for dispatch_id, tail in list(self.tails.items()):
             if completion.request_id not in tail.remaining:
                 continue
@@ -784,7 +831,7 @@ class ClusterState:
             last_started=job.last_started,
             tail_s=seen.tail_s,
             stall_s=job.hinted_s / job.hints if job.hints else 0.0,
-            staleness=job.staleness,
+            staleness=job.loop_staleness,
             declared_steps=job.declared_steps,
             train_slices=job.train_slices,
             # A LoRA job's sampler weights are its adapter: a few MB, nothing to plan.
@@ -829,7 +876,7 @@ class ClusterState:
         worker = self.workers.get(worker_id)
         return (
             job is not None
-            and job.staleness >= 1
+            and job.loop_staleness >= 1
             and worker is not None
             and worker.heartbeat.slices_training
         )
