@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 from plexrl.kafka import Delivery
@@ -290,16 +290,20 @@ class ClusterState:
             if rid in self.pending
         ):
             return True
-        at_home = self.inflight.get(job.home or "")
-        runs = [r for r in (at_home, *self.tails.values()) if r is not None]
-        return any(
-            run.worker_id == job.home
-            and p.request.job_id == job.job_id
-            and p.request.function in _TRAINING
-            and p.request.request_id in run.remaining
-            for run in runs
-            for p in run.calls
-        )
+        return any(p.request.function in _TRAINING for p in self._at_home(job))
+
+    def _at_home(self, job: JobState) -> Iterator[Pending]:
+        """The job's calls running on its home: in the dispatch there (its own, or
+        another job's it is co-sampled in) or in a batch released there to the
+        background."""
+        home = job.home
+        runs = [self.inflight.get(home or ""), *self.tails.values()]
+        for run in runs:
+            if run is None or run.worker_id != home:
+                continue
+            for p in run.calls:
+                if p.request.job_id == job.job_id and p.request.request_id in run.remaining:
+                    yield p
 
     def _touch(self, worker_id: str | None) -> None:
         """An event changed what the group's decision reads (None: a job with no home,
@@ -538,15 +542,7 @@ class ClusterState:
         """No call of the job is in flight on its home (dispatched, co-sampled in
         another job's dispatch, or decoding as a released tail). A sample of it roaming
         on another worker reads its saved sampler weights, not its state there."""
-        home = self.jobs[job_id].home
-        runs = [*self.inflight.values(), *self.tails.values()]
-        return not any(
-            run.worker_id == home
-            and p.request.job_id == job_id
-            and p.request.request_id in run.remaining
-            for run in runs
-            for p in run.calls
-        )
+        return next(self._at_home(self.jobs[job_id]), None) is None
 
     def review_again(self) -> None:
         """A review could not be carried out now: the next decision is a whole one."""
