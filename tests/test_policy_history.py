@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import statistics
+
 import pytest
 
 from plexrl.messages import Function
-from plexrl.policy.history import EWMA, UNKNOWN_DUTY, CallHistory, describe, priors
+from plexrl.policy.history import EWMA, UNKNOWN_DUTY, CallHistory, Spread, describe, priors
 
 F = Function
 
@@ -67,3 +70,20 @@ def test_a_newcomer_is_bounded_by_its_kinds_busiest_tenth():
     # Its own history ends the bound; so does having no kind to borrow from.
     assert describe(histories[0][1], learned, 100.0, 50.0).duty_bound == 0.0
     assert describe(newcomer, None, 100.0, 50.0).duty_bound == 0.0
+
+
+def test_a_spread_is_the_log_standard_deviation_of_what_it_saw() -> None:
+    spread = Spread()
+    assert spread.sigma == 0.0
+    spread.add(100.0)
+    assert spread.sigma == 0.0  # one duration says nothing of a spread
+    spread.add(0.0)  # not a duration: ignored
+    for seconds in (400.0, 200.0):
+        spread.add(seconds)
+    logs = [math.log(s) for s in (100.0, 400.0, 200.0)]
+    assert spread.n == 3 and spread.sigma == pytest.approx(statistics.stdev(logs))
+    # Scaled alike, durations spread alike.
+    scaled = Spread()
+    for seconds in (1.0, 4.0, 2.0):
+        scaled.add(seconds)
+    assert scaled.sigma == pytest.approx(spread.sigma)

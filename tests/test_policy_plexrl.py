@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from statistics import NormalDist
 
 import pytest
 
@@ -24,11 +25,11 @@ from plexrl.policy import (
 from plexrl.policy.costs import SharingCosts
 from plexrl.policy.plexrl_policy import (
     InterferenceFit,
-    beyond_slack_s,
     call_residual_s,
     figures_of,
     predicted_slowdown,
     step_phases,
+    two_lanes_s,
 )
 
 GB = 10**9
@@ -130,11 +131,66 @@ def test_the_costs_of_sharing_add_to_the_waits():
 
 
 def test_a_wait_runs_past_its_slack_less_the_more_slack_there_is():
-    assert beyond_slack_s(0.0, 10.0, 1.0) == 0.0
-    assert beyond_slack_s(50.0, 0.0, 1.0) == pytest.approx(50.0)
-    assert beyond_slack_s(50.0, 50.0, 1.0) == pytest.approx(50.0 * math.exp(-1.0))
+    assert two_lanes_s(0.0, 0.0, 10.0, 1.0) == 0.0
+    assert two_lanes_s(0.0, 50.0, 0.0, 1.0) == pytest.approx(50.0)
+    assert two_lanes_s(0.0, 50.0, 50.0, 1.0) == pytest.approx(50.0 * math.exp(-1.0))
     # Met rarely, a wait of the same mean is longer when met, and runs past more often.
-    assert beyond_slack_s(50.0, 50.0, 0.5) > beyond_slack_s(50.0, 50.0, 1.0)
+    assert two_lanes_s(0.0, 50.0, 50.0, 0.5) > two_lanes_s(0.0, 50.0, 50.0, 1.0)
+
+
+def test_a_step_grows_by_the_longer_of_its_lanes() -> None:
+    # Rollouts the longer lane by 100 s: their growth is all of the step's, and it
+    # shortens the slack the training's wait runs past.
+    assert two_lanes_s(30.0, 0.0, 100.0, 1.0) == pytest.approx(30.0)
+    assert two_lanes_s(30.0, 40.0, 100.0, 1.0) == pytest.approx(30.0 + 40.0 * math.exp(-130 / 40))
+    # Training the longer lane alone (slack -> -100 s, clipped to 0 when fixed): the
+    # rollouts' growth hides in it up to 100 s... with a fixed slack, none of it hides.
+    assert two_lanes_s(30.0, 0.0, -100.0, 1.0) == pytest.approx(30.0)
+    # ...with a moving one, the steps whose training is the longer lane hide it.
+    hidden = two_lanes_s(30.0, 0.0, -100.0, 1.0, stalls=300.0, sigma=0.5)
+    assert 0.0 < hidden < 30.0
+    # There the training's wait is all of the growth.
+    assert two_lanes_s(30.0, 40.0, -1000.0, 1.0, stalls=300.0, sigma=0.1) == pytest.approx(40.0)
+
+
+def test_a_slack_that_moves_with_the_stalls_lets_more_of_a_wait_past() -> None:
+    # A slack of 300 s on the mean, 600 s of stalls in it: steps whose stall is short
+    # lose more than steps whose stall is long gain (the loss is convex in the slack).
+    fixed = two_lanes_s(0.0, 100.0, 300.0, 0.5)
+    assert two_lanes_s(0.0, 100.0, 300.0, 0.5, stalls=600.0, sigma=0.0) == pytest.approx(fixed)
+    narrow = two_lanes_s(0.0, 100.0, 300.0, 0.5, stalls=600.0, sigma=0.2)
+    wide = two_lanes_s(0.0, 100.0, 300.0, 0.5, stalls=600.0, sigma=0.6)
+    assert fixed < narrow < wide < 100.0
+    # Against the expectation over the stall's lognormal, integrated finely.
+    sigma, stalls, rate = 0.6, 600.0, 0.5 / 100.0
+    n = 20000
+    total = 0.0
+    for i in range(n):
+        z = NormalDist().inv_cdf((i + 0.5) / n)
+        slack = 300.0 + stalls * (math.exp(sigma * z - sigma * sigma / 2) - 1.0)
+        total += math.exp(-rate * max(slack, 0.0))
+    assert wide == pytest.approx(100.0 * total / n, rel=0.03)
+    # A mean slack short of 0 still leaves the long-stalled steps some room: not all of
+    # the wait counts, where a fixed slack of 0 counts all of it.
+    assert two_lanes_s(0.0, 100.0, -50.0, 0.5, stalls=600.0, sigma=0.6) < 100.0
+
+
+def test_an_asynchronous_jobs_stall_spread_keeps_its_slack_unclipped() -> None:
+    tight = job("a", duty=0.5, staleness=1, tail_s=200.0, stall_s=40.0)
+    # Sample 60 + stragglers 200 + scores 40: a 300 s cycle, busy 100 s, 40 s of its
+    # own stragglers waited out: 160 s of slack, fixed or moving.
+    assert figures_of(tight).slack == pytest.approx(160.0)
+    assert figures_of(tight).stall_sigma == 0.0
+    spread = figures_of(replace(tight, stall_sigma=0.5))
+    assert (spread.slack, spread.stalls, spread.stall_sigma) == pytest.approx((160.0, 40.0, 0.5))
+    # Two rollouts of slack: the sum of two stalls varies less than one.
+    two = figures_of(replace(tight, stall_sigma=0.5, staleness=2))
+    assert two.stalls == pytest.approx(80.0) and 0.0 < two.stall_sigma < 0.5
+    # Short of slack on the mean (a 130 s cycle, busy 100 s, 40 s of its own stragglers
+    # waited out: -10 s), a fixed slack is clipped to 0 and a moving one is not.
+    short = replace(tight, tail_s=60.0, stall_s=10.0)
+    assert figures_of(short).slack == 0.0
+    assert figures_of(replace(short, stall_sigma=0.5)).slack == pytest.approx(-10.0)
 
 
 def test_an_asynchronous_job_steps_by_its_rollout_cycle_not_its_learned_duty():
@@ -164,11 +220,13 @@ def test_an_asynchronous_job_pays_its_trainings_waits_beyond_its_slack():
     # Its 40 s training meets b's 60 s sample (40^2 / 2 + 20 x 22.75 of b's call in
     # progress) and b's 40 s training (40^2 / 2) once per b's 250 s step: 8.22 s a step,
     # 10.275 s amplified by b's load (1 / (1 - 0.4 / 2)); b holds the group 40% of the
-    # time, so 10.275 x exp(-5 x 0.4 / 10.275) of it runs past its 5 s of slack.
+    # time. With room to spare, the sample's waits are all it pays (c a step); where
+    # they lengthen its rollouts, they lengthen its training's slack as well, so
+    # 10.275 x exp(-(5 + c) x 0.4 / 10.275) of its training's wait runs past it.
     seconds = {a.stall_s: predicted_slowdown(a, [b]) * figures_of(a).period for a in (tight, roomy)}
-    assert seconds[45.0] - seconds[2000.0] == pytest.approx(
-        10.275 * math.exp(-5 * 0.4 / 10.275), rel=1e-3
-    )
+    c = seconds[2000.0]
+    assert c > 0
+    assert seconds[45.0] - c == pytest.approx(10.275 * math.exp(-(5 + c) * 0.4 / 10.275), rel=1e-3)
 
 
 def test_interference_grows_with_neighbours_and_their_load():

@@ -29,6 +29,19 @@ def test_a_newcomer_its_own_figures_put_over_budget_moves_to_an_empty_group():
     assert rehomes(plan(s, CFG)) == [Rehome("new", "g0", "g1")]
 
 
+def test_over_budget_with_no_group_to_take_it_it_stays_under_review():
+    busy = [job("a", "g0", duty=0.6, step_calls=STEPS), reviewed("new", "g0", 0.35)]
+    full = [job("b", "g1", duty=0.6, step_calls=STEPS)]
+    (answer,) = rehomes(plan(snap([worker("g0"), worker("g1")], busy + full, []), CFG))
+    assert answer == Rehome("new", "g0", "g0", waits=True) and not answer.moves
+    # Once a group frees, the next review moves it there.
+    s = snap([worker("g0"), worker("g1")], busy, [])
+    assert rehomes(plan(s, CFG)) == [Rehome("new", "g0", "g1")]
+    # Once its neighbour is gone, it stays, its review done.
+    s = snap([worker("g0"), worker("g1")], [busy[1], *full], [])
+    assert rehomes(plan(s, CFG)) == [Rehome("new", "g0", "g0")]
+
+
 def test_a_newcomer_within_budget_stays_and_its_review_is_answered():
     s = snap(
         [worker("g0"), worker("g1")],

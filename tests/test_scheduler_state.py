@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import statistics
 from typing import Any, cast
 
 import msgspec
@@ -622,6 +624,23 @@ def test_a_jobs_stall_is_the_mean_of_its_idle_hints() -> None:
     assert view.idle_until == pytest.approx(clock.t + 4.0)
 
 
+def test_a_jobs_stall_spread_is_learned_from_hint_to_next_call() -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock, worker_timeout_s=1e9)
+    state.add_job("j", "t", JobSpec(base_model="m"), home=None)
+    # However long each hint says, its stall lasts until the job's next call.
+    for i, lasted in enumerate((100.0, 400.0, 200.0)):
+        state.on_idle_hint("j", 250.0)
+        clock.t += lasted
+        state.on_request(req(f"r{i}", "j"), delivery(i))
+    logs = [math.log(s) for s in (100.0, 400.0, 200.0)]
+    assert state.snapshot().jobs["j"].stall_sigma == pytest.approx(statistics.stdev(logs))
+    # A call with no hint before it is no stall.
+    clock.t += 5000.0
+    state.on_request(req("r3", "j"), delivery(3))
+    assert state.snapshot().jobs["j"].stall_sigma == pytest.approx(statistics.stdev(logs))
+
+
 def test_a_jobs_declared_options_reach_the_policys_view() -> None:
     state = ClusterState(clock=Clock())
     state.on_heartbeat(beat("w0"))
@@ -712,6 +731,27 @@ def test_a_newcomers_home_is_reviewed_once_in_a_whole_decision() -> None:
     assert (job.home, job.tier, job.review) == ("w1", Tier.DISK, False)
     assert state.jobs["j"].epoch == 2
     assert "j" not in {v.job_id for v in state.snapshot({"w0"}).jobs.values()}
+
+
+def test_a_job_kept_for_want_of_a_group_is_reviewed_at_whole_decisions_only() -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock, review_histories=2.0)
+    state.on_heartbeat(beat("w0"))
+    state.add_job("j", "t", JobSpec(base_model="m", state_bytes=10), home=None)
+    state.apply_admit("j", "w0", epoch=1)
+    clock.t += 11
+    assert state.snapshot().jobs["j"].review
+    state.apply_review("j", waits=True)  # over the budget, and no group takes it yet
+    # Still under review at a whole decision...
+    assert state.snapshot().jobs["j"].review
+    # ...but its calls do not ask for one.
+    state.on_request(req("r1", "j"), delivery(0))
+    state.apply_run("d", "w0", "j", state.take_pending(("r1",)), ())
+    state.take_touched(True)
+    state.on_completion(done("r1", "j"))
+    assert not state.everything_due
+    state.apply_review("j")  # a later whole decision settles it
+    assert not state.snapshot().jobs["j"].review and not state.jobs["j"].awaiting
 
 
 def test_a_job_admitted_on_its_own_figures_is_not_reviewed() -> None:

@@ -255,6 +255,10 @@ class SchedulerSettings(CommonSettings):
     # everyone there would stay within twice the slowdown budget were it as busy as its
     # kind's busiest tenth. False: its kind's mean alone decides.
     bound_newcomers: bool = True
+    # With `pack_groups`, what the plexrl policy holds within the slowdown budget
+    # (`PolicyConfig.budget_over_cluster`): the mean predicted slowdown of every homed
+    # job (those alone at 0) with the new one; false: of the worker it joins.
+    budget_over_cluster: bool = True
     # The plexrl policy's anticipation (`PolicyConfig.hold_s`): a worker whose last job
     # is in a burst of calls (its last gap between calls at most this) waits up to twice
     # that gap, at most this, for that job's next call before serving another job. 0: off.

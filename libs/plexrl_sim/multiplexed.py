@@ -108,6 +108,10 @@ class MultiplexedSim:
         """Group sizes where a roamer or an idle group came up since the last ask."""
         self._reviewing = config.name == "plexrl" and config.rehome
         self._review_after_s = config.review_histories * self.min_history_s
+        self._awaiting: set[str] = set()
+        """Jobs kept where they are under review for want of a group to take them
+        (`Rehome.waits`): reviewed again at each decision on every group that follows a
+        change of homes, not at each of their calls."""
         self._reviews = False
         """A job's home is due for review (`plexrl.policy.rehome`): the next decision is
         on the whole cluster, where every group it could move to is seen."""
@@ -193,7 +197,11 @@ class MultiplexedSim:
             )
 
     def _due_for_review(self, job: SimJob) -> bool:
-        return job.provisional and job.history.has_history(self.now, self._review_after_s)
+        return (
+            job.provisional
+            and job.job_id not in self._awaiting
+            and job.history.has_history(self.now, self._review_after_s)
+        )
 
     def _tail_done(self, tail: Tail) -> None:
         if self.executor.tail_end(tail):
@@ -214,9 +222,9 @@ class MultiplexedSim:
         attention = self.attention
         if attention.admission_due or self._reviews:
             attention.admission_due = False
-            if self.waiting or self._reviews:
+            if self.waiting or self._reviews or self._awaiting:
                 self._reviews = False
-                self._carry_out(self.full_snapshot())
+                self._carry_out(self.full_snapshot(), whole=True)
         dirty = attention.groups
         if dirty:
             groups, wants_plan, snapshot = self.groups, self._wants_plan, self.group_snapshot
@@ -351,7 +359,7 @@ class MultiplexedSim:
         for j in (*homed, *self.waiting.values()):
             view = j.as_view(self.now, self._priors, self.min_history_s)
             # Only a decision that sees every group reviews a home.
-            if reviewing and self._due_for_review(j):
+            if reviewing and (j.job_id in self._awaiting or self._due_for_review(j)):
                 view = replace(view, review=True)
             jobs[j.job_id] = view
             if j.job_id not in paused:
@@ -364,12 +372,17 @@ class MultiplexedSim:
             pending=tuple(calls),
         )
 
-    def _carry_out(self, snapshot: ClusterSnapshot) -> None:
+    def _carry_out(self, snapshot: ClusterSnapshot, whole: bool = False) -> None:
+        """Carry out the policy's decision on `snapshot` (`whole`: of every group, where
+        the jobs kept under review and gone since are dropped from `_awaiting`)."""
         t0 = time.perf_counter()
         decision = decide(snapshot, self.config)
         self.plan_s += time.perf_counter() - t0
         self.plans += 1
         executor = self.executor
+        awaiting = self._awaiting
+        if whole:
+            awaiting.intersection_update(snapshot.jobs)  # (less the jobs gone)
         for action in decision.plan:
             if isinstance(action, Run):  # most plans are one Run
                 executor.start_run(action)
@@ -383,7 +396,11 @@ class MultiplexedSim:
                 moving = self.jobs[action.job_id]
                 if action.moves:
                     executor.rehome(moving, action)
-                moving.provisional = False
+                if action.waits:
+                    awaiting.add(action.job_id)
+                else:
+                    awaiting.discard(action.job_id)
+                    moving.provisional = False
             elif isinstance(action, Reject):
                 rejected = self.waiting.pop(action.job_id, None)
                 if rejected is not None:

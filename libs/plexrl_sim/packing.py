@@ -23,12 +23,12 @@ the GPUs follow demand (`workload.apportion`).
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 
 from plexrl.messages import Function
 from plexrl.policy.costs import SharingCosts
-from plexrl.policy.history import HIGH_DUTY_QUANTILE, quantile
+from plexrl.policy.history import HIGH_DUTY_QUANTILE, Spread, quantile
 from plexrl.policy.plexrl_policy import InterferenceFit
 from plexrl.policy.snapshot import CallEstimates, ClusterSnapshot, JobView, WorkerView
 from plexrl_sim.dedicated import alone_reference_s
@@ -65,6 +65,7 @@ def expected_view(job: JobSpec, steps: Steps, alone_s: float) -> JobView:
         step_calls=tuple(calls),
         tail_s=float(steps.tail_s.mean()),
         stall_s=float(steps.reward_s.mean()),
+        stall_sigma=_log_sd(steps.reward_s),
         staleness=steps.staleness,
     )
 
@@ -87,7 +88,17 @@ def newcomer_view(views: Sequence[JobView]) -> JobView:
         estimates=CallEstimates({f: sum(v) / len(v) for f, v in seconds.items()}),
         tail_s=sum(v.tail_s for v in views) / n,
         stall_s=sum(v.stall_s for v in views) / n,
+        stall_sigma=sum(v.stall_sigma for v in views) / n,
     )
+
+
+def _log_sd(seconds: Iterable[float]) -> float:
+    """The log-standard deviation of the positive durations (0 with fewer than two):
+    what the scheduler learns of a job's stalls (`history.Spread`)."""
+    spread = Spread()
+    for s in seconds:
+        spread.add(float(s))
+    return spread.sigma
 
 
 def admitted_per_group(

@@ -24,7 +24,7 @@ from typing import Protocol
 
 from plexrl.messages import Function, Tier
 from plexrl.policy import CallEstimates, JobView, PendingCall
-from plexrl.policy.history import CallHistory, Prior, describe
+from plexrl.policy.history import CallHistory, Prior, Spread, describe
 from plexrl_sim.events import Attention, Event, EventQueue
 from plexrl_sim.results import JobResult
 from plexrl_sim.workload import JobSpec, Steps
@@ -53,6 +53,9 @@ class SimJob:
     """Sum of its reward / tool stalls so far: the job's own idle hint is their mean."""
     stall_s: float = 0.0
     """The mean of its stalls before the latest: what its idle hints said."""
+    stall_spread: Spread = field(default_factory=Spread)
+    """Its stalls seen to their end (from the idle hint to its next call), as the live
+    scheduler sees them: `JobView.stall_sigma`."""
     gaps_s: float = 0.0
     """Sum of its host-side gaps between steps so far."""
     home: str | None = None
@@ -199,6 +202,7 @@ class SimJob:
                 burst_s=now - self.burst_since if self.burst_since else 0.0,
                 tail_s=cached[4],
                 stall_s=self.stall_s,
+                stall_sigma=self.stall_spread.sigma,
                 sampler_bytes=self.sampler_bytes,
                 staleness=self.steps.staleness,
                 declared_steps=self.spec.declared_steps,
@@ -349,6 +353,7 @@ class JobReplay:
     def issue_train(self, job: SimJob) -> None:
         """The stall ended: a synchronous job trains on its rollout; an asynchronous one
         has it scored (`_scored`)."""
+        job.stall_spread.add(float(job.steps.reward_s[job.sample_step]))
         if job.asynchronous:
             self._scored(job)
             return

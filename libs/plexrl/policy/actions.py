@@ -35,12 +35,16 @@ class Admit:
 class Rehome:
     """Review a job's home once it has figures of its own (`plexrl.policy.rehome`):
     move it to `to_worker`, or keep it where it is when that is `from_worker`. Either
-    way its review is done; a moved job's state is restored at its new home from the
-    disk tier (its snapshot and logged calls)."""
+    way its review is done, unless `waits`; a moved job's state is restored at its new
+    home from the disk tier (its snapshot and logged calls)."""
 
     job_id: str
     from_worker: str
     to_worker: str
+    waits: bool = False
+    """Kept where it is for now, though its group is over the budget with it: no group
+    takes it yet. It stays under review, and is reviewed again at the next decision on
+    every group that follows a change of homes (a group freed, a job gone)."""
 
     @property
     def moves(self) -> bool:

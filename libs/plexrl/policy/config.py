@@ -20,8 +20,14 @@ class PolicyConfig:
     empty group."""
     slowdown_budget: float = 0.05
     """The plexrl policy admits a job onto a shared group only while the mean predicted
-    step-time slowdown of the jobs there stays within this fraction (and no job's
-    exceeds twice it)."""
+    step-time slowdown of the jobs stays within this fraction (of every homed job's,
+    `budget_over_cluster`, or of the group's), and no job's exceeds twice it."""
+    budget_over_cluster: bool = True
+    """Packing (`pack`), the plexrl policy checks `slowdown_budget` against the mean
+    predicted slowdown of every homed job (those alone at 0) with the new one added,
+    rather than of the group it joins; no job's may exceed twice it either way. The
+    target is a mean over the jobs: held per group, each group stays within it and the
+    cluster's mean falls short of it. False: per group."""
     pack: bool = True
     """How the plexrl policy places a new job. True: on the *fullest* group where every
     job stays within `slowdown_budget`, else an empty group, else it waits, so whole

@@ -14,6 +14,7 @@ known kind borrows the mean figures of its kind (`priors`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -55,6 +56,33 @@ class RecentUse:
         if self.seconds <= 0 or now <= self.at:
             return self.seconds
         return self.seconds * 0.5 ** ((now - self.at) / self.half_life_s)
+
+
+@dataclass
+class Spread:
+    """The log-standard deviation of positive durations seen one at a time (Welford's
+    running variance of their logarithms): how widely a job's stalls vary about their
+    mean, taken as lognormal (`JobView.stall_sigma`). Three numbers, however many."""
+
+    n: int = 0
+    mean: float = 0.0
+    """Mean of the logarithms so far."""
+    m2: float = 0.0
+    """Sum of squared deviations of the logarithms from their mean."""
+
+    def add(self, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        x = math.log(seconds)
+        self.n += 1
+        delta = x - self.mean
+        self.mean += delta / self.n
+        self.m2 += delta * (x - self.mean)
+
+    @property
+    def sigma(self) -> float:
+        """The sample log-standard deviation; 0 until two durations are seen."""
+        return math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 else 0.0
 
 
 @dataclass

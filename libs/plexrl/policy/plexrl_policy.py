@@ -54,9 +54,13 @@ wait for a save. Its step is its rollout cycle alone (sample, stragglers `tail_s
 scores `stall_s`), at least its busy seconds: its learned duty cycle takes its
 training's queueing out of its span as if it had lengthened its step, which it mostly
 did not. Its slack is k cycles less its busy seconds and the part of its own stragglers
-its training waits out (`plexrl.policy.defer`); its training's waits behind its
-neighbours and their stragglers, met with the chance that one of them holds the group
-and taken as exponential, add `E[(W - slack)+]` to its step (`beyond_slack_s`).
+its training waits out (`plexrl.policy.defer`). Its step is the longer of its two
+lanes (`two_lanes_s`): its rollout lane grows by its sample's waits and costs, its
+training lane by its waits behind its neighbours and their stragglers (met with the
+chance that one of them holds the group, then taken as exponential), and a step of
+slack S grows by `max(S + rollout, W) - max(S, 0)`. The slack moves step by step with
+the job's stalls (`JobView.stall_sigma`, taken as lognormal): a short stall leaves its
+training little room, and more of a wait runs past it than the mean slack says.
 
 Where an asynchronous job's training runs in slices (`JobView.train_slices`), it yields
 to a neighbour's sample at the end of the slice in progress (`plexrl.policy.preempt`):
@@ -71,6 +75,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
+from statistics import NormalDist
 
 from plexrl.messages import Function, Tier
 from plexrl.policy.actions import Action, Move, Plan, Prefetch, Run
@@ -212,6 +217,11 @@ class Figures:
     slice_s: float = 0.0
     """An asynchronous job's training, sliced (`JobView.train_slices`): the seconds of
     one slice, at whose end it yields to a neighbour's sample; 0: whole."""
+    stalls: float = 0.0
+    """An asynchronous job's mean stall seconds within its slack (staleness x its mean
+    stall), and `stall_sigma` their log-standard deviation: its slack varies with them
+    step by step (`two_lanes_s`); 0: taken as fixed."""
+    stall_sigma: float = 0.0
 
     @property
     def busy(self) -> float:
@@ -229,6 +239,8 @@ def figures_of(job: JobView) -> Figures:
     training: tuple[float, ...] = ()
     slack = 0.0
     slice_s = 0.0
+    stalls = 0.0
+    sigma = 0.0
     duty = job.duty_cycle
     if job.staleness <= 0:
         critical = phases
@@ -248,7 +260,14 @@ def figures_of(job: JobView) -> Figures:
             # much of them as that rule's slack allows after its sample: what is left
             # is what its neighbours may take.
             own = min(job.tail_s, max(0.0, slack - sampled))
-            slack = max(0.0, job.staleness * period - busy - own)
+            slack = job.staleness * period - busy - own
+            if job.stall_sigma > 0:
+                # The slack of a step moves with that step's stalls (the mean slack may
+                # be short of 0: most steps wait for the training, alone too).
+                stalls = job.staleness * job.stall_s
+                sigma = _sum_sigma(job.stall_sigma, job.staleness)
+            else:
+                slack = max(0.0, slack)
     hold = min(1.0, (busy + job.tail_s) / period) if period > 0 else 0.0
     return Figures(
         phases,
@@ -263,7 +282,16 @@ def figures_of(job: JobView) -> Figures:
         hold=hold,
         samples=samples,
         slice_s=slice_s,
+        stalls=stalls,
+        stall_sigma=sigma,
     )
+
+
+def _sum_sigma(sigma: float, k: int) -> float:
+    """The log-standard deviation of the sum of `k` independent lognormal durations of
+    log-standard deviation `sigma` and one mean, as one lognormal of the sum's mean and
+    variance (Fenton-Wilkinson)."""
+    return math.sqrt(math.log1p(math.expm1(sigma * sigma) / k)) if k > 1 else sigma
 
 
 def _to_1pct(seconds: float) -> int:
@@ -300,20 +328,58 @@ class _Meets:
         return total
 
 
-def beyond_slack_s(waits: float, slack: float, met: float) -> float:
-    """Expected seconds per step a wait of mean `waits` runs past `slack`, the wait met
-    with chance `met` and then exponential (mean `waits / met`): `E[(W - slack)+]` =
-    `waits * exp(-slack * met / waits)`. All of it with no slack, little where the slack
-    is many times the wait."""
-    if waits <= 0:
-        return 0.0
-    return waits * math.exp(-slack * met / waits)
+_NODES = 16
+_Z = tuple(NormalDist().inv_cdf((i + 0.5) / _NODES) for i in range(_NODES))
+"""Equally likely standard normal quantiles: a lognormal's expectation as their mean."""
+
+
+def two_lanes_s(
+    rollout: float,
+    waits: float,
+    slack: float,
+    met: float,
+    stalls: float = 0.0,
+    sigma: float = 0.0,
+) -> float:
+    """Expected seconds per step an asynchronous job's step grows by, its step the
+    longer of its two lanes: its rollout lane by `rollout` (its sample's waits and the
+    costs of sharing on that lane) and its training lane by a wait met with chance
+    `met`, then exponential (mean `waits` over all steps), its training lane `slack`
+    seconds shorter than its rollout lane alone. Of a step with slack S, it grows by
+    `max(S + rollout, W) - max(S, 0)`: a rollout lane that grows into its slack is all
+    of the growth, and a training lane that is the longer one alone (S < 0) hides the
+    rollout lane's growth up to -S. With no rollout growth and a fixed slack s >= 0,
+    that is `E[(W - s)+]` = `waits * exp(-s * met / waits)`: all of the wait with no
+    slack, little where the slack is many times it.
+
+    Where the slack moves with the step's stalls (`stalls` seconds of them on the mean,
+    lognormal of log-standard deviation `sigma`), a step's slack is `slack` plus its
+    stalls' difference from their mean, taken over the stalls' quantiles: a short stall
+    costs more than a long one returns, so the spread adds to what the mean slack
+    says."""
+    if sigma <= 0 or stalls <= 0:
+        return _lanes_s(rollout, waits, met, max(0.0, slack))
+    shift = -sigma * sigma / 2
+    total = 0.0
+    for z in _Z:
+        total += _lanes_s(rollout, waits, met, slack + stalls * (math.exp(sigma * z + shift) - 1.0))
+    return total / _NODES
+
+
+def _lanes_s(rollout: float, waits: float, met: float, slack: float) -> float:
+    """`two_lanes_s` of a step of slack `slack`: E[max(S + rollout, W)] - max(S, 0)."""
+    a = slack + rollout
+    if a <= 0:
+        return waits - max(0.0, slack)
+    past = waits * math.exp(-a * met / waits) if waits > 0 else 0.0
+    return a + past - max(0.0, slack)
 
 
 def _slowdown(me: Figures, meets: _Meets, others: float) -> float:
     """The waits (first order, seconds per step) amplified by the neighbours' load, plus
-    the costs of sharing, plus an asynchronous job's training waits beyond its slack,
-    over the step."""
+    the costs of sharing, over the step; an asynchronous job's step is the longer of
+    its lanes, its training's waits off its rollouts' path within its slack
+    (`two_lanes_s`)."""
     if others >= 1.0:
         return _UNBOUNDED
     if me.period <= 0:
@@ -322,7 +388,8 @@ def _slowdown(me: Figures, meets: _Meets, others: float) -> float:
     seconds = meets.waits * amplify + meets.costs
     if me.training:
         training = meets.training * amplify + meets.training_costs
-        seconds += beyond_slack_s(training, me.slack, 1.0 - meets.free)
+        met = 1.0 - meets.free
+        seconds = two_lanes_s(seconds, training, me.slack, met, me.stalls, me.stall_sigma)
     return seconds / me.period
 
 
@@ -413,6 +480,8 @@ class _Group:
     """What each member meets of the others."""
     tenants: dict[str, float] = field(default_factory=dict)
     """Sum of the duty cycles per tenant."""
+    total: float | None = None
+    """The summed predicted slowdown of its jobs (None: not known since the last add)."""
 
     def add(
         self,
@@ -427,6 +496,7 @@ class _Group:
             mine.add(meet(fig, other))
         self.members.append(fig)
         self.meets.append(mine)
+        self.total = None
         self.load += fig.duty
         self.reserved += state_bytes
         self.tenants[tenant] = self.tenants.get(tenant, 0.0) + fig.duty
@@ -461,8 +531,10 @@ class InterferenceFit:
         max_load: float = 1.0,
         costs: SharingCosts | None = None,
         bound_newcomers: bool = True,
+        over_cluster: bool = False,
     ) -> None:
         self.budget = budget
+        self.over_cluster = over_cluster
         self.bound_newcomers = bound_newcomers
         self.costs = costs if costs is not None else SharingCosts()
         self.pack = pack
@@ -552,9 +624,44 @@ class InterferenceFit:
         if not group.members:
             return True
         total = self._total_within_guard(group, fig)
-        if total is None or total / (len(group.members) + 1) > self.budget:
+        if total is None:
+            return False
+        if self.over_cluster:
+            summed, n = self._cluster_adding(group, total)
+            if summed / n > self.budget:
+                return False
+        elif total / (len(group.members) + 1) > self.budget:
             return False
         return busiest is None or self._total_within_guard(group, busiest) is not None
+
+    def _cluster_adding(self, group: _Group, total: float) -> tuple[float, int]:
+        """Every homed job's summed predicted slowdown, and their number, were `group`'s
+        jobs and the new one to sum to `total` (`over_cluster`; every group is built,
+        `_every_group`)."""
+        summed, n = total, 1
+        for other in self._groups.values():
+            if other is not group:
+                summed += self._total_of(other)
+                n += len(other.members)
+        return summed, n + len(group.members)
+
+    def _every_group(self, snapshot: ClusterSnapshot) -> None:
+        """With `over_cluster`, every group's jobs, whatever their size: the budget is a
+        mean over them all."""
+        if self.over_cluster and len(self._groups) < len(snapshot.workers):
+            for worker_id in snapshot.workers:
+                self._group(snapshot, worker_id)
+
+    def _total_of(self, group: _Group) -> float:
+        """The group's summed predicted slowdown, each job's at most 1 (its step twice
+        as long): a group its learned figures put past draining would otherwise hold
+        every admission of the cluster back."""
+        if group.total is None:
+            group.total = sum(
+                min(1.0, _slowdown(other, meets, group.load - other.duty))
+                for other, meets in zip(group.members, group.meets, strict=True)
+            )
+        return group.total
 
     def _total_within_guard(self, group: _Group, fig: Figures) -> float | None:
         """The summed predicted slowdown of `group`'s jobs and `fig`'s, or None when any
@@ -663,6 +770,7 @@ class InterferenceFit:
     def _fullest_within(
         self, snapshot: ClusterSnapshot, job: JobView, fig: Figures, empty_ok: bool = True
     ) -> str | None:
+        self._every_group(snapshot)
         empty: WorkerView | None = None
         shared: list[tuple[float, float, int, WorkerView, _Group]] = []
         tenant = job.tenant
@@ -692,6 +800,7 @@ class InterferenceFit:
 
     def keeps_within(self, snapshot: ClusterSnapshot, worker_id: str, job: JobView) -> bool:
         """Whether the group's jobs and `job` beside them stay within budget."""
+        self._every_group(snapshot)
         return self._within_adding(self._group(snapshot, worker_id), self.figures(job), None)
 
     def added_slowdown(self, snapshot: ClusterSnapshot, worker_id: str, job: JobView) -> float:
@@ -722,6 +831,7 @@ def interference_fit(config: PolicyConfig) -> InterferenceFit:
         config.max_load,
         config.sharing,
         config.bound_newcomers,
+        config.budget_over_cluster,
     )
 
 

@@ -8,19 +8,23 @@ the policy asks where it would home it now, everyone else staying where they are
 
 - sharing a group its own figures put over the budget (mean, or anyone above twice
   it): packing, the fullest group where everyone stays within, else an empty group;
-  where neither exists it stays;
+  where neither exists it stays, under review, until one does;
 - alone on a group (the guard kept it off the shared ones): packing, the fullest
   group holding other jobs where everyone stays within, so its own group is freed;
 - in a fixed pool (`pack` False): the group where the jobs' summed predicted slowdown
   grows least with it, when that is less than where it is by `rehome_gain`.
 
 Every review is answered with a `Rehome` (to its own home where it stays) and the
-caller clears the job's `review`, so a job is moved at most once. A move costs the
-job's state brought onto the new home from the disk tier, where its snapshot and
-logged calls are (the path a lost worker's jobs take): the new home restores it; the
-old one drops its copy. Only a job between calls moves: not while its Run, a paused or
-co-sampled batch of it or its stragglers hold its state on the group (`pinned`); it is
-reviewed again in a later plan.
+caller clears the job's `review`, so a job is moved at most once; but a job over the
+budget where it is, for which no group is within it nor empty, stays for now
+(`Rehome.waits`) and is reviewed again whenever homes change, until a group takes it
+or its own comes within the budget (a neighbour gone): otherwise a busy pair placed on
+their kind's figures would share for the rest of their runs once the cluster is full.
+A move costs the job's state brought onto the new home from the disk tier, where its
+snapshot and logged calls are (the path a lost worker's jobs take): the new home
+restores it; the old one drops its copy. Only a job between calls moves: not while its
+Run, a paused or co-sampled batch of it or its stragglers hold its state on the group
+(`pinned`); it is reviewed again in a later plan.
 """
 
 from __future__ import annotations
@@ -71,8 +75,9 @@ def rehomes(
         jobs = dict(snapshot.jobs)
         jobs[job.job_id] = alone
         without = replace(snapshot, jobs=jobs)
-        to = _target(without, alone, home, config, fit()) or home
-        actions.append(Rehome(job.job_id, home, to))
+        to, settled = _target(without, alone, home, config, fit())
+        to = to or home
+        actions.append(Rehome(job.job_id, home, to, waits=not settled))
         jobs[job.job_id] = replace(alone, home=to, tier=Tier.DISK if to != home else job.tier)
         snapshot = replace(snapshot, jobs=jobs)
     return actions, snapshot
@@ -80,14 +85,17 @@ def rehomes(
 
 def _target(
     without: ClusterSnapshot, job: JobView, home: str, config: PolicyConfig, fit: Fit
-) -> str | None:
-    """Where `job` (not homed in `without`) should live instead of `home`; None: stay."""
+) -> tuple[str | None, bool]:
+    """Where `job` (not homed in `without`) should live instead of `home` (None: stay),
+    and whether that settles its review (not where it stays over the budget only for
+    want of a group to take it)."""
     if config.pack:
         if not without.homed_view(home):
-            return fit.shared_within(without, job)
+            return fit.shared_within(without, job), True
         if fit.keeps_within(without, home, job):
-            return None
-        return fit(without, job)
+            return None, True
+        to = fit(without, job)
+        return to, to is not None
     here = fit.added_slowdown(without, home, job)
     best: tuple[float, str] | None = None
     for worker in size_class(without, job):
@@ -98,5 +106,5 @@ def _target(
         if best is None or (added, wid) < best:
             best = (added, wid)
     if best is not None and best[0] < here - config.rehome_gain:
-        return best[1]
-    return None
+        return best[1], True
+    return None, True

@@ -167,6 +167,12 @@ class JobView:
     """Mean seconds of its reward / tool stalls, as its idle hints said them; 0: none
     seen. With `tail_s` and its sample's seconds it gives an asynchronous loop's rollout
     cycle alone, which its queueing does not bias (`plexrl.policy.plexrl_policy`)."""
+    stall_sigma: float = 0.0
+    """How widely its stalls vary: the log-standard deviation of the stalls seen (from
+    an idle hint to the job's next call; `history.Spread`); 0: fewer than two seen. An
+    asynchronous job's slack is a rollout cycle long, so a short stall leaves its
+    training little room: the plexrl policy reads the slack as varying with its stalls
+    (`plexrl.policy.plexrl_policy.two_lanes_s`)."""
     declared_steps: int = 0
     """The training steps the job declared it runs in all (`/plexrl/v1` job options);
     0: not declared. The plexrl policy admits the longest declared work first

@@ -214,7 +214,7 @@ class Actuator:
         if job is None or job.home != old:
             return False
         if not action.moves:
-            state.apply_review(job_id)
+            state.apply_review(job_id, waits=action.waits)
             return True
         if not state.between_calls(job_id):
             return False

@@ -140,6 +140,7 @@ async def lead(
         pack=settings.pack_groups,
         longest_first=settings.admit_longest_first,
         bound_newcomers=settings.bound_newcomers,
+        budget_over_cluster=settings.budget_over_cluster,
         hold_s=settings.hold_s,
         preempt_ratio=settings.preempt_ratio,
         fair_share=settings.fair_share,

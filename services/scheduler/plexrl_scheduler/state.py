@@ -39,6 +39,7 @@ from plexrl.policy.history import (
     Described,
     Prior,
     RecentUse,
+    Spread,
     describe,
     duty_of,
     priors,
@@ -101,9 +102,17 @@ class JobState:
     """Idle hints it sent."""
     hinted_s: float = 0.0
     """Their seconds, summed: their mean is `JobView.stall_s`."""
+    hinted_at: float = 0.0
+    """When its latest idle hint came, until its next call (0: none open)."""
+    stalls: Spread = field(default_factory=Spread)
+    """Its stalls as they turned out, each from an idle hint to its next call: their
+    spread is `JobView.stall_sigma`."""
     provisional: bool = False
     """Homed on its kind's figures (it had no history of its own then) and not reviewed
     since: a whole decision reviews its home once it has its own (`JobView.review`)."""
+    awaiting: bool = False
+    """Reviewed and kept where it is for want of a group to take it (`Rehome.waits`):
+    still under review, at whole decisions only, not at each of its calls."""
     described: _Described | None = field(default=None, repr=False, compare=False)
     """Its figures for the policy as last described (`ClusterState._view`)."""
 
@@ -258,6 +267,9 @@ class ClusterState:
         job = self.jobs.get(request.job_id)
         if job is not None:
             job.history.arrived(request.function)
+            if job.hinted_at:
+                job.stalls.add(self._clock() - job.hinted_at)
+                job.hinted_at = 0.0
             if request.work.portable:
                 job.open_samples.add(request.request_id)
             if not job.learned_staleness and self._overlaps(job, request):
@@ -420,7 +432,7 @@ class ClusterState:
             self._served[job.tenant] = job
         if job.home is not None and job.home != worker_id:
             self._touch(job.home)
-        if self._due_for_review(job, now):
+        if not job.awaiting and self._due_for_review(job, now):
             self._touch(None)  # its home is reviewed at the next whole decision
         if completion.function == Function.UNLOAD:
             del self.jobs[job.job_id]
@@ -497,7 +509,9 @@ class ClusterState:
     def on_idle_hint(self, job_id: str, seconds: float) -> None:
         job = self.jobs.get(job_id)
         if job is not None:
-            job.idle_until = self._clock() + seconds
+            now = self._clock()
+            job.idle_until = now + seconds
+            job.hinted_at = now
             job.hints += 1
             job.hinted_s += seconds
             self._touch(job.home)
@@ -524,16 +538,17 @@ class ClusterState:
         job = self.jobs[job_id]
         old = job.home
         self.apply_admit(job_id, worker_id, epoch)
-        job.provisional = False
+        job.provisional = job.awaiting = False
         job.tier = Tier.DISK if job.tier is not None else None
         self._touch(old)
         self._touch(worker_id)
 
-    def apply_review(self, job_id: str) -> None:
-        """The policy kept the job where it is (`plexrl.policy.Rehome` to its own home)."""
+    def apply_review(self, job_id: str, waits: bool = False) -> None:
+        """The policy kept the job where it is (`plexrl.policy.Rehome` to its own home):
+        its review is done, or (`waits`) goes on at later whole decisions."""
         job = self.jobs.get(job_id)
         if job is not None:
-            job.provisional = False
+            job.provisional = job.awaiting = waits
 
     def _due_for_review(self, job: JobState, now: float) -> bool:
         return job.provisional and job.history.has_history(now, self._review_after_s)
@@ -827,6 +842,7 @@ class ClusterState:
             last_started=job.last_started,
             tail_s=seen.tail_s,
             stall_s=job.hinted_s / job.hints if job.hints else 0.0,
+            stall_sigma=job.stalls.sigma,
             staleness=job.loop_staleness,
             declared_steps=job.declared_steps,
             train_slices=job.train_slices,
