@@ -70,6 +70,7 @@ def done(
     *,
     swap_s: float = 0.0,
     queue_s: float = 0.0,
+    finished_at: float = 0.0,
 ) -> PhaseCompletion:
     return PhaseCompletion(
         request_id=rid,
@@ -79,6 +80,7 @@ def done(
         function=fn,
         status=CompletionStatus.OK,
         timings=Timings(queue_s=queue_s, swap_s=swap_s, compute_s=compute_s),
+        finished_at=finished_at,
     )
 
 
@@ -667,7 +669,7 @@ def test_a_job_that_samples_while_it_trains_is_taken_as_asynchronous() -> None:
     # A synchronous loop: its sample comes when its training is answered.
     state.on_request(req("a1", "a", Function.FORWARD_BACKWARD), delivery(0))
     state.apply_run("d1", "w0", "a", state.take_pending(("a1",)), ())
-    state.on_completion(done("a1", "a", fn=Function.FORWARD_BACKWARD))
+    state.on_completion(done("a1", "a", fn=Function.FORWARD_BACKWARD, finished_at=0.5))
     state.on_request(_portable("a2", "a"), delivery(1))
     # A sample on the job's own weights (not portable) beside its training says nothing.
     state.on_request(req("b1", "b", Function.FORWARD_BACKWARD), delivery(2))
@@ -675,14 +677,25 @@ def test_a_job_that_samples_while_it_trains_is_taken_as_asynchronous() -> None:
     views = state.snapshot().jobs
     assert (views["a"].staleness, views["b"].staleness) == (0, 0)
     assert not state.sliceable("a", "w0")
-    # b's sample on saved weights comes while its training is queued: asynchronous.
+    # b's sample on saved weights comes (at 1.0) while its training is queued; that
+    # training, once it ends after the sample came, makes it asynchronous.
     state.on_request(_portable("b3", "b"), delivery(4))
+    state.apply_run("d2", "w0", "b", state.take_pending(("b1",)), ())
+    state.on_completion(done("b1", "b", fn=Function.FORWARD_BACKWARD, finished_at=2.0))
     assert state.snapshot().jobs["b"].staleness == 1 and state.sliceable("b", "w0")
-    # So is a's, once one comes while its training runs; a declared staleness stands.
-    state.on_job_options("a", 2)
+    # a's training ended (0.9) before its sample came (1.0), its completion read after:
+    # a synchronous loop's next call that overtook the completion, not a second lane.
     state.on_request(req("a3", "a", Function.OPTIM_STEP), delivery(5))
-    state.apply_run("d2", "w0", "a", state.take_pending(("a3",)), ())
+    state.apply_run("d3", "w0", "a", state.take_pending(("a3",)), ())
     state.on_request(_portable("a4", "a"), delivery(6))
+    state.on_completion(done("a3", "a", fn=Function.OPTIM_STEP, finished_at=0.9))
+    assert state.snapshot().jobs["a"].staleness == 0
+    # Once a sample comes while its training runs on, it is; a declared one stands.
+    state.on_request(req("a5", "a", Function.OPTIM_STEP), delivery(7))
+    state.apply_run("d4", "w0", "a", state.take_pending(("a5",)), ())
+    state.on_request(_portable("a6", "a"), delivery(8))
+    state.on_completion(done("a5", "a", fn=Function.OPTIM_STEP, finished_at=1.5))
+    state.on_job_options("a", 2)
     assert state.snapshot().jobs["a"].staleness == 2
     state.on_job_options("a", 0)
     assert state.snapshot().jobs["a"].staleness == 1
@@ -697,9 +710,11 @@ def test_a_job_that_trains_while_it_samples_is_taken_as_asynchronous() -> None:
     for job, worker in (("a", "w0"), ("b", "w1")):
         state.on_request(_portable(f"{job}1", job), delivery(0))
         state.apply_run(f"d{job}", worker, job, state.take_pending((f"{job}1",)), ())
-    state.on_completion(done("a1", "a", fn=Function.SAMPLE))
+    state.on_completion(done("a1", "a", fn=Function.SAMPLE, finished_at=0.5))
     for job in ("a", "b"):
         state.on_request(req(f"{job}2", job, Function.FORWARD_BACKWARD), delivery(1))
+    assert state.snapshot().jobs["b"].staleness == 0  # until its sample ends after
+    state.on_completion(done("b1", "b", fn=Function.SAMPLE, finished_at=3.0))
     views = state.snapshot().jobs
     assert (views["a"].staleness, views["b"].staleness) == (0, 1)
 

@@ -93,6 +93,13 @@ class JobState:
     running) at once: an asynchronous loop, though it declared none (`loop_staleness`)."""
     open_samples: set[str] = field(default_factory=set)
     """Its sample calls on saved weights (`WorkHint.portable`) not answered yet."""
+    overlapping: dict[str, float] = field(default_factory=dict)
+    """Its open calls of one lane (training, or samples on saved weights) that a call of
+    the other lane arrived beside, by request id, with the earliest such arrival (the
+    gateway's clock). The overlap is the loop's only if the open call then finished
+    after that arrival: one that had finished, its result on its way to the client,
+    while its completion had not reached this scheduler yet is a synchronous loop's
+    next call overtaking the completion, not a second lane."""
     declared_steps: int = 0
     """Its declared training steps in all (`JobOptions`, `JobView.declared_steps`)."""
     train_slices: int = 1
@@ -272,10 +279,10 @@ class ClusterState:
                 job.hinted_at = 0.0
             if request.work.portable:
                 job.open_samples.add(request.request_id)
-            if not job.learned_staleness and self._overlaps(job, request):
-                job.learned_staleness = 1
-                if not job.staleness:
-                    log.info("%s samples while it trains: asynchronous (staleness 1)", job.job_id)
+            if not job.learned_staleness:
+                for rid in self._other_lane(job, request):
+                    at = job.overlapping.get(rid)
+                    job.overlapping[rid] = request.arrival_time if at is None else at
             if job.last_active > 0 and not self._open.get(job.job_id):
                 now = self._clock()
                 job.last_gap_s = max(now - job.last_active, 1e-6)
@@ -286,23 +293,24 @@ class ClusterState:
         self.pending[request.request_id] = Pending(request, delivery)
         self._touch(job.home if job is not None else None)
 
-    def _overlaps(self, job: JobState, request: PhaseRequest) -> bool:
-        """The call is a sample of the job on saved weights while its training is open,
-        or its training while such a sample is: a synchronous loop sends neither."""
+    def _other_lane(self, job: JobState, request: PhaseRequest) -> list[str]:
+        """The job's open calls of the other lane, where the call is a sample on saved
+        weights (its training calls) or a training call (its open samples on saved
+        weights): a synchronous loop sends neither while the other is open."""
         if request.function in _TRAINING:
-            return bool(job.open_samples)
-        return request.work.portable and self._training(job)
+            return list(job.open_samples)
+        return self._training(job) if request.work.portable else []
 
-    def _training(self, job: JobState) -> bool:
-        """A training call of the job (`forward_backward`, `optim_step`) is queued, or
-        running on its home (as a dispatch or released there to the background)."""
-        if any(
-            self.pending[rid].request.function in _TRAINING
+    def _training(self, job: JobState) -> list[str]:
+        """The job's training calls (`forward_backward`, `optim_step`) queued, or running
+        on its home (as a dispatch or released there to the background)."""
+        queued = [
+            rid
             for rid in self._queued.get(job.job_id, ())
-            if rid in self.pending
-        ):
-            return True
-        return any(p.request.function in _TRAINING for p in self._at_home(job))
+            if rid in self.pending and self.pending[rid].request.function in _TRAINING
+        ]
+        running = (p.request for p in self._at_home(job))
+        return queued + [r.request_id for r in running if r.function in _TRAINING]
 
     def _at_home(self, job: JobState) -> Iterator[Pending]:
         """The job's calls running on its home: in the dispatch there (its own, or
@@ -383,6 +391,11 @@ class ClusterState:
         job = self.jobs.get(completion.job_id)
         if job is not None:
             job.open_samples.discard(completion.request_id)
+            beside = job.overlapping.pop(completion.request_id, None)
+            if beside is not None and completion.finished_at > beside and not job.learned_staleness:
+                job.learned_staleness = 1
+                if not job.staleness:
+                    log.info("%s samples while it trains: asynchronous (staleness 1)", job.job_id)
         entry = self._inflight_requests.pop(completion.request_id, None)
         if entry is None:
             return None
