@@ -249,6 +249,37 @@ def test_placement_prefers_the_fullest_group_within_budget():
     assert admits(plan(s, CFG)) == {"new": "g1"}
 
 
+def test_least_added_placement_takes_the_group_it_slows_least():
+    # Within a generous budget either group takes "new": the fullest is x's, but beside
+    # the lighter y it adds less to the jobs' summed predicted slowdown.
+    s = snap(
+        [worker("g0"), worker("g1"), worker("g2")],
+        [job("x", "g0", duty=0.3), job("y", "g1", duty=0.1), job("new", duty=0.1)],
+        [call("new", 1.0)],
+    )
+    assert InterferenceFit(budget=0.5)(s, s.jobs["new"]) == "g0"
+    assert InterferenceFit(budget=0.5, least_added=True)(s, s.jobs["new"]) == "g1"
+    least = PolicyConfig(name="plexrl", slowdown_budget=0.5, least_added=True)
+    assert admits(plan(s, least)) == {"new": "g1"}
+
+
+def test_the_guard_bounds_each_jobs_predicted_slowdown_as_a_multiple_of_the_budget():
+    # Two jobs of duty 0.3 side by side each predict 6.4% (the costs of sharing
+    # included); over the cluster (four jobs alone elsewhere) their mean is 2.1%, within
+    # a 2.5% budget, but each is over twice it: the default guard gives "new" an empty
+    # group, a guard of three times the budget shares.
+    pair = predicted_slowdown(job("a", duty=0.3), [job("b", duty=0.3)], SharingCosts())
+    assert 0.05 < pair < 0.075
+    workers = [worker(f"g{i}") for i in range(6)]
+    jobs = [job("x", "g0", duty=0.3), job("new", duty=0.3)]
+    jobs += [job(f"alone{i}", f"g{i}", duty=0.3) for i in (2, 3, 4, 5)]
+    s = snap(workers, jobs, [call("new", 1.0)])
+    assert InterferenceFit(budget=0.025, over_cluster=True)(s, s.jobs["new"]) == "g1"
+    assert InterferenceFit(budget=0.025, over_cluster=True, guard=3.0)(s, s.jobs["new"]) == "g0"
+    looser = PolicyConfig(name="plexrl", slowdown_budget=0.025, slowdown_guard=3.0)
+    assert admits(plan(s, looser)) == {"new": "g0"}
+
+
 def test_placement_falls_back_to_an_empty_group_then_waits():
     s = snap(
         [worker("g0"), worker("g1")],

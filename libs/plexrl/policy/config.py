@@ -21,13 +21,18 @@ class PolicyConfig:
     slowdown_budget: float = 0.05
     """The plexrl policy admits a job onto a shared group only while the mean predicted
     step-time slowdown of the jobs stays within this fraction (of every homed job's,
-    `budget_over_cluster`, or of the group's), and no job's exceeds twice it."""
+    `budget_over_cluster`, or of the group's), and no job's exceeds `slowdown_guard` times
+    it."""
     budget_over_cluster: bool = True
     """Packing (`pack`), the plexrl policy checks `slowdown_budget` against the mean
     predicted slowdown of every homed job (those alone at 0) with the new one added,
     rather than of the group it joins; no job's may exceed twice it either way. The
     target is a mean over the jobs: held per group, each group stays within it and the
     cluster's mean falls short of it. False: per group."""
+    slowdown_guard: float = 2.0
+    """No job's predicted slowdown may exceed this multiple of `slowdown_budget` where
+    the plexrl policy admits or keeps a job beside others: the budget is a mean, the
+    guard keeps it fair (and the tail of the slowdowns short)."""
     pack: bool = True
     """How the plexrl policy places a new job. True: on the *fullest* group where every
     job stays within `slowdown_budget`, else an empty group, else it waits, so whole
@@ -36,6 +41,11 @@ class PolicyConfig:
     held whether they run anything or not (the live scheduler's default): on the group
     where the jobs' predicted mean slowdown after adding it is least, never waiting
     while a group can hold its state; packing there would only lengthen the makespan."""
+    least_added: bool = False
+    """Packing (`pack`), which group holding jobs takes a newcomer the plexrl policy
+    shares: True, the one where it adds least to the jobs' summed predicted slowdown,
+    its own included; False, the fullest where everyone stays within budget. (Measured
+    alike on the fitted trace, less saved on the unfitted one: docs/simulator.md.)"""
     longest_first: bool = True
     """The plexrl policy's admission order: among the jobs waiting for a group, the most
     declared work first (`JobView.declared_steps` times its step's expected seconds), so

@@ -14,10 +14,11 @@ cycles) below 1, so a group always drains.
 Placement predicts, for every job on a candidate group, the extra seconds per training
 step it would wait behind its neighbours under that dispatch, and homes the new job on
 the *fullest* group where the mean of those predictions stays within `slowdown_budget`
-of the jobs' step times (and none exceeds twice the budget). Jobs whose busy periods
-rarely coincide (low duty cycles, short calls) stack deep; jobs with long calls get
-fewer neighbours. When no shared group is within budget the job takes an empty group,
-and when none is empty it waits while later jobs that do fit are admitted past it.
+of the jobs' step times (and none exceeds `slowdown_guard` times it, twice by
+default). Jobs whose busy periods rarely coincide (low duty cycles, short calls) stack
+deep; jobs with long calls get fewer neighbours. When no shared group is within budget
+the job takes an empty group, and when none is empty it waits while later jobs that do
+fit are admitted past it.
 That packing pays where an idle group costs nothing (it is released); in a fixed pool
 (`PolicyConfig.pack` False) the job goes where the predicted mean slowdown after adding
 it is least, and waits only while no group can hold its state.
@@ -532,8 +533,12 @@ class InterferenceFit:
         costs: SharingCosts | None = None,
         bound_newcomers: bool = True,
         over_cluster: bool = False,
+        guard: float = 2.0,
+        least_added: bool = False,
     ) -> None:
         self.budget = budget
+        self.guard = guard
+        self.least_added = least_added
         self.over_cluster = over_cluster
         self.bound_newcomers = bound_newcomers
         self.costs = costs if costs is not None else SharingCosts()
@@ -624,15 +629,17 @@ class InterferenceFit:
         if not group.members:
             return True
         total = self._total_within_guard(group, fig)
-        if total is None:
-            return False
-        if self.over_cluster:
-            summed, n = self._cluster_adding(group, total)
-            if summed / n > self.budget:
-                return False
-        elif total / (len(group.members) + 1) > self.budget:
+        if total is None or not self._within_total(group, total):
             return False
         return busiest is None or self._total_within_guard(group, busiest) is not None
+
+    def _within_total(self, group: _Group, total: float) -> bool:
+        """Whether the mean predicted slowdown stays within budget were `group`'s jobs and
+        a new one to sum to `total`: every homed job's (`over_cluster`) or the group's."""
+        if self.over_cluster:
+            summed, n = self._cluster_adding(group, total)
+            return summed / n <= self.budget
+        return total / (len(group.members) + 1) <= self.budget
 
     def _cluster_adding(self, group: _Group, total: float) -> tuple[float, int]:
         """Every homed job's summed predicted slowdown, and their number, were `group`'s
@@ -665,8 +672,9 @@ class InterferenceFit:
 
     def _total_within_guard(self, group: _Group, fig: Figures) -> float | None:
         """The summed predicted slowdown of `group`'s jobs and `fig`'s, or None when any
-        of them is above twice the budget."""
-        guard = 2 * self.budget
+        of them is above the guard (`slowdown_guard` times the budget, twice by
+        default)."""
+        guard = self.guard * self.budget
         meet = self.meet
         mine = _Meets()
         for other in group.members:
@@ -783,18 +791,45 @@ class InterferenceFit:
             elif group.load + fig.duty < 1.0:
                 foreign = group.foreign(tenant) if self.fair_share else 0.0
                 shared.append((foreign, -group.load, i, worker, group))
-        # Fullest first (least of other tenants' load before that, with fair share): the
-        # first group within budget is the answer.
         chosen = empty if empty_ok else None
         busiest = self.busiest(job)
-        for _, _, _, worker, group in sorted(shared, key=lambda c: (c[0], c[1], c[2])):
-            if self._within_adding(group, fig, busiest):
-                chosen = worker
-                break
+        if self.least_added:
+            chosen = self._least_added_within(shared, fig, busiest) or chosen
+        else:
+            # Fullest first (least of other tenants' load before that, with fair share):
+            # the first group within budget is the answer.
+            for _, _, _, worker, group in sorted(shared, key=lambda c: (c[0], c[1], c[2])):
+                if self._within_adding(group, fig, busiest):
+                    chosen = worker
+                    break
         if chosen is None:
             return None
         self._groups[chosen.worker_id].add(fig, job.state_bytes, self.meet, tenant)
         return chosen.worker_id
+
+    def _least_added_within(
+        self,
+        shared: list[tuple[float, float, int, WorkerView, _Group]],
+        fig: Figures,
+        busiest: Figures | None,
+    ) -> WorkerView | None:
+        """`least_added`: among the groups holding jobs, the one where `fig` adds least to
+        the jobs' summed predicted slowdown, its own included, of those where everyone
+        stays within budget (least of other tenants' load first, with fair share; the
+        fullest among equals)."""
+        ranked: list[tuple[float, float, float, int, WorkerView, _Group, float]] = []
+        for foreign, fuller, i, worker, group in shared:
+            total = self._total_within_guard(group, fig)
+            if total is not None:
+                added = total - self._total_of(group)
+                ranked.append((foreign, added, fuller, i, worker, group, total))
+        ranked.sort(key=lambda c: c[:4])
+        for _, _, _, _, worker, group, total in ranked:
+            if self._within_total(group, total) and (
+                busiest is None or self._total_within_guard(group, busiest) is not None
+            ):
+                return worker
+        return None
 
     # Re-homing (`plexrl.policy.rehome`): questions about a job not homed in `snapshot`.
 
@@ -832,6 +867,8 @@ def interference_fit(config: PolicyConfig) -> InterferenceFit:
         config.sharing,
         config.bound_newcomers,
         config.budget_over_cluster,
+        config.slowdown_guard,
+        config.least_added,
     )
 
 
