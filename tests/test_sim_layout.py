@@ -76,6 +76,30 @@ def test_a_job_with_more_idle_time_is_expected_to_pack_denser() -> None:
     assert held([0.1], budget=0.5) >= packed[2]  # a wider budget, no fewer
 
 
+def test_held_over_the_cluster_a_size_packs_at_least_as_deep_as_per_group() -> None:
+    import random
+
+    from plexrl.policy.costs import SharingCosts
+    from plexrl_sim.packing import admitted_in_cluster, admitted_per_group
+
+    costs = SharingCosts()
+
+    def both(duties: list[float]) -> tuple[float, float]:
+        views = [_job(d, f"j{i}") for i, d in enumerate(duties)]
+        per_group = admitted_per_group(views, 1, costs, 0.05, random.Random(0), fills=50)
+        cluster = admitted_in_cluster(views, 1, costs, 0.05, random.Random(0), groups=40)
+        return per_group, cluster
+
+    assert both([0.9]) == (1.0, 1.0)  # nothing fits beside a job busy 90% of its step
+    for duties in ([0.1], [0.05, 0.1, 0.2]):
+        per_group, cluster = both(duties)
+        # Jobs alone hold the cluster's mean down: the fullest groups go past 5% each.
+        assert cluster >= per_group > 1
+    views = [_job(0.05, "a"), _job(0.2, "b")]
+    seeded = [admitted_in_cluster(views, 1, costs, 0.05, random.Random(7), 20) for _ in "ab"]
+    assert seeded[0] == seeded[1]
+
+
 def test_a_size_drains_by_its_backlog_or_by_its_last_arrival() -> None:
     from plexrl_sim.packing import drain_days
 
@@ -97,10 +121,11 @@ def test_the_layout_gives_a_size_that_would_drain_last_the_groups_it_needs() -> 
     setup = prepare("workloads/trace-3mo.yaml", gpus=512, jobs=90, partition="packed")
     factory = setup.factory.with_tail_release(TAIL_RELEASE)
     costs = setup.workload.cluster.colocation.costs()
-    budget = policy_config(setup, "plexrl", {}).slowdown_budget
-    packing = packing_by_profile(factory, setup.jobs, costs, budget)
+    config = policy_config(setup, "plexrl", {})
+    budget, over_cluster = config.slowdown_budget, config.budget_over_cluster
+    packing = packing_by_profile(factory, setup.jobs, costs, budget, over_cluster)
     assert set(packing) == set(SIZES) and all(1 <= p <= 8 for p in packing.values())
-    assert packing == packing_by_profile(factory, setup.jobs, costs, budget)  # seeded
+    assert packing == packing_by_profile(factory, setup.jobs, costs, budget, over_cluster)
     least = drain_minimum(factory, setup.jobs, packing, costs, 512)
     assert sum(SIZES[k] * c for k, c in least.items()) <= 512
     layout = setup.groups_for("plexrl", factory)

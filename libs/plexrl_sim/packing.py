@@ -10,8 +10,11 @@ size's packing here is admission's own rule played out on that size's jobs
 (`admitted_per_group`): a group filled one newcomer at a time, each judged as admission
 judges it (its kind's mean figures, guarded by its kind's busiest tenth), while the
 residents are who they turn out to be (random jobs of the size, each by its own figures
-once it has a history). Each job's figures are its step model's means, the view the
-live scheduler would have of it once it has a history.
+once it has a history). With the budget held over the cluster (`PolicyConfig.
+budget_over_cluster`, the default) the groups of a size are filled together
+(`admitted_in_cluster`): jobs alone hold the mean down and the fullest groups go past
+the budget per group, as admission lets them. Each job's figures are its step model's
+means, the view the live scheduler would have of it once it has a history.
 
 Demand alone gives each size the same share of its work, whenever that work arrives.
 A size whose jobs arrive early and run long then drains last while another's last
@@ -38,6 +41,9 @@ MOST_PER_GROUP = 8
 """The densest packing considered (the prediction's own bound is the budget)."""
 FILLS = 200
 """Groups filled per size to estimate its packing (`admitted_per_group`)."""
+CLUSTER_GROUPS = 100
+"""Groups of one size filled together to estimate its packing under a budget held over
+the cluster (`admitted_in_cluster`)."""
 DAY_S = 86400.0
 
 
@@ -129,11 +135,51 @@ def admitted_per_group(
     return held / fills
 
 
+def admitted_in_cluster(
+    views: Sequence[JobView],
+    devices: int,
+    costs: SharingCosts,
+    budget: float,
+    rng: random.Random,
+    groups: int = CLUSTER_GROUPS,
+) -> float:
+    """The mean jobs a group of `devices` holds when admission fills `groups` of them
+    together with its budget a mean over every homed job (`PolicyConfig.
+    budget_over_cluster`): each newcomer goes where admission (`InterferenceFit`,
+    packing, over the cluster) homes it, the fullest group where everyone stays within
+    the budget, else an empty one, and turns out a random job of `views`; the fill ends
+    at the first newcomer no group takes. The jobs alone hold the mean down, so a group
+    may hold more than `admitted_per_group`'s, which holds the budget per group."""
+    newcomer = newcomer_view(views)
+    workers = {
+        f"g{i}": WorkerView(f"g{i}", device_bytes=1 << 62, host_bytes=1 << 62, devices=devices)
+        for i in range(groups)
+    }
+    place = InterferenceFit(budget, costs=costs, over_cluster=True)
+    jobs: dict[str, JobView] = {newcomer.job_id: newcomer}
+    homes: set[str] = set()
+    placed = 0
+    while placed < groups * MOST_PER_GROUP:
+        home = place(ClusterSnapshot(0.0, workers, dict(jobs), ()), newcomer)
+        if home is None:
+            break
+        jobs[f"r{placed}"] = replace(rng.choice(views), job_id=f"r{placed}", home=home)
+        place.forget(home)  # it holds the job it turned out to be, not the newcomer
+        homes.add(home)
+        placed += 1
+    return placed / max(1, len(homes))
+
+
 def packing_by_profile(
-    factory: JobFactory, jobs: Sequence[JobSpec], costs: SharingCosts, budget: float
+    factory: JobFactory,
+    jobs: Sequence[JobSpec],
+    costs: SharingCosts,
+    budget: float,
+    over_cluster: bool = False,
 ) -> dict[str, float]:
     """Each profile's `admitted_per_group` over its jobs in `jobs` (their `expected_view`s),
-    drawn from a stream of the factory's seed."""
+    drawn from a stream of the factory's seed; with `over_cluster` (the budget a mean
+    over every homed job), its `admitted_in_cluster`."""
     views: dict[str, list[JobView]] = {}
     for job in jobs:
         steps = factory.steps(job)
@@ -141,8 +187,9 @@ def packing_by_profile(
         views.setdefault(job.profile, []).append(view)
     rng = random.Random(f"packing-{factory.seed}")
     profiles = factory.workload.profiles
+    fill = admitted_in_cluster if over_cluster else admitted_per_group
     return {
-        name: admitted_per_group(found, profiles[name].devices, costs, budget, rng)
+        name: fill(found, profiles[name].devices, costs, budget, rng)
         for name, found in sorted(views.items())
     }
 

@@ -117,10 +117,12 @@ class Setup:
             name not in DEDICATED and not self.workload.workers and not self.workload.cluster.groups
         )
         if own and self.partition == "packed":
-            budget = (config or PolicyConfig()).slowdown_budget
+            policy = config or PolicyConfig()
             chosen = colocation if colocation is not None else self.workload.cluster.colocation
             costs = chosen.costs()
-            packing = packing_by_profile(factory, self.jobs, costs, budget)
+            packing = packing_by_profile(
+                factory, self.jobs, costs, policy.slowdown_budget, policy.budget_over_cluster
+            )
             least = drain_minimum(factory, self.jobs, packing, costs, self.gpus)
             return build_groups(
                 self.workload,

@@ -831,6 +831,12 @@ class InterferenceFit:
                 return worker
         return None
 
+    def forget(self, worker_id: str) -> None:
+        """The jobs homed on `worker_id` changed since this pass saw them: its figures are
+        built afresh from the next snapshot it is asked about."""
+        self._groups.pop(worker_id, None)
+        self._placed += 1
+
     # Re-homing (`plexrl.policy.rehome`): questions about a job not homed in `snapshot`.
 
     def keeps_within(self, snapshot: ClusterSnapshot, worker_id: str, job: JobView) -> bool:
