@@ -174,12 +174,15 @@ def test_math_rl_asynchronous(recipes: Recipes) -> None:
     # groups on saved weights while it trains on the last ones, and never tells PlexRL
     # so; the scheduler learns it from its calls (an asynchronous job's training may
     # then yield to a neighbour's sample between micro-batches).
-    # Three steps: its first four groups are sampled at once, and the last two beside
-    # its second step's training.
+    # Five steps: its first four groups are sampled at once, and each later step's two
+    # beside the training before it; how those calls fall against each other depends
+    # on the machine's timing, so several steps give the overlap the scheduler needs
+    # (a call of one lane arriving while the other lane's call is still open) more
+    # than one chance to show.
     before = _taken_as_asynchronous(recipes)
     args = [a for a in MATH_RL_ARGS if not a.startswith("max_steps=")]
     rows = recipes.run(
-        "math_rl.train", "math-async", *args, "max_steps=3", "max_steps_off_policy=1"
+        "math_rl.train", "math-async", *args, "max_steps=5", "max_steps_off_policy=1"
     )
     trained = max(row.get("tokens/cumulative/trained", 0) for row in rows)
     assert trained > 0, f"math_rl trained on no tokens: {rows}"
