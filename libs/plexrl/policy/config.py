@@ -26,9 +26,9 @@ class PolicyConfig:
     budget_over_cluster: bool = True
     """Packing (`pack`), the plexrl policy checks `slowdown_budget` against the mean
     predicted slowdown of every homed job (those alone at 0) with the new one added,
-    rather than of the group it joins; no job's may exceed twice it either way. The
-    target is a mean over the jobs: held per group, each group stays within it and the
-    cluster's mean falls short of it. False: per group."""
+    rather than of the group it joins; no job's may exceed `slowdown_guard` times it
+    either way. The target is a mean over the jobs: held per group, each group stays
+    within it and the cluster's mean falls short of it. False: per group."""
     slowdown_guard: float = 2.0
     """No job's predicted slowdown may exceed this multiple of `slowdown_budget` where
     the plexrl policy admits or keeps a job beside others: the budget is a mean, the

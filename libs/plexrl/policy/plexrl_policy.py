@@ -629,17 +629,19 @@ class InterferenceFit:
         if not group.members:
             return True
         total = self._total_within_guard(group, fig)
-        if total is None or not self._within_total(group, total):
-            return False
-        return busiest is None or self._total_within_guard(group, busiest) is not None
+        return total is not None and self._within_given(group, total, busiest)
 
-    def _within_total(self, group: _Group, total: float) -> bool:
-        """Whether the mean predicted slowdown stays within budget were `group`'s jobs and
-        a new one to sum to `total`: every homed job's (`over_cluster`) or the group's."""
+    def _within_given(self, group: _Group, total: float, busiest: Figures | None) -> bool:
+        """`_within_adding` given the new job's summed predicted slowdown with `group`'s
+        jobs (`total`, within the guard): the mean within budget, over every homed job
+        (`over_cluster`) or the group's, and the newcomer guard (`busiest`)."""
         if self.over_cluster:
             summed, n = self._cluster_adding(group, total)
-            return summed / n <= self.budget
-        return total / (len(group.members) + 1) <= self.budget
+            if summed / n > self.budget:
+                return False
+        elif total / (len(group.members) + 1) > self.budget:
+            return False
+        return busiest is None or self._total_within_guard(group, busiest) is not None
 
     def _cluster_adding(self, group: _Group, total: float) -> tuple[float, int]:
         """Every homed job's summed predicted slowdown, and their number, were `group`'s
@@ -825,9 +827,7 @@ class InterferenceFit:
                 ranked.append((foreign, added, fuller, i, worker, group, total))
         ranked.sort(key=lambda c: c[:4])
         for _, _, _, _, worker, group, total in ranked:
-            if self._within_total(group, total) and (
-                busiest is None or self._total_within_guard(group, busiest) is not None
-            ):
+            if self._within_given(group, total, busiest):
                 return worker
         return None
 
