@@ -3,6 +3,8 @@ short beside the batch's remaining seconds, once, and never where that job canno
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from plexrl.messages import Function, Tier
 from plexrl.policy import (
     CallEstimates,
@@ -100,3 +102,21 @@ def test_no_yield_to_a_job_that_could_only_come_in_by_evicting_the_runner() -> N
     # The device holds a (running) and nothing else fits beside it.
     jobs = [job("a", state=8 * GB), job("b", Tier.HOST, 4 * GB, estimates=TRAIN)]
     assert preemptions(snap(jobs, [fb("b")], device=10 * GB), CFG) == ()
+
+
+def test_sliced_training_yields_to_its_own_jobs_sample_of_saved_weights() -> None:
+    # a's asynchronous training runs sliced; its rollout lane's next sample (of saved
+    # weights) came in behind its next training call.
+    def sliced(calls: list[PendingCall]) -> ClusterSnapshot:
+        s = snap([job("a", estimates=TRAIN)], calls)
+        worker = replace(s.workers["g0"], sliced=True)
+        return replace(s, workers={"g0": worker})
+
+    sample = PendingCall("a/s", "a", Function.SAMPLE, 99.8, portable=True)
+    # The job's Runs take the sample first: it needs nothing of the training calls.
+    assert [c.request_id for c in sliced([fb("a", 2), sample]).calls_view("a")] == ["a/s", "a/2"]
+    assert preemptions(sliced([fb("a", 2), sample]), CFG) == (Preempt("g0", "a", "a"),)
+    # A sample of the job's own training weights waits, as its training calls do.
+    own = replace(sample, portable=False)
+    assert preemptions(sliced([fb("a", 2), own]), CFG) == ()
+    assert preemptions(sliced([fb("a", 2)]), CFG) == ()

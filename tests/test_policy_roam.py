@@ -38,3 +38,12 @@ def test_a_sample_that_needs_its_jobs_state_never_roams():
     calls = [call("a", 1.0, Function.FORWARD_BACKWARD), call("a", 3.0, Function.SAMPLE)]
     s = snap([worker("g0"), worker("g1")], [job("a", "g0", staleness=1)], calls)
     assert runs(plan(s, CFG)) == {"g0": ("a/forward_backward",)}
+
+
+def test_a_sample_that_can_roam_nowhere_goes_before_its_jobs_training_at_home():
+    # One group: the sample of saved weights that came in behind the job's training
+    # goes first (its rollout lane is on its critical path), the training after it.
+    sample = replace(call("a", 3.0, Function.SAMPLE), portable=True)
+    calls = [call("a", 1.0, Function.FORWARD_BACKWARD), call("a", 2.0, Function.OPTIM_STEP)]
+    s = snap([worker("g0")], [job("a", "g0", staleness=2)], [*calls, sample])
+    assert runs(plan(s, CFG)) == {"g0": ("a/sample",)}

@@ -147,7 +147,8 @@ class Training:
     16 micro-batches, and a base-model sampling session beside it on one worker; what
     each takes alone measured first."""
 
-    def __init__(self, gateway_url: str, worker_metrics: str) -> None:
+    def __init__(self, gateway_url: str, worker_metrics: str, own: bool = False) -> None:
+        """With `own`, the rollouts are the trainer's own, of its saved sampler weights."""
         self.metrics = worker_metrics
         self.trained = 0
         """forward_backward calls sent so far (each adds to the job's gradients)."""
@@ -159,7 +160,11 @@ class Training:
             headers={"X-API-Key": SLICE_KEY},
         )
         assert declared.status_code == 200, declared.text
-        self.sampler = service.create_sampling_client(base_model=BASE).result()
+        self.sampler: tinker.SamplingClient = (
+            self.trainer.save_weights_and_get_sampling_client("own").result()
+            if own
+            else service.create_sampling_client(base_model=BASE).result()
+        )
         # 256 rows of 64 tokens; the cluster's workers cut 1,024 tokens a micro-batch.
         self.data = [
             types.Datum(
@@ -273,6 +278,19 @@ def test_an_asynchronous_jobs_training_yields_to_a_neighbours_rollout_and_trains
     # finished its own rollout first).
     sampled = [e["started_at"] for e in timeline if e["function"] == "sample"]
     assert sampled and max(sampled) >= trained[-1]["tail_released_at"] - 0.01
+
+
+@pytest.mark.integration
+def test_an_asynchronous_jobs_training_yields_to_its_own_next_rollout(slicing: Slicing) -> None:
+    # The job's rollout lane samples its saved weights while its training lane trains:
+    # that sample needs nothing of the training call, and goes past it at a micro-batch.
+    config = slicing.config
+    scene = Training(config.gateway_url, _metrics(config), own=True)
+    long, short = scene.preempted()
+    done = finish_times({"long": long, "short": short})
+    assert done["short"][0] < done["long"][0], scene.train_s
+    assert _same_training(done["long"][1], scene.alone)
+    assert tokens(done["short"][1]) == tokens(scene.sampled)
 
 
 @pytest.mark.integration

@@ -543,6 +543,31 @@ def test_a_preempted_training_call_holds_back_its_jobs_later_calls() -> None:
     assert [c.request_id for c in state.snapshot().pending] == ["a2", "a3", "b1"]
 
 
+def test_a_sample_of_saved_weights_goes_past_its_jobs_preempted_training() -> None:
+    state = ClusterState(clock=Clock())
+    _training(state)
+    state.on_request(_portable("a4", "a"), delivery(4))
+    assert state.apply_preempt("w0") == "d1"
+    released = TailReleased(
+        worker_id="w0",
+        dispatch_id="d1",
+        request_ids=["a1"],
+        job_ids=["a"],
+        remaining=1,
+        total=1,
+        at=0.0,
+        reason=ReleaseReason.PREEMPT,
+    )
+    assert state.on_tail_released(released)
+    snap = state.snapshot()
+    # The numbered optim_step and the sample on the job's own weights wait for the
+    # forward_backward; the sample of saved weights needs nothing of it.
+    assert [c.request_id for c in snap.pending] == ["b1", "a4"]
+    state.on_completion(done("a1", "a", fn=Function.FORWARD_BACKWARD))
+    # The job's Runs take its sample of saved weights before its earlier training calls.
+    assert [c.request_id for c in state.snapshot().calls_view("a")] == ["a4", "a2", "a3"]
+
+
 def test_the_slices_a_jobs_training_ran_in_reach_the_policys_view() -> None:
     state = ClusterState(clock=Clock())
     _training(state)

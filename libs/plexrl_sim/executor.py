@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from plexrl.messages import Function, Tier
 from plexrl.policy import Admit, Move, PendingCall, Preempt, Prefetch, Rehome, Run, WorkerView
 from plexrl.policy.costs import SharingCosts
+from plexrl.policy.snapshot import samples_first
 from plexrl_sim.accounting import Accounting
 from plexrl_sim.events import Attention, Event, EventQueue
 from plexrl_sim.replay import SimJob
@@ -305,27 +306,29 @@ class GroupExecutor:
             raise SimulationError(f"{group.group_id}: host tier over capacity")
 
     def _take(self, job: SimJob, ids: tuple[str, ...] | list[str]) -> list[PendingCall]:
-        """The job's calls `ids`, which must be a prefix of its pending calls, in order."""
+        """The job's calls `ids`, which must lead its pending calls, in order, or lead its
+        portable ones (a sample of saved weights may go before its other calls)."""
         pending = job.pending
         n = len(ids)
         if n == 0 or n > len(pending):
             raise SimulationError(f"run of {job.job_id} skips or reorders its calls")
-        calls = pending[:n]
-        if [c.request_id for c in calls] != list(ids):
+        if [c.request_id for c in pending[:n]] == list(ids):
+            job.pending = pending[n:]
+            return pending[:n]
+        portable = [c for c in pending if c.portable]
+        if [c.request_id for c in portable[:n]] != list(ids):
             raise SimulationError(f"run of {job.job_id} skips or reorders its calls")
-        job.pending = pending[n:]
-        return calls
+        taken = set(ids)
+        job.pending = [c for c in pending if c.request_id not in taken]
+        return portable[:n]
 
     def _take_portable(self, job: SimJob, ids: tuple[str, ...]) -> list[PendingCall]:
-        """The job's portable calls `ids`: the first of its portable pending calls, in
-        order (they may go before its other calls)."""
-        portable = [c for c in job.pending if c.portable]
-        n = len(ids)
-        if n == 0 or [c.request_id for c in portable[:n]] != list(ids):
-            raise SimulationError(f"run of {job.job_id} skips or reorders its portable calls")
-        taken = set(ids)
-        job.pending = [c for c in job.pending if c.request_id not in taken]
-        return portable[:n]
+        """The job's portable calls `ids` (a roaming Run): the first of its portable
+        pending calls, in order."""
+        calls = self._take(job, ids)
+        if not all(c.portable for c in calls):
+            raise SimulationError(f"roaming run of {job.job_id} takes calls that are not portable")
+        return calls
 
     def _start_guest(self, group: SimGroup, run: Run) -> None:
         """A roaming Run (`plexrl.policy.roam`): a job's portable calls on a group other
@@ -397,7 +400,7 @@ class GroupExecutor:
         owner: dict[str, SimJob] = {}
         for other in group.homed.values():
             if other is not job:
-                for call in other.pending:
+                for call in samples_first(other.pending):
                     if call.function != _SAMPLE:
                         break
                     owner[call.request_id] = other
@@ -434,7 +437,10 @@ class GroupExecutor:
             self._start_guest(group, run)
             return
         if group.paused is not None and group.paused.job is job:
-            raise SimulationError(f"run of {run.job_id} while a Run of it is paused")
+            # (but a sample of saved weights, which needs nothing of it)
+            portable = {c.request_id for c in job.pending if c.portable}
+            if not run.request_ids or run.request_ids[0] not in portable:
+                raise SimulationError(f"run of {run.job_id} while a Run of it is paused")
         ids = run.request_ids
         pending = job.pending
         n = len(ids)
@@ -442,16 +448,17 @@ class GroupExecutor:
         if n <= len(pending) and [c.request_id for c in pending[:n]] == list(ids):
             calls = pending[:n]
             job.pending = pending[n:]
-        elif pending and pending[0].request_id != ids[0]:
-            calls = self._take_portable(job, ids)  # a sample of saved weights goes first
-        else:  # co-sampled: the leading job's own calls first, then other jobs' samples
+        else:  # co-sampled, or a sample of saved weights first: the leading job's own
+            # calls first, then other jobs' samples
+            ahead = bool(pending) and pending[0].request_id != ids[0]
             own = 0
-            for call in pending[:n]:
-                if call.request_id != ids[own]:
+            for call in [c for c in pending if c.portable] if ahead else pending:
+                if own == n or call.request_id != ids[own]:
                     break
                 own += 1
             calls = self._take(job, ids[:own])
-            riders = self._riders(group, job, ids[own:])
+            if own < n:
+                riders = self._riders(group, job, ids[own:])
         now = self.events.now
         swap = self._evict(group, job.job_id, run.evict) if run.evict else 0.0
         moved = bool(run.evict)

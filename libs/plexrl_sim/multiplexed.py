@@ -288,13 +288,19 @@ class MultiplexedSim:
         if group.running is None:
             return any(j.pending for j in group.homed.values())
         # Busy: only a prefetch (a job off the device) or a preemption (a sample batch
-        # or sliced training that may yield to another job with calls waiting: never to
-        # its own job) could be decided.
+        # or sliced training that may yield to another job with calls waiting; sliced
+        # training to its own job's sample too) could be decided.
         run = group.inflight
         preemptible = run is not None and run.yields and not run.preempted and group.paused is None
         running = group.running
+        sliced = preemptible and run is not None and run.slice_s > 0
         return any(
-            j.tier in _OFF_DEVICE or (preemptible and j.pending and j.job_id != running)
+            j.tier in _OFF_DEVICE
+            or (
+                preemptible
+                and j.pending
+                and (j.job_id != running or (sliced and any(c.portable for c in j.pending)))
+            )
             for j in group.homed.values()
         )
 
@@ -305,8 +311,8 @@ class MultiplexedSim:
         calls: list[PendingCall] = []
         calling = 0
         hold_s = self.config.hold_s
-        # A job whose Run is paused (preempted) sends nothing more until it resumes: its
-        # calls keep their order.
+        # A job whose Run is paused (preempted) sends nothing more until it resumes (its
+        # calls keep their order) but its samples of saved weights.
         paused = group.paused.job if group.paused is not None else None
         for jid, j in group.homed.items():
             view = j.view
@@ -317,6 +323,11 @@ class MultiplexedSim:
             if j.pending and j is not paused:
                 calls += j.pending
                 calling += 1
+            elif j.pending:  # its portable calls need nothing of its paused Run
+                portable = [c for c in j.pending if c.portable]
+                if portable:
+                    calls += portable
+                    calling += 1
         if calling > 1:  # one job's calls are already in arrival order
             calls.sort(key=_arrival)
         return ClusterSnapshot(
@@ -332,8 +343,7 @@ class MultiplexedSim:
             paused = group.paused.job if group.paused is not None else None
             for jid, j in group.homed.items():
                 jobs[jid] = j.as_view(now, self._priors, self.min_history_s)
-                if j is not paused:
-                    calls += j.pending
+                calls += j.pending if j is not paused else [c for c in j.pending if c.portable]
         calls.sort(key=_arrival)
         return ClusterSnapshot(
             now,

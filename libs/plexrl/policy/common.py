@@ -291,14 +291,20 @@ def run_of(
     job: JobView,
     evict: tuple[Move, ...],
     quantum_s: float | None = None,
+    others: bool = False,
 ) -> Run:
-    """A Run of the job's oldest pending calls: at most `max_calls_per_run`, and with a
-    `quantum_s` only as many as fit in it by their expected seconds (at least one).
+    """A Run of the job's next pending calls (`ClusterSnapshot.calls_of`; with `others`,
+    of its next calls that are not portable, its samples of saved weights having
+    roamed): at most `max_calls_per_run`, and with a `quantum_s` only as many as fit in
+    it by their expected seconds (at least one).
 
     Sample calls and others never share a Run: a Run of samples is released at its
     stragglers (the tail release), which calls behind them in the same Run would wait
     out; an asynchronous job's next sample and its training go as Runs of their own."""
-    calls = snapshot.calls_view(job.job_id)[: config.max_calls_per_run]
+    calls = snapshot.calls_view(job.job_id)
+    if others:
+        calls = [c for c in calls if not c.portable]
+    calls = calls[: config.max_calls_per_run]
     if len(calls) > 1:
         sampling = calls[0].function == _SAMPLE
         for i in range(1, len(calls)):

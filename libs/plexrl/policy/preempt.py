@@ -18,7 +18,10 @@ remaining sampling, as far as the estimates go.
 A group whose in-flight Run is *sliced* training (`WorkerView.sliced`: an asynchronous
 job's `forward_backward`, run in micro-batches the worker can pause between) yields at
 the next slice to a job whose next call is a sample, whatever their lengths: the
-sample is on its job's critical path, the training within its job's slack. The
+sample is on its job's critical path, the training within its job's slack. That
+includes the training's own job, whose next sample reads saved weights (its rollout
+lane runs ahead of its training lane by up to its staleness, and without the yield
+would wait out the rest of its own training call). The
 simulator slices it into `Profile.fb_slices` pieces; a live worker that slices training
 (`WorkerHeartbeat.slices_training`) pauses at its next micro-batch, every rank of a
 group in step.
@@ -62,16 +65,22 @@ def _yields_to(
     chosen: JobView | None = None
     for job in snapshot.homed_view(worker.worker_id):
         calls = snapshot.calls_view(job.job_id)
-        if job.job_id == worker.running or not calls:
+        if not calls:
             continue
         if worker.sliced:
             # Sliced training (an asynchronous job's: within its slack) yields to a
-            # sample, which is on its job's critical path, however long it is.
+            # sample, which is on its job's critical path, however long it is: its own
+            # job's too, whose rollout lane needs nothing of it (a sample of saved
+            # weights, `PendingCall.portable`).
             if calls[0].function != Function.SAMPLE:
+                continue
+            if job.job_id == worker.running and not calls[0].portable:
                 continue
             key = (pending_s(snapshot, job), job.job_id)
             if best is None or key < best:
                 best, chosen = key, job
+            continue
+        if job.job_id == worker.running:
             continue
         evict = make_room(snapshot, worker.worker_id, job)
         if evict is None:

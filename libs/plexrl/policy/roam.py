@@ -9,10 +9,11 @@ and leaves its stragglers there in the background, as at home. An asynchronous j
 from its home while its home trains it, or while its home trains a neighbour.
 
 The rule (plexrl policy, `PolicyConfig.roam`): for each job whose portable calls wait
-while its home group is busy (running, or given another Run in this plan — its own
-training included: a sample that came with the calls its home now runs need not wait
-for them), oldest call first, a group of the home's size that serves its base model,
-runs nothing, has no call of its own waiting, is held anyway (it holds a job, or the
+while its home group is busy (running, or given another Run in this plan), or whose
+home's Run in this plan is that sample with the job's training waiting behind it (the
+home then runs the training: a sample and training that wait together both start
+now), oldest call first, a group of the home's size that serves its base model, runs
+nothing, has no call of its own waiting, is held anyway (it holds a job, or the
 pool is fixed: `pack` False), and whose jobs all said they will stay idle at least as
 long as the roaming Run is expected to take (a stopped job, duty cycle 0, and an empty
 group are quiet): the quietest such group. So a roaming sample never delays a job at
@@ -27,7 +28,7 @@ from dataclasses import replace
 
 from plexrl.messages import Tier
 from plexrl.policy.actions import Run
-from plexrl.policy.common import can_ever_hold
+from plexrl.policy.common import can_ever_hold, run_of, run_quantum
 from plexrl.policy.config import PolicyConfig
 from plexrl.policy.snapshot import ClusterSnapshot, JobView, PendingCall, WorkerView
 
@@ -39,12 +40,17 @@ def sampler_load_s(snapshot: ClusterSnapshot, job: JobView) -> float:
     return snapshot.swap.move_s(job.sampler_bytes, Tier.DISK, Tier.DEVICE)
 
 
-def roaming_runs(snapshot: ClusterSnapshot, config: PolicyConfig, runs: list[Run]) -> list[Run]:
-    """Runs of waiting portable calls on idle groups other than their jobs' homes."""
+def roaming_runs(
+    snapshot: ClusterSnapshot, config: PolicyConfig, runs: list[Run]
+) -> tuple[list[Run], list[Run]]:
+    """Runs of waiting portable calls on idle groups other than their jobs' homes, and
+    `runs` with each home Run of a sample that roams instead given its job's other
+    calls."""
     if not config.roam:
-        return []
+        return [], runs
     taken = {r.worker_id for r in runs}
     started = {rid for r in runs for rid in r.request_ids}
+    at_home = {r.worker_id: i for i, r in enumerate(runs)}
     idle = [
         w
         for w in snapshot.workers.values()
@@ -54,7 +60,7 @@ def roaming_runs(snapshot: ClusterSnapshot, config: PolicyConfig, runs: list[Run
         and _idle(snapshot, w, held=not config.pack)
     ]
     if not idle:
-        return []
+        return [], runs
     out: list[Run] = []
     for job_id in snapshot.callers():
         job = snapshot.jobs.get(job_id)
@@ -63,7 +69,16 @@ def roaming_runs(snapshot: ClusterSnapshot, config: PolicyConfig, runs: list[Run
         home = snapshot.workers.get(job.home)
         if home is None or (home.running is None and home.worker_id not in taken):
             continue  # its home can run it now
-        waiting = [c for c in snapshot.calls_view(job_id) if c.request_id not in started]
+        mine = at_home.get(home.worker_id)
+        swap = mine is not None and runs[mine].job_id == job_id
+        if swap:
+            # Its home runs its sample now, its training waiting behind it: the sample
+            # may roam and the home take the training.
+            waiting = list(snapshot.calls_view(job_id))
+            if all(c.portable for c in waiting):
+                continue
+        else:
+            waiting = [c for c in snapshot.calls_view(job_id) if c.request_id not in started]
         calls = _portable(waiting, config.max_calls_per_run)
         if not calls:
             continue
@@ -82,6 +97,19 @@ def roaming_runs(snapshot: ClusterSnapshot, config: PolicyConfig, runs: list[Run
                 best, chosen = key, worker
         if chosen is None:
             continue
+        if swap and mine is not None:
+            home_run = runs[mine]
+            quantum = run_quantum(
+                snapshot,
+                home.worker_id,
+                job,
+                config.quantum_s,
+                config.tenant_quantum_s if config.fair_share else None,
+            )
+            runs = list(runs)
+            runs[mine] = run_of(
+                snapshot, config, home.worker_id, job, home_run.evict, quantum, others=True
+            )
         idle.remove(chosen)
         out.append(
             Run(
@@ -95,7 +123,7 @@ def roaming_runs(snapshot: ClusterSnapshot, config: PolicyConfig, runs: list[Run
         )
         if not idle:
             break
-    return out
+    return out, runs
 
 
 def with_roaming(snapshot: ClusterSnapshot, runs: list[Run]) -> ClusterSnapshot:

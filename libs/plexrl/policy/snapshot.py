@@ -199,6 +199,22 @@ class PendingCall:
     serves the job's base model (`plexrl.policy.roam`)."""
 
 
+def samples_first(calls: list[PendingCall]) -> list[PendingCall]:
+    """One job's pending calls (in arrival order) in the order its Runs take them: its
+    portable calls first, each kind in arrival order (`calls` itself where that is its
+    order). An asynchronous job's rollout lane runs ahead of its training lane by up to
+    its staleness, and its sample of saved weights needs nothing of the training calls
+    sent before it: every rule of the policy (dispatch order, deferral, preemption,
+    co-sampling) then sees that sample as the job's next call."""
+    other = False
+    for call in calls:
+        if not call.portable:
+            other = True
+        elif other:
+            return [c for c in calls if c.portable] + [c for c in calls if not c.portable]
+    return calls
+
+
 @dataclass(frozen=True)
 class ClusterSnapshot:
     now: float
@@ -238,12 +254,17 @@ class ClusterSnapshot:
 
     def _pending_by_job(self) -> dict[str, list[PendingCall]]:
         index: dict[str, list[PendingCall]] = {}
+        ahead: list[str] = []
         for call in self.pending:
             calls = index.get(call.job_id)
             if calls is None:
                 index[call.job_id] = [call]
             else:
+                if call.portable and not calls[-1].portable:
+                    ahead.append(call.job_id)
                 calls.append(call)
+        for job_id in ahead:
+            index[job_id] = samples_first(index[job_id])
         object.__setattr__(self, "_calls", index)
         return index
 
@@ -256,7 +277,7 @@ class ClusterSnapshot:
         return (index if index is not None else self._pending_by_job()).keys()
 
     def calls_of(self, job_id: str) -> list[PendingCall]:
-        """The job's pending calls, in arrival order."""
+        """The job's pending calls in the order its Runs take them (`samples_first`)."""
         return list(self.calls_view(job_id))
 
     def device_used(self, worker_id: str) -> int:

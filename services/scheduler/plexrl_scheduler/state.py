@@ -919,7 +919,9 @@ class ClusterState:
         """The queue without the calls that must wait for a job's training call released
         to the background (preempted between micro-batches, `TailReleased`): from the
         job's first queued numbered call on, its calls wait until that call is answered,
-        so they run in order on its ledger."""
+        so they run in order on its ledger; its samples of saved weights do not (the
+        policy may send one ahead while the call is paused: its rollout lane needs
+        nothing of it)."""
         training = {
             p.request.job_id
             for tail in self.tails.values()
@@ -932,6 +934,9 @@ class ClusterState:
         waiting: set[str] = set()
         for p in queue:
             job_id = p.request.job_id
+            if p.request.work.portable:
+                yield p  # a sample of saved weights reads nothing the call changes
+                continue
             if job_id in training and (job_id in waiting or p.request.function in SEQUENCED):
                 waiting.add(job_id)
                 continue
