@@ -233,10 +233,11 @@ class Figures:
 SLACK_CYCLES = 1
 """Rollout cycles of slack the prediction credits an asynchronous job's training lane
 with, whatever its staleness: a job of staleness 2 measures, beside neighbours, about
-what it does at staleness 1 (within 2.4 points either way on the forced groups, "Asynchronous
-jobs" in docs/simulator.md), not the half of it that its second cycle of slack would
-hide by the model's terms: `plexrl.policy.defer` spends that slack holding its training
-out of stragglers' way, and its training lane then trails by it. Fitted there."""
+what it does at staleness 1 (forced pairs 1.0-2.4 points less at the trace's median
+stall; "At staleness 2" in docs/simulator.md), not the half of it that its second cycle
+of slack would hide by the model's terms: `plexrl.policy.defer` spends that slack
+holding its training out of stragglers' way, and its training lane then trails by it.
+Fitted there."""
 
 
 def figures_of(job: JobView) -> Figures:
