@@ -518,9 +518,8 @@ def test_training_with_a_follow_up_behind_it_is_not_sliced() -> None:
     assert not state.snapshot().workers["w0"].sliced
 
 
-def test_a_preempted_training_call_holds_back_its_jobs_later_calls() -> None:
-    state = ClusterState(clock=Clock())
-    _training(state)
+def _preempt_training(state: ClusterState) -> None:
+    """a's forward_backward (dispatch d1) paused at a micro-batch and released."""
     assert state.apply_preempt("w0") == "d1"
     released = TailReleased(
         worker_id="w0",
@@ -533,6 +532,12 @@ def test_a_preempted_training_call_holds_back_its_jobs_later_calls() -> None:
         reason=ReleaseReason.PREEMPT,
     )
     assert state.on_tail_released(released)
+
+
+def test_a_preempted_training_call_holds_back_its_jobs_later_calls() -> None:
+    state = ClusterState(clock=Clock())
+    _training(state)
+    _preempt_training(state)
     snap = state.snapshot()
     # The worker is free for b's sample; a's optim_step (numbered) and the sample behind
     # it wait for the forward_backward, which runs on in the background.
@@ -547,18 +552,7 @@ def test_a_sample_of_saved_weights_goes_past_its_jobs_preempted_training() -> No
     state = ClusterState(clock=Clock())
     _training(state)
     state.on_request(_portable("a4", "a"), delivery(4))
-    assert state.apply_preempt("w0") == "d1"
-    released = TailReleased(
-        worker_id="w0",
-        dispatch_id="d1",
-        request_ids=["a1"],
-        job_ids=["a"],
-        remaining=1,
-        total=1,
-        at=0.0,
-        reason=ReleaseReason.PREEMPT,
-    )
-    assert state.on_tail_released(released)
+    _preempt_training(state)
     snap = state.snapshot()
     # The numbered optim_step and the sample on the job's own weights wait for the
     # forward_backward; the sample of saved weights needs nothing of it.
