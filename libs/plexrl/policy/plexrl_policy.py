@@ -54,7 +54,7 @@ path; its training waits off it within its slack, and beyond it as long as its r
 wait for a save. Its step is its rollout cycle alone (sample, stragglers `tail_s`,
 scores `stall_s`), at least its busy seconds: its learned duty cycle takes its
 training's queueing out of its span as if it had lengthened its step, which it mostly
-did not. Its slack is one cycle (`SLACK_CYCLES`, whatever k: fitted) less its busy
+did not. Its slack is one cycle (`defer.SLACK_CYCLES`, whatever k: fitted) less its busy
 seconds and the part of its own stragglers its training waits out
 (`plexrl.policy.defer`). Its step is the longer of its two
 lanes (`two_lanes_s`): its rollout lane grows by its sample's waits and costs, its
@@ -92,7 +92,7 @@ from plexrl.policy.common import (
 )
 from plexrl.policy.config import PolicyConfig
 from plexrl.policy.costs import SharingCosts
-from plexrl.policy.defer import not_passed_over, slack_s
+from plexrl.policy.defer import SLACK_CYCLES, not_passed_over, slack_s
 from plexrl.policy.fifo import last_served
 from plexrl.policy.frozen import quick_init
 from plexrl.policy.rehome import due, rehomes
@@ -228,16 +228,6 @@ class Figures:
     @property
     def busy(self) -> float:
         return sum(self.phases)
-
-
-SLACK_CYCLES = 1
-"""Rollout cycles of slack the prediction credits an asynchronous job's training lane
-with, whatever its staleness: a job of staleness 2 measures, beside neighbours, about
-what it does at staleness 1 (forced pairs 1.0-2.4 points less at the trace's median
-stall; "At staleness 2" in docs/simulator.md), not the half of it that its second cycle
-of slack would hide by the model's terms: `plexrl.policy.defer` spends that slack
-holding its training out of stragglers' way, and its training lane then trails by it.
-Fitted there."""
 
 
 def figures_of(job: JobView) -> Figures:
