@@ -209,8 +209,9 @@ class Figures:
     lengthen its steps only beyond `slack`."""
     slack: float = 0.0
     """Seconds its training may wait per step behind its neighbours before its rollouts
-    wait for it: its staleness in rollout cycles less its busy seconds and the part of
-    its own stragglers its training waits out (`plexrl.policy.defer`)."""
+    wait for it: its staleness in rollout cycles (at most `defer.SLACK_CYCLES`) less its
+    busy seconds and the part of its own stragglers its training waits out
+    (`plexrl.policy.defer`)."""
     hold: float = 0.0
     """The fraction of its step it holds the group or its stragglers decode there:
     the chance a neighbour's call finds it in the way."""
@@ -220,8 +221,8 @@ class Figures:
     """An asynchronous job's training, sliced (`JobView.train_slices`): the seconds of
     one slice, at whose end it yields to a neighbour's sample; 0: whole."""
     stalls: float = 0.0
-    """An asynchronous job's mean stall seconds within its slack (staleness x its mean
-    stall), and `stall_sigma` their log-standard deviation: its slack varies with them
+    """An asynchronous job's mean stall seconds within its slack (its cycles of slack x
+    its mean stall), and `stall_sigma` their log-standard deviation: its slack varies with them
     step by step (`two_lanes_s`); 0: taken as fixed."""
     stall_sigma: float = 0.0
 
