@@ -6,10 +6,14 @@ from __future__ import annotations
 import pytest
 
 from plexrl.messages import Function
+from plexrl.policy import PendingCall
 from plexrl_sim.dedicated import alone_step_s
+from plexrl_sim.executor import SimulationError
 from plexrl_sim.multiplexed import MultiplexedSim
 from plexrl_sim.run import policy_config, prepare, run_deployment
 from tests.sim_fixtures import small_trace, two_jobs_one_worker, write_workload
+
+_FB, _OPTIM = Function.FORWARD_BACKWARD, Function.OPTIM_STEP
 
 
 def _one_job(staleness: int, mode: str = "run") -> dict:
@@ -161,3 +165,25 @@ def test_sliced_training_yields_to_a_sample_at_its_next_slice(tmp_path):
     assert whole.counts["preempted"] == 0
     # Whole, B's sample waits for A's training: [45,47], and it trains after its 3 s.
     assert next(j for j in whole.jobs if j.job_id == "B").finish_s == pytest.approx(51.0, abs=1e-5)
+
+
+def test_a_run_takes_its_jobs_next_calls_or_the_next_of_one_kind(tmp_path):
+    # A job of staleness 2 may wait with its next sample (of saved weights) ahead of or
+    # behind its training calls: a Run takes the next of its calls, or of its samples
+    # (they go first), or of its training calls (while its sample roams elsewhere).
+    setup = prepare(write_workload(tmp_path, _lanes(staleness=2)))
+    sim = MultiplexedSim(
+        setup.factory, setup.jobs, setup.groups, policy_config(setup, "plexrl", {}), setup.gpus
+    )
+    job = next(iter(sim.jobs.values()))
+    fb, optim = (PendingCall(f"A/1/{n}", "A", f, 1.0) for n, f in (("fb", _FB), ("optim", _OPTIM)))
+    sample = PendingCall("A/3/sample", "A", Function.SAMPLE, 2.0, portable=True)
+    take = sim.executor._take
+    for ids, left in ((["A/3/sample"], [fb, optim]), (["A/1/fb", "A/1/optim"], [sample])):
+        job.pending = [fb, optim, sample]
+        assert [c.request_id for c in take(job, ids)] == ids and job.pending == left
+    job.pending = [sample, fb, optim]
+    with pytest.raises(SimulationError, match="skips or reorders"):
+        take(job, ["A/1/optim"])  # its training calls keep their order
+    assert [c.request_id for c in take(job, ["A/1/fb"])] == ["A/1/fb"]
+    assert job.pending == [sample, optim]

@@ -307,20 +307,22 @@ class GroupExecutor:
 
     def _take(self, job: SimJob, ids: tuple[str, ...] | list[str]) -> list[PendingCall]:
         """The job's calls `ids`, which must lead its pending calls, in order, or lead its
-        portable ones (a sample of saved weights may go before its other calls)."""
+        portable ones (a sample of saved weights may go before its other calls) or its
+        others (its sample roams while its home trains it)."""
         pending = job.pending
         n = len(ids)
-        if n == 0 or n > len(pending):
-            raise SimulationError(f"run of {job.job_id} skips or reorders its calls")
-        if [c.request_id for c in pending[:n]] == list(ids):
+        if 0 < n <= len(pending) and [c.request_id for c in pending[:n]] == list(ids):
             job.pending = pending[n:]
             return pending[:n]
-        portable = [c for c in pending if c.portable]
-        if [c.request_id for c in portable[:n]] != list(ids):
-            raise SimulationError(f"run of {job.job_id} skips or reorders its calls")
+        kind = _in_kind(pending, ids)
+        if n == 0 or [c.request_id for c in kind[:n]] != list(ids):
+            waiting = [c.request_id for c in pending]
+            raise SimulationError(
+                f"run of {job.job_id} skips or reorders its calls: {list(ids)} of {waiting}"
+            )
         taken = set(ids)
         job.pending = [c for c in pending if c.request_id not in taken]
-        return portable[:n]
+        return kind[:n]
 
     def _take_portable(self, job: SimJob, ids: tuple[str, ...]) -> list[PendingCall]:
         """The job's portable calls `ids` (a roaming Run): the first of its portable
@@ -452,7 +454,7 @@ class GroupExecutor:
             # calls first, then other jobs' samples
             ahead = bool(pending) and pending[0].request_id != ids[0]
             own = 0
-            for call in [c for c in pending if c.portable] if ahead else pending:
+            for call in _in_kind(pending, ids) if ahead else pending:
                 if own == n or call.request_id != ids[own]:
                     break
                 own += 1
@@ -781,3 +783,11 @@ class GroupExecutor:
             t = end
             shares = max(shares - share, 0.0)
         return t + left / costs.run_speed(shares)
+
+
+def _in_kind(pending: list[PendingCall], ids: tuple[str, ...] | list[str]) -> list[PendingCall]:
+    """The job's pending calls of the kind (portable or not) of the call `ids` starts
+    with, in order: a Run takes a prefix of its job's calls, or of one kind of them."""
+    first = ids[0] if ids else None
+    portable = next((c.portable for c in pending if c.request_id == first), True)
+    return [c for c in pending if c.portable == portable]
