@@ -344,6 +344,12 @@ def quiet_s(snapshot: ClusterSnapshot, worker_id: str, job: JobView) -> float:
     return quiet if quiet != _INF else 0.0
 
 
+def quanta(config: PolicyConfig) -> tuple[float, float | None]:
+    """The quantum a Run on a shared group stops at, and the shorter one beside another
+    tenant's active job (with `fair_share`; None without): `run_quantum`."""
+    return config.quantum_s, config.tenant_quantum_s if config.fair_share else None
+
+
 def run_quantum(
     snapshot: ClusterSnapshot,
     worker_id: str,

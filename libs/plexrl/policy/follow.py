@@ -25,10 +25,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from plexrl.messages import Function
-from plexrl.policy.common import run_quantum
+from plexrl.policy.common import quanta, run_quantum
 from plexrl.policy.config import PolicyConfig
 from plexrl.policy.defer import passed_over
-from plexrl.policy.plexrl_policy import quanta
 from plexrl.policy.snapshot import ClusterSnapshot
 
 _SAMPLE = Function.SAMPLE

@@ -86,6 +86,7 @@ from plexrl.policy.common import (
     admit_waiting,
     dispatch,
     make_room,
+    quanta,
     size_class,
     switch_s,
     waiting_jobs,
@@ -1016,12 +1017,6 @@ def longest_declared_first(jobs: list[JobView]) -> list[JobView]:
     """Waiting jobs, the most declared work first; ties and undeclared jobs keep their
     order (arrival), after every declared one."""
     return sorted(jobs, key=lambda j: -declared_run_s(j))
-
-
-def quanta(config: PolicyConfig) -> tuple[float, float | None]:
-    """The quantum a Run on a shared group stops at, and the shorter one beside another
-    tenant's active job (with `fair_share`; None without): `common.run_quantum`."""
-    return config.quantum_s, config.tenant_quantum_s if config.fair_share else None
 
 
 def plan_plexrl(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:

@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from plexrl.messages import Tier
 from plexrl.policy.actions import Run
-from plexrl.policy.common import can_ever_hold, run_of, run_quantum
+from plexrl.policy.common import can_ever_hold, quanta, run_of, run_quantum
 from plexrl.policy.config import PolicyConfig
 from plexrl.policy.snapshot import ClusterSnapshot, JobView, PendingCall, WorkerView
 
@@ -99,13 +99,7 @@ def roaming_runs(
             continue
         if swap and mine is not None:
             home_run = runs[mine]
-            quantum = run_quantum(
-                snapshot,
-                home.worker_id,
-                job,
-                config.quantum_s,
-                config.tenant_quantum_s if config.fair_share else None,
-            )
+            quantum = run_quantum(snapshot, home.worker_id, job, *quanta(config))
             runs = list(runs)
             runs[mine] = run_of(
                 snapshot, config, home.worker_id, job, home_run.evict, quantum, others=True
