@@ -443,24 +443,15 @@ class GroupExecutor:
             portable = {c.request_id for c in job.pending if c.portable}
             if not run.request_ids or run.request_ids[0] not in portable:
                 raise SimulationError(f"run of {run.job_id} while a Run of it is paused")
+        # The leading job's own calls first (`_take` checks their order), then, co-sampled,
+        # other jobs' samples.
         ids = run.request_ids
-        pending = job.pending
-        n = len(ids)
-        riders: list[Rider] | None = None
-        if n <= len(pending) and [c.request_id for c in pending[:n]] == list(ids):
-            calls = pending[:n]
-            job.pending = pending[n:]
-        else:  # co-sampled, or a sample of saved weights first: the leading job's own
-            # calls first, then other jobs' samples
-            ahead = bool(pending) and pending[0].request_id != ids[0]
-            own = 0
-            for call in _in_kind(pending, ids) if ahead else pending:
-                if own == n or call.request_id != ids[own]:
-                    break
-                own += 1
-            calls = self._take(job, ids[:own])
-            if own < n:
-                riders = self._riders(group, job, ids[own:])
+        mine = {c.request_id for c in job.pending}
+        own = 0
+        while own < len(ids) and ids[own] in mine:
+            own += 1
+        calls = self._take(job, ids[:own])
+        riders = self._riders(group, job, ids[own:]) if own < len(ids) else None
         now = self.events.now
         swap = self._evict(group, job.job_id, run.evict) if run.evict else 0.0
         moved = bool(run.evict)
