@@ -535,9 +535,9 @@ def test_a_refused_job_is_remembered_until_a_group_changes():
     tried: list[str] = []
 
     class Counting(InterferenceFit):
-        def _fullest_within(self, snapshot, job, fig, empty_ok=True):
+        def _fullest_within(self, snapshot, job, fig, empty_ok=True, most=0):
             tried.append(job.job_id)
-            return super()._fullest_within(snapshot, job, fig, empty_ok)
+            return super()._fullest_within(snapshot, job, fig, empty_ok, most)
 
     fit = Counting(CFG.slowdown_budget)
     answers = {j.job_id: fit(s, j) for j in jobs if j.home is None}

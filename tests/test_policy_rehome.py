@@ -62,6 +62,16 @@ def test_a_newcomer_alone_on_a_group_joins_a_shared_one_within_budget():
     assert rehomes(plan(s, CFG)) == [Rehome("new", "g1", "g0")]
 
 
+def test_alone_it_joins_a_job_alone_not_a_pair():
+    # A pair's prediction is checked against forced pairs; a third job's is optimistic
+    # (its neighbours meet each other): a job alone joins a job alone, freeing a group.
+    pair = [job("a", "g0", duty=0.02, step_calls=STEPS), job("b", "g0", duty=0.02)]
+    lone = [job("c", "g2", duty=0.02, step_calls=STEPS), reviewed("new", "g1", 0.02)]
+    workers = [worker("g0"), worker("g1"), worker("g2")]
+    assert rehomes(plan(snap(workers, pair + lone, []), CFG)) == [Rehome("new", "g1", "g2")]
+    assert rehomes(plan(snap(workers, [*pair, lone[1]], []), CFG)) == [Rehome("new", "g1", "g1")]
+
+
 def test_alone_and_nowhere_within_budget_it_stays():
     s = snap(
         [worker("g0"), worker("g1"), worker("g2")],

@@ -788,6 +788,32 @@ def test_a_job_kept_for_want_of_a_group_is_reviewed_at_whole_decisions_only() ->
     assert not state.snapshot().jobs["j"].review and not state.jobs["j"].awaiting
 
 
+def test_a_job_left_alone_on_its_worker_is_reviewed_again() -> None:
+    for lone in (True, False):
+        clock = Clock()
+        state = ClusterState(clock=clock, review_histories=1.0, review_lone=lone)
+        state.on_heartbeat(beat("w0"))
+        for j in ("a", "b", "c"):
+            state.add_job(j, "t", JobSpec(base_model="m", state_bytes=10), home=None)
+            state.apply_admit(j, "w0", epoch=1)
+        clock.t += 10
+        for j in ("a", "b", "c"):
+            state.apply_review(j)  # reviewed once as newcomers
+        # One leaves: two still share w0, no review.
+        state.on_request(req("u1", "a", Function.UNLOAD), delivery(0))
+        state.apply_run("d1", "w0", "a", state.take_pending(("u1",)), ())
+        state.on_completion(done("u1", "a", fn=Function.UNLOAD))
+        assert not any(v.review for v in state.snapshot().jobs.values())
+        # The next leaves c alone there: its home is due for review at a whole decision.
+        state.on_request(req("u2", "b", Function.UNLOAD), delivery(1))
+        state.apply_run("d2", "w0", "b", state.take_pending(("u2",)), ())
+        state.take_touched(True)
+        state.on_completion(done("u2", "b", fn=Function.UNLOAD))
+        assert state.snapshot().jobs["c"].review is lone
+        assert state.everything_due is lone
+        assert not state.snapshot({"w0"}).jobs["c"].review
+
+
 def test_a_job_admitted_on_its_own_figures_is_not_reviewed() -> None:
     clock = Clock()
     state = ClusterState(clock=clock, review_histories=1.0)

@@ -1,5 +1,6 @@
 """Re-homing in the simulator: a newcomer's home reviewed once its own figures are known,
-carried out by the executor with the costs of a restore from the disk tier."""
+and a job's again once it is left alone on its group, carried out by the executor with
+the costs of a restore from the disk tier."""
 
 from __future__ import annotations
 
@@ -24,19 +25,30 @@ def runs(setup: Setup) -> dict[str, DeploymentResult]:
     return {
         "on": run_deployment(setup, "plexrl+tail"),
         "off": run_deployment(setup, "plexrl+tail", overrides={"rehome": False}),
+        "newcomers": run_deployment(setup, "plexrl+tail", overrides={"rehome_lone": False}),
     }
 
 
 def test_newcomers_move_once_to_a_group_of_their_size(runs: dict[str, DeploymentResult]):
+    newcomers = runs["newcomers"]
+    moved = [j for j in newcomers.jobs if j.rehomed_from]
+    assert moved and newcomers.counts["rehomed"] == len(moved)
     on = runs["on"]
     moved = [j for j in on.jobs if j.rehomed_from]
-    assert moved and on.counts["rehomed"] == len(moved)
+    assert moved and on.counts["rehomed"] >= len(moved)  # left alone, some move again
     for job in moved:
         assert job.group != job.rehomed_from
         assert job.group.split("-")[0] == job.rehomed_from.split("-")[0]  # its size class
         assert job.done
     assert runs["off"].counts["rehomed"] == 0
     assert not any(j.rehomed_from for j in runs["off"].jobs)
+
+
+def test_a_job_left_alone_is_reviewed_again(runs: dict[str, DeploymentResult]):
+    # Its last neighbour gone, it joins a shared group where all stay within budget.
+    on, newcomers = runs["on"].counts, runs["newcomers"].counts
+    assert 0 < on["rehomed_alone"] <= on["rehomed"]
+    assert newcomers["rehomed_alone"] == 0 and newcomers["rehomed"] > 0
 
 
 def test_a_moved_job_pays_its_restore(runs: dict[str, DeploymentResult]):
@@ -48,9 +60,9 @@ def test_a_moved_job_pays_its_restore(runs: dict[str, DeploymentResult]):
         assert off[job.job_id].rehomed_from == ""
 
 
-def test_the_known_duty_control_places_on_own_figures_and_reviews_nothing(setup: Setup):
-    control = replace(setup, known_duty=True)
-    assert run_deployment(control, "plexrl+tail").counts["rehomed"] == 0
+def test_the_known_duty_control_places_on_own_figures_and_reviews_no_newcomer(setup: Setup):
+    counts = run_deployment(replace(setup, known_duty=True), "plexrl+tail").counts
+    assert counts["rehomed"] == counts["rehomed_alone"]
 
 
 def test_same_figures_again(setup: Setup, runs: dict[str, DeploymentResult]):

@@ -280,6 +280,10 @@ class SchedulerSettings(CommonSettings):
     # figures is placed again, once, when it has its own, and moves between calls where
     # that pays (its new home restores it from its snapshot and logged calls).
     rehome: bool = True
+    # With re-homing, a job whose last neighbour left its worker is reviewed again
+    # (`PolicyConfig.rehome_lone`): packing, it joins a job alone on another worker
+    # where both stay within the budget, and its worker is freed.
+    rehome_lone: bool = True
     # A newcomer's home is reviewed once it has this many times the history (5 s) its
     # own figures need (`PolicyConfig.review_histories`): early figures are noisy.
     review_histories: float = Field(default=8.0, ge=1.0)

@@ -70,6 +70,8 @@ class Attention:
 
     groups: set[str] = field(default_factory=set)
     admission_due: bool = False
+    left_alone: list[str] = field(default_factory=list)
+    """Jobs whose last neighbour left their group since (`plexrl.policy.rehome`)."""
 
     def group(self, group_id: str | None) -> None:
         if group_id is not None:

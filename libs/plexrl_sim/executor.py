@@ -275,6 +275,8 @@ class GroupExecutor:
         job.tier = None
         if not group.homed:
             self.accounting.release(group.group_id, self.events.now)
+        elif len(group.homed) == 1:
+            self.attention.left_alone.extend(group.homed)
         self.attention.group(group.group_id)
 
     # Runs --------------------------------------------------------------------------------

@@ -108,6 +108,11 @@ class MultiplexedSim:
         """Group sizes where a roamer or an idle group came up since the last ask."""
         self._reviewing = config.name == "plexrl" and config.rehome
         self._review_after_s = config.review_histories * self.min_history_s
+        self._review_lone = self._reviewing and config.rehome_lone
+        self._alone: set[str] = set()
+        """Jobs due for review because their last neighbour left (`_left_alone`)."""
+        self.rehomed_alone = 0
+        """Of the moves, those of a job left alone on its group."""
         self._awaiting: set[str] = set()
         """Jobs kept where they are under review for want of a group to take them
         (`Rehome.waits`): reviewed again at each decision on every group that follows a
@@ -181,6 +186,7 @@ class MultiplexedSim:
                 "roamed": self.executor.roamed,
                 "held": self.held,
                 "rehomed": self.executor.rehomed,
+                "rehomed_alone": self.rehomed_alone,
             },
         )
 
@@ -195,6 +201,30 @@ class MultiplexedSim:
             self._reviews |= self._due_for_review(done.job) or any(
                 self._due_for_review(r.job) for r in done.riders or ()
             )
+
+    def _left_alone(self) -> None:
+        """Jobs whose last neighbour left are due for review (`PolicyConfig.rehome_lone`):
+        another group of their size holding one job may take them, and theirs be freed.
+        Where no other such group exists the review would keep them where they are, so
+        none is asked for (the whole decision it takes is the dearest the policy makes):
+        the next job left alone on such a group is reviewed, and may join them."""
+        for job_id in self.attention.left_alone:
+            job = self.jobs[job_id]
+            home = self.groups.get(job.home or "")
+            if home is None or job.tier is None or not self._review_lone:
+                continue
+            if self._another_alone(home):
+                job.provisional = True
+                self._alone.add(job_id)
+                self._reviews |= self._due_for_review(job)
+        self.attention.left_alone.clear()
+
+    def _another_alone(self, home: SimGroup) -> bool:
+        devices = home.spec.devices
+        for group in self.groups.values():
+            if group is not home and len(group.homed) == 1 and group.spec.devices == devices:
+                return True
+        return False
 
     def _due_for_review(self, job: SimJob) -> bool:
         return (
@@ -220,6 +250,8 @@ class MultiplexedSim:
 
     def _decide(self) -> None:
         attention = self.attention
+        if attention.left_alone:
+            self._left_alone()
         if attention.admission_due or self._reviews:
             attention.admission_due = False
             if self.waiting or self._reviews or self._awaiting:
@@ -406,10 +438,12 @@ class MultiplexedSim:
                 moving = self.jobs[action.job_id]
                 if action.moves:
                     executor.rehome(moving, action)
+                    self.rehomed_alone += action.job_id in self._alone
                 if action.waits:
                     awaiting.add(action.job_id)
                 else:
                     awaiting.discard(action.job_id)
+                    self._alone.discard(action.job_id)
                     moving.provisional = False
             elif isinstance(action, Reject):
                 rejected = self.waiting.pop(action.job_id, None)

@@ -95,7 +95,8 @@ class SimJob:
     (`plexrl sim --known-duty`, a control: `MultiplexedSim`); 0: its kind's until then,
     as the live scheduler does."""
     provisional: bool = False
-    """Homed on its kind's figures and not reviewed since (`plexrl.policy.rehome`)."""
+    """Its home is due for review (`plexrl.policy.rehome`): homed on its kind's figures,
+    or left alone on its group (`PolicyConfig.rehome_lone`), and not reviewed since."""
     restore_s: float = 0.0
     """Seconds its next Run first spends replaying its logged calls (it was re-homed:
     its new home restores it from its snapshot and the calls logged since)."""

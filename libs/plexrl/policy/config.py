@@ -114,6 +114,11 @@ class PolicyConfig:
     kind's figures is placed again, once, when it has figures of its own, and moves
     where that pays (its state is restored at the new home from the disk tier). False:
     a job keeps its first home for its whole run (unless its worker is lost)."""
+    rehome_lone: bool = True
+    """With `rehome`, a job left alone on its group (its last neighbour gone) has its
+    home reviewed again: packing, it joins a job alone on another group where both
+    stay within budget, and its own group is freed. False: only a newcomer's home is
+    reviewed."""
     review_histories: float = 8.0
     """A newcomer's home is reviewed once it has this many times the history the
     scheduler needs before it judges a job by its own figures (`min_history_s`): a

@@ -782,8 +782,16 @@ class InterferenceFit:
         return chosen
 
     def _fullest_within(
-        self, snapshot: ClusterSnapshot, job: JobView, fig: Figures, empty_ok: bool = True
+        self,
+        snapshot: ClusterSnapshot,
+        job: JobView,
+        fig: Figures,
+        empty_ok: bool = True,
+        most: int = 0,
     ) -> str | None:
+        """The fullest group of `job`'s size class where everyone stays within budget
+        with it, else (`empty_ok`) an empty one; with `most`, only groups holding at
+        most that many jobs."""
         self._every_group(snapshot)
         empty: WorkerView | None = None
         shared: list[tuple[float, float, int, WorkerView, _Group]] = []
@@ -794,6 +802,8 @@ class InterferenceFit:
                 continue
             if not group.members:
                 empty = empty or worker
+            elif most and len(group.members) > most:
+                continue
             elif group.load + fig.duty < 1.0:
                 foreign = group.foreign(tenant) if self.fair_share else 0.0
                 shared.append((foreign, -group.load, i, worker, group))
@@ -862,9 +872,10 @@ class InterferenceFit:
         return self._mean_adding(group, fig) * (len(group.members) + 1) - before
 
     def shared_within(self, snapshot: ClusterSnapshot, job: JobView) -> str | None:
-        """The fullest group holding other jobs where `job` keeps everyone within
-        budget (None: none); the job is added to it."""
-        return self._fullest_within(snapshot, job, self.figures(job), empty_ok=False)
+        """The fullest group holding one job where `job` keeps both within budget (None:
+        none); the job is added to it. A pair, not more: the prediction of a third job
+        on a group is optimistic (its neighbours meet each other)."""
+        return self._fullest_within(snapshot, job, self.figures(job), empty_ok=False, most=1)
 
 
 def interference_fit(config: PolicyConfig) -> InterferenceFit:

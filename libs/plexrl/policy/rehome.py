@@ -1,5 +1,7 @@
 """Re-homing (plexrl policy, `PolicyConfig.rehome`): a job placed on its kind's figures
-is placed again, once, when it has figures of its own.
+is placed again, once, when it has figures of its own; and a job whose last neighbour
+left its group is placed again then (`PolicyConfig.rehome_lone`), so that two groups
+each left with one job become one shared group and a free one.
 
 Admission homes a newcomer by its kind's mean duty cycle, guarded by its kind's busiest
 tenth (`JobView.duty_bound`): a mean says little of one job, so a newcomer is placed
@@ -9,13 +11,18 @@ the policy asks where it would home it now, everyone else staying where they are
 - sharing a group its own figures put over the budget (mean, or anyone above twice
   it): packing, the fullest group where everyone stays within, else an empty group;
   where neither exists it stays, under review, until one does;
-- alone on a group (the guard kept it off the shared ones): packing, the fullest
-  group holding other jobs where everyone stays within, so its own group is freed;
+- alone on a group (the guard kept it off the shared ones, or its last neighbour left:
+  `PolicyConfig.rehome_lone`): packing, a group holding one job where both stay
+  within (the fullest), so its own group is freed (for a waiting job, which the
+  newcomer guard may keep off the group this one joins, or released). Only a job
+  alone: the prediction is checked against forced pairs, and is optimistic for a
+  third job, whose neighbours meet each other;
 - in a fixed pool (`pack` False): the group where the jobs' summed predicted slowdown
   grows least with it, when that is less than where it is by `rehome_gain`.
 
 Every review is answered with a `Rehome` (to its own home where it stays) and the
-caller clears the job's `review`, so a job is moved at most once; but a job over the
+caller clears the job's `review`, so a job is moved once per review (a newcomer's, and
+each time it is left alone); but a job over the
 budget where it is, for which no group is within it nor empty, stays for now
 (`Rehome.waits`) and is reviewed again whenever homes change, until a group takes it
 or its own comes within the budget (a neighbour gone): otherwise a busy pair placed on

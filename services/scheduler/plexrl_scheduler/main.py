@@ -132,6 +132,7 @@ async def lead(
         worker_timeout_s=settings.worker_timeout_s,
         burst_gap_s=settings.hold_s,
         review_histories=settings.review_histories,
+        review_lone=settings.rehome and settings.rehome_lone,
     )
     await restore(state, stores.jobs)
     policy = PolicyConfig(
@@ -146,6 +147,7 @@ async def lead(
         fair_share=settings.fair_share,
         roam=settings.roam_samples,
         rehome=settings.rehome,
+        rehome_lone=settings.rehome_lone,
         review_histories=settings.review_histories,
     )
     direct = DirectPath(

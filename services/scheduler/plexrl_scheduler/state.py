@@ -115,8 +115,9 @@ class JobState:
     """Its stalls as they turned out, each from an idle hint to its next call: their
     spread is `JobView.stall_sigma`."""
     provisional: bool = False
-    """Homed on its kind's figures (it had no history of its own then) and not reviewed
-    since: a whole decision reviews its home once it has its own (`JobView.review`)."""
+    """Its home is due for review at a whole decision once it has a history of its own
+    (`JobView.review`): homed on its kind's figures (it had none then), or left alone
+    on its group (`PolicyConfig.rehome_lone`), and not reviewed since."""
     awaiting: bool = False
     """Reviewed and kept where it is for want of a group to take it (`Rehome.waits`):
     still under review, at whole decisions only, not at each of its calls."""
@@ -198,11 +199,15 @@ class ClusterState:
         swap: SwapCosts | None = None,
         burst_gap_s: float = 0.1,
         review_histories: float = 8.0,
+        review_lone: bool = True,
     ) -> None:
         """`review_histories`: a newcomer's home is reviewed once it has this many
-        times the history it is judged on alone (`PolicyConfig.review_histories`)."""
+        times the history it is judged on alone (`PolicyConfig.review_histories`).
+        `review_lone`: a job whose last neighbour left its group is reviewed again
+        (`PolicyConfig.rehome_lone`)."""
         self._clock = clock
         self._review_after_s = review_histories * _MIN_HISTORY_S
+        self._review_lone = review_lone
         self._burst_gap_s = burst_gap_s
         """A gap between a job's calls longer than this ends its burst (the policy's
         `hold_s`)."""
@@ -451,6 +456,7 @@ class ClusterState:
             del self.jobs[job.job_id]
             if self._served.get(job.tenant) is job:
                 self._serve_again(job.tenant)
+            self._left(job.home, now)
 
     def _serve_again(self, tenant: str) -> None:
         """The tenant's last served job is gone: find the next one."""
@@ -555,6 +561,19 @@ class ClusterState:
         job.tier = Tier.DISK if job.tier is not None else None
         self._touch(old)
         self._touch(worker_id)
+        if old != worker_id:
+            self._left(old, self._clock())
+
+    def _left(self, worker_id: str | None, now: float) -> None:
+        """A job left `worker_id`: a job left alone there is due for review again
+        (`PolicyConfig.rehome_lone`), at the next whole decision."""
+        if not self._review_lone or worker_id is None:
+            return
+        homed = self._homed_on(worker_id)
+        if len(homed) == 1 and not homed[0].awaiting:
+            homed[0].provisional = True
+            if self._due_for_review(homed[0], now):
+                self._touch(None)
 
     def apply_review(self, job_id: str, waits: bool = False) -> None:
         """The policy kept the job where it is (`plexrl.policy.Rehome` to its own home):
