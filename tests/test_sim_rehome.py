@@ -45,7 +45,7 @@ def test_newcomers_move_once_to_a_group_of_their_size(runs: dict[str, Deployment
 
 
 def test_a_job_left_alone_is_reviewed_again(runs: dict[str, DeploymentResult]):
-    # Its last neighbour gone, it joins a shared group where all stay within budget.
+    # Its last neighbour gone, it joins a job alone where both stay within budget.
     on, newcomers = runs["on"].counts, runs["newcomers"].counts
     assert 0 < on["rehomed_alone"] <= on["rehomed"]
     assert newcomers["rehomed_alone"] == 0 and newcomers["rehomed"] > 0

@@ -208,16 +208,16 @@ class MultiplexedSim:
         Where no other such group exists the review would keep them where they are, so
         none is asked for (the whole decision it takes is the dearest the policy makes):
         the next job left alone on such a group is reviewed, and may join them."""
-        for job_id in self.attention.left_alone:
-            job = self.jobs[job_id]
-            home = self.groups.get(job.home or "")
-            if home is None or job.tier is None or not self._review_lone:
-                continue
-            if self._another_alone(home):
-                job.provisional = True
-                self._alone.add(job_id)
-                self._reviews |= self._due_for_review(job)
-        self.attention.left_alone.clear()
+        left = self.attention.left_alone
+        if self._review_lone:
+            for job_id in left:
+                job = self.jobs[job_id]
+                home = self.groups.get(job.home or "")
+                if home is not None and job.tier is not None and self._another_alone(home):
+                    job.provisional = True
+                    self._alone.add(job_id)
+                    self._reviews |= self._due_for_review(job)
+        left.clear()
 
     def _another_alone(self, home: SimGroup) -> bool:
         devices = home.spec.devices

@@ -22,11 +22,11 @@ the policy asks where it would home it now, everyone else staying where they are
 
 Every review is answered with a `Rehome` (to its own home where it stays) and the
 caller clears the job's `review`, so a job is moved once per review (a newcomer's, and
-each time it is left alone); but a job over the
-budget where it is, for which no group is within it nor empty, stays for now
-(`Rehome.waits`) and is reviewed again whenever homes change, until a group takes it
-or its own comes within the budget (a neighbour gone): otherwise a busy pair placed on
-their kind's figures would share for the rest of their runs once the cluster is full.
+each time it is left alone); but a job over the budget where it is, for which no
+group is within it nor empty, stays for now (`Rehome.waits`) and is reviewed again
+whenever homes change, until a group takes it or its own comes within the budget (a
+neighbour gone): otherwise a busy pair placed on their kind's figures would share for
+the rest of their runs once the cluster is full.
 A move costs the job's state brought onto the new home from the disk tier, where its
 snapshot and logged calls are (the path a lost worker's jobs take): the new home
 restores it; the old one drops its copy. Only a job between calls moves: not while its
