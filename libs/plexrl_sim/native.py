@@ -52,6 +52,7 @@ COMPILED = (
     "plexrl/policy/pack.py",
     "plexrl/policy/plexrl_policy.py",
     "plexrl/policy/preempt.py",
+    "plexrl/policy/rehome.py",
     "plexrl/policy/roam.py",
     "plexrl/policy/share.py",
     "plexrl/policy/snapshot.py",

@@ -328,9 +328,13 @@ class _Meets:
         self.free *= other.free
 
     def plus(self, other: _Meets) -> _Meets:
-        total = replace(self)
-        total.add(other)
-        return total
+        return _Meets(
+            self.waits + other.waits,
+            self.costs + other.costs,
+            self.training + other.training,
+            self.training_costs + other.training_costs,
+            self.free * other.free,
+        )
 
 
 _NODES = 16
