@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "libs"))
 from plexrl.policy.plexrl_policy import predicted_slowdown  # noqa: E402
 from plexrl_sim.multiplexed import MultiplexedSim  # noqa: E402
 from plexrl_sim.run import TAIL_SUFFIX, policy_config, prepare  # noqa: E402
-from plexrl_sim.workload import TAIL_RELEASE  # noqa: E402
+from plexrl_sim.workload import TAIL_RELEASE, parse_colocation  # noqa: E402
 
 PROFILES = ROOT / "workloads" / "profiles" / "h200.yaml"
 
@@ -158,10 +158,7 @@ def main() -> None:
         help="costs of sharing instead of the defaults, e.g. switch_s=0,tail_contention=1",
     )
     args = ap.parse_args()
-    colocation: dict[str, Any] = {}
-    for item in filter(None, args.colocation.split(",")):
-        key, _, value = item.partition("=")
-        colocation[key] = value if key == "contention_while" else float(value)
+    colocation: dict[str, Any] = dict(parse_colocation(args.colocation))
     t0 = time.process_time()
     cells = []
     print("| profile | jobs | stall scale | measured (max) | predicted (max) |")

@@ -79,6 +79,22 @@ def test_the_known_duty_control_from_the_command_line_in_parallel_or_not(tmp_pat
         assert one[key] == many[key], key
 
 
+def test_the_costs_of_sharing_from_the_command_line(tmp_path):
+    def mean_slowdown(*extra: str) -> float:
+        out = str(tmp_path / ("-".join(extra) or "default"))
+        result = run_small("--policy", "fifo", "--out", out, "--no-charts", *extra)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout.strip().splitlines()[-1])["deployments"]["fifo"][
+            "mean_slowdown"
+        ]
+
+    dear = mean_slowdown("--colocation", "switch_s=30")
+    assert dear > mean_slowdown()
+    bad = run_small("--policy", "fifo", "--out", str(tmp_path), "--colocation", "switch=1")
+    assert bad.exit_code == 2
+    assert "use key=value with a key of" in bad.output
+
+
 @pytest.mark.parametrize("path", WORKLOADS, ids=lambda p: p.name)
 def test_shipped_workloads_load(path):
     workload = load_workload(path)

@@ -7,6 +7,7 @@ import pytest
 
 from plexrl_sim.multiplexed import MultiplexedSim
 from plexrl_sim.run import policy_config, prepare, run_deployment
+from plexrl_sim.workload import parse_colocation
 from tests.sim_fixtures import two_jobs_one_worker, write_workload
 
 
@@ -70,3 +71,41 @@ def test_a_bad_cost_says_what_to_change(tmp_path):
     doc["cluster"] = {"colocation": {"contention_while": "always"}}
     with pytest.raises(ValueError, match=r"cluster\.colocation: contention_while"):
         prepare(write_workload(tmp_path, doc))
+
+
+def test_costs_set_for_a_run_replace_the_workloads_for_executor_and_policy(tmp_path):
+    # The tail case above with its stragglers as cheap as can be beside B's Runs: A's
+    # tail decodes [2, 6] at full speed and holds only the 10% of the worker it uses,
+    # so B's 3 s of Runs take 3 / 0.9 s from 2.
+    path = write_workload(tmp_path, _tail_beside_runs("run"))
+    free = parse_colocation("tail_min_share=0, tail_contention=1")
+    setup = prepare(path, colocation=free)
+    costs = setup.workload.cluster.colocation
+    assert (costs.switch_s, costs.tail_min_share, costs.tail_contention) == (0.0, 0.0, 1.0)
+    result = run_deployment(setup, "fifo")
+    a, b = (next(j for j in result.jobs if j.job_id == x) for x in ("A", "B"))
+    assert (a.finish_s, b.finish_s) == pytest.approx((8.0, 2.0 + 3.0 / 0.9))
+    assert a.used_device_s == pytest.approx(3.0 + 0.1 * 4.0)
+    sim = MultiplexedSim(
+        setup.factory, setup.jobs, setup.groups, policy_config(setup, "plexrl", {}), setup.gpus
+    )
+    assert sim.config.sharing == sim.executor.costs == costs.costs()
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("switch=0", r"colocation 'switch=0': use key=value with a key of .*switch_s"),
+        ("switch_s", r"use key=value"),
+        ("tail_contention=fast", r"tail_contention takes a number"),
+    ],
+)
+def test_a_bad_cost_override_says_what_to_change(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_colocation(text)
+
+
+def test_a_cost_override_out_of_range_is_refused_as_the_workloads_is(tmp_path):
+    path = write_workload(tmp_path, two_jobs_one_worker())
+    with pytest.raises(ValueError, match=r"cluster\.colocation"):
+        prepare(path, colocation={"tail_min_share": 1.5})

@@ -165,6 +165,14 @@ def sim(
             "until the job has a history of its own (what the live scheduler knows).",
         ),
     ] = False,
+    colocation: Annotated[
+        str,
+        typer.Option(
+            help="Costs of sharing a group instead of the workload's (`cluster.colocation`), "
+            "e.g. switch_s=0,tail_min_share=0,tail_contention=1: a control, what the shared "
+            "deployments measure were sharing that cheap; charged and predicted alike.",
+        ),
+    ] = "",
     charts: Annotated[bool, typer.Option(help="Write the PNG charts.")] = True,
 ) -> None:
     """Simulate RLVR jobs on a cluster under the scheduler's own policy code."""
@@ -174,6 +182,7 @@ def sim(
 
     from plexrl_sim.report import write_report
     from plexrl_sim.run import DEPLOYMENTS, label, prepare, run_many
+    from plexrl_sim.workload import parse_colocation
 
     started = time.perf_counter()
     try:
@@ -188,6 +197,7 @@ def sim(
             fb_slices=fb_slices,
             declared_error=declared_error,
             known_duty=known_duty,
+            colocation=parse_colocation(colocation),
         )
     except (OSError, ValueError) as err:
         typer.echo(f"plexrl sim: {err}", err=True)

@@ -25,6 +25,7 @@ from plexrl_sim.workload import (
     at_staleness,
     build_groups,
     load_workload,
+    with_colocation,
     with_declared_error,
     with_fb_slices,
 )
@@ -152,13 +153,16 @@ def prepare(
     fb_slices: int | None = None,
     declared_error: float | None = None,
     known_duty: bool = False,
+    colocation: dict[str, float | str] | None = None,
 ) -> Setup:
     """One seed of a workload; `staleness` replaces every job's declared loop (and
     Split-Async's staleness from 1 on: `workload.at_staleness`), `fb_slices` every job's
     forward_backward slicing (`workload.with_fb_slices`), `declared_error` how far the
-    trace's jobs' declared steps are off (`workload.with_declared_error`); `known_duty`,
-    `Setup.known_duty`."""
+    trace's jobs' declared steps are off (`workload.with_declared_error`), `colocation`
+    the costs of sharing (`workload.with_colocation`); `known_duty`, `Setup.known_duty`."""
     workload = load_workload(workload_path)
+    if colocation:
+        workload = with_colocation(workload, colocation)
     if declared_error is not None:
         workload = with_declared_error(workload, declared_error)
     if staleness is not None:

@@ -445,6 +445,36 @@ def at_staleness(workload: Workload, staleness: int) -> Workload:
     return msgspec.structs.replace(workload, profiles=profiles)
 
 
+def parse_colocation(text: str) -> dict[str, float | str]:
+    """`CoLocation` fields from `key=value,key=value` (`switch_s=0,tail_contention=1`):
+    numbers but for `contention_while`. Raises ValueError naming what is wrong."""
+    fields = set(CoLocation.__struct_fields__)
+    out: dict[str, float | str] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in fields:
+            raise ValueError(
+                f"colocation {item!r}: use key=value with a key of {', '.join(sorted(fields))}"
+            )
+        try:
+            out[key] = value.strip() if key == "contention_while" else float(value)
+        except ValueError:
+            raise ValueError(f"colocation {item!r}: {key} takes a number") from None
+    return out
+
+
+def with_colocation(workload: Workload, overrides: dict[str, float | str]) -> Workload:
+    """The workload with the costs of sharing in `overrides` instead of its own (a
+    control: what the shared deployments measure were sharing that cheap)."""
+    colocation = msgspec.convert(
+        {**msgspec.to_builtins(workload.cluster.colocation), **overrides}, CoLocation
+    )
+    colocation.validate()
+    cluster = msgspec.structs.replace(workload.cluster, colocation=colocation)
+    return msgspec.structs.replace(workload, cluster=cluster)
+
+
 def with_declared_error(workload: Workload, sigma: float) -> Workload:
     """The workload with its trace's jobs declaring their steps off by a lognormal
     factor of `sigma` (`TraceSpec.declared_error`)."""
