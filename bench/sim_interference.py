@@ -158,7 +158,10 @@ def main() -> None:
         help="costs of sharing instead of the defaults, e.g. switch_s=0,tail_contention=1",
     )
     args = ap.parse_args()
-    colocation: dict[str, Any] = dict(parse_colocation(args.colocation))
+    try:
+        colocation: dict[str, Any] = dict(parse_colocation(args.colocation))
+    except ValueError as err:
+        ap.error(str(err))
     t0 = time.process_time()
     cells = []
     print("| profile | jobs | stall scale | measured (max) | predicted (max) |")
