@@ -15,6 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from plexrl.kafka_replication import TopicReplication
 from plexrl.kafka_security import KafkaSecurity, Mechanism, Protocol
+from plexrl.policy.costs import MAX_TAIL_SHARE, SharingCosts
 from plexrl.quotas import DEFAULT_QUOTAS, RecordQuotas
 
 
@@ -287,6 +288,17 @@ class SchedulerSettings(CommonSettings):
     # A newcomer's home is reviewed once it has this many times the history (5 s) its
     # own figures need (`PolicyConfig.review_histories`): early figures are noisy.
     review_histories: float = Field(default=8.0, ge=1.0)
+    # What sharing a worker costs beyond moving states, which the plexrl policy predicts
+    # placement and admission with (`plexrl.policy.costs.SharingCosts`): the seconds a
+    # worker spends when a dispatch's job is not its previous one's (engine switch), the
+    # least share of the worker a released rollout's stragglers hold beside another job's
+    # calls, and how many times slower they decode then. Set them from measurements of
+    # the pool's workers (`bench/tail_cost.py`); the defaults are assumptions for a GPU.
+    sharing_switch_s: float = Field(default=SharingCosts().switch_s, ge=0.0)
+    sharing_tail_min_share: float = Field(
+        default=SharingCosts().tail_min_share, ge=0.0, lt=MAX_TAIL_SHARE
+    )
+    sharing_tail_contention: float = Field(default=SharingCosts().tail_contention, ge=1.0)
     # A worker whose last heartbeat is older than this is treated as down (its jobs
     # are re-homed and restored elsewhere). Heartbeats come every second; a false alarm
     # costs a restore, never a wrong result (the old home is fenced off).
@@ -308,6 +320,14 @@ class SchedulerSettings(CommonSettings):
     # holds unrenewed (gateways stop sending direct at most this long after the scheduler
     # stops renewing). 0 sends every call through the scheduler.
     direct_lease_s: float = Field(default=3.0, ge=0.0)
+
+    def sharing(self) -> SharingCosts:
+        """The costs of sharing the plexrl policy predicts with (`PolicyConfig.sharing`)."""
+        return SharingCosts(
+            switch_s=self.sharing_switch_s,
+            tail_min_share=self.sharing_tail_min_share,
+            tail_contention=self.sharing_tail_contention,
+        )
 
 
 class WorkerSettings(CommonSettings):

@@ -112,6 +112,26 @@ async def serve(settings: SchedulerSettings, stop: asyncio.Event) -> None:
         log.info("scheduler stopped")
 
 
+def policy_config(settings: SchedulerSettings) -> PolicyConfig:
+    """The scheduling policy's settings, as this scheduler's settings give them."""
+    return PolicyConfig(
+        name=settings.policy,
+        max_calls_per_run=settings.max_calls_per_run,
+        pack=settings.pack_groups,
+        longest_first=settings.admit_longest_first,
+        bound_newcomers=settings.bound_newcomers,
+        budget_over_cluster=settings.budget_over_cluster,
+        hold_s=settings.hold_s,
+        preempt_ratio=settings.preempt_ratio,
+        fair_share=settings.fair_share,
+        roam=settings.roam_samples,
+        rehome=settings.rehome,
+        rehome_lone=settings.rehome_lone,
+        review_histories=settings.review_histories,
+        sharing=settings.sharing(),
+    )
+
+
 async def lead(
     settings: SchedulerSettings,
     topics: Topics,
@@ -135,21 +155,7 @@ async def lead(
         review_lone=settings.rehome and settings.rehome_lone,
     )
     await restore(state, stores.jobs)
-    policy = PolicyConfig(
-        name=settings.policy,
-        max_calls_per_run=settings.max_calls_per_run,
-        pack=settings.pack_groups,
-        longest_first=settings.admit_longest_first,
-        bound_newcomers=settings.bound_newcomers,
-        budget_over_cluster=settings.budget_over_cluster,
-        hold_s=settings.hold_s,
-        preempt_ratio=settings.preempt_ratio,
-        fair_share=settings.fair_share,
-        roam=settings.roam_samples,
-        rehome=settings.rehome,
-        rehome_lone=settings.rehome_lone,
-        review_histories=settings.review_histories,
-    )
+    policy = policy_config(settings)
     direct = DirectPath(
         state,
         DirectLeases(stores.keys.redis, settings.cluster_id, fence),
