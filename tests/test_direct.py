@@ -391,6 +391,62 @@ async def test_no_lease_for_an_asynchronous_job_on_a_worker_that_slices_training
     assert s.state.held == {}
 
 
+async def test_a_job_due_for_review_has_its_lease_taken_back_and_gets_none(
+    ledger: Ledger, leases: DirectLeases
+) -> None:
+    """The policy reviews a newcomer's home (or a job's left alone) only while it sees
+    the job between calls, and a held worker shows the job running: a job alone on its
+    worker that keeps calling would never be reviewed. Its lease is taken back once its
+    review is due, and none is granted until the review is done."""
+    clock = Clock()
+    state = ClusterState(clock=clock, worker_timeout_s=10.0, review_histories=1.0)
+    state.on_heartbeat(beat(WORKER))
+    path = DirectPath(state, leases, DirectConfig(ttl_s=30.0), clock=clock)
+    s = Scheduler(state, path, clock)
+    await resident_after_a_dispatch(s, ledger)
+    await path.step()
+    assert state.held == {WORKER: JOB} and not state.due_for_review(JOB)
+    clock.t += 6.0  # 5 s of history: its home is due for review
+    assert state.due_for_review(JOB)
+    await path.step()
+    assert state.held == {} and path.status()["live"] == 0
+    assert state.snapshot().jobs[JOB].review  # the next whole decision reviews it
+    # Its next dispatch ends: still under review, no lease.
+    await dispatched(state, ledger, 1)
+    await path.step()
+    assert state.held == {}
+    # Reviewed (kept where it is): its next dispatch's end grants a lease again.
+    state.apply_review(JOB)
+    await dispatched(state, ledger, 2)
+    await path.step()
+    assert state.held == {WORKER: JOB}
+
+
+async def dispatched(state: ClusterState, ledger: Ledger, n: int) -> None:
+    """The job's call `n` came the normal way, ran on its home and applied."""
+    rid, dispatch_id = f"req-{n}", f"d{n}"
+    state.on_request(request(n, Function.FORWARD_BACKWARD), delivery(n))
+    (seq,) = await ledger.assign(JOB, [rid])
+    state.apply_run(dispatch_id, WORKER, JOB, state.take_pending((rid,)), ())
+    epoch = state.jobs[JOB].epoch
+    await ledger.commit(JOB, epoch, seq, completion(rid, dispatch_id), None)
+    state.on_completion(replace(completion(rid, dispatch_id), last_in_dispatch=True))
+
+
+async def test_without_re_homing_a_newcomer_keeps_its_lease(
+    ledger: Ledger, leases: DirectLeases
+) -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock, worker_timeout_s=10.0, review_histories=1.0, review=False)
+    state.on_heartbeat(beat(WORKER))
+    path = DirectPath(state, leases, DirectConfig(ttl_s=30.0), clock=clock)
+    await resident_after_a_dispatch(Scheduler(state, path, clock), ledger)
+    await path.step()
+    clock.t += 6.0
+    await path.step()
+    assert state.held == {WORKER: JOB} and not state.due_for_review(JOB)
+
+
 async def test_a_call_queued_for_a_held_worker_revokes_and_it_stays_held_until_answered(
     gateway: Gateway, leased: Scheduler
 ) -> None:

@@ -9,6 +9,7 @@ from typing import Any, cast
 import msgspec
 import pytest
 from aiokafka import TopicPartition
+from pydantic import ValidationError
 
 from plexrl.kafka import Delivery
 from plexrl.messages import (
@@ -28,8 +29,9 @@ from plexrl.messages import (
 )
 from plexrl.policy import Move, PolicyConfig, Run, plan
 from plexrl.policy.history import CallHistory, describe, priors
+from plexrl.settings import SchedulerSettings
 from plexrl_scheduler.offsets import OffsetTracker
-from plexrl_scheduler.state import ClusterState
+from plexrl_scheduler.state import DORMANT_S, ClusterState
 
 
 class Clock:
@@ -412,6 +414,29 @@ def test_a_job_silent_for_a_minute_weighs_nothing_and_lends_no_figures() -> None
     state.on_request(req("r9", "old"), delivery(9))  # its next call wakes it
     assert state.dormant(clock.t) == set()
     assert state.snapshot().jobs["old"].duty_cycle > 0.0
+
+
+def test_how_long_a_silent_job_takes_to_turn_dormant_is_a_setting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert SchedulerSettings().dormant_s == DORMANT_S  # the state's own default
+    monkeypatch.setenv("PLEXRL_DORMANT_S", "300")
+    clock = Clock()
+    state = ClusterState(clock=clock, worker_timeout_s=1e9, dormant_s=SchedulerSettings().dormant_s)
+    state.on_heartbeat(beat("w0"))
+    state.add_job("slow", "t", JobSpec(base_model="m"), home=None)
+    state.apply_admit("slow", "w0")
+    state.on_request(req("r0", "slow"), delivery(0))
+    state.apply_run("d0", "w0", "slow", state.take_pending(("r0",)), ())
+    clock.t += 4
+    state.on_completion(done("r0", "slow", compute_s=4.0))
+    clock.t += 120  # a two-minute stall with no idle hint: not stopped at 300 s
+    assert state.dormant(clock.t) == set()
+    clock.t += 181
+    assert state.dormant(clock.t) == {"slow"}
+    monkeypatch.setenv("PLEXRL_DORMANT_S", "0")
+    with pytest.raises(ValidationError, match="dormant_s"):
+        SchedulerSettings()
 
 
 def test_a_jobs_last_gap_is_from_the_end_of_its_calls_to_its_next_with_none_queued() -> None:

@@ -288,6 +288,11 @@ class SchedulerSettings(CommonSettings):
     # A newcomer's home is reviewed once it has this many times the history (5 s) its
     # own figures need (`PolicyConfig.review_histories`): early figures are noisy.
     review_histories: float = Field(default=8.0, ge=1.0)
+    # A job that has made no call for this long, has none waiting or running and no idle
+    # hint in force is taken to have stopped (a finished run, a closed client): it keeps
+    # its worker and its state but adds no load where jobs are placed, until its next
+    # call. Keep it above the longest stall a job makes without an idle hint.
+    dormant_s: float = Field(default=60.0, gt=0.0)
     # What sharing a worker costs beyond moving states, which the plexrl policy predicts
     # placement and admission with (`plexrl.policy.costs.SharingCosts`): the seconds a
     # worker spends when a dispatch's job is not its previous one's (engine switch), the

@@ -215,6 +215,8 @@ class Actuator:
             return False
         if not action.moves:
             state.apply_review(job_id, waits=action.waits)
+            if not action.waits:  # (a job kept under review is reviewed again, unlogged)
+                log.info("reviewed %s: it stays on %s", job_id, old)
             return True
         if not state.between_calls(job_id):
             return False
@@ -232,7 +234,7 @@ class Actuator:
         )
         await self._publisher.publish(self._topics.dispatch(old), job_id, drop)
         metrics.REHOMES.labels(old).inc()
-        log.info("re-homed %s from %s to %s (its own figures)", job_id, old, action.to_worker)
+        log.info("re-homed %s from %s to %s (reviewed)", job_id, old, action.to_worker)
         return True
 
     async def _announce_home(self, job_id: str, worker_id: str) -> None:

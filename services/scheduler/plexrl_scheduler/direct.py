@@ -7,7 +7,10 @@ dispatch has just ended on its home with nothing else queued for that worker and
 other job's dispatch running there (the job is resident and active); renews it while the
 job keeps calling; revokes it when a call of any job is queued for the worker (one of
 the job's own that came the normal way too), when the actuator is about to act on the
-worker (a swap, a preemption), when the worker dies or the job leaves its home. From the
+worker (a swap, a preemption), when the worker dies or the job leaves its home, and
+when the job's home is due for review (`ClusterState.due_for_review`: the policy
+reviews a home only while its job is between calls, which a held worker hides; a job
+alone on its worker that keeps calling would otherwise never be reviewed). From the
 grant until every call handed out under the lease is answered, the worker is held
 (`ClusterState.held`): the policy sees the job running there and nothing else is sent to
 it (nor follows a dispatch of the job still in flight there), so no dispatch of the
@@ -158,8 +161,9 @@ class DirectPath:
     # The control loop's step ----------------------------------------------------
 
     async def step(self) -> None:
-        """Revoke where a call waits for a held worker or the job left it; renew; requeue
-        what a revoked lease lost; grant where a job's dispatch just ended."""
+        """Revoke where a call waits for a held worker, the job left it or its home is due
+        for review; renew; requeue what a revoked lease lost; grant where a job's
+        dispatch just ended."""
         for worker_id in self._state.take_wanted():
             lease = self._by_worker.get(worker_id)
             if lease is not None and lease.live:
@@ -168,6 +172,8 @@ class DirectPath:
         for lease in list(self._by_worker.values()):
             if lease.live and self._gone(lease):
                 await self._revoke(lease, "gone")
+            elif lease.live and self._state.due_for_review(lease.job_id):
+                await self._revoke(lease, "review")
             if self._by_worker.get(lease.worker_id) is not lease or lease.live:
                 continue
             if self._dead(lease) or self._lost_on_the_way(lease):
@@ -225,6 +231,7 @@ class DirectPath:
             or not any(p.request.function in LEASED for p in run.calls)  # sampling, say
             or any(t.worker_id == worker_id for t in self._state.tails.values())
             or self._state.wanted(worker_id)
+            or self._state.due_for_review(job.job_id)  # (revoked for it at once)
             # Its training must stay preemptible between micro-batches: a direct call
             # is not the scheduler's to preempt.
             or self._state.sliceable(job.job_id, worker_id)

@@ -153,6 +153,8 @@ async def lead(
         burst_gap_s=settings.hold_s,
         review_histories=settings.review_histories,
         review_lone=settings.rehome and settings.rehome_lone,
+        dormant_s=settings.dormant_s,
+        review=settings.rehome,
     )
     await restore(state, stores.jobs)
     policy = policy_config(settings)

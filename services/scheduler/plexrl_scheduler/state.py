@@ -55,8 +55,9 @@ _MIN_HISTORY_S = 5.0
 # A job that has made no call for this long, has none waiting or running and no idle
 # hint in force is taken to have stopped (a finished run, a closed client): it keeps its
 # home and its state, but adds no load to its group when jobs are placed (its duty cycle
-# reads 0) and lends no figures to newcomers. Its next call wakes it.
-_DORMANT_S = 60.0
+# reads 0) and lends no figures to newcomers. Its next call wakes it. The scheduler's
+# `dormant_s` setting (`PLEXRL_DORMANT_S`) replaces it.
+DORMANT_S = 60.0
 
 Kind = tuple[str, str, bool]
 
@@ -200,14 +201,20 @@ class ClusterState:
         burst_gap_s: float = 0.1,
         review_histories: float = 8.0,
         review_lone: bool = True,
+        dormant_s: float = DORMANT_S,
+        review: bool = True,
     ) -> None:
         """`review_histories`: a newcomer's home is reviewed once it has this many
         times the history it is judged on alone (`PolicyConfig.review_histories`).
         `review_lone`: a job whose last neighbour left its group is reviewed again
-        (`PolicyConfig.rehome_lone`)."""
+        (`PolicyConfig.rehome_lone`). `dormant_s`: a job silent this long is taken to
+        have stopped (`DORMANT_S`). `review`: the policy reviews homes at all
+        (`PolicyConfig.rehome`)."""
         self._clock = clock
         self._review_after_s = review_histories * _MIN_HISTORY_S
         self._review_lone = review_lone
+        self._dormant_s = dormant_s
+        self._review = review
         self._burst_gap_s = burst_gap_s
         """A gap between a job's calls longer than this ends its burst (the policy's
         `hold_s`)."""
@@ -585,6 +592,13 @@ class ClusterState:
     def _due_for_review(self, job: JobState, now: float) -> bool:
         return job.provisional and job.history.has_history(now, self._review_after_s)
 
+    def due_for_review(self, job_id: str) -> bool:
+        """The job's home is due for review, which only a whole decision that sees the
+        job between calls makes: a direct lease on its worker, which shows the worker
+        busy with the job, is taken back for it (`plexrl_scheduler.direct`)."""
+        job = self.jobs.get(job_id)
+        return self._review and job is not None and self._due_for_review(job, self._clock())
+
     def between_calls(self, job_id: str) -> bool:
         """No call of the job is in flight on its home (dispatched, co-sampled in
         another job's dispatch, or decoding as a released tail). A sample of it roaming
@@ -815,7 +829,7 @@ class ClusterState:
         return jobs
 
     def dormant(self, now: float, jobs: dict[str, JobState] | None = None) -> set[str]:
-        """Jobs (of `jobs`, or all) taken to have stopped (`_DORMANT_S`)."""
+        """Jobs (of `jobs`, or all) taken to have stopped (`DORMANT_S`)."""
         active = self._open
         return {
             jid
@@ -823,7 +837,7 @@ class ClusterState:
             if jid not in active
             and job.home is not None
             and job.idle_until <= now
-            and now - max(job.last_active, job.history.first_seen or 0.0) > _DORMANT_S
+            and now - max(job.last_active, job.history.first_seen or 0.0) > self._dormant_s
         }
 
     @staticmethod
