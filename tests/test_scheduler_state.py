@@ -30,6 +30,7 @@ from plexrl.messages import (
 from plexrl.policy import Move, PolicyConfig, Run, plan
 from plexrl.policy.history import CallHistory, describe, priors
 from plexrl.settings import SchedulerSettings
+from plexrl_scheduler.main import cluster_state, policy_config
 from plexrl_scheduler.offsets import OffsetTracker
 from plexrl_scheduler.state import DORMANT_S, ClusterState
 
@@ -904,3 +905,26 @@ async def test_a_move_fences_the_old_home_before_telling_it_to_drop_its_copy() -
     assert isinstance(drop, Dispatch) and drop.drop == ["j"] and drop.calls == []
     assert (state.jobs["j"].home, state.jobs["j"].epoch) == ("w1", 7)
     assert state.jobs["j"].tier in (Tier.DISK, None)
+
+
+@pytest.mark.parametrize(
+    ("env", "reviews"),
+    [({}, True), ({"PLEXRL_POLICY": "fifo"}, False), ({"PLEXRL_REHOME": "false"}, False)],
+)
+def test_homes_come_due_for_review_only_where_the_policy_reviews_them(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], reviews: bool
+) -> None:
+    # (A job due for review gets no direct lease: under a policy that never reviews,
+    # none would ever be granted again.)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    settings = SchedulerSettings(review_histories=1.0)
+    clock = Clock()
+    state = cluster_state(settings, policy_config(settings), clock=clock)
+    state.on_heartbeat(beat("w0"))
+    state.add_job("a", "t", JobSpec(base_model="m"), home=None)
+    state.apply_admit("a", "w0")
+    state.on_request(req("r0", "a"), delivery(0))
+    clock.t += 6.0
+    state.on_completion(done("r0", "a"))
+    assert state.due_for_review("a") is reviews

@@ -132,6 +132,23 @@ def policy_config(settings: SchedulerSettings) -> PolicyConfig:
     )
 
 
+def cluster_state(
+    settings: SchedulerSettings, policy: PolicyConfig, clock: Callable[[], float] = time.time
+) -> ClusterState:
+    """A term's view of the cluster; it marks homes due for review only where the policy
+    reviews them (the plexrl policy with re-homing on)."""
+    reviews = policy.name == "plexrl" and policy.rehome
+    return ClusterState(
+        clock=clock,
+        worker_timeout_s=settings.worker_timeout_s,
+        burst_gap_s=settings.hold_s,
+        review_histories=settings.review_histories,
+        review_lone=reviews and policy.rehome_lone,
+        dormant_s=settings.dormant_s,
+        review=reviews,
+    )
+
+
 async def lead(
     settings: SchedulerSettings,
     topics: Topics,
@@ -148,16 +165,9 @@ async def lead(
     # the term's state (whose clock decides when a silent worker is dead) starts after.
     inbox = Inbox(settings, topics, publisher, stores)
     await inbox.start()
-    state = ClusterState(
-        worker_timeout_s=settings.worker_timeout_s,
-        burst_gap_s=settings.hold_s,
-        review_histories=settings.review_histories,
-        review_lone=settings.rehome and settings.rehome_lone,
-        dormant_s=settings.dormant_s,
-        review=settings.rehome,
-    )
-    await restore(state, stores.jobs)
     policy = policy_config(settings)
+    state = cluster_state(settings, policy)
+    await restore(state, stores.jobs)
     direct = DirectPath(
         state,
         DirectLeases(stores.keys.redis, settings.cluster_id, fence),
