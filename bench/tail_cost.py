@@ -11,7 +11,9 @@ On one engine (the tiny model, CPU), in one run, side by side:
 It prints the tail's slowdown beside the other job (the simulator's `tail_contention`)
 and the share of the device the tail took while they shared (`tail share`: the other
 job's extra seconds over the shared span; the simulator's floor is `tail_min_share`).
-Ends with one JSON line.
+And the engine switch (`switch_s`, the scheduler's `PLEXRL_SHARING_SWITCH_S`): the
+same `forward_backward` calls of two jobs, each job's in a run, then taking turns
+call by call; the extra seconds per change of job. Ends with one JSON line.
 
     .venv/bin/python bench/tail_cost.py
     .venv/bin/python bench/tail_cost.py --other sample --repeats 3
@@ -86,9 +88,25 @@ async def _other(engine: TorchEngine, thread: EngineThread, kind: str, calls: in
     return time.perf_counter() - t0
 
 
+async def _switch_s(engine: TorchEngine, thread: EngineThread, calls: int) -> float:
+    """Seconds one change of job adds to a call: `calls` calls of each of two jobs run
+    job by job (one change), then in turns (one change per call)."""
+
+    async def run(order: list[str]) -> float:
+        t0 = time.perf_counter()
+        for i, job in enumerate(order):
+            await thread.call(engine.forward_backward, job, _fb(i))
+        return time.perf_counter() - t0
+
+    grouped = await run(["tail"] * calls + ["other"] * calls)
+    turns = await run(["tail", "other"] * calls)
+    return (turns - grouped) / (2 * calls - 2)
+
+
 async def _round(
     engine: TorchEngine, thread: EngineThread, args: argparse.Namespace
 ) -> dict[str, float]:
+    switch_s = await _switch_s(engine, thread, args.calls)
     tail_alone = await _tail(engine, thread, args.tail_tokens)
     other_alone = await _other(engine, thread, args.other, args.calls)
     t0 = time.perf_counter()
@@ -106,6 +124,7 @@ async def _round(
         "tail_contention": tail_shared / tail_alone,
         # While both ran, the other job lost this fraction of the device to the tail.
         "tail_share": max(0.0, other_shared - other_alone) / overlap if overlap > 0 else 0.0,
+        "switch_s": switch_s,
     }
 
 
@@ -142,7 +161,8 @@ def main() -> None:
         f"{summary['tail_shared_s']:.2f} s: contention {summary['tail_contention']:.2f}x; "
         f"{args.other} alone {summary['other_alone_s']:.2f} s, beside the tail "
         f"{summary['other_shared_s']:.2f} s: the tail took {summary['tail_share']:.0%} "
-        f"of the device while they shared (medians of {args.repeats})"
+        f"of the device while they shared; a change of job cost "
+        f"{summary['switch_s'] * 1000:.1f} ms (medians of {args.repeats})"
     )
     print(
         json.dumps(

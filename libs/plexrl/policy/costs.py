@@ -16,7 +16,7 @@ Three costs, each a figure to set from a measurement of the worker:
   Alone on an idle group it decodes at full speed.
 
 `bench/tail_cost.py` measures the last two on the live CPU engine (a straggler beside
-another job's calls took 25-28% of the device and decoded 1.39-1.47x slower); the
+another job's calls took 16-29% of the device and decoded 1.39-1.56x slower); the
 defaults are assumptions for a GPU, not GPU measurements. The simulator takes them from
 its workload (`cluster.colocation`), the live scheduler from its settings
 (`PLEXRL_SHARING_SWITCH_S`, `PLEXRL_SHARING_TAIL_MIN_SHARE`,
