@@ -231,11 +231,16 @@ async def lead(
         inflight_out.update(inflight(state))
 
     refresh()
+    costs = policy.sharing
     log.info(
-        "scheduler leads (token %d): policy=%s cluster=%s",
+        "scheduler leads (token %d): policy=%s cluster=%s; costs of sharing predicted: "
+        "switch %.3g s, stragglers hold >= %.0f%% and decode %.3gx slower",
         held.token,
         policy.name,
         settings.cluster_id,
+        costs.switch_s,
+        100 * costs.tail_min_share,
+        costs.tail_contention,
     )
     try:
         # ingest: the consumers, in their tasks; a pass when they changed something
