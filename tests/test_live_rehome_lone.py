@@ -171,7 +171,7 @@ def test_a_job_left_alone_joins_a_job_alone_and_learns_as_alone(cluster: LocalCl
     assert all(any(k in line for line in log) for k in kept.values()), kept
     # Both stop until they are dormant (and a margin for their last calls' completions
     # to reach the scheduler). B then finds two equal groups, each within the budget.
-    time.sleep(DORMANT_S + 2.0)
+    time.sleep(DORMANT_S + 4.0)
     before = len(losses["a"])  # A's steps before B came and left
 
     clients["b"] = create(service, seeds["b"])
