@@ -159,7 +159,8 @@ def test_a_job_left_alone_joins_a_job_alone_and_learns_as_alone(cluster: LocalCl
     # it is (together they would be over the budget): the move below is then the
     # review of a job left alone, not a newcomer's first.
     kept = {
-        n: f"reviewed {ids[n]}: it stays on {home}" for n, home in (("a", FIRST), ("c", SECOND))
+        n: f"reviewed {ids[n]} (newcomer): it stays on {home}"
+        for n, home in (("a", FIRST), ("c", SECOND))
     }
     deadline = time.monotonic() + 60.0
     while time.monotonic() < deadline and len(losses["a"]) < 200:
@@ -189,7 +190,8 @@ def test_a_job_left_alone_joins_a_job_alone_and_learns_as_alone(cluster: LocalCl
         if rehomed(cluster):
             after += 1
     moves = rehomed(cluster)
-    assert len(moves) == 1 and f"re-homed {ids['a']} from {FIRST} to {SECOND}" in moves[0], moves
+    moved = f"re-homed {ids['a']} from {FIRST} to {SECOND} (reviewed: left alone)"
+    assert len(moves) == 1 and moved in moves[0], moves
     # A trained on the first worker, then, once B had left, on the second; B and C
     # never moved.
     path = ran_on(cluster, ids["a"])

@@ -823,6 +823,7 @@ def test_a_job_left_alone_on_its_worker_is_reviewed_again() -> None:
             state.add_job(j, "t", JobSpec(base_model="m", state_bytes=10), home=None)
             state.apply_admit(j, "w0", epoch=1)
         clock.t += 10
+        assert state.jobs["c"].review_reason == "newcomer"
         for j in ("a", "b", "c"):
             state.apply_review(j)  # reviewed once as newcomers
         # One leaves: two still share w0, no review.
@@ -838,6 +839,9 @@ def test_a_job_left_alone_on_its_worker_is_reviewed_again() -> None:
         assert state.snapshot().jobs["c"].review is lone
         assert state.everything_due is lone
         assert not state.snapshot({"w0"}).jobs["c"].review
+        assert state.jobs["c"].review_reason == ("left alone" if lone else "newcomer")
+        state.apply_review("c")  # kept: the next review would be a newcomer's again
+        assert state.jobs["c"].review_reason == "newcomer"
 
 
 def test_a_job_admitted_on_its_own_figures_is_not_reviewed() -> None:

@@ -213,10 +213,11 @@ class Actuator:
         job = state.jobs.get(job_id)
         if job is None or job.home != old:
             return False
+        why = job.review_reason
         if not action.moves:
             state.apply_review(job_id, waits=action.waits)
             if not action.waits:  # (a job kept under review is reviewed again, unlogged)
-                log.info("reviewed %s: it stays on %s", job_id, old)
+                log.info("reviewed %s (%s): it stays on %s", job_id, why, old)
             return True
         if not state.between_calls(job_id):
             return False
@@ -233,8 +234,8 @@ class Actuator:
             issued_at=time.time(),
         )
         await self._publisher.publish(self._topics.dispatch(old), job_id, drop)
-        metrics.REHOMES.labels(old).inc()
-        log.info("re-homed %s from %s to %s (reviewed)", job_id, old, action.to_worker)
+        metrics.REHOMES.labels(old, why).inc()
+        log.info("re-homed %s from %s to %s (reviewed: %s)", job_id, old, action.to_worker, why)
         return True
 
     async def _announce_home(self, job_id: str, worker_id: str) -> None:

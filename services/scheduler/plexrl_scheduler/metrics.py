@@ -46,9 +46,10 @@ ROAMED_CALLS = Counter(
 )
 REHOMES = Counter(
     "plexrl_scheduler_rehomes_total",
-    "Jobs moved to another worker once their own figures were known (plexrl policy, "
-    "PLEXRL_REHOME), by the worker they left",
-    ["worker"],
+    "Jobs moved to another worker on a review of their home (plexrl policy, "
+    "PLEXRL_REHOME), by the worker they left and why they were reviewed: newcomer "
+    "(their own figures now known) or left alone (their last neighbour gone)",
+    ["worker", "why"],
 )
 HOLDING_PASSES = Counter(
     "plexrl_scheduler_holding_passes_total",

@@ -122,8 +122,16 @@ class JobState:
     awaiting: bool = False
     """Reviewed and kept where it is for want of a group to take it (`Rehome.waits`):
     still under review, at whole decisions only, not at each of its calls."""
+    left_alone: bool = False
+    """Its review is due because its last neighbour left its group, not as a
+    newcomer's (`review_reason`)."""
     described: _Described | None = field(default=None, repr=False, compare=False)
     """Its figures for the policy as last described (`ClusterState._view`)."""
+
+    @property
+    def review_reason(self) -> str:
+        """Why its home is under review: `newcomer` or `left alone`."""
+        return "left alone" if self.left_alone else "newcomer"
 
     @property
     def loop_staleness(self) -> int:
@@ -564,7 +572,7 @@ class ClusterState:
         job = self.jobs[job_id]
         old = job.home
         self.apply_admit(job_id, worker_id, epoch)
-        job.provisional = job.awaiting = False
+        job.provisional = job.awaiting = job.left_alone = False
         job.tier = Tier.DISK if job.tier is not None else None
         self._touch(old)
         self._touch(worker_id)
@@ -578,6 +586,8 @@ class ClusterState:
             return
         homed = self._homed_on(worker_id)
         if len(homed) == 1 and not homed[0].awaiting:
+            if not homed[0].provisional:  # (a newcomer not reviewed yet stays one)
+                homed[0].left_alone = True
             homed[0].provisional = True
             if self._due_for_review(homed[0], now):
                 self._touch(None)
@@ -588,6 +598,7 @@ class ClusterState:
         job = self.jobs.get(job_id)
         if job is not None:
             job.provisional = job.awaiting = waits
+            job.left_alone = job.left_alone and waits
 
     def _due_for_review(self, job: JobState, now: float) -> bool:
         return job.provisional and job.history.has_history(now, self._review_after_s)
