@@ -19,23 +19,15 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import tinker
-from tinker import types
 
 from plexrl_tools.cluster import ClusterConfig, LocalCluster
+from tests.rehome_fixtures import alone, ran_on, rehomed, step
 
 pytestmark = pytest.mark.integration
 
 KEY = "tml-rehome"
-DATUM = types.Datum(
-    model_input=types.ModelInput.from_ints([5, 6, 7, 8, 9]),
-    loss_fn_inputs={
-        "target_tokens": types.TensorData(data=[6, 7, 8, 9, 10], dtype="int64"),
-        "weights": types.TensorData(data=[1.0] * 5, dtype="float32"),
-    },
-)
 
 
 @pytest.fixture(scope="module")
@@ -56,38 +48,6 @@ def cluster(
     os.environ["HF_HUB_OFFLINE"] = "1"
     with LocalCluster(config) as running:
         yield running
-
-
-def step(client: tinker.TrainingClient) -> float:
-    fb = client.forward_backward([DATUM], "cross_entropy")
-    optim = client.optim_step(types.AdamParams(learning_rate=1e-2))
-    loss = float(fb.result().metrics["loss:sum"])
-    optim.result()
-    return loss
-
-
-def ran_on(cluster: LocalCluster, job_id: str) -> list[str]:
-    """The workers the job's training ran on, in order (the timeline)."""
-    entries = httpx.get(
-        f"{cluster.config.gateway_url}/plexrl/v1/timeline",
-        headers={"X-API-Key": KEY},
-        params={"limit": 10000},
-    ).json()
-    mine = [e for e in entries if e["job_id"] == job_id and e["function"] == "forward_backward"]
-    return [e["worker_id"] for e in sorted(mine, key=lambda e: e["started_at"])]
-
-
-def rehomed(cluster: LocalCluster) -> list[str]:
-    log = cluster.logs()["scheduler"].read_text(errors="replace").splitlines()
-    return [line for line in log if "re-homed " in line]
-
-
-def alone(cluster: LocalCluster, seed: int, steps: int) -> list[float]:
-    service = tinker.ServiceClient(base_url=cluster.config.gateway_url, api_key=KEY)
-    client = service.create_lora_training_client(
-        base_model="plexrl/tiny-qwen3", rank=4, seed=seed
-    ).result()
-    return [step(client) for _ in range(steps)]
 
 
 def test_a_newcomer_moves_once_its_figures_are_known_and_learns_as_alone(
@@ -124,7 +84,7 @@ def test_a_newcomer_moves_once_its_figures_are_known_and_learns_as_alone(
         t.join(timeout=180.0)
     assert rehomed(cluster), "no job was re-homed"
     # One of the busy jobs trained on one worker, then on the other.
-    paths = {n: ran_on(cluster, str(clients[n].model_id)) for n in losses}
+    paths = {n: ran_on(cluster, KEY, str(clients[n].model_id)) for n in losses}
     changed = [n for n, path in paths.items() if len(set(path)) == 2]
     assert len(changed) == 1, paths
     path = paths[changed[0]]
@@ -141,4 +101,4 @@ def test_a_newcomer_moves_once_its_figures_are_known_and_learns_as_alone(
     cluster.kill("scheduler", graceful=True)
     cluster.restart("scheduler", env={"PLEXRL_REHOME": "false"})
     for name in losses:
-        assert alone(cluster, seeds[name], len(losses[name])) == losses[name], name
+        assert alone(cluster, KEY, seeds[name], len(losses[name])) == losses[name], name

@@ -29,20 +29,13 @@ from pathlib import Path
 import httpx
 import pytest
 import tinker
-from tinker import types
 
 from plexrl_tools.cluster import ClusterConfig, LocalCluster
+from tests.rehome_fixtures import alone, create, ran_on, rehomed, scheduler_log, step
 
 pytestmark = pytest.mark.integration
 
 KEY = "tml-rehome-lone"
-DATUM = types.Datum(
-    model_input=types.ModelInput.from_ints([5, 6, 7, 8, 9]),
-    loss_fn_inputs={
-        "target_tokens": types.TensorData(data=[6, 7, 8, 9, 10], dtype="int64"),
-        "weights": types.TensorData(data=[1.0] * 5, dtype="float32"),
-    },
-)
 STEPS = 3
 """Steps each job trains in each of its turns."""
 FIRST, SECOND = "worker-0", "worker-1"
@@ -77,20 +70,6 @@ def cluster(
         yield running
 
 
-def create(service: tinker.ServiceClient, seed: int) -> tinker.TrainingClient:
-    return service.create_lora_training_client(
-        base_model="plexrl/tiny-qwen3", rank=4, seed=seed
-    ).result()
-
-
-def step(client: tinker.TrainingClient) -> float:
-    fb = client.forward_backward([DATUM], "cross_entropy")
-    optim = client.optim_step(types.AdamParams(learning_rate=1e-2))
-    loss = float(fb.result().metrics["loss:sum"])
-    optim.result()
-    return loss
-
-
 def unload(cluster: LocalCluster, model_id: str) -> None:
     """Unload the model through the API and wait until the scheduler has seen it go."""
     with httpx.Client(
@@ -108,36 +87,11 @@ def unload(cluster: LocalCluster, model_id: str) -> None:
         assert done.status_code == 200 and done.json()["type"] == "unload_model", done.text
 
 
-def ran_on(cluster: LocalCluster, job_id: str) -> list[str]:
-    """The workers the job's training ran on, in order (the timeline)."""
-    entries = httpx.get(
-        f"{cluster.config.gateway_url}/plexrl/v1/timeline",
-        headers={"X-API-Key": KEY},
-        params={"limit": 10000},
-    ).json()
-    mine = [e for e in entries if e["job_id"] == job_id and e["function"] == "forward_backward"]
-    return [e["worker_id"] for e in sorted(mine, key=lambda e: e["started_at"])]
-
-
-def scheduler_log(cluster: LocalCluster) -> list[str]:
-    return cluster.logs()["scheduler"].read_text(errors="replace").splitlines()
-
-
 def homes(cluster: LocalCluster) -> dict[str, str]:
     """Where the scheduler admitted each job (its log's "admitted <job> on <worker>")."""
     lines = [line.split("admitted ", 1) for line in scheduler_log(cluster)]
     admitted = [words[1].split() for words in lines if len(words) == 2]
     return {words[0]: words[2] for words in admitted if len(words) == 3 and words[1] == "on"}
-
-
-def rehomed(cluster: LocalCluster) -> list[str]:
-    return [line for line in scheduler_log(cluster) if "re-homed " in line]
-
-
-def alone(cluster: LocalCluster, seed: int, steps: int) -> list[float]:
-    service = tinker.ServiceClient(base_url=cluster.config.gateway_url, api_key=KEY)
-    client = create(service, seed)
-    return [step(client) for _ in range(steps)]
 
 
 def test_a_job_left_alone_joins_a_job_alone_and_learns_as_alone(cluster: LocalCluster) -> None:
@@ -194,12 +148,12 @@ def test_a_job_left_alone_joins_a_job_alone_and_learns_as_alone(cluster: LocalCl
     assert len(moves) == 1 and moved in moves[0], moves
     # A trained on the first worker, then, once B had left, on the second; B and C
     # never moved.
-    path = ran_on(cluster, ids["a"])
+    path = ran_on(cluster, KEY, ids["a"])
     assert SECOND in path, path
     switch = path.index(SECOND)
     assert switch >= before and path == [FIRST] * switch + [SECOND] * (len(path) - switch), path
-    assert ran_on(cluster, ids["b"]) == [FIRST] * STEPS
-    assert ran_on(cluster, ids["c"]) == [SECOND] * len(losses["c"])
+    assert ran_on(cluster, KEY, ids["b"]) == [FIRST] * STEPS
+    assert ran_on(cluster, KEY, ids["c"]) == [SECOND] * len(losses["c"])
     # The old home dropped its copy; the new one restored the job.
     logs = {n: p.read_text(errors="replace") for n, p in cluster.logs().items()}
     assert f"dropped the copy of {ids['a']}" in logs[FIRST]
@@ -211,4 +165,4 @@ def test_a_job_left_alone_joins_a_job_alone_and_learns_as_alone(cluster: LocalCl
     cluster.kill("scheduler", graceful=True)
     cluster.restart("scheduler", env={"PLEXRL_PACK_GROUPS": "false", "PLEXRL_REHOME": "false"})
     for name, seed in seeds.items():
-        assert alone(cluster, seed, len(losses[name])) == losses[name], name
+        assert alone(cluster, KEY, seed, len(losses[name])) == losses[name], name

@@ -1,0 +1,59 @@
+"""What the live re-homing tests share: a LoRA job's training step through the SDK, where
+a job's training ran (the timeline), the scheduler's re-homes (its log), and a job's run
+alone with the same seed."""
+
+from __future__ import annotations
+
+import httpx
+import tinker
+from tinker import types
+
+from plexrl_tools.cluster import LocalCluster
+
+DATUM = types.Datum(
+    model_input=types.ModelInput.from_ints([5, 6, 7, 8, 9]),
+    loss_fn_inputs={
+        "target_tokens": types.TensorData(data=[6, 7, 8, 9, 10], dtype="int64"),
+        "weights": types.TensorData(data=[1.0] * 5, dtype="float32"),
+    },
+)
+
+
+def create(service: tinker.ServiceClient, seed: int) -> tinker.TrainingClient:
+    return service.create_lora_training_client(
+        base_model="plexrl/tiny-qwen3", rank=4, seed=seed
+    ).result()
+
+
+def step(client: tinker.TrainingClient) -> float:
+    fb = client.forward_backward([DATUM], "cross_entropy")
+    optim = client.optim_step(types.AdamParams(learning_rate=1e-2))
+    loss = float(fb.result().metrics["loss:sum"])
+    optim.result()
+    return loss
+
+
+def ran_on(cluster: LocalCluster, key: str, job_id: str) -> list[str]:
+    """The workers the job's training ran on, in order (the timeline)."""
+    entries = httpx.get(
+        f"{cluster.config.gateway_url}/plexrl/v1/timeline",
+        headers={"X-API-Key": key},
+        params={"limit": 10000},
+    ).json()
+    mine = [e for e in entries if e["job_id"] == job_id and e["function"] == "forward_backward"]
+    return [e["worker_id"] for e in sorted(mine, key=lambda e: e["started_at"])]
+
+
+def scheduler_log(cluster: LocalCluster) -> list[str]:
+    return cluster.logs()["scheduler"].read_text(errors="replace").splitlines()
+
+
+def rehomed(cluster: LocalCluster) -> list[str]:
+    return [line for line in scheduler_log(cluster) if "re-homed " in line]
+
+
+def alone(cluster: LocalCluster, key: str, seed: int, steps: int) -> list[float]:
+    """The job of `seed` run alone for `steps` steps: its losses."""
+    service = tinker.ServiceClient(base_url=cluster.config.gateway_url, api_key=key)
+    client = create(service, seed)
+    return [step(client) for _ in range(steps)]
