@@ -229,6 +229,10 @@ class GatewaySettings(CommonSettings):
         )
 
 
+_GPU_COSTS = SharingCosts()
+"""The costs of sharing the policy assumes for a GPU: the scheduler's defaults."""
+
+
 class SchedulerSettings(CommonSettings):
     # Health and status port.
     scheduler_host: str = "127.0.0.1"
@@ -299,11 +303,11 @@ class SchedulerSettings(CommonSettings):
     # least share of the worker a released rollout's stragglers hold beside another job's
     # calls, and how many times slower they decode then. Set them from measurements of
     # the pool's workers (`bench/tail_cost.py`); the defaults are assumptions for a GPU.
-    sharing_switch_s: float = Field(default=SharingCosts().switch_s, ge=0.0)
+    sharing_switch_s: float = Field(default=_GPU_COSTS.switch_s, ge=0.0)
     sharing_tail_min_share: float = Field(
-        default=SharingCosts().tail_min_share, ge=0.0, lt=MAX_TAIL_SHARE
+        default=_GPU_COSTS.tail_min_share, ge=0.0, lt=MAX_TAIL_SHARE
     )
-    sharing_tail_contention: float = Field(default=SharingCosts().tail_contention, ge=1.0)
+    sharing_tail_contention: float = Field(default=_GPU_COSTS.tail_contention, ge=1.0)
     # A worker whose last heartbeat is older than this is treated as down (its jobs
     # are re-homed and restored elsewhere). Heartbeats come every second; a false alarm
     # costs a restore, never a wrong result (the old home is fenced off).

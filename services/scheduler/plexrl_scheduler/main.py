@@ -143,7 +143,7 @@ def cluster_state(
         worker_timeout_s=settings.worker_timeout_s,
         burst_gap_s=settings.hold_s,
         review_histories=settings.review_histories,
-        review_lone=reviews and policy.rehome_lone,
+        review_lone=policy.rehome_lone,
         dormant_s=settings.dormant_s,
         review=reviews,
     )

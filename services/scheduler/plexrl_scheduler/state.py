@@ -217,10 +217,10 @@ class ClusterState:
         `review_lone`: a job whose last neighbour left its group is reviewed again
         (`PolicyConfig.rehome_lone`). `dormant_s`: a job silent this long is taken to
         have stopped (`DORMANT_S`). `review`: the policy reviews homes at all
-        (`PolicyConfig.rehome`)."""
+        (`PolicyConfig.rehome`); without it, no job is reviewed, alone or not."""
         self._clock = clock
         self._review_after_s = review_histories * _MIN_HISTORY_S
-        self._review_lone = review_lone
+        self._review_lone = review and review_lone
         self._dormant_s = dormant_s
         self._review = review
         self._burst_gap_s = burst_gap_s
