@@ -57,7 +57,8 @@ def _call(rid: str, samples: int, max_tokens: int, seed: int) -> PhaseRequest:
     )
 
 
-def _runner(engine: TorchEngine, thread: EngineThread) -> CallRunner:
+def engine_runner(engine: TorchEngine, thread: EngineThread) -> CallRunner:
+    """A runner on the engine alone: no stores, every state on the device."""
     none = cast(Any, None)
     return CallRunner(
         executor=LocalExecutor(engine, thread, none),
@@ -89,7 +90,7 @@ def test_the_tail_is_released_once_and_early_calls_answer_first(engine: TorchEng
     async def main() -> list[Ran]:
         thread = EngineThread()
         try:
-            return await _runner(engine, thread).run_samples(
+            return await engine_runner(engine, thread).run_samples(
                 calls, tail_threshold=0.25, on_tail=on_tail, on_done=on_done
             )
         finally:
@@ -117,7 +118,7 @@ def test_without_a_threshold_nothing_is_released(engine: TorchEngine) -> None:
         thread = EngineThread()
         try:
             calls = [_call("a", 3, 2, 1), _call("b", 1, 8, 2)]
-            return await _runner(engine, thread).run_samples(
+            return await engine_runner(engine, thread).run_samples(
                 calls, tail_threshold=0.0, on_tail=on_tail
             )
         finally:
@@ -149,7 +150,7 @@ def test_a_preempted_batch_lets_go_at_once_pauses_at_its_gate_and_samples_the_sa
         release = asyncio.Event()
         try:
             task = asyncio.create_task(
-                _runner(engine, thread).run_samples(
+                engine_runner(engine, thread).run_samples(
                     [call], tail_threshold=0.0, on_tail=on_tail, release=release, gate=gate
                 )
             )

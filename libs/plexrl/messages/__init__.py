@@ -52,6 +52,7 @@ from plexrl.messages.events import (
     ReleaseReason,
     ResidencyChanged,
     ResidentState,
+    SharingMeasured,
     TailReleased,
     WorkerHeartbeat,
 )
@@ -168,6 +169,7 @@ __all__ = [
     "SaveInput",
     "SaveKind",
     "SaveOutput",
+    "SharingMeasured",
     "StateComponent",
     "StateMove",
     "StopReason",

@@ -36,6 +36,24 @@ class RankMemory(msgspec.Struct, frozen=True):
     """Bytes of job state (this rank's shards) in host memory now."""
 
 
+class SharingMeasured(msgspec.Struct, frozen=True):
+    """What sharing a worker costs, as it measured on its own calls
+    (`plexrl_worker.sharing`): each of the costs the plexrl policy predicts with
+    (`plexrl.policy.costs.SharingCosts`) and the samples it rests on (0: not measured)."""
+
+    switch_s: float = 0.0
+    """Seconds a compute call spends when the engine's previous call was of another job,
+    its state on the device already."""
+    switches: int = 0
+    tail_share: float = 0.0
+    """The share of the device a released tail took from a compute call beside it."""
+    shared_calls: int = 0
+    tail_contention: float = 1.0
+    """How many times longer a released tail's decode step took beside a compute call."""
+    tail_steps: int = 0
+    """Steps it rests on (the fewer of those beside a call and those not)."""
+
+
 class WorkerHeartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
     worker_id: str
     device: str
@@ -58,6 +76,8 @@ class WorkerHeartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
     slices_training: bool = False
     """Whether it runs a numbered `forward_backward` a micro-batch at a time, so that
     the scheduler may preempt it between two (`PreemptBatch`)."""
+    sharing: SharingMeasured | None = None
+    """What sharing it costs, measured (None from a worker that does not measure)."""
     schema_version: int = SCHEMA_VERSION
 
 

@@ -136,6 +136,7 @@ async def build(settings: WorkerSettings, link: ClusterLink) -> Worker:
     heartbeat = Heartbeat(
         settings=settings,
         slices_training=slices,
+        meter=runner.meter,
         base_models=registry.names(),
         rank_devices=rank_devices(settings),
         states=states,

@@ -1,5 +1,5 @@
 """Announces this worker group (its ranks and their memory, base models, resident
-states) every few seconds."""
+states, what sharing it costs as measured) every few seconds."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from plexrl.messages import RankMemory, Tier, WorkerHeartbeat, encode
 from plexrl.settings import WorkerSettings
 from plexrl.stores import WorkerStore
 from plexrl_worker.residency import StateManager
+from plexrl_worker.sharing import SharingMeter
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +30,10 @@ class Heartbeat:
         publisher: Publisher,
         events_topic: str,
         slices_training: bool = False,
+        meter: SharingMeter | None = None,
     ) -> None:
         self._settings = settings
+        self._meter = meter
         self._slices_training = slices_training
         self._base_models = base_models
         self._rank_devices = rank_devices
@@ -60,6 +63,7 @@ class Heartbeat:
             devices=ranks,
             sampler=settings.sampler,
             slices_training=self._slices_training,
+            sharing=self._meter.measured() if self._meter is not None else None,
             ranks=[
                 RankMemory(r, device, settings.worker_device_bytes, on_device[r], on_host[r])
                 for r, device in enumerate(self._rank_devices)

@@ -11,6 +11,7 @@ waiting on a service that is away is bounded by `retry_s`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import logging
@@ -69,6 +70,7 @@ from plexrl_worker.engine.state import WEIGHTS, JobTensors, state_stream
 from plexrl_worker.executor import Between, Executor, SampleHandle, StateSource
 from plexrl_worker.residency import StateManager
 from plexrl_worker.samplers import SGLangSampling
+from plexrl_worker.sharing import COMPUTE, SharingMeter, work_of
 from plexrl_worker.tail import TailHook, TailWatch
 
 log = logging.getLogger(__name__)
@@ -135,8 +137,11 @@ class CallRunner:
         sglang: SGLangSampling | None = None,
         ephemeral_keep: int = 8,
         retry_s: float = 60.0,
+        meter: SharingMeter | None = None,
     ) -> None:
         self._executor = executor
+        self.meter = meter or SharingMeter()
+        """What sharing the engine costs, measured from the calls run here."""
         # How long a call waits in place for Redis or the state-store to come back
         # before it fails (transient): the worker is held meanwhile.
         self._retry_s = retry_s
@@ -192,7 +197,8 @@ class CallRunner:
                 )
             t0 = time.perf_counter()
             if slicing is None:
-                output = await self._dispatch(request, payload, fence)
+                with self._metered(request, payload, swap_s, lambda: 0.0):
+                    output = await self._dispatch(request, payload, fence)
                 return Ran(output, None, swap_s, time.perf_counter() - t0, started_at)
             boundaries = 0
 
@@ -201,7 +207,8 @@ class CallRunner:
                 boundaries += 1
                 await slicing.between()
 
-            output = await self._dispatch(request, payload, fence, between)
+            with self._metered(request, payload, swap_s, lambda: slicing.paused_s() - paused0):
+                output = await self._dispatch(request, payload, fence, between)
             sliced = request.function == Function.FORWARD_BACKWARD
             return Ran(
                 output,
@@ -225,6 +232,28 @@ class CallRunner:
             transient=transient,
             fenced=fenced,
         )
+
+    @contextlib.contextmanager
+    def _metered(
+        self,
+        request: PhaseRequest,
+        payload: PhaseInput,
+        swap_s: float,
+        paused_s: Callable[[], float],
+    ) -> Iterator[None]:
+        """A compute call's seconds (less `paused_s`, held between slices), told to the
+        meter once it ran; other calls are not metered."""
+        if request.function not in COMPUTE:
+            yield
+            return
+        mark = self.meter.call_began(request.job_id)
+        t0, compute_s = time.perf_counter(), 0.0
+        try:
+            yield
+            compute_s = time.perf_counter() - t0 - paused_s()
+        finally:  # a call that failed counts as no sample (0 s)
+            work = work_of(payload)
+            self.meter.call_ended(mark, request.job_id, request.function, work, swap_s, compute_s)
 
     async def _dispatch(
         self,
@@ -307,41 +336,74 @@ class CallRunner:
         # group add up to the group's seconds.
         share = {i: 0.0 for i, _, _ in joined}
         total_rows = sum(call.inp.num_samples for _, call, _ in joined)
-        tail = TailWatch(tail_threshold, total_rows, on_tail, release)
-        waiting = list(joined)
-        while waiting:
-            if gate is not None:
-                await gate()
-            rows = {i: call.remaining for i, call, _ in waiting}
-            t0 = time.perf_counter()
-            try:
-                await self._executor.sample_step()
-            except Exception as exc:  # every call in the batch fails with it
-                for i, _call, swap_s in waiting:
-                    done[i] = Ran(None, _error(requests[i], exc), swap_s, share[i], started_at)
-                break
-            step_s = time.perf_counter() - t0
-            total = sum(rows.values()) or 1
-            still = []
-            for i, call, swap_s in waiting:
-                share[i] += step_s * rows[i] / total
-                released_at = tail.released_at
-                if not call.done:
-                    still.append((i, call, swap_s))
-                elif call.abandoned is not None:
-                    error = ErrorInfo(ErrorCode.NOT_FOUND, call.abandoned)
-                    done[i] = Ran(None, error, swap_s, share[i], started_at, released_at)
-                else:
-                    out = call.output()
-                    done[i] = Ran(out, None, swap_s, share[i], started_at, released_at)
-            if on_done is not None:
-                ended = [(i, done[i]) for i, _call, _swap in waiting if i in done]
-                if ended:
-                    await on_done(ended)
-            waiting = still
-            remaining = sum(call.remaining for _, call, _ in waiting)
-            await tail.check([i for i, _, _ in waiting], remaining)
+        with self._tail_metered(requests, on_tail) as (on_tail, step_ran):
+            tail = TailWatch(tail_threshold, total_rows, on_tail, release)
+            waiting = list(joined)
+            while waiting:
+                if gate is not None:
+                    await gate()
+                rows = {i: call.remaining for i, call, _ in waiting}
+                beside = self.meter.running > 0
+                t0 = time.perf_counter()
+                try:
+                    await self._executor.sample_step()
+                except Exception as exc:  # every call in the batch fails with it
+                    for i, _call, swap_s in waiting:
+                        done[i] = Ran(None, _error(requests[i], exc), swap_s, share[i], started_at)
+                    break
+                step_s = time.perf_counter() - t0
+                step_ran(step_s, beside)
+                total = sum(rows.values()) or 1
+                still = []
+                for i, call, swap_s in waiting:
+                    share[i] += step_s * rows[i] / total
+                    released_at = tail.released_at
+                    if not call.done:
+                        still.append((i, call, swap_s))
+                    elif call.abandoned is not None:
+                        error = ErrorInfo(ErrorCode.NOT_FOUND, call.abandoned)
+                        done[i] = Ran(None, error, swap_s, share[i], started_at, released_at)
+                    else:
+                        out = call.output()
+                        done[i] = Ran(out, None, swap_s, share[i], started_at, released_at)
+                if on_done is not None:
+                    ended = [(i, done[i]) for i, _call, _swap in waiting if i in done]
+                    if ended:
+                        await on_done(ended)
+                waiting = still
+                remaining = sum(call.remaining for _, call, _ in waiting)
+                await tail.check([i for i, _, _ in waiting], remaining)
         return [done[i] for i in range(len(requests))]
+
+    @contextlib.contextmanager
+    def _tail_metered(
+        self, requests: Sequence[PhaseRequest], on_tail: TailHook | None
+    ) -> Iterator[tuple[TailHook | None, Callable[[float, bool], None]]]:
+        """A sample batch on the meter: its jobs become the engine's last; once released
+        (`on_tail`, wrapped) it counts as a tail, and each of its decode steps after (its
+        seconds, whether a compute call was in flight when it began) as a tail step where
+        a call was in flight throughout or none was."""
+        meter = self.meter
+        meter.batch_ran(frozenset(r.job_id for r in requests))
+        released = False
+
+        async def counted(running: list[int], remaining: int, total: int) -> None:
+            nonlocal released
+            if not released:
+                released = True
+                meter.tails += 1
+            if on_tail is not None:
+                await on_tail(running, remaining, total)
+
+        def step_ran(seconds: float, beside: bool) -> None:
+            if released and beside == (meter.running > 0):
+                meter.tail_step(seconds, beside)
+
+        try:
+            yield (counted if on_tail is not None else None), step_ran
+        finally:
+            if released:
+                meter.tails -= 1
 
     async def _run_sglang(
         self,
@@ -370,38 +432,40 @@ class CallRunner:
             task = asyncio.create_task(asyncio.to_thread(sglang.sample, weights_id, payload))
             running[task] = (i, payload.num_samples, swap_s, time.perf_counter() - paused())
         total_rows = sum(rows for _, rows, _, _ in running.values())
-        tail = TailWatch(tail_threshold, total_rows, on_tail, release)
-        asked = asyncio.ensure_future(release.wait()) if release is not None else None
-        while running:
-            watch: set[asyncio.Future[Any]] = set(running)
-            if asked is not None and tail.released_at is None:
-                watch.add(asked)
-            finished, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
-            ended: list[tuple[int, Ran]] = []
-            for task in [t for t in running if t in finished]:
-                i, rows, swap_s, t0 = running.pop(task)
-                wall = time.perf_counter() - paused() - t0  # not the pause's seconds
-                compute_s = wall * rows / max(1, total_rows)
-                failure = task.exception()
-                released_at = tail.released_at
-                done[i] = (
-                    Ran(
-                        None,
-                        _error(requests[i], failure),
-                        swap_s,
-                        compute_s,
-                        started_at,
-                        released_at,
-                        transient=is_transient(failure),
+        # Its steps are not seen here: it is a tail to the calls beside it (their share).
+        with self._tail_metered(requests, on_tail) as (on_tail, _):
+            tail = TailWatch(tail_threshold, total_rows, on_tail, release)
+            asked = asyncio.ensure_future(release.wait()) if release is not None else None
+            while running:
+                watch: set[asyncio.Future[Any]] = set(running)
+                if asked is not None and tail.released_at is None:
+                    watch.add(asked)
+                finished, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+                ended: list[tuple[int, Ran]] = []
+                for task in [t for t in running if t in finished]:
+                    i, rows, swap_s, t0 = running.pop(task)
+                    wall = time.perf_counter() - paused() - t0  # not the pause's seconds
+                    compute_s = wall * rows / max(1, total_rows)
+                    failure = task.exception()
+                    released_at = tail.released_at
+                    done[i] = (
+                        Ran(
+                            None,
+                            _error(requests[i], failure),
+                            swap_s,
+                            compute_s,
+                            started_at,
+                            released_at,
+                            transient=is_transient(failure),
+                        )
+                        if isinstance(failure, Exception)
+                        else Ran(task.result(), None, swap_s, compute_s, started_at, released_at)
                     )
-                    if isinstance(failure, Exception)
-                    else Ran(task.result(), None, swap_s, compute_s, started_at, released_at)
-                )
-                ended.append((i, done[i]))
-            if on_done is not None and ended:
-                await on_done(ended)
-            remaining = sum(rows for _, rows, _, _ in running.values())
-            await tail.check([i for i, _, _, _ in running.values()], remaining)
+                    ended.append((i, done[i]))
+                if on_done is not None and ended:
+                    await on_done(ended)
+                remaining = sum(rows for _, rows, _, _ in running.values())
+                await tail.check([i for i, _, _, _ in running.values()], remaining)
         if asked is not None:
             asked.cancel()
         return [done[i] for i in range(len(requests))]
