@@ -63,6 +63,8 @@ def cluster(
             "PLEXRL_PACK_GROUPS": "true",
             "PLEXRL_REVIEW_HISTORIES": "1",
             "PLEXRL_DORMANT_S": str(DORMANT_S),
+            # The premise above: the switch as set, not as the worker measures it.
+            "PLEXRL_SHARING_LEARN_SAMPLES": "0",
         },
     )
     os.environ["HF_HUB_OFFLINE"] = "1"

@@ -308,6 +308,10 @@ class SchedulerSettings(CommonSettings):
         default=_GPU_COSTS.tail_min_share, ge=0.0, lt=MAX_TAIL_SHARE
     )
     sharing_tail_contention: float = Field(default=_GPU_COSTS.tail_contention, ge=1.0)
+    # The workers measure these costs on their own calls and say so in their heartbeats:
+    # once the pool's workers together measured a cost this many times, the policy
+    # predicts with their mean instead of the setting above. 0: the settings' costs only.
+    sharing_learn_samples: int = Field(default=20, ge=0)
     # A worker whose last heartbeat is older than this is treated as down (its jobs
     # are re-homed and restored elsewhere). Heartbeats come every second; a false alarm
     # costs a restore, never a wrong result (the old home is fenced off).

@@ -15,12 +15,13 @@ Three costs, each a figure to set from a measurement of the worker:
   `tail_contention` times slower (its decode steps interleaved with the Run's kernels).
   Alone on an idle group it decodes at full speed.
 
-`bench/tail_cost.py` measures the last two on the live CPU engine (a straggler beside
-another job's calls took 16-29% of the device and decoded 1.39-1.56x slower); the
-defaults are assumptions for a GPU, not GPU measurements. The simulator takes them from
-its workload (`cluster.colocation`), the live scheduler from its settings
+The defaults are assumptions for a GPU, not GPU measurements. The simulator takes them
+from its workload (`cluster.colocation`); the live scheduler from its settings
 (`PLEXRL_SHARING_SWITCH_S`, `PLEXRL_SHARING_TAIL_MIN_SHARE`,
-`PLEXRL_SHARING_TAIL_CONTENTION`).
+`PLEXRL_SHARING_TAIL_CONTENTION`) until its workers have measured them on their own
+calls (`plexrl_worker.sharing`, `plexrl_scheduler.costs`). `bench/tail_cost.py`
+measures all three on the engine: on this CPU a straggler beside another job's calls
+took 13-29% of the device and decoded 3-7x slower per step while a call ran.
 """
 
 from __future__ import annotations

@@ -76,6 +76,8 @@ async def cluster(tenant: Tenant, gateway: GatewayDep, jobs: Jobs) -> dict[str, 
                     w: job if job in mine else OTHER_TENANT for w, job in inflight.items()
                 },
                 "jobs": scheduler.get("jobs"),
+                # The costs of sharing its policy predicts with, and those set.
+                "sharing": scheduler.get("sharing"),
             }
         ),
     }

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -27,12 +28,13 @@ from plexrl.lease import Fence, Term
 from plexrl.ledger import Ledger
 from plexrl.messages import Dispatch, Event, PhaseCompletion, PhaseRequest
 from plexrl.policy import PolicyConfig, decide
+from plexrl.policy.costs import SharingCosts
 from plexrl.retry import retrieved
 from plexrl.service import join_cluster
 from plexrl.settings import SchedulerSettings
 from plexrl.stores import JobStore, Stores
 from plexrl.topics import Topics
-from plexrl_scheduler import metrics
+from plexrl_scheduler import costs, metrics
 from plexrl_scheduler.actuator import Actuator
 from plexrl_scheduler.direct import DirectConfig, DirectPath
 from plexrl_scheduler.leadership import SchedulerLeadership
@@ -198,6 +200,19 @@ async def lead(
     consumers = inbox.consumers
 
     pace = Pace()
+    setting = settings.sharing()
+
+    async def learn_costs() -> None:
+        nonlocal policy
+        beats = [worker.heartbeat.sharing for worker in state.workers.values()]
+        # Over what it predicts with now: a cost the workers measured less since (one
+        # restarted) keeps its last learned figure.
+        new = costs.learned(policy.sharing, beats, settings.sharing_learn_samples)
+        if costs.moved(policy.sharing, new):
+            log_costs("costs of sharing now predicted, as the workers measured them", new)
+            policy = dataclasses.replace(policy, sharing=new)
+            follow_ups.policy = policy
+        metrics.observe_costs(policy.sharing)
 
     async def record() -> None:
         metrics.observe(state)
@@ -219,6 +234,8 @@ async def lead(
             # Fuller completions fetches only while direct leases carry every call.
             Step("completions fetch", fetch_completions),
             Step("record", record, every_s=0.5),
+            # The costs of sharing the policy predicts with, as the workers measure them.
+            Step("costs", learn_costs, every_s=2.0),
         ]
     )
     watched[:] = consumers
@@ -227,20 +244,24 @@ async def lead(
     status_out, inflight_out = shown
 
     def refresh() -> None:
-        status_out.update(status(state, actuator, liveness, loop) | {"direct": direct.status()})
+        status_out.update(
+            status(state, actuator, liveness, loop)
+            | {"direct": direct.status(), "sharing": sharing_status(policy.sharing, setting)}
+        )
         inflight_out.update(inflight(state))
 
     refresh()
-    costs = policy.sharing
     log.info(
-        "scheduler leads (token %d): policy=%s cluster=%s; costs of sharing predicted: "
-        "switch %.3g s, stragglers hold >= %.0f%% and decode %.3gx slower",
+        "scheduler leads (token %d): policy=%s cluster=%s",
         held.token,
         policy.name,
         settings.cluster_id,
-        costs.switch_s,
-        100 * costs.tail_min_share,
-        costs.tail_contention,
+    )
+    learning = settings.sharing_learn_samples
+    log_costs(
+        "costs of sharing predicted, as set"
+        + (f" (until the workers measured each {learning} times)" if learning else ""),
+        policy.sharing,
     )
     try:
         # ingest: the consumers, in their tasks; a pass when they changed something
@@ -453,6 +474,16 @@ class Pace:
             self._next_whole = self._clock() + took_s / self.whole_share
 
 
+def log_costs(what: str, sharing: SharingCosts) -> None:
+    log.info(
+        "%s: switch %.3g s, stragglers hold >= %.0f%% and decode %.3gx slower",
+        what,
+        sharing.switch_s,
+        100 * sharing.tail_min_share,
+        sharing.tail_contention,
+    )
+
+
 async def decide_and_act(
     state: ClusterState, policy: PolicyConfig, actuator: Actuator, pace: Pace
 ) -> None:
@@ -510,6 +541,16 @@ def status(
         "dispatches": actuator.dispatches,
         "rehomed": liveness.rehomed,
         "requeued": liveness.requeued,
+    }
+
+
+def sharing_status(predicted: SharingCosts, setting: SharingCosts) -> dict[str, Any]:
+    """The costs of sharing the policy predicts with, and those its settings give
+    (they differ where the workers' measurements replaced them)."""
+    names = ("switch_s", "tail_min_share", "tail_contention")
+    return {
+        "predicted": {name: getattr(predicted, name) for name in names},
+        "set": {name: getattr(setting, name) for name in names},
     }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from plexrl.policy.costs import SharingCosts
 from plexrl_scheduler.state import ClusterState
 
 QUEUE_DEPTH = Gauge(
@@ -110,6 +111,12 @@ FOLLOW_UPS = Counter(
     ["worker"],
 )
 HELD = Gauge("plexrl_scheduler_direct_held_workers", "Workers a direct lease holds now")
+SHARING_COSTS = Gauge(
+    "plexrl_scheduler_sharing_cost",
+    "The costs of sharing the policy predicts with (switch_s in seconds, tail_min_share "
+    "a fraction of a worker, tail_contention a factor), as set or as the workers measured",
+    ["cost"],
+)
 
 
 def observe(state: ClusterState) -> None:
@@ -119,3 +126,10 @@ def observe(state: ClusterState) -> None:
     JOBS.set(len(state.jobs))
     HELD.set(len(state.held))
     WORKERS_HEALTHY.set(sum(1 for w in state.workers if state.healthy(w)))
+
+
+def observe_costs(sharing: SharingCosts) -> None:
+    """The costs of sharing the policy predicts with now."""
+    SHARING_COSTS.labels("switch_s").set(sharing.switch_s)
+    SHARING_COSTS.labels("tail_min_share").set(sharing.tail_min_share)
+    SHARING_COSTS.labels("tail_contention").set(sharing.tail_contention)

@@ -47,7 +47,8 @@ class FollowUps:
         self._state = state
         self._actuator = actuator
         self._config = config
-        self._policy = policy
+        self.policy = policy
+        """What the follow-ups are decided by (its costs move as the workers measure them)."""
         self._refused: dict[str, tuple[str, int]] = {}
         """By worker: the dispatch and its job's queue length when nothing could follow
         it; not asked again until either changes (a follow-up missed is decided when the
@@ -78,4 +79,4 @@ class FollowUps:
         if running is None:
             return ()
         snapshot = self._state.snapshot((worker_id,))
-        return follow_up(snapshot, self._policy, worker_id, running)
+        return follow_up(snapshot, self.policy, worker_id, running)
