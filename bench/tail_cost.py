@@ -8,7 +8,9 @@ On one engine (the tiny model, CPU), in one run, side by side:
   `--other sample`, sample calls of another job, co-batched with the tail);
 - both at once, as the worker runs them after a tail release: the tail's decode steps
   and the other job's calls interleave on the one engine thread.
-It prints the tail's slowdown beside the other job (the simulator's `tail_contention`)
+It prints the tail's slowdown beside the other job, over the whole tail and per decode
+step while the other job's calls are in flight (what the simulator's and the policy's
+`tail_contention` means: the worker's meter, `plexrl_worker.sharing`, measures it so)
 and the share of the device the tail took while they shared (`tail share`: the other
 job's extra seconds over the shared span; the simulator's floor is `tail_min_share`).
 And the engine switch (`switch_s`, the scheduler's `PLEXRL_SHARING_SWITCH_S`): the
@@ -68,16 +70,41 @@ def _sample(seed: int, samples: int, tokens: int) -> SampleInput:
     return SampleInput(prompt=[21, 22, 15, 27], num_samples=samples, params=params)
 
 
-async def _tail(engine: TorchEngine, thread: EngineThread, tokens: int) -> float:
+class _Steps:
+    """The tail's decode steps, by whether the other job's calls were in flight at both
+    ends of the step (`beside`) or at neither (`alone`)."""
+
+    def __init__(self) -> None:
+        self.other_running = False
+        self.beside: list[float] = []
+        self.alone: list[float] = []
+
+
+async def _tail(engine: TorchEngine, thread: EngineThread, tokens: int, steps: _Steps) -> float:
     t0 = time.perf_counter()
     call = await thread.call(engine.begin_sample, "tail", _sample(1, 1, tokens))
     while not call.done:
+        before, s0 = steps.other_running, time.perf_counter()
         await thread.call(engine.sample_step)
+        if before == steps.other_running:
+            (steps.beside if before else steps.alone).append(time.perf_counter() - s0)
     return time.perf_counter() - t0
 
 
-async def _other(engine: TorchEngine, thread: EngineThread, kind: str, calls: int) -> float:
+async def _other(
+    engine: TorchEngine, thread: EngineThread, kind: str, calls: int, steps: _Steps
+) -> float:
     t0 = time.perf_counter()
+    steps.other_running = True
+    try:
+        return await _other_calls(engine, thread, kind, calls, t0)
+    finally:
+        steps.other_running = False
+
+
+async def _other_calls(
+    engine: TorchEngine, thread: EngineThread, kind: str, calls: int, t0: float
+) -> float:
     for i in range(calls):
         if kind == "forward_backward":
             await thread.call(engine.forward_backward, "other", _fb(i))
@@ -107,12 +134,15 @@ async def _round(
     engine: TorchEngine, thread: EngineThread, args: argparse.Namespace
 ) -> dict[str, float]:
     switch_s = await _switch_s(engine, thread, args.calls)
-    tail_alone = await _tail(engine, thread, args.tail_tokens)
-    other_alone = await _other(engine, thread, args.other, args.calls)
+    alone_steps, steps = _Steps(), _Steps()
+    tail_alone = await _tail(engine, thread, args.tail_tokens, alone_steps)
+    other_alone = await _other(engine, thread, args.other, args.calls, _Steps())
     t0 = time.perf_counter()
     tail_shared, other_shared = await asyncio.gather(
-        _tail(engine, thread, args.tail_tokens), _other(engine, thread, args.other, args.calls)
+        _tail(engine, thread, args.tail_tokens, steps),
+        _other(engine, thread, args.other, args.calls, steps),
     )
+    in_flight = statistics.mean(steps.beside) if steps.beside else 0.0
     span = time.perf_counter() - t0
     overlap = min(tail_shared, other_shared)
     return {
@@ -122,6 +152,11 @@ async def _round(
         "other_shared_s": other_shared,
         "span_s": span,
         "tail_contention": tail_shared / tail_alone,
+        # Per decode step while the other job's calls were in flight: what the policy's
+        # `tail_contention` means (the worker's meter measures it so).
+        "tail_contention_in_flight": (
+            in_flight / statistics.mean(alone_steps.alone) if alone_steps.alone else 0.0
+        ),
         # While both ran, the other job lost this fraction of the device to the tail.
         "tail_share": max(0.0, other_shared - other_alone) / overlap if overlap > 0 else 0.0,
         "switch_s": switch_s,
@@ -158,7 +193,9 @@ def main() -> None:
     summary = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]}
     print(
         f"tail alone {summary['tail_alone_s']:.2f} s, beside {args.other} "
-        f"{summary['tail_shared_s']:.2f} s: contention {summary['tail_contention']:.2f}x; "
+        f"{summary['tail_shared_s']:.2f} s: contention {summary['tail_contention']:.2f}x "
+        f"over the tail, {summary['tail_contention_in_flight']:.2f}x per step while "
+        f"{args.other} ran; "
         f"{args.other} alone {summary['other_alone_s']:.2f} s, beside the tail "
         f"{summary['other_shared_s']:.2f} s: the tail took {summary['tail_share']:.0%} "
         f"of the device while they shared; a change of job cost "
