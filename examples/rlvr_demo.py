@@ -451,6 +451,8 @@ def summarize(
                 }
             )
         entries = http.get("/plexrl/v1/timeline", params={"limit": 10000}).json()
+        scheduler = http.get("/plexrl/v1/cluster").json().get("scheduler") or {}
+    sharing = scheduler.get("sharing") or {}
     shared_ids = {r.model_id for r in shared}
     swaps = sum(1 for e in entries if e["job_id"] in shared_ids and e["swap_s"] > 0)
     # Device-seconds count every rank: a group of N ranks holds N devices.
@@ -479,6 +481,14 @@ def summarize(
         f"(busy {busy:.1f} device-s, {busy / pool:.0%}; {swaps} calls swapped a state in)"
     )
     print(f"savings:   {1 - pool / dedicated:.1%} of device-time, same training steps")
+    costs = sharing.get("predicted")
+    if costs:
+        source = "as set" if costs == sharing.get("set") else "as the workers measured them"
+        print(
+            f"sharing:   the policy predicted with a {1000 * costs['switch_s']:.1f} ms switch, "
+            f"stragglers holding >= {costs['tail_min_share']:.0%} and decoding "
+            f"{costs['tail_contention']:.2f}x slower beside a call ({source})"
+        )
     host: dict[str, Any] | None = None
     if control is not None:
         host = control.figures(alone)
@@ -503,6 +513,7 @@ def summarize(
         "savings_fraction": round(1 - pool / dedicated, 4),
         "mean_slowdown": round(sum(j["slowdown"] for j in jobs) / len(jobs), 3),
         "swapped_calls": swaps,
+        "sharing_costs": sharing.get("predicted"),
         "all_same_as_alone": all(j["same_as_alone"] for j in jobs),
         "control": host,
     }
