@@ -19,6 +19,7 @@ call by call; the extra seconds per change of job. Ends with one JSON line.
 
     .venv/bin/python bench/tail_cost.py
     .venv/bin/python bench/tail_cost.py --other sample --repeats 3
+    .venv/bin/python bench/tail_cost.py --device cuda --layers 16 --hidden 2048   # a GPU
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import bench_model
 import torch
 
 from plexrl.messages import (
@@ -49,6 +51,7 @@ from plexrl_worker.engine import EngineConfig, TorchEngine
 from plexrl_worker.engine_thread import EngineThread
 
 MODEL = "plexrl/tiny-qwen3"
+BIGGER = "plexrl/bench-qwen3"
 
 
 def _fb(seed: int) -> ForwardBackwardInput:
@@ -172,14 +175,26 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--device", default="cpu", help="the engine's device: cpu, cuda")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="a bigger model, this many layers deep and --hidden wide (default: the tiny one)",
+    )
+    parser.add_argument("--hidden", type=int, default=512)
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        init_tiny(Path(tmp) / "tiny-qwen3")
-        engine = TorchEngine(ModelRegistry(Path(tmp)), EngineConfig())
-        engine.create("tail", JobSpec(base_model=MODEL, lora=LoraSpec(rank=8), seed=1))
-        engine.create("other", JobSpec(base_model=MODEL, lora=LoraSpec(rank=8), seed=2))
+        model = MODEL
+        if args.layers is None:
+            init_tiny(Path(tmp) / "tiny-qwen3")
+        else:
+            model = bench_model.build(Path(tmp) / "bench-qwen3", BIGGER, args).name
+        engine = TorchEngine(ModelRegistry(Path(tmp)), EngineConfig(device=args.device))
+        engine.create("tail", JobSpec(base_model=model, lora=LoraSpec(rank=8), seed=1))
+        engine.create("other", JobSpec(base_model=model, lora=LoraSpec(rank=8), seed=2))
 
         async def run() -> list[dict[str, float]]:
             thread = EngineThread()

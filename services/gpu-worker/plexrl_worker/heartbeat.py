@@ -12,6 +12,7 @@ from plexrl.kafka import Publisher
 from plexrl.messages import RankMemory, Tier, WorkerHeartbeat, encode
 from plexrl.settings import WorkerSettings
 from plexrl.stores import WorkerStore
+from plexrl_worker import metrics
 from plexrl_worker.residency import StateManager
 from plexrl_worker.sharing import SharingMeter
 
@@ -46,6 +47,9 @@ class Heartbeat:
 
     def beat(self) -> WorkerHeartbeat:
         settings = self._settings
+        sharing = self._meter.measured() if self._meter is not None else None
+        if sharing is not None:
+            metrics.observe_sharing(sharing)
         ranks = len(self._rank_devices)
         on_device = self._states.rank_bytes_in(Tier.DEVICE)
         on_host = self._states.rank_bytes_in(Tier.HOST)
@@ -63,7 +67,7 @@ class Heartbeat:
             devices=ranks,
             sampler=settings.sampler,
             slices_training=self._slices_training,
-            sharing=self._meter.measured() if self._meter is not None else None,
+            sharing=sharing,
             ranks=[
                 RankMemory(r, device, settings.worker_device_bytes, on_device[r], on_host[r])
                 for r, device in enumerate(self._rank_devices)

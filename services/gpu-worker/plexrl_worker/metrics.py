@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from plexrl.messages import Tier
+from plexrl.messages import SharingMeasured, Tier
 
 if TYPE_CHECKING:  # residency records its swaps here
     from plexrl_worker.residency import StateManager
@@ -107,3 +107,25 @@ def swapped(from_tier: Tier, to_tier: Tier, nbytes: int, seconds: float) -> None
     SWAP_BYTES.labels(str(from_tier), "out").inc(nbytes)
     SWAP_BYTES.labels(str(to_tier), "in").inc(nbytes)
     SWAP_SECONDS.labels(str(from_tier), str(to_tier)).observe(seconds)
+
+
+SHARING_COST = Gauge(
+    "plexrl_worker_sharing_cost",
+    "What sharing costs this worker, measured on its own calls (switch_s in seconds, "
+    "tail_share a fraction of the device, tail_contention a factor per decode step)",
+    ["cost"],
+)
+SHARING_SAMPLES = Gauge(
+    "plexrl_worker_sharing_samples", "Samples each measured cost of sharing rests on", ["cost"]
+)
+
+
+def observe_sharing(measured: SharingMeasured) -> None:
+    """The meter's figures, as the heartbeat carries them."""
+    for cost, value, samples in (
+        ("switch_s", measured.switch_s, measured.switches),
+        ("tail_share", measured.tail_share, measured.shared_calls),
+        ("tail_contention", measured.tail_contention, measured.tail_steps),
+    ):
+        SHARING_COST.labels(cost).set(value)
+        SHARING_SAMPLES.labels(cost).set(samples)
