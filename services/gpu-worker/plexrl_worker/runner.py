@@ -205,7 +205,12 @@ class CallRunner:
             async def between() -> None:
                 nonlocal boundaries
                 boundaries += 1
-                await slicing.between()
+                # Held here (preempted), it computes nothing beside a tail.
+                self.meter.running -= 1
+                try:
+                    await slicing.between()
+                finally:
+                    self.meter.running += 1
 
             with self._metered(request, payload, swap_s, lambda: slicing.paused_s() - paused0):
                 output = await self._dispatch(request, payload, fence, between)
