@@ -46,6 +46,7 @@ from plexrl_tools.cli_status import (
     human_duration,
     jobs_table,
     parse_duration,
+    sharing_line,
     totals,
 )
 
@@ -410,3 +411,15 @@ def test_totals_and_a_job_with_no_history() -> None:
     snap = Snapshot({}, [], jobs, [], 300, time.time())
     out = render(jobs_table(snap))
     assert "J1 a" in out and "J2 b" in out and "–" in out
+
+
+def test_the_costs_of_sharing_say_whence() -> None:
+    set_ = {"switch_s": 1.0, "tail_min_share": 0.25, "tail_contention": 1.25}
+    measured = {"switch_s": 0.0012, "tail_min_share": 0.15, "tail_contention": 6.7}
+    assert sharing_line({"predicted": set_, "set": set_}) == (
+        "switch 1000.0 ms, stragglers hold >= 25% and decode 1.25x slower beside a call (as set)"
+    )
+    line = sharing_line({"predicted": measured, "set": set_})
+    assert line is not None and line.startswith("switch 1.2 ms, stragglers hold >= 15%")
+    assert line.endswith("6.70x slower beside a call (as the workers measured)")
+    assert sharing_line(None) is None  # an older scheduler says nothing of them

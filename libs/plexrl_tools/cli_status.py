@@ -230,6 +230,9 @@ def status_table(snap: Snapshot, url: str) -> Table:
         inflight = sched.get("inflight") or {}
         table.add_row("queue depth", f"{sched.get('pending', 0)} calls waiting")
         table.add_row("running", f"{len(inflight)} calls" if inflight else "nothing")
+        costs = sharing_line(sched.get("sharing"))
+        if costs:
+            table.add_row("costs of sharing", costs)
     else:
         table.add_row("scheduler", Text("unreachable", style="red"))
     table.add_row(
@@ -238,6 +241,20 @@ def status_table(snap: Snapshot, url: str) -> Table:
     )
     table.add_row("savings so far", human_pct(sums["savings_fraction"]))
     return table
+
+
+def sharing_line(sharing: dict[str, Any] | None) -> str | None:
+    """The costs of sharing the scheduler's policy predicts with, and whence: its
+    settings, or its workers' measurements."""
+    predicted = (sharing or {}).get("predicted")
+    if not predicted:
+        return None
+    source = "as set" if predicted == (sharing or {}).get("set") else "as the workers measured"
+    return (
+        f"switch {1000 * predicted['switch_s']:.1f} ms, stragglers hold >= "
+        f"{predicted['tail_min_share']:.0%} and decode {predicted['tail_contention']:.2f}x "
+        f"slower beside a call ({source})"
+    )
 
 
 def jobs_table(snap: Snapshot, wide: bool = True) -> Table:
