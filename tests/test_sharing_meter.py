@@ -39,9 +39,9 @@ BASE = "plexrl/tiny-qwen3"
 FB = Function.FORWARD_BACKWARD
 
 
-def _call(meter: SharingMeter, job: str, seconds: float, work: int = 10, swap_s: float = 0.0):
+def _call(meter: SharingMeter, job: str, seconds: float, work: int = 10) -> None:
     mark = meter.call_began(job)
-    meter.call_ended(mark, job, FB, work, swap_s, seconds)
+    meter.call_ended(mark, job, FB, work, seconds)
 
 
 def test_a_change_of_job_costs_what_its_call_takes_over_the_jobs_own_pace() -> None:
@@ -52,9 +52,9 @@ def test_a_change_of_job_costs_what_its_call_takes_over_the_jobs_own_pace() -> N
     _call(meter, "b", 2.0, work=20)
     _call(meter, "a", 1.3)  # after b: 0.3 s over a's pace
     _call(meter, "b", 2.1, work=20)  # after a: 0.1 s over b's pace
-    _call(meter, "a", 9.0, swap_s=0.5)  # a swap: not an engine switch
+    _call(meter, "a", 1.2)  # after b (its state swapped in first: not its compute): 0.2 s
     measured = meter.measured()
-    assert measured.switches == 2
+    assert measured.switches == 3
     assert measured.switch_s == pytest.approx(0.2)
     assert measured.shared_calls == 0 and measured.tail_steps == 0
 
@@ -85,7 +85,7 @@ def test_a_call_a_tail_met_only_in_part_or_that_failed_is_no_sample() -> None:
     _call(meter, "b", 1.0)
     mark = meter.call_began("b")
     meter.tails += 1  # released while the call ran
-    meter.call_ended(mark, "b", FB, 10, 0.0, 1.5)
+    meter.call_ended(mark, "b", FB, 10, 1.5)
     _call(meter, "b", 0.0)  # failed: no seconds
     assert meter.measured().shared_calls == 0
     assert meter.running == 0

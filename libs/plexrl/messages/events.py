@@ -42,8 +42,8 @@ class SharingMeasured(msgspec.Struct, frozen=True):
     (`plexrl.policy.costs.SharingCosts`) and the samples it rests on (0: not measured)."""
 
     switch_s: float = 0.0
-    """Seconds a compute call spends when the engine's previous call was of another job,
-    its state on the device already."""
+    """Seconds a compute call spends when the engine's previous call was of another job
+    (beyond moving its state onto the device, which is not the call's compute)."""
     switches: int = 0
     tail_share: float = 0.0
     """The share of the device a released tail took from a compute call beside it."""

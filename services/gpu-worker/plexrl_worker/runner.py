@@ -197,7 +197,7 @@ class CallRunner:
                 )
             t0 = time.perf_counter()
             if slicing is None:
-                with self._metered(request, payload, swap_s, lambda: 0.0):
+                with self._metered(request, payload, lambda: 0.0):
                     output = await self._dispatch(request, payload, fence)
                 return Ran(output, None, swap_s, time.perf_counter() - t0, started_at)
             boundaries = 0
@@ -212,7 +212,7 @@ class CallRunner:
                 finally:
                     self.meter.running += 1
 
-            with self._metered(request, payload, swap_s, lambda: slicing.paused_s() - paused0):
+            with self._metered(request, payload, lambda: slicing.paused_s() - paused0):
                 output = await self._dispatch(request, payload, fence, between)
             sliced = request.function == Function.FORWARD_BACKWARD
             return Ran(
@@ -243,7 +243,6 @@ class CallRunner:
         self,
         request: PhaseRequest,
         payload: PhaseInput,
-        swap_s: float,
         paused_s: Callable[[], float],
     ) -> Iterator[None]:
         """A compute call's seconds (less `paused_s`, held between slices), told to the
@@ -258,7 +257,7 @@ class CallRunner:
             compute_s = time.perf_counter() - t0 - paused_s()
         finally:  # a call that failed counts as no sample (0 s)
             work = work_of(payload)
-            self.meter.call_ended(mark, request.job_id, request.function, work, swap_s, compute_s)
+            self.meter.call_ended(mark, request.job_id, request.function, work, compute_s)
 
     async def _dispatch(
         self,

@@ -4,9 +4,10 @@ this worker's engine pays them. The heartbeat carries them (`SharingMeasured`) a
 scheduler predicts with them once it has enough samples.
 
 - **Engine switch** (`switch_s`): a compute call whose job is not the job of the
-  engine's previous call, its state on the device already (no swap) and no tail beside
-  it, against the same job's calls that followed its own (seconds per unit of work, as
-  they run alone).
+  engine's previous call, no tail beside it, against the same job's calls that followed
+  its own (seconds per unit of work, as they run alone). A call's compute starts once
+  its state is on the device, so a swap before it is not counted (the simulator too
+  charges the switch on top of the state's move).
 - **Stragglers' share** (`tail_share`): a compute call that ran from start to end
   beside a released sample batch's tail, against the same baseline: the share of the
   device the tail took from it, `1 - alone / beside`.
@@ -84,16 +85,15 @@ class SharingMeter:
         return Mark(tail=self.tails > 0, switched=switched)
 
     def call_ended(
-        self, mark: Mark, job_id: str, function: str, work: int, swap_s: float, compute_s: float
+        self, mark: Mark, job_id: str, function: str, work: int, compute_s: float
     ) -> None:
-        """The compute call `call_began` marked ran for `compute_s` (after `swap_s` of
-        moving its state)."""
+        """The compute call `call_began` marked ran for `compute_s` (0: it failed)."""
         self.running -= 1
         key = (job_id, function)
         per_unit = self._per_unit.get(key)
         tail_after = self.tails > 0
-        if swap_s > 0 or compute_s <= 0:
-            return  # a swap's call says nothing of the engine's switch
+        if compute_s <= 0:
+            return
         if not mark.tail and not tail_after:
             if not mark.switched:
                 seen = compute_s / work
