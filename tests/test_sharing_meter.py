@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+from pathlib import Path
 from typing import Any
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -115,14 +116,23 @@ def test_the_scheduler_predicts_with_what_the_workers_measured_once_they_measure
     assert held.tail_min_share < 0.9 and held.tail_contention == 1.0
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> TorchEngine:
-    root = tmp_path_factory.mktemp("meter-models")
-    init_tiny(root / "tiny")
-    engine = TorchEngine(ModelRegistry(root), EngineConfig())
+def _engine(root: Path, config: EngineConfig) -> TorchEngine:
+    engine = TorchEngine(ModelRegistry(root), config)
     for seed, job in enumerate(("a", "b"), start=1):
         engine.create(job, JobSpec(base_model=BASE, lora=LoraSpec(rank=4), seed=seed))
     return engine
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("meter-models")
+    init_tiny(root / "tiny")
+    return root
+
+
+@pytest.fixture(scope="module")
+def engine(models: Path) -> TorchEngine:
+    return _engine(models, EngineConfig())
 
 
 def _request(job: str, rid: str, payload: Any, function: Function) -> PhaseRequest:
@@ -196,3 +206,42 @@ def test_the_worker_measures_its_engine_on_its_own_calls(engine: TorchEngine) ->
     assert 0.0 <= measured.tail_share < 0.9
     assert measured.tail_steps >= 3
     assert measured.tail_contention > 1.0  # the one engine thread: it waits for the calls
+
+
+class _Held:
+    """A sliced call's pause (the edge of this test): notes whether the meter counted
+    the call as computing while it was held between two slices."""
+
+    released_at: float | None = None
+
+    def __init__(self, meter: SharingMeter) -> None:
+        self.meter = meter
+        self.running: list[int] = []
+
+    async def between(self) -> None:
+        self.running.append(self.meter.running)
+        await asyncio.sleep(0.01)
+
+    def paused_s(self) -> float:
+        return 0.0
+
+
+def test_a_training_call_held_between_slices_is_not_computing(models: Path) -> None:
+    """Preempted at a micro-batch, a training call computes nothing: a tail's steps
+    meanwhile are not beside a call."""
+    engine = _engine(models, EngineConfig(max_batch_tokens=64))  # 4 x 32 tokens: 2 slices
+
+    async def main() -> tuple[list[int], int]:
+        thread = EngineThread()
+        runner = engine_runner(engine, thread)
+        held = _Held(runner.meter)
+        try:
+            ran = await runner.run(_fb("a", 0), slicing=held)
+            assert ran.error is None and ran.slices >= 2
+            return held.running, runner.meter.running
+        finally:
+            thread.shutdown()
+
+    held_running, after = asyncio.run(main())
+    assert held_running and set(held_running) == {0}
+    assert after == 0
