@@ -100,21 +100,15 @@ async def _other(
     t0 = time.perf_counter()
     steps.other_running = True
     try:
-        return await _other_calls(engine, thread, kind, calls, t0)
+        for i in range(calls):
+            if kind == "forward_backward":
+                await thread.call(engine.forward_backward, "other", _fb(i))
+            else:
+                call = await thread.call(engine.begin_sample, "other", _sample(100 + i, 4, 16))
+                while not call.done:
+                    await thread.call(engine.sample_step)
     finally:
         steps.other_running = False
-
-
-async def _other_calls(
-    engine: TorchEngine, thread: EngineThread, kind: str, calls: int, t0: float
-) -> float:
-    for i in range(calls):
-        if kind == "forward_backward":
-            await thread.call(engine.forward_backward, "other", _fb(i))
-        else:
-            call = await thread.call(engine.begin_sample, "other", _sample(100 + i, 4, 16))
-            while not call.done:
-                await thread.call(engine.sample_step)
     return time.perf_counter() - t0
 
 

@@ -391,20 +391,23 @@ class CallRunner:
         meter.batch_ran(frozenset(r.job_id for r in requests))
         released = False
 
-        async def counted(running: list[int], remaining: int, total: int) -> None:
-            nonlocal released
-            if not released:
-                released = True
-                meter.tails += 1
-            if on_tail is not None:
-                await on_tail(running, remaining, total)
-
         def step_ran(seconds: float, beside: bool) -> None:
             if released and beside == (meter.running > 0):
                 meter.tail_step(seconds, beside)
 
+        if on_tail is None:  # never released
+            yield None, step_ran
+            return
+        told = on_tail
+
+        async def counted(running: list[int], remaining: int, total: int) -> None:
+            nonlocal released
+            released = True  # `TailWatch` calls it once
+            meter.tails += 1
+            await told(running, remaining, total)
+
         try:
-            yield (counted if on_tail is not None else None), step_ran
+            yield counted, step_ran
         finally:
             if released:
                 meter.tails -= 1

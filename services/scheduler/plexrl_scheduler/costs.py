@@ -12,9 +12,12 @@ from collections.abc import Callable, Iterable
 from plexrl.messages import SharingMeasured
 from plexrl.policy.costs import MAX_TAIL_SHARE, SharingCosts
 
-_MOVED = {"switch_s": 0.1, "tail_min_share": 0.02, "tail_contention": 0.05}
-"""How far a learned cost must move before the policy predicts with the new one
-(seconds: a tenth of the current figure, at least a millisecond)."""
+_SWITCH_MOVED = 0.1
+"""How far a learned cost must move before the policy predicts with the new one: the
+switch a tenth of the current figure (at least a millisecond), the share 2 points, the
+contention 0.05."""
+_SHARE_MOVED = 0.02
+_CONTENTION_MOVED = 0.05
 
 
 def _pooled(
@@ -53,8 +56,8 @@ def learned(
 
 def moved(current: SharingCosts, new: SharingCosts) -> bool:
     """Whether `new` differs from `current` enough to predict with it instead."""
-    if abs(new.switch_s - current.switch_s) > max(0.001, _MOVED["switch_s"] * current.switch_s):
+    if abs(new.switch_s - current.switch_s) > max(0.001, _SWITCH_MOVED * current.switch_s):
         return True
-    if abs(new.tail_min_share - current.tail_min_share) > _MOVED["tail_min_share"]:
+    if abs(new.tail_min_share - current.tail_min_share) > _SHARE_MOVED:
         return True
-    return abs(new.tail_contention - current.tail_contention) > _MOVED["tail_contention"]
+    return abs(new.tail_contention - current.tail_contention) > _CONTENTION_MOVED
