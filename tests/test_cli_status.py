@@ -423,3 +423,7 @@ def test_the_costs_of_sharing_say_whence() -> None:
     assert line is not None and line.startswith("switch 1.2 ms, stragglers hold >= 15%")
     assert line.endswith("6.70x slower beside a call (as the workers measured)")
     assert sharing_line(None) is None  # an older scheduler says nothing of them
+    # A worker whose group is predicted with its own figures is named with them.
+    apart = {"predicted": measured, "set": set_, "workers": {"gpu-7": set_}}
+    line = sharing_line(apart)
+    assert line is not None and "(as the workers measured); on gpu-7: switch 1000.0 ms" in line

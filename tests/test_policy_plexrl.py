@@ -254,6 +254,28 @@ def test_placement_prefers_the_fullest_group_within_budget():
     assert admits(plan(s, CFG)) == {"new": "g1"}
 
 
+def test_a_group_whose_worker_measured_its_own_costs_is_predicted_with_them():
+    # g1 holds the busier job, so the fullest-first rule picks it, until its worker's
+    # own costs (a slow engine switch, stragglers that hold half of it) put "new" beside
+    # x past the budget there: then g0 takes it, priced with the pool's costs.
+    dear = SharingCosts(switch_s=5.0, tail_min_share=0.5, tail_contention=3.0)
+    jobs = [
+        job("x", "g0", duty=0.1, tail_s=20.0),
+        job("y", "g1", duty=0.3, tail_s=20.0),
+        job("new", duty=0.1, tail_s=20.0),
+    ]
+    pooled = snap([worker("g0"), worker("g1")], jobs, [call("new", 1.0)])
+    apart = snap([worker("g0"), replace(worker("g1"), sharing=dear)], jobs, [call("new", 1.0)])
+    assert InterferenceFit(budget=0.05)(pooled, pooled.jobs["new"]) == "g1"
+    assert InterferenceFit(budget=0.05)(apart, apart.jobs["new"]) == "g0"
+    per_group = PolicyConfig(name="plexrl", budget_over_cluster=False)
+    assert admits(plan(apart, per_group)) == {"new": "g0"}
+    # Its group's prediction is the pool's at its costs.
+    on_g1 = InterferenceFit(budget=0.05).added_slowdown(apart, "g1", apart.jobs["new"])
+    as_pool = InterferenceFit(budget=0.05, costs=dear).added_slowdown(pooled, "g1", jobs[2])
+    assert on_g1 == pytest.approx(as_pool)
+
+
 def test_least_added_placement_takes_the_group_it_slows_least():
     # Within a generous budget either group takes "new": the fullest is x's, but beside
     # the lighter y it adds less to the jobs' summed predicted slowdown.

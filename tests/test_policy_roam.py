@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from plexrl.messages import Function
 from plexrl.policy import PolicyConfig, Run, plan
+from plexrl.policy.costs import SharingCosts
 from tests.test_policy_plexrl import call, job, snap, worker
 
 CFG = PolicyConfig(name="plexrl", pack=False)
@@ -47,3 +48,17 @@ def test_a_sample_that_can_roam_nowhere_goes_before_its_jobs_training_at_home():
     calls = [call("a", 1.0, Function.FORWARD_BACKWARD), call("a", 2.0, Function.OPTIM_STEP)]
     s = snap([worker("g0")], [job("a", "g0", staleness=2)], [*calls, sample])
     assert runs(plan(s, CFG)) == {"g0": ("a/sample",)}
+
+
+def test_a_sample_roams_only_where_the_borrowed_groups_own_switch_leaves_time_for_it():
+    # g1's job said it stays idle 100 s; the 60 s sample, its sampler weights' load and
+    # the pool's 1 s engine switch fit in that. g1's worker measured a 50 s switch of
+    # its own: they no longer fit, and the sample waits at home behind the training.
+    sample = replace(call("a", 3.0, Function.SAMPLE), portable=True)
+    calls = [call("a", 1.0, Function.FORWARD_BACKWARD), call("a", 2.0, Function.OPTIM_STEP)]
+    jobs = [job("a", "g0", staleness=1), job("b", "g1", idle_until=200.0)]
+    s = snap([worker("g0"), worker("g1")], jobs, [*calls, sample])
+    assert runs(plan(s, CFG))["g1"] == ("a/sample",)
+    slow = replace(worker("g1"), sharing=SharingCosts(switch_s=50.0))
+    s = snap([worker("g0"), slow], jobs, [*calls, sample])
+    assert "g1" not in runs(plan(s, CFG))

@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
+import msgspec
 import pytest
 
 from plexrl.messages import (
@@ -29,11 +31,15 @@ from plexrl.messages import (
     TensorArray,
 )
 from plexrl.models import ModelRegistry, init_tiny
+from plexrl.policy import PolicyConfig
 from plexrl.policy.costs import SharingCosts
-from plexrl_scheduler.costs import learned, moved
+from plexrl_scheduler.costs import by_worker, learned, moved
+from plexrl_scheduler.main import learn_costs_of
+from plexrl_scheduler.state import ClusterState
 from plexrl_worker.engine import EngineConfig, TorchEngine
 from plexrl_worker.engine_thread import EngineThread
 from plexrl_worker.sharing import SharingMeter
+from tests.test_scheduler_state import Clock, beat
 from tests.test_tail_release import engine_runner
 
 BASE = "plexrl/tiny-qwen3"
@@ -114,6 +120,48 @@ def test_the_scheduler_predicts_with_what_the_workers_measured_once_they_measure
     odd = SharingMeasured(tail_share=0.95, shared_calls=50, tail_contention=0.8, tail_steps=50)
     held = learned(setting, [odd], least=20)
     assert held.tail_min_share < 0.9 and held.tail_contention == 1.0
+
+
+def test_a_worker_whose_costs_stand_apart_is_predicted_with_its_own() -> None:
+    pool = SharingCosts(switch_s=0.01, tail_min_share=0.2, tail_contention=1.5)
+    # A slower engine on w1: its switch 5x the pool's, its stragglers decoding 3x slower.
+    apart = SharingMeasured(switch_s=0.05, switches=30, tail_contention=3.0, tail_steps=40)
+    alike = SharingMeasured(switch_s=0.0101, switches=30, tail_contention=1.52, tail_steps=40)
+    few = SharingMeasured(switch_s=0.5, switches=3)
+    measured = {"w0": alike, "w1": apart, "w2": few, "w3": None}
+    own = by_worker(pool, measured, {}, least=20)
+    assert list(own) == ["w1"]  # w0 within the pool's figures, w2 and w3 too few samples
+    assert own["w1"] == SharingCosts(switch_s=0.05, tail_min_share=0.2, tail_contention=3.0)
+    # A figure moving less than the rule's thresholds keeps the one predicted with.
+    nudged = {
+        "w1": SharingMeasured(switch_s=0.051, switches=31, tail_contention=3.01, tail_steps=41)
+    }
+    assert by_worker(pool, nudged, own, least=20)["w1"] is own["w1"]
+    assert by_worker(pool, {"w0": alike}, own, least=20) == {}  # w1 gone: the pool's
+    assert by_worker(pool, measured, own, least=0) == {}  # learning off
+
+
+def test_the_scheduler_predicts_a_group_with_its_workers_figures_where_they_stand_apart() -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock)
+    fast = SharingMeasured(switch_s=0.01, switches=30, tail_contention=1.5, tail_steps=40)
+    slow = SharingMeasured(switch_s=0.05, switches=30, tail_contention=3.0, tail_steps=40)
+    for worker, measured in (("w0", fast), ("w1", fast), ("w2", slow)):
+        state.on_heartbeat(msgspec.structs.replace(beat(worker), sharing=measured))
+    policy = learn_costs_of(state, PolicyConfig(name="plexrl"), least=20)
+    # The pool: the three workers' mean, which the policy predicts every group with...
+    assert policy.sharing.switch_s == pytest.approx(0.07 / 3)
+    assert policy.sharing.tail_contention == pytest.approx(2.0)
+    # ...but w2's, whose worker measured its own apart from it (w0's and w1's 0.013 s
+    # from 0.023 s are too, by more than a tenth).
+    views = state.snapshot().workers
+    assert views["w2"].sharing == replace(policy.sharing, switch_s=0.05, tail_contention=3.0)
+    assert views["w0"].sharing == replace(policy.sharing, switch_s=0.01, tail_contention=1.5)
+    # Once the pool's figures are its own (w2 gone), a group is predicted with the pool's.
+    del state.workers["w2"]
+    policy = learn_costs_of(state, policy, least=20)
+    assert policy.sharing.switch_s == pytest.approx(0.01)
+    assert state.snapshot().workers["w0"].sharing is None
 
 
 def _engine(root: Path, config: EngineConfig) -> TorchEngine:

@@ -245,15 +245,24 @@ def status_table(snap: Snapshot, url: str) -> Table:
 
 def sharing_line(sharing: dict[str, Any] | None) -> str | None:
     """The costs of sharing the scheduler's policy predicts with, and whence: its
-    settings, or its workers' measurements."""
+    settings, or its workers' measurements; and the workers whose groups it predicts
+    with their own figures."""
     predicted = (sharing or {}).get("predicted")
     if not predicted:
         return None
     source = "as set" if predicted == (sharing or {}).get("set") else "as the workers measured"
+    line = f"{_costs_text(predicted)} ({source})"
+    own = (sharing or {}).get("workers") or {}
+    for worker_id, costs in own.items():
+        line += f"; on {worker_id}: {_costs_text(costs)} (as it measured)"
+    return line
+
+
+def _costs_text(costs: dict[str, float]) -> str:
     return (
-        f"switch {1000 * predicted['switch_s']:.1f} ms, stragglers hold >= "
-        f"{predicted['tail_min_share']:.0%} and decode {predicted['tail_contention']:.2f}x "
-        f"slower beside a call ({source})"
+        f"switch {1000 * costs['switch_s']:.1f} ms, stragglers hold >= "
+        f"{costs['tail_min_share']:.0%} and decode {costs['tail_contention']:.2f}x "
+        "slower beside a call"
     )
 
 

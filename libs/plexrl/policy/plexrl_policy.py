@@ -479,6 +479,9 @@ def predicted_slowdown(
 
 @dataclass
 class _Group:
+    meet: Callable[[Figures, Figures], _Meets]
+    """What one of its jobs meets of another, at the group's costs of sharing
+    (`InterferenceFit.meet`)."""
     load: float = 0.0
     """Sum of the duty cycles."""
     reserved: int = 0
@@ -490,13 +493,8 @@ class _Group:
     total: float | None = None
     """The summed predicted slowdown of its jobs (None: not known since the last add)."""
 
-    def add(
-        self,
-        fig: Figures,
-        state_bytes: int,
-        meet: Callable[[Figures, Figures], _Meets],
-        tenant: str = "",
-    ) -> None:
+    def add(self, fig: Figures, state_bytes: int, tenant: str = "") -> None:
+        meet = self.meet
         mine = _Meets()
         for i, other in enumerate(self.members):
             self.meets[i].add(meet(other, fig))
@@ -617,11 +615,15 @@ class InterferenceFit:
 
     def meet(self, me: Figures, neighbour: Figures) -> _Meets:
         """What `me` meets of `neighbour`: its waits and costs of sharing, per step."""
+        return self.meet_at(self.costs, me, neighbour)
+
+    def meet_at(self, costs: SharingCosts, me: Figures, neighbour: Figures) -> _Meets:
+        """`meet` on a group whose costs of sharing are `costs`."""
         return _Meets(
             self.pair(me, neighbour),
-            sharing_cost_s(me, neighbour, self.costs),
+            sharing_cost_s(me, neighbour, costs),
             training_wait_s(me, neighbour),
-            training_cost_s(me, neighbour, self.costs),
+            training_cost_s(me, neighbour, costs),
             1.0 - neighbour.hold,
         )
 
@@ -683,7 +685,7 @@ class InterferenceFit:
         of them is above the guard (`slowdown_guard` times the budget, twice by
         default)."""
         guard = self.guard * self.budget
-        meet = self.meet
+        meet = group.meet
         mine = _Meets()
         for other in group.members:
             mine.add(meet(fig, other))
@@ -704,7 +706,7 @@ class InterferenceFit:
         group's load would reach 1: it would not drain)."""
         if not group.members:
             return 0.0
-        meet = self.meet
+        meet = group.meet
         mine = _Meets()
         for other in group.members:
             mine.add(meet(fig, other))
@@ -743,15 +745,17 @@ class InterferenceFit:
             if best is None or key < best:
                 best, chosen = key, worker
         assert chosen is not None
-        self._groups[chosen.worker_id].add(fig, job.state_bytes, self.meet, tenant)
+        self._groups[chosen.worker_id].add(fig, job.state_bytes, tenant)
         return chosen.worker_id
 
     def _group(self, snapshot: ClusterSnapshot, worker_id: str) -> _Group:
         group = self._groups.get(worker_id)
         if group is None:
-            group = self._groups[worker_id] = _Group()
+            own = snapshot.workers[worker_id].sharing
+            meet = self.meet if own is None else partial(self.meet_at, own)
+            group = self._groups[worker_id] = _Group(meet)
             for job in snapshot.homed_view(worker_id):
-                group.add(self.figures(job), job.state_bytes, self.meet, job.tenant)
+                group.add(self.figures(job), job.state_bytes, job.tenant)
         return group
 
     def _size_class(self, snapshot: ClusterSnapshot, job: JobView) -> list[WorkerView]:
@@ -822,7 +826,7 @@ class InterferenceFit:
                     break
         if chosen is None:
             return None
-        self._groups[chosen.worker_id].add(fig, job.state_bytes, self.meet, tenant)
+        self._groups[chosen.worker_id].add(fig, job.state_bytes, tenant)
         return chosen.worker_id
 
     def _least_added_within(

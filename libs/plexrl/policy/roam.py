@@ -83,14 +83,14 @@ def roaming_runs(
         if not calls:
             continue
         expected = sum(job.estimates.expected_s(c.function) for c in calls)
-        load_s = sampler_load_s(snapshot, job) + config.sharing.switch_s
+        load_s = sampler_load_s(snapshot, job)
         best: tuple[float, str] | None = None
         chosen: WorkerView | None = None
         for worker in idle:
             if worker.devices != home.devices or not can_ever_hold(worker, job):
                 continue
             quiet = _quiet_s(snapshot, worker.worker_id)
-            if quiet < load_s + expected:
+            if quiet < load_s + worker.costs(config.sharing).switch_s + expected:
                 continue
             key = (-quiet, worker.worker_id)
             if best is None or key < best:

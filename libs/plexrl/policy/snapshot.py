@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from plexrl.messages import Function, Tier
+from plexrl.policy.costs import SharingCosts
 from plexrl.policy.frozen import quick_init
 
 _TIER_ORDER = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}
@@ -76,6 +77,14 @@ class WorkerView:
     """When the in-flight Run began, if it is sample calls only and not yet asked to
     yield (`plexrl.policy.preempt`); None otherwise. Only the live scheduler sets it."""
     healthy: bool = True
+    sharing: SharingCosts | None = None
+    """What sharing costs on this group, where its own worker measured it apart from the
+    pool (`plexrl_scheduler.costs`); None: the pool's (`PolicyConfig.sharing`). Only the
+    live scheduler sets it: the simulator's groups share one workload's costs."""
+
+    def costs(self, pool: SharingCosts) -> SharingCosts:
+        """The costs of sharing to predict this group with: its own, else `pool`."""
+        return pool if self.sharing is None else self.sharing
 
 
 @quick_init

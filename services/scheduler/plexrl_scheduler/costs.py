@@ -2,12 +2,14 @@
 worker measures what sharing costs on its own calls (`plexrl_worker.sharing`, carried by
 its heartbeat as `SharingMeasured`), and once the pool's workers together measured a
 cost often enough, their mean replaces the setting's (`PLEXRL_SHARING_*`, assumptions
-for a GPU by default). A pure function, and the scheduler's running choice."""
+for a GPU by default). A worker that measured its own costs often enough, and apart
+from the pool's (another engine, device or model size), has its group predicted with
+its own (`WorkerView.sharing`). Pure functions, and the scheduler's running choice."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from plexrl.messages import SharingMeasured
 from plexrl.policy.costs import MAX_TAIL_SHARE, SharingCosts
@@ -61,3 +63,24 @@ def moved(current: SharingCosts, new: SharingCosts) -> bool:
     if abs(new.tail_min_share - current.tail_min_share) > _SHARE_MOVED:
         return True
     return abs(new.tail_contention - current.tail_contention) > _CONTENTION_MOVED
+
+
+def by_worker(
+    pool: SharingCosts,
+    measured: Mapping[str, SharingMeasured | None],
+    before: Mapping[str, SharingCosts],
+    least: int,
+) -> dict[str, SharingCosts]:
+    """Per worker, the costs of sharing its group is predicted with where they are its
+    own: `pool` with each cost the worker measured at least `least` times replaced by its
+    figure, kept where it moved off `pool` (`moved`), and kept as it was (`before`) until
+    it moves again. A worker absent from `measured` (gone), or whose figures came back to
+    the pool's, is left out: it is predicted with the pool's."""
+    out: dict[str, SharingCosts] = {}
+    for worker_id, mine in measured.items():
+        own = learned(pool, [mine], least)
+        if not moved(pool, own):
+            continue
+        kept = before.get(worker_id)
+        out[worker_id] = kept if kept is not None and not moved(kept, own) else own
+    return out

@@ -7,7 +7,7 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -204,14 +204,8 @@ async def lead(
 
     async def learn_costs() -> None:
         nonlocal policy
-        beats = [worker.heartbeat.sharing for worker in state.workers.values()]
-        # Over what it predicts with now: a cost the workers measured less since (one
-        # restarted) keeps its last learned figure.
-        new = costs.learned(policy.sharing, beats, settings.sharing_learn_samples)
-        if costs.moved(policy.sharing, new):
-            log_costs("costs of sharing now predicted, as the workers measured them", new)
-            policy = dataclasses.replace(policy, sharing=new)
-            follow_ups.policy = policy
+        policy = learn_costs_of(state, policy, settings.sharing_learn_samples)
+        follow_ups.policy = policy
         metrics.observe_costs(policy.sharing)
 
     async def record() -> None:
@@ -246,7 +240,10 @@ async def lead(
     def refresh() -> None:
         status_out.update(
             status(state, actuator, liveness, loop)
-            | {"direct": direct.status(), "sharing": sharing_status(policy.sharing, setting)}
+            | {
+                "direct": direct.status(),
+                "sharing": sharing_status(policy.sharing, setting, state.sharing),
+            }
         )
         inflight_out.update(inflight(state))
 
@@ -474,6 +471,27 @@ class Pace:
             self._next_whole = self._clock() + took_s / self.whole_share
 
 
+def learn_costs_of(state: ClusterState, policy: PolicyConfig, least: int) -> PolicyConfig:
+    """The policy with the costs of sharing its workers measured, each `least` times
+    (`plexrl_scheduler.costs`): the pool's in its config, and in `state.sharing` those of
+    a worker whose own stand apart from the pool's, which its group is predicted with."""
+    beats = {wid: worker.heartbeat.sharing for wid, worker in state.workers.items()}
+    # Over what it predicts with now: a cost the workers measured less since (one
+    # restarted) keeps its last learned figure.
+    new = costs.learned(policy.sharing, beats.values(), least)
+    if costs.moved(policy.sharing, new):
+        log_costs("costs of sharing now predicted, as the workers measured them", new)
+        policy = dataclasses.replace(policy, sharing=new)
+    own = costs.by_worker(policy.sharing, beats, state.sharing, least)
+    for wid, mine in own.items():
+        if state.sharing.get(wid) is not mine:
+            log_costs(f"costs of sharing on {wid} now predicted, as it measured them", mine)
+    for wid in state.sharing.keys() - own.keys():
+        log.info("costs of sharing on %s now predicted as the pool's", wid)
+    state.sharing = own
+    return policy
+
+
 def log_costs(what: str, sharing: SharingCosts) -> None:
     log.info(
         "%s: switch %.3g s, stragglers hold >= %.0f%% and decode %.3gx slower",
@@ -544,13 +562,21 @@ def status(
     }
 
 
-def sharing_status(predicted: SharingCosts, setting: SharingCosts) -> dict[str, Any]:
+def sharing_status(
+    predicted: SharingCosts, setting: SharingCosts, workers: Mapping[str, SharingCosts]
+) -> dict[str, Any]:
     """The costs of sharing the policy predicts with, and those its settings give
-    (they differ where the workers' measurements replaced them)."""
+    (they differ where the workers' measurements replaced them); by worker, those of a
+    group predicted with its own worker's figures."""
     names = ("switch_s", "tail_min_share", "tail_contention")
+
+    def shown(costs: SharingCosts) -> dict[str, float]:
+        return {name: getattr(costs, name) for name in names}
+
     return {
-        "predicted": {name: getattr(predicted, name) for name in names},
-        "set": {name: getattr(setting, name) for name in names},
+        "predicted": shown(predicted),
+        "set": shown(setting),
+        "workers": {wid: shown(costs) for wid, costs in sorted(workers.items())},
     }
 
 

@@ -34,6 +34,7 @@ from plexrl.policy import (
     WorkerView,
 )
 from plexrl.policy.common import fewest_devices
+from plexrl.policy.costs import SharingCosts
 from plexrl.policy.history import (
     CallHistory,
     Described,
@@ -229,6 +230,10 @@ class ClusterState:
         self._worker_timeout_s = worker_timeout_s
         self._swap = swap or SwapCosts()
         self.workers: dict[str, WorkerState] = {}
+        self.sharing: dict[str, SharingCosts] = {}
+        """By worker id: the costs of sharing its group is predicted with where its own
+        measurements moved off the pool's (`plexrl_scheduler.costs.by_worker`, kept by
+        the scheduler's costs step; `WorkerView.sharing`)."""
         self.jobs: dict[str, JobState] = {}
         self.pending: dict[str, Pending] = {}
         self.inflight: dict[str, InFlight] = {}
@@ -933,6 +938,7 @@ class ClusterState:
             preemptible_since=run.issued_at if run is not None and preemptible else None,
             healthy=self.healthy(wid),
             sliced=sliced,
+            sharing=self.sharing.get(wid),
         )
 
     def sliceable(self, job_id: str, worker_id: str) -> bool:
