@@ -793,6 +793,21 @@ def test_a_newcomers_home_is_reviewed_once_in_a_whole_decision() -> None:
     assert "j" not in {v.job_id for v in state.snapshot({"w0"}).jobs.values()}
 
 
+def test_under_a_policy_that_reviews_no_home_a_newcomers_calls_ask_for_no_whole_decision() -> None:
+    clock = Clock()
+    state = ClusterState(clock=clock, review_histories=2.0, review=False)  # fifo's
+    state.on_heartbeat(beat("w0"))
+    state.add_job("j", "t", JobSpec(base_model="m", state_bytes=10), home=None)
+    state.apply_admit("j", "w0", epoch=1)
+    clock.t += 11  # the history a review would wait for
+    state.on_request(req("r1", "j"), delivery(0))
+    state.apply_run("d", "w0", "j", state.take_pending(("r1",)), ())
+    state.take_touched(True)
+    state.on_completion(done("r1", "j"))
+    assert not state.everything_due and not state.due_for_review("j")
+    assert not state.snapshot().jobs["j"].review
+
+
 def test_a_job_kept_for_want_of_a_group_is_reviewed_at_whole_decisions_only() -> None:
     clock = Clock()
     state = ClusterState(clock=clock, review_histories=2.0)

@@ -606,14 +606,19 @@ class ClusterState:
             job.left_alone = job.left_alone and waits
 
     def _due_for_review(self, job: JobState, now: float) -> bool:
-        return job.provisional and job.history.has_history(now, self._review_after_s)
+        """Under a policy that reviews homes, the job is provisional and has the history
+        its review waits for (under one that does not, no job ever is: nothing would
+        answer the review, and each of its calls would ask for a whole decision)."""
+        return (
+            self._review and job.provisional and job.history.has_history(now, self._review_after_s)
+        )
 
     def due_for_review(self, job_id: str) -> bool:
         """The job's home is due for review, which only a whole decision that sees the
         job between calls makes: a direct lease on its worker, which shows the worker
         busy with the job, is taken back for it (`plexrl_scheduler.direct`)."""
         job = self.jobs.get(job_id)
-        return self._review and job is not None and self._due_for_review(job, self._clock())
+        return job is not None and self._due_for_review(job, self._clock())
 
     def between_calls(self, job_id: str) -> bool:
         """No call of the job is in flight on its home (dispatched, co-sampled in
