@@ -16,6 +16,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 import msgspec
 import pytest
+from prometheus_client import REGISTRY
 
 from plexrl.messages import (
     Datum,
@@ -33,6 +34,7 @@ from plexrl.messages import (
 from plexrl.models import ModelRegistry, init_tiny
 from plexrl.policy import PolicyConfig
 from plexrl.policy.costs import SharingCosts
+from plexrl_scheduler import metrics
 from plexrl_scheduler.costs import by_worker, learned, moved
 from plexrl_scheduler.main import learn_costs_of
 from plexrl_scheduler.state import ClusterState
@@ -157,11 +159,20 @@ def test_the_scheduler_predicts_a_group_with_its_workers_figures_where_they_stan
     views = state.snapshot().workers
     assert views["w2"].sharing == replace(policy.sharing, switch_s=0.05, tail_contention=3.0)
     assert views["w0"].sharing == replace(policy.sharing, switch_s=0.01, tail_contention=1.5)
+    metrics.observe_costs(policy.sharing, state.sharing)
+    assert _gauge("w2", "tail_contention") == 3.0 and _gauge("w0", "switch_s") == 0.01
     # Once the pool's figures are its own (w2 gone), a group is predicted with the pool's.
     del state.workers["w2"]
     policy = learn_costs_of(state, policy, least=20)
     assert policy.sharing.switch_s == pytest.approx(0.01)
     assert state.snapshot().workers["w0"].sharing is None
+    metrics.observe_costs(policy.sharing, state.sharing)
+    assert _gauge("w0", "switch_s") is None and _gauge("w2", "switch_s") is None
+
+
+def _gauge(worker: str, cost: str) -> float | None:
+    labels = {"worker": worker, "cost": cost}
+    return REGISTRY.get_sample_value("plexrl_scheduler_worker_sharing_cost", labels)
 
 
 def _engine(root: Path, config: EngineConfig) -> TorchEngine:

@@ -206,7 +206,7 @@ async def lead(
         nonlocal policy
         policy = learn_costs_of(state, policy, settings.sharing_learn_samples)
         follow_ups.policy = policy
-        metrics.observe_costs(policy.sharing)
+        metrics.observe_costs(policy.sharing, state.sharing)
 
     async def record() -> None:
         metrics.observe(state)

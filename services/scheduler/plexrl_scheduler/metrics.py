@@ -6,6 +6,8 @@ gauges are read off ClusterState once per loop turn by `observe`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from plexrl.policy.costs import SharingCosts
@@ -128,8 +130,24 @@ def observe(state: ClusterState) -> None:
     WORKERS_HEALTHY.set(sum(1 for w in state.workers if state.healthy(w)))
 
 
-def observe_costs(sharing: SharingCosts) -> None:
-    """The costs of sharing the policy predicts with now."""
-    SHARING_COSTS.labels("switch_s").set(sharing.switch_s)
-    SHARING_COSTS.labels("tail_min_share").set(sharing.tail_min_share)
-    SHARING_COSTS.labels("tail_contention").set(sharing.tail_contention)
+WORKER_SHARING_COSTS = Gauge(
+    "plexrl_scheduler_worker_sharing_cost",
+    "The costs of sharing the policy predicts a worker's group with, where its own "
+    "measurements stand apart from the pool's (the others: plexrl_scheduler_sharing_cost)",
+    ["worker", "cost"],
+)
+
+
+def observe_costs(sharing: SharingCosts, workers: Mapping[str, SharingCosts]) -> None:
+    """The costs of sharing the policy predicts with now: the pool's, and by worker
+    those of the groups predicted with their own."""
+    _set_costs(SHARING_COSTS, sharing)
+    WORKER_SHARING_COSTS.clear()  # (a worker back on the pool's figures, or gone)
+    for worker_id, own in workers.items():
+        _set_costs(WORKER_SHARING_COSTS, own, worker_id)
+
+
+def _set_costs(gauge: Gauge, costs: SharingCosts, *labels: str) -> None:
+    gauge.labels(*labels, "switch_s").set(costs.switch_s)
+    gauge.labels(*labels, "tail_min_share").set(costs.tail_min_share)
+    gauge.labels(*labels, "tail_contention").set(costs.tail_contention)
