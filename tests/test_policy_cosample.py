@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+import pytest
+from pydantic import ValidationError
+
 from plexrl.messages import Function, Tier
-from plexrl.policy import ClusterSnapshot, JobView, PendingCall, Run, WorkerView, co_sample
+from plexrl.policy import (
+    ClusterSnapshot,
+    JobView,
+    PendingCall,
+    Run,
+    WorkerView,
+    co_sample,
+    decide,
+)
 from plexrl.policy.actions import Admit
+from plexrl.settings import SchedulerSettings
+from plexrl_scheduler.main import policy_config
 
 W = WorkerView(worker_id="w0", device_bytes=10**9, host_bytes=10**9)
 
@@ -75,3 +90,18 @@ def test_room_runs_out_and_training_runs_are_left_alone() -> None:
     # A job with its own Run in the plan keeps its calls there.
     plan = (Run("w0", "a", ("a1",)), Admit("b", "w0"))
     assert co_sample(snap, plan, max_calls=32)[0].request_ids == ("a1", "b1", "b2")  # type: ignore[union-attr]
+
+
+def test_the_scheduler_setting_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    # PLEXRL_MAX_COSAMPLED_CALLS reaches the live policy: 0 leaves a sample Run alone.
+    snap = _snapshot([_job("a"), _job("b")], [("a1", "a", S, 1.0), ("b1", "b", S, 2.0)])
+    for value, calls in (("32", ("a1", "b1")), ("0", ("a1",))):
+        monkeypatch.setenv("PLEXRL_MAX_COSAMPLED_CALLS", value)
+        config = replace(policy_config(SchedulerSettings()), name="fifo")
+        (run,) = [
+            a for a in decide(snap, config).plan if isinstance(a, Run) and a.worker_id == "w0"
+        ]
+        assert run.request_ids == calls
+    monkeypatch.setenv("PLEXRL_MAX_COSAMPLED_CALLS", "-1")
+    with pytest.raises(ValidationError, match="max_cosampled_calls"):
+        SchedulerSettings()

@@ -272,6 +272,10 @@ class SchedulerSettings(CommonSettings):
     # sample batch yields to a waiting job whose calls are expected to take at most this
     # fraction of the batch's remaining seconds (once per batch). 0: off.
     preempt_ratio: float = Field(default=0.5, ge=0.0, le=1.0)
+    # Co-sampling (`PolicyConfig.max_cosampled_calls`): a dispatch of sample calls takes
+    # other jobs' sample calls waiting on its worker along, up to this many calls in all,
+    # decoded in one batch (each call's output as alone). 0: off.
+    max_cosampled_calls: int = Field(default=32, ge=0)
     # The plexrl policy's tenant share (`PolicyConfig.fair_share`): where several tenants'
     # jobs share a worker, the one that used it least lately goes first (one turn each),
     # a dispatch beside another tenant holds about one long call, and new jobs are homed

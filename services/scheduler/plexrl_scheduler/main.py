@@ -125,6 +125,7 @@ def policy_config(settings: SchedulerSettings) -> PolicyConfig:
         budget_over_cluster=settings.budget_over_cluster,
         hold_s=settings.hold_s,
         preempt_ratio=settings.preempt_ratio,
+        max_cosampled_calls=settings.max_cosampled_calls,
         fair_share=settings.fair_share,
         roam=settings.roam_samples,
         rehome=settings.rehome,
