@@ -33,6 +33,8 @@ from plexrl.policy.plexrl_policy import (
     step_phases,
     two_lanes_s,
 )
+from plexrl.settings import SchedulerSettings
+from plexrl_scheduler.main import policy_config
 
 GB = 10**9
 EST = CallEstimates(
@@ -493,6 +495,19 @@ def test_prefetch_brings_up_the_next_job_while_the_group_computes():
     (prefetch,) = plan(hinted, CFG)
     assert prefetch.job_id == "soon"
     assert plan(hinted, PolicyConfig(name="plexrl", prefetch=False)) == ()
+
+
+def test_the_scheduler_setting_turns_prefetch_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    hinted = snap(
+        [worker("g0", running="busy", busy_until=200.0)],
+        [job("busy", "g0"), job("soon", "g0", tier=Tier.HOST, idle_until=150.0)],
+        [],
+    )
+    for value, prefetched in (("true", 1), ("false", 0)):
+        monkeypatch.setenv("PLEXRL_PREFETCH", value)
+        monkeypatch.setenv("PLEXRL_POLICY", "plexrl")
+        config = policy_config(SchedulerSettings())
+        assert len(plan(hinted, config)) == prefetched
 
 
 def admits(actions) -> dict[str, str]:

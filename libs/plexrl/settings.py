@@ -272,6 +272,9 @@ class SchedulerSettings(CommonSettings):
     # sample batch yields to a waiting job whose calls are expected to take at most this
     # fraction of the batch's remaining seconds (once per batch). 0: off.
     preempt_ratio: float = Field(default=0.5, ge=0.0, le=1.0)
+    # The plexrl policy's prefetch (`PolicyConfig.prefetch`): while a worker runs one
+    # job's calls, the state of the job most likely next there is brought onto its device.
+    prefetch: bool = True
     # Co-sampling (`PolicyConfig.max_cosampled_calls`): a dispatch of sample calls takes
     # other jobs' sample calls waiting on its worker along, up to this many calls in all,
     # decoded in one batch (each call's output as alone). 0: off.

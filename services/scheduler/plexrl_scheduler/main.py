@@ -126,6 +126,7 @@ def policy_config(settings: SchedulerSettings) -> PolicyConfig:
         hold_s=settings.hold_s,
         preempt_ratio=settings.preempt_ratio,
         max_cosampled_calls=settings.max_cosampled_calls,
+        prefetch=settings.prefetch,
         fair_share=settings.fair_share,
         roam=settings.roam_samples,
         rehome=settings.rehome,
