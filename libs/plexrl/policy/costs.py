@@ -68,6 +68,14 @@ class SharingCosts:
                 f"contention_while is {self.contention_while!r}; use one of {CONTENTION_SCOPES}"
             )
 
+    def figures(self) -> dict[str, float]:
+        """The three costs by name, as the scheduler shows and exports them."""
+        return {
+            "switch_s": self.switch_s,
+            "tail_min_share": self.tail_min_share,
+            "tail_contention": self.tail_contention,
+        }
+
     def tail_share(self, util: float) -> float:
         """The share of the group a tail using `util` of it alone holds beside a Run."""
         return util if util > self.tail_min_share else self.tail_min_share

@@ -570,15 +570,10 @@ def sharing_status(
     """The costs of sharing the policy predicts with, and those its settings give
     (they differ where the workers' measurements replaced them); by worker, those of a
     group predicted with its own worker's figures."""
-    names = ("switch_s", "tail_min_share", "tail_contention")
-
-    def shown(costs: SharingCosts) -> dict[str, float]:
-        return {name: getattr(costs, name) for name in names}
-
     return {
-        "predicted": shown(predicted),
-        "set": shown(setting),
-        "workers": {wid: shown(costs) for wid, costs in sorted(workers.items())},
+        "predicted": predicted.figures(),
+        "set": setting.figures(),
+        "workers": {wid: costs.figures() for wid, costs in sorted(workers.items())},
     }
 
 

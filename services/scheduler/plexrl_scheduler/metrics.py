@@ -119,6 +119,12 @@ SHARING_COSTS = Gauge(
     "a fraction of a worker, tail_contention a factor), as set or as the workers measured",
     ["cost"],
 )
+WORKER_SHARING_COSTS = Gauge(
+    "plexrl_scheduler_worker_sharing_cost",
+    "The costs of sharing the policy predicts a worker's group with, where its own "
+    "measurements stand apart from the pool's (the others: plexrl_scheduler_sharing_cost)",
+    ["worker", "cost"],
+)
 
 
 def observe(state: ClusterState) -> None:
@@ -128,14 +134,6 @@ def observe(state: ClusterState) -> None:
     JOBS.set(len(state.jobs))
     HELD.set(len(state.held))
     WORKERS_HEALTHY.set(sum(1 for w in state.workers if state.healthy(w)))
-
-
-WORKER_SHARING_COSTS = Gauge(
-    "plexrl_scheduler_worker_sharing_cost",
-    "The costs of sharing the policy predicts a worker's group with, where its own "
-    "measurements stand apart from the pool's (the others: plexrl_scheduler_sharing_cost)",
-    ["worker", "cost"],
-)
 
 
 def observe_costs(sharing: SharingCosts, workers: Mapping[str, SharingCosts]) -> None:
@@ -148,6 +146,5 @@ def observe_costs(sharing: SharingCosts, workers: Mapping[str, SharingCosts]) ->
 
 
 def _set_costs(gauge: Gauge, costs: SharingCosts, *labels: str) -> None:
-    gauge.labels(*labels, "switch_s").set(costs.switch_s)
-    gauge.labels(*labels, "tail_min_share").set(costs.tail_min_share)
-    gauge.labels(*labels, "tail_contention").set(costs.tail_contention)
+    for name, value in costs.figures().items():
+        gauge.labels(*labels, name).set(value)
