@@ -154,8 +154,8 @@ def test_the_scheduler_predicts_a_group_with_its_workers_figures_where_they_stan
     # The pool: the three workers' mean, which the policy predicts every group with...
     assert policy.sharing.switch_s == pytest.approx(0.07 / 3)
     assert policy.sharing.tail_contention == pytest.approx(2.0)
-    # ...but w2's, whose worker measured its own apart from it (w0's and w1's 0.013 s
-    # from 0.023 s are too, by more than a tenth).
+    # ...but w2's, whose worker measured its own apart from it (w0's and w1's 0.010 s
+    # against the pool's 0.023 s are too, by more than a tenth).
     views = state.snapshot().workers
     assert views["w2"].sharing == replace(policy.sharing, switch_s=0.05, tail_contention=3.0)
     assert views["w0"].sharing == replace(policy.sharing, switch_s=0.01, tail_contention=1.5)
