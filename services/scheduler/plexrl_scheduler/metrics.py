@@ -7,6 +7,7 @@ gauges are read off ClusterState once per loop turn by `observe`.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import suppress
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -136,13 +137,25 @@ def observe(state: ClusterState) -> None:
     WORKERS_HEALTHY.set(sum(1 for w in state.workers if state.healthy(w)))
 
 
+_own_costs_shown: set[str] = set()
+"""The workers `WORKER_SHARING_COSTS` has series for."""
+
+
 def observe_costs(sharing: SharingCosts, workers: Mapping[str, SharingCosts]) -> None:
     """The costs of sharing the policy predicts with now: the pool's, and by worker
     those of the groups predicted with their own."""
     _set_costs(SHARING_COSTS, sharing)
-    WORKER_SHARING_COSTS.clear()  # (a worker back on the pool's figures, or gone)
     for worker_id, own in workers.items():
         _set_costs(WORKER_SHARING_COSTS, own, worker_id)
+    # A worker back on the pool's figures, or gone, loses its series; the others are
+    # set in place, never cleared first: /metrics is read on another thread, and a
+    # scrape between a clear and the sets would see a worker's series missing.
+    for worker_id in _own_costs_shown - workers.keys():
+        for name in SharingCosts().figures():
+            with suppress(KeyError):  # (a registry cleared under it, as tests do)
+                WORKER_SHARING_COSTS.remove(worker_id, name)
+    _own_costs_shown.clear()
+    _own_costs_shown.update(workers)
 
 
 def _set_costs(gauge: Gauge, costs: SharingCosts, *labels: str) -> None:
