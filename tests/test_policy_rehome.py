@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from plexrl.messages import Function, Tier
-from plexrl.policy import JobView, PolicyConfig, Rehome, Run, decide, plan
+from plexrl.policy import JobView, PolicyConfig, Rehome, Run, decide, lone_pairs, plan
 from tests.test_policy_plexrl import call, job, snap, worker
 
 CFG = PolicyConfig(name="plexrl")
@@ -122,3 +122,31 @@ def test_a_fixed_pool_moves_only_for_a_gain_above_the_threshold():
     even = [job("a", "g0", duty=0.02, step_calls=STEPS), reviewed("new", "g0", 0.02)]
     s = snap([worker("g0"), worker("g1")], even + quiet, [])
     assert rehomes(plan(s, fixed)) == [Rehome("new", "g0", "g0")]
+
+
+def test_of_the_jobs_alone_one_of_each_pair_within_budget_is_named_for_review():
+    # Four groups each holding one job: a and b could share within budget, so could c
+    # and d; each pair is named once (its first job by id), the busy e with nobody.
+    quiet = [job(j, f"g{i}", duty=0.02, step_calls=STEPS) for i, j in enumerate("abcd")]
+    busy = job("e", "g4", duty=0.6, step_calls=STEPS)
+    workers = [worker(f"g{i}") for i in range(6)]
+    assert lone_pairs(snap(workers, [*quiet, busy], []), CFG) == ["a", "c"]
+    # Two busy ones alone: none.
+    other = job("f", "g5", duty=0.5, step_calls=STEPS)
+    assert lone_pairs(snap(workers, [other, busy], []), CFG) == []
+    # A job sharing its group is not alone; one not created yet (no tier) is not homed.
+    shared = [*quiet[:2], job("x", "g0", duty=0.02, step_calls=STEPS)]
+    assert lone_pairs(snap(workers, shared, []), CFG) == []
+    fresh = [quiet[0], replace(quiet[1], tier=None)]
+    assert lone_pairs(snap(workers, fresh, []), CFG) == []
+
+
+def test_jobs_alone_are_named_only_where_a_job_left_alone_would_be_reviewed():
+    quiet = [job(j, f"g{i}", duty=0.02, step_calls=STEPS) for i, j in enumerate("ab")]
+    s = snap([worker("g0"), worker("g1")], quiet, [])
+    assert lone_pairs(s, CFG) == ["a"]
+    assert lone_pairs(s, replace(CFG, rehome_lone=False)) == []
+    assert lone_pairs(s, replace(CFG, review_alone=False)) == []
+    assert lone_pairs(s, replace(CFG, rehome=False)) == []
+    assert lone_pairs(s, replace(CFG, pack=False)) == []
+    assert lone_pairs(s, PolicyConfig(name="fifo")) == []

@@ -859,6 +859,33 @@ def test_a_job_left_alone_on_its_worker_is_reviewed_again() -> None:
         assert state.jobs["c"].review_reason == "newcomer"
 
 
+def test_jobs_alone_that_another_alone_could_take_are_reviewed_again() -> None:
+    for lone in (True, False):
+        clock = Clock()
+        state = ClusterState(clock=clock, review_histories=1.0, review_lone=lone)
+        assert state.review_interval_s == 5.0
+        for w, j in (("w0", "a"), ("w1", "b")):
+            state.on_heartbeat(beat(w))
+            state.add_job(j, "t", JobSpec(base_model="m", state_bytes=10), home=None)
+            state.apply_admit(j, w, epoch=1)
+        clock.t += 10
+        for j in ("a", "b"):
+            state.apply_review(j)  # reviewed once as newcomers, each kept alone
+        state.take_touched(True)
+        # The policy names a (`plexrl.policy.lone_pairs`), and a job it does not know.
+        state.review_alone(["a", "gone"])
+        views = state.snapshot().jobs
+        assert views["a"].review is lone and not views["b"].review
+        assert state.everything_due is lone
+        if lone:
+            assert state.jobs["a"].review_reason == "alone"
+            # Named again while under review: nothing changes; answered, it is settled.
+            state.review_alone(["a"])
+            state.apply_review("a")
+            assert not state.snapshot().jobs["a"].review
+            assert state.jobs["a"].review_reason == "newcomer"
+
+
 def test_a_job_admitted_on_its_own_figures_is_not_reviewed() -> None:
     clock = Clock()
     state = ClusterState(clock=clock, review_histories=1.0)

@@ -85,30 +85,30 @@ PINNED: dict = {
     (0, 1): {
         "split_vs_isolated": {"7B": -0.1099, "30B": -0.1774, "235B": -0.1},
         "own": {
-            "occupied_vs_split_async": {"7B": -0.2729, "30B": -0.1149, "235B": -0.2165},
+            "occupied_vs_split_async": {"7B": -0.2746, "30B": -0.1149, "235B": -0.2165},
             "alone_billed_vs_split_async": {"7B": -0.7815, "30B": -0.6967, "235B": -0.8114},
-            "mean_slowdown": 0.0377,
-            "mean_slowdown_vs_split_async": 0.2075,
+            "mean_slowdown": 0.0374,
+            "mean_slowdown_vs_split_async": 0.2071,
             "makespan_vs_isolated": 1.0065,
         },
     },
     (1, 1): {
         "split_vs_isolated": {"7B": 0.0257, "30B": 0.0411, "235B": 0.0311},
         "own": {
-            "occupied_vs_split_async": {"7B": -0.3138, "30B": -0.3347, "235B": -0.3654},
+            "occupied_vs_split_async": {"7B": -0.3258, "30B": -0.3326, "235B": -0.3664},
             "alone_billed_vs_split_async": {"7B": -0.7815, "30B": -0.6967, "235B": -0.8114},
-            "mean_slowdown": 0.0421,
-            "mean_slowdown_vs_split_async": 0.0073,
+            "mean_slowdown": 0.0412,
+            "mean_slowdown_vs_split_async": 0.0065,
             "makespan_vs_isolated": 1.004,
         },
     },
     (1, 8): {
         "split_vs_isolated": {"7B": 0.0257, "30B": 0.0411, "235B": 0.0311},
         "own": {
-            "occupied_vs_split_async": {"7B": -0.2723, "30B": -0.3646, "235B": -0.3663},
+            "occupied_vs_split_async": {"7B": -0.3655, "30B": -0.3286, "235B": -0.3057},
             "alone_billed_vs_split_async": {"7B": -0.7815, "30B": -0.6967, "235B": -0.8114},
-            "mean_slowdown": 0.0412,
-            "mean_slowdown_vs_split_async": 0.0065,
+            "mean_slowdown": 0.0389,
+            "mean_slowdown_vs_split_async": 0.0043,
             "makespan_vs_isolated": 1.0038,
         },
     },
@@ -120,6 +120,7 @@ with the live scheduler's rules in the simulator, the costs of sharing in the
 prediction (an asynchronous job's step the longer of its lanes, its slack moving with
 its stalls), the budget a mean over every homed job, the longest declared work
 admitted first (every job declares its steps), newcomers re-homed once their
-figures are known and a job left alone re-homed beside another alone (a small, short-job
+figures are known, a job left alone re-homed beside another alone and the jobs alone asked
+about again every review interval (a small, short-job
 slice: its figures are not the trace's;
 docs/simulator.md has those)."""

@@ -1,6 +1,6 @@
 """Re-homing in the simulator: a newcomer's home reviewed once its own figures are known,
-and a job's again once it is left alone on its group, carried out by the executor with
-the costs of a restore from the disk tier."""
+and a job's again once it is left alone on its group or, alone, another alone could take
+it, carried out by the executor with the costs of a restore from the disk tier."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def runs(setup: Setup) -> dict[str, DeploymentResult]:
         "on": run_deployment(setup, "plexrl+tail"),
         "off": run_deployment(setup, "plexrl+tail", overrides={"rehome": False}),
         "newcomers": run_deployment(setup, "plexrl+tail", overrides={"rehome_lone": False}),
+        "left alone": run_deployment(setup, "plexrl+tail", overrides={"review_alone": False}),
     }
 
 
@@ -49,6 +50,15 @@ def test_a_job_left_alone_is_reviewed_again(runs: dict[str, DeploymentResult]):
     on, newcomers = runs["on"].counts, runs["newcomers"].counts
     assert 0 < on["rehomed_alone"] <= on["rehomed"]
     assert newcomers["rehomed_alone"] == 0 and newcomers["rehomed"] > 0
+
+
+def test_jobs_alone_are_asked_about_again_every_review_interval(
+    runs: dict[str, DeploymentResult],
+):
+    # Reviewed only when left alone, a job alone whose pair was refused then stays alone;
+    # asked about again (`plexrl.policy.lone_pairs`), more of them join another alone.
+    on, left = runs["on"].counts, runs["left alone"].counts
+    assert on["rehomed_alone"] > left["rehomed_alone"] > 0
 
 
 def test_a_moved_job_pays_its_restore(runs: dict[str, DeploymentResult]):

@@ -296,6 +296,10 @@ class SchedulerSettings(CommonSettings):
     # (`PolicyConfig.rehome_lone`): packing, it joins a job alone on another worker
     # where both stay within the budget, and its worker is freed.
     rehome_lone: bool = True
+    # With that, every review interval a job alone on its worker that another job alone
+    # could take within the budget is reviewed again (`PolicyConfig.review_alone`): a
+    # pair refused when one of them was left alone may fit on what they learned since.
+    review_alone: bool = True
     # A newcomer's home is reviewed once it has this many times the history (5 s) its
     # own figures need (`PolicyConfig.review_histories`): early figures are noisy.
     review_histories: float = Field(default=8.0, ge=1.0)

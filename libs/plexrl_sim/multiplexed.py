@@ -38,6 +38,7 @@ from plexrl.policy import (
     Reject,
     Run,
     decide,
+    lone_pairs,
 )
 from plexrl.policy.history import Prior, priors
 from plexrl_sim.accounting import Accounting
@@ -112,6 +113,8 @@ class MultiplexedSim:
         self._alone: set[str] = set()
         """Jobs due for review because their last neighbour left (`_left_alone`)."""
         self.rehomed_alone = 0
+        self._lone_at = 0.0
+        """When the jobs alone on their groups are next asked about (`_lone_pairs`)."""
         """Of the moves, those of a job left alone on its group."""
         self._awaiting: set[str] = set()
         """Jobs kept where they are under review for want of a group to take them
@@ -219,6 +222,19 @@ class MultiplexedSim:
                     self._reviews |= self._due_for_review(job)
         left.clear()
 
+    def _lone_pairs(self) -> None:
+        """Every review interval, a job alone on its group that another alone could take
+        within budget is due for review as a job left alone is (`plexrl.policy.
+        lone_pairs`): a pair refused when one of them was left alone may fit on the
+        figures they learned since."""
+        self._lone_at = self.now + self._review_after_s
+        for job_id in lone_pairs(self.full_snapshot(), self.config):
+            job = self.jobs[job_id]
+            if not job.provisional:
+                job.provisional = True
+                self._alone.add(job_id)
+                self._reviews |= self._due_for_review(job)
+
     def _another_alone(self, home: SimGroup) -> bool:
         devices = home.spec.devices
         for group in self.groups.values():
@@ -252,6 +268,8 @@ class MultiplexedSim:
         attention = self.attention
         if attention.left_alone:
             self._left_alone()
+        if self._review_lone and self.now >= self._lone_at:
+            self._lone_pairs()
         if attention.admission_due or self._reviews:
             attention.admission_due = False
             if self.waiting or self._reviews or self._awaiting:

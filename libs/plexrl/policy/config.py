@@ -119,6 +119,12 @@ class PolicyConfig:
     home reviewed again: packing, it joins a job alone on another group where both
     stay within budget, and its own group is freed. False: only a newcomer's home is
     reviewed."""
+    review_alone: bool = True
+    """With `rehome_lone`, every review interval (`review_histories`) a job alone on
+    its group that another job alone could take within budget, on the figures the two
+    have now, is reviewed again (`plexrl_policy.lone_pairs`): a pair refused when one of
+    them was left alone may fit on what they learned since. False: a job alone is
+    reviewed only when it is left alone."""
     review_histories: float = 8.0
     """A newcomer's home is reviewed once it has this many times the history the
     scheduler needs before it judges a job by its own figures (`min_history_s`): a

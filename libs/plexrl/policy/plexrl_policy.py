@@ -883,6 +883,57 @@ class InterferenceFit:
         on a group is optimistic (its neighbours meet each other)."""
         return self._fullest_within(snapshot, job, self.figures(job), empty_ok=False, most=1)
 
+    def lone_pairs(self, snapshot: ClusterSnapshot) -> list[str]:
+        """Of the jobs each alone on its group, one of each two that could share one of
+        the two groups within budget (their figures as they are now; the first such
+        pair of each job by job id): the jobs whose review (`plexrl.policy.rehome`)
+        may free a group. A pre-check: the review decides, the job itself out of the
+        cluster's jobs (here it is counted on its own group too, alone, at no
+        slowdown)."""
+        self._every_group(snapshot)
+        lone: dict[str, JobView] = {}
+        for worker_id in snapshot.workers:
+            homed = snapshot.homed_view(worker_id)
+            if len(homed) == 1 and homed[0].tier is not None:
+                lone[worker_id] = homed[0]
+        paired: set[str] = set()
+        marked: list[str] = []
+        for home, job in sorted(lone.items(), key=lambda kv: kv[1].job_id):
+            if job.job_id in paired:
+                continue
+            fig = self.figures(job)
+            busiest = self.busiest(job)
+            for worker in self._size_class(snapshot, job):
+                other = lone.get(worker.worker_id)
+                if worker.worker_id == home or other is None or other.job_id in paired:
+                    continue
+                group = self._group(snapshot, worker.worker_id)
+                if group.reserved + job.state_bytes > worker.device_bytes + worker.host_bytes:
+                    continue
+                if group.load + fig.duty >= 1.0:
+                    continue
+                total = self._total_within_guard(group, fig)
+                if total is not None and self._within_given(group, total, busiest):
+                    marked.append(job.job_id)
+                    paired.update((job.job_id, other.job_id))
+                    break
+        return marked
+
+
+def lone_pairs(snapshot: ClusterSnapshot, config: PolicyConfig) -> list[str]:
+    """Jobs alone on their group whose home a review should look at again, because
+    another job alone on a group of their size could take them within budget
+    (`InterferenceFit.lone_pairs`); none unless the policy re-homes jobs left alone
+    and reviews them again (`PolicyConfig.rehome_lone`, `review_alone`, packing). The
+    callers ask every review interval and mark them for review as a job left alone
+    is: a pair refused when one of its jobs was left alone may fit later, on the
+    figures the two have learned since."""
+    if config.name != "plexrl" or not (
+        config.rehome and config.rehome_lone and config.review_alone and config.pack
+    ):
+        return []
+    return interference_fit(config).lone_pairs(snapshot)
+
 
 def interference_fit(config: PolicyConfig) -> InterferenceFit:
     """A fresh placement model for one admission (or re-homing) pass."""

@@ -27,7 +27,7 @@ from plexrl.kafka import (
 from plexrl.lease import Fence, Term
 from plexrl.ledger import Ledger
 from plexrl.messages import Dispatch, Event, PhaseCompletion, PhaseRequest
-from plexrl.policy import PolicyConfig, decide
+from plexrl.policy import PolicyConfig, decide, lone_pairs
 from plexrl.policy.costs import SharingCosts
 from plexrl.retry import retrieved
 from plexrl.service import join_cluster
@@ -131,6 +131,7 @@ def policy_config(settings: SchedulerSettings) -> PolicyConfig:
         roam=settings.roam_samples,
         rehome=settings.rehome,
         rehome_lone=settings.rehome_lone,
+        review_alone=settings.review_alone,
         review_histories=settings.review_histories,
         sharing=settings.sharing(),
     )
@@ -213,6 +214,9 @@ async def lead(
     async def record() -> None:
         metrics.observe(state)
 
+    async def review_alone() -> None:
+        state.review_alone(lone_pairs(state.snapshot(), policy))
+
     async def fetch_completions() -> None:
         fetch = completions_fetch(bool(state.pending), bool(state.inflight), bool(state.held))
         inbox.completions.tune(fetch)
@@ -232,6 +236,8 @@ async def lead(
             Step("record", record, every_s=0.5),
             # The costs of sharing the policy predicts with, as the workers measure them.
             Step("costs", learn_costs, every_s=2.0),
+            # Two jobs each alone on a group that could share one: one is reviewed.
+            Step("jobs alone", review_alone, every_s=state.review_interval_s),
         ]
     )
     watched[:] = consumers

@@ -52,7 +52,8 @@ REHOMES = Counter(
     "plexrl_scheduler_rehomes_total",
     "Jobs moved to another worker on a review of their home (plexrl policy, "
     "PLEXRL_REHOME), by the worker they left and why they were reviewed: newcomer "
-    "(their own figures now known) or left alone (their last neighbour gone)",
+    "(their own figures now known), left alone (their last neighbour gone) or alone "
+    "(another job alone could take it)",
     ["worker", "why"],
 )
 HOLDING_PASSES = Counter(

@@ -126,13 +126,19 @@ class JobState:
     left_alone: bool = False
     """Its review is due because its last neighbour left its group, not as a
     newcomer's (`review_reason`)."""
+    alone: bool = False
+    """Its review is due because it is alone on its group and another job alone could
+    take it within budget (`plexrl.policy.lone_pairs`, `review_reason`)."""
     described: _Described | None = field(default=None, repr=False, compare=False)
     """Its figures for the policy as last described (`ClusterState._view`)."""
 
     @property
     def review_reason(self) -> str:
-        """Why its home is under review: `newcomer` or `left alone`."""
-        return "left alone" if self.left_alone else "newcomer"
+        """Why its home is under review: `newcomer`, `left alone` or `alone` (another
+        job alone could take it)."""
+        if self.left_alone:
+            return "left alone"
+        return "alone" if self.alone else "newcomer"
 
     @property
     def loop_staleness(self) -> int:
@@ -577,7 +583,7 @@ class ClusterState:
         job = self.jobs[job_id]
         old = job.home
         self.apply_admit(job_id, worker_id, epoch)
-        job.provisional = job.awaiting = job.left_alone = False
+        job.provisional = job.awaiting = job.left_alone = job.alone = False
         job.tier = Tier.DISK if job.tier is not None else None
         self._touch(old)
         self._touch(worker_id)
@@ -597,6 +603,27 @@ class ClusterState:
             if self._due_for_review(homed[0], now):
                 self._touch(None)
 
+    @property
+    def review_interval_s(self) -> float:
+        """How much history a newcomer's review waits for; also how often the jobs alone
+        on their groups are asked about (`review_alone`)."""
+        return self._review_after_s
+
+    def review_alone(self, job_ids: Iterable[str]) -> None:
+        """Jobs alone on their groups that another job alone could take within budget
+        (`plexrl.policy.lone_pairs`): each is due for review, as a job left alone is,
+        at the next whole decision (`PolicyConfig.rehome_lone`)."""
+        if not self._review_lone:
+            return
+        now = self._clock()
+        for job_id in job_ids:
+            job = self.jobs.get(job_id)
+            if job is None or job.provisional or job.awaiting:
+                continue
+            job.provisional = job.alone = True
+            if self._due_for_review(job, now):
+                self._touch(None)
+
     def apply_review(self, job_id: str, waits: bool = False) -> None:
         """The policy kept the job where it is (`plexrl.policy.Rehome` to its own home):
         its review is done, or (`waits`) goes on at later whole decisions."""
@@ -604,6 +631,7 @@ class ClusterState:
         if job is not None:
             job.provisional = job.awaiting = waits
             job.left_alone = job.left_alone and waits
+            job.alone = job.alone and waits
 
     def _due_for_review(self, job: JobState, now: float) -> bool:
         """Under a policy that reviews homes, the job is provisional and has the history
