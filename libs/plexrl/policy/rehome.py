@@ -13,11 +13,11 @@ the policy asks where it would home it now, everyone else staying where they are
   where neither exists it stays, under review, until one does;
 - alone on a group (the guard kept it off the shared ones, or its last neighbour left:
   `PolicyConfig.rehome_lone`, or, asked every review interval, another job alone could
-  take it: `PolicyConfig.review_alone`, `plexrl_policy.lone_pairs`): packing, a group holding one job where both stay
-  within (the fullest), so its own group is freed (for a waiting job, which the
-  newcomer guard may keep off the group this one joins, or released). Only a job
-  alone: the prediction is checked against forced pairs, and is optimistic for a
-  third job, whose neighbours meet each other;
+  take it: `PolicyConfig.review_alone`, `plexrl_policy.lone_pairs`): packing, a group
+  holding one job where both stay within (the fullest), so its own group is freed (for
+  a waiting job, which the newcomer guard may keep off the group this one joins, or
+  released). Only a job alone: the prediction is checked against forced pairs, and is
+  optimistic for a third job, whose neighbours meet each other;
 - in a fixed pool (`pack` False): the group where the jobs' summed predicted slowdown
   grows least with it, when that is less than where it is by `rehome_gain`.
 
