@@ -48,6 +48,13 @@ def scheduler_log(cluster: LocalCluster) -> list[str]:
     return cluster.logs()["scheduler"].read_text(errors="replace").splitlines()
 
 
+def homes(cluster: LocalCluster) -> dict[str, str]:
+    """Where the scheduler admitted each job (its log's "admitted <job> on <worker>")."""
+    lines = [line.split("admitted ", 1) for line in scheduler_log(cluster)]
+    admitted = [words[1].split() for words in lines if len(words) == 2]
+    return {words[0]: words[2] for words in admitted if len(words) == 3 and words[1] == "on"}
+
+
 def rehomed(cluster: LocalCluster) -> list[str]:
     return [line for line in scheduler_log(cluster) if "re-homed " in line]
 

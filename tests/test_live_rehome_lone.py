@@ -31,7 +31,7 @@ import pytest
 import tinker
 
 from plexrl_tools.cluster import ClusterConfig, LocalCluster
-from tests.rehome_fixtures import alone, create, ran_on, rehomed, scheduler_log, step
+from tests.rehome_fixtures import alone, create, homes, ran_on, rehomed, scheduler_log, step
 
 pytestmark = pytest.mark.integration
 
@@ -65,6 +65,9 @@ def cluster(
             "PLEXRL_DORMANT_S": str(DORMANT_S),
             # The premise above: the switch as set, not as the worker measures it.
             "PLEXRL_SHARING_LEARN_SAMPLES": "0",
+            # The path under test is the one a neighbour's leaving opens: the jobs alone
+            # are not asked about between times (test_live_rehome_alone.py).
+            "PLEXRL_REVIEW_ALONE": "false",
         },
     )
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -87,13 +90,6 @@ def unload(cluster: LocalCluster, model_id: str) -> None:
             if done.status_code != 408:
                 break
         assert done.status_code == 200 and done.json()["type"] == "unload_model", done.text
-
-
-def homes(cluster: LocalCluster) -> dict[str, str]:
-    """Where the scheduler admitted each job (its log's "admitted <job> on <worker>")."""
-    lines = [line.split("admitted ", 1) for line in scheduler_log(cluster)]
-    admitted = [words[1].split() for words in lines if len(words) == 2]
-    return {words[0]: words[2] for words in admitted if len(words) == 3 and words[1] == "on"}
 
 
 def test_a_job_left_alone_joins_a_job_alone_and_learns_as_alone(cluster: LocalCluster) -> None:
