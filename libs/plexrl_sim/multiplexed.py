@@ -39,6 +39,7 @@ from plexrl.policy import (
     Run,
     decide,
     lone_pairs,
+    reviews_alone,
 )
 from plexrl.policy.history import Prior, priors
 from plexrl_sim.accounting import Accounting
@@ -113,9 +114,10 @@ class MultiplexedSim:
         self._alone: set[str] = set()
         """Jobs due for review because their last neighbour left (`_left_alone`)."""
         self.rehomed_alone = 0
+        """Of the moves, those of a job left alone on its group."""
+        self._asks_alone = self._reviewing and reviews_alone(config)
         self._lone_at = 0.0
         """When the jobs alone on their groups are next asked about (`_lone_pairs`)."""
-        """Of the moves, those of a job left alone on its group."""
         self._awaiting: set[str] = set()
         """Jobs kept where they are under review for want of a group to take them
         (`Rehome.waits`): reviewed again at each decision on every group that follows a
@@ -268,7 +270,7 @@ class MultiplexedSim:
         attention = self.attention
         if attention.left_alone:
             self._left_alone()
-        if self._review_lone and self.now >= self._lone_at:
+        if self._asks_alone and self.now >= self._lone_at:
             self._lone_pairs()
         if attention.admission_due or self._reviews:
             attention.admission_due = False

@@ -29,7 +29,7 @@ from plexrl.policy.cosample import co_sample
 from plexrl.policy.fifo import plan_fifo
 from plexrl.policy.follow import follow_up
 from plexrl.policy.pack import plan_pack
-from plexrl.policy.plexrl_policy import lone_pairs, plan_plexrl
+from plexrl.policy.plexrl_policy import lone_pairs, plan_plexrl, reviews_alone
 from plexrl.policy.preempt import preemptions
 from plexrl.policy.snapshot import (
     CallEstimates,
@@ -108,4 +108,5 @@ __all__ = [
     "lone_pairs",
     "plan",
     "preemptions",
+    "reviews_alone",
 ]

@@ -721,7 +721,7 @@ class InterferenceFit:
         fits: list[tuple[int, WorkerView, _Group]] = []
         for i, worker in enumerate(self._size_class(snapshot, job)):
             group = self._group(snapshot, worker.worker_id)
-            if group.reserved + job.state_bytes <= worker.device_bytes + worker.host_bytes:
+            if _holds(worker, group, job):
                 fits.append((i, worker, group))
         if not fits:
             return None
@@ -804,7 +804,7 @@ class InterferenceFit:
         tenant = job.tenant
         for i, worker in enumerate(self._size_class(snapshot, job)):
             group = self._group(snapshot, worker.worker_id)
-            if group.reserved + job.state_bytes > worker.device_bytes + worker.host_bytes:
+            if not _holds(worker, group, job):
                 continue
             if not group.members:
                 empty = empty or worker
@@ -908,29 +908,41 @@ class InterferenceFit:
                 if worker.worker_id == home or other is None or other.job_id in paired:
                     continue
                 group = self._group(snapshot, worker.worker_id)
-                if group.reserved + job.state_bytes > worker.device_bytes + worker.host_bytes:
+                if not _holds(worker, group, job) or group.load + fig.duty >= 1.0:
                     continue
-                if group.load + fig.duty >= 1.0:
-                    continue
-                total = self._total_within_guard(group, fig)
-                if total is not None and self._within_given(group, total, busiest):
+                if self._within_adding(group, fig, busiest):
                     marked.append(job.job_id)
                     paired.update((job.job_id, other.job_id))
                     break
         return marked
 
 
+def _holds(worker: WorkerView, group: _Group, job: JobView) -> bool:
+    """Whether the group's device and host tiers hold `job`'s state beside its jobs'."""
+    return group.reserved + job.state_bytes <= worker.device_bytes + worker.host_bytes
+
+
+def reviews_alone(config: PolicyConfig) -> bool:
+    """Whether the policy asks about the jobs alone every review interval
+    (`lone_pairs`): the plexrl policy, packing, re-homing jobs left alone, and
+    `PolicyConfig.review_alone`."""
+    return (
+        config.name == "plexrl"
+        and config.pack
+        and config.rehome
+        and config.rehome_lone
+        and config.review_alone
+    )
+
+
 def lone_pairs(snapshot: ClusterSnapshot, config: PolicyConfig) -> list[str]:
     """Jobs alone on their group whose home a review should look at again, because
     another job alone on a group of their size could take them within budget
     (`InterferenceFit.lone_pairs`); none unless the policy re-homes jobs left alone
-    and reviews them again (`PolicyConfig.rehome_lone`, `review_alone`, packing). The
-    callers ask every review interval and mark them for review as a job left alone
-    is: a pair refused when one of its jobs was left alone may fit later, on the
-    figures the two have learned since."""
-    if config.name != "plexrl" or not (
-        config.rehome and config.rehome_lone and config.review_alone and config.pack
-    ):
+    and reviews them again (`reviews_alone`). The callers ask every review interval
+    and mark them for review as a job left alone is: a pair refused when one of its
+    jobs was left alone may fit later, on the figures the two have learned since."""
+    if not reviews_alone(config):
         return []
     return interference_fit(config).lone_pairs(snapshot)
 

@@ -27,7 +27,7 @@ from plexrl.kafka import (
 from plexrl.lease import Fence, Term
 from plexrl.ledger import Ledger
 from plexrl.messages import Dispatch, Event, PhaseCompletion, PhaseRequest
-from plexrl.policy import PolicyConfig, decide, lone_pairs
+from plexrl.policy import PolicyConfig, decide, lone_pairs, reviews_alone
 from plexrl.policy.costs import SharingCosts
 from plexrl.retry import retrieved
 from plexrl.service import join_cluster
@@ -221,25 +221,24 @@ async def lead(
         fetch = completions_fetch(bool(state.pending), bool(state.inflight), bool(state.held))
         inbox.completions.tune(fetch)
 
-    loop = ControlLoop(  # each step guarded: a failure is logged, the next pass retries
-        [
-            Step("topics", lambda: ensure_worker_topics(settings, topics, receiver)),
-            # Dead workers and lost dispatches give calls back (timeouts of seconds).
-            Step("reap", liveness.reap, every_s=0.1),
-            Step("decide and act", lambda: decide_and_act(state, policy, actuator, pace)),
-            # A running job's next calls behind its dispatch, when no other job waits there.
-            Step("follow-ups", follow_ups.step),
-            # Grants where a job's dispatch just ended, renewals, revocations on demand.
-            Step("direct leases", direct.step),
-            # Fuller completions fetches only while direct leases carry every call.
-            Step("completions fetch", fetch_completions),
-            Step("record", record, every_s=0.5),
-            # The costs of sharing the policy predicts with, as the workers measure them.
-            Step("costs", learn_costs, every_s=2.0),
-            # Two jobs each alone on a group that could share one: one is reviewed.
-            Step("jobs alone", review_alone, every_s=state.review_interval_s),
-        ]
-    )
+    steps = [
+        Step("topics", lambda: ensure_worker_topics(settings, topics, receiver)),
+        # Dead workers and lost dispatches give calls back (timeouts of seconds).
+        Step("reap", liveness.reap, every_s=0.1),
+        Step("decide and act", lambda: decide_and_act(state, policy, actuator, pace)),
+        # A running job's next calls behind its dispatch, when no other job waits there.
+        Step("follow-ups", follow_ups.step),
+        # Grants where a job's dispatch just ended, renewals, revocations on demand.
+        Step("direct leases", direct.step),
+        # Fuller completions fetches only while direct leases carry every call.
+        Step("completions fetch", fetch_completions),
+        Step("record", record, every_s=0.5),
+        # The costs of sharing the policy predicts with, as the workers measure them.
+        Step("costs", learn_costs, every_s=2.0),
+    ]
+    if reviews_alone(policy):  # two jobs each alone that could share a worker: one reviewed
+        steps.append(Step("jobs alone", review_alone, every_s=state.review_interval_s))
+    loop = ControlLoop(steps)  # each step guarded: a failure is logged, the next pass retries
     watched[:] = consumers
     tasks = [asyncio.create_task(c.run(stop)) for c in consumers]
 
