@@ -4,6 +4,9 @@ alone with the same seed."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import httpx
 import tinker
 from tinker import types
@@ -64,3 +67,25 @@ def alone(cluster: LocalCluster, key: str, seed: int, steps: int) -> list[float]
     service = tinker.ServiceClient(base_url=cluster.config.gateway_url, api_key=key)
     client = create(service, seed)
     return [step(client) for _ in range(steps)]
+
+
+def kept_apart(
+    cluster: LocalCluster,
+    ids: dict[str, str],
+    losses: dict[str, list[float]],
+    train: Callable[[str, int], None],
+    homes_of: dict[str, str],
+) -> None:
+    """Train the jobs (by name, on the workers `homes_of` names) a step each in turn
+    until each has been reviewed as a newcomer and kept where it is, bounded in steps
+    and time; fails unless every one was."""
+    kept = [f"reviewed {ids[n]} (newcomer): it stays on {home}" for n, home in homes_of.items()]
+    first = next(iter(homes_of))
+    deadline = time.monotonic() + 60.0
+    while time.monotonic() < deadline and len(losses[first]) < 200:
+        if all(any(k in line for line in scheduler_log(cluster)) for k in kept):
+            break
+        for name in homes_of:
+            train(name, 1)
+    log = scheduler_log(cluster)
+    assert all(any(k in line for line in log) for k in kept), kept

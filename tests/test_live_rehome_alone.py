@@ -27,7 +27,15 @@ import pytest
 import tinker
 
 from plexrl_tools.cluster import ClusterConfig, LocalCluster
-from tests.rehome_fixtures import alone, create, homes, ran_on, rehomed, scheduler_log, step
+from tests.rehome_fixtures import (
+    alone,
+    create,
+    homes,
+    kept_apart,
+    ran_on,
+    rehomed,
+    step,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -79,17 +87,7 @@ def test_two_jobs_alone_that_fit_together_are_paired(cluster: LocalCluster) -> N
         train(name, STEPS)
     assert [homes(cluster).get(ids[n]) for n in ("a", "c")] == [FIRST, SECOND]
     # Both train on until each has been reviewed as a newcomer and kept where it is.
-    kept = {
-        n: f"reviewed {ids[n]} (newcomer): it stays on {home}"
-        for n, home in (("a", FIRST), ("c", SECOND))
-    }
-    deadline = time.monotonic() + 60.0
-    while time.monotonic() < deadline and len(losses["a"]) < 200:
-        if all(any(k in line for line in scheduler_log(cluster)) for k in kept.values()):
-            break
-        train("a", 1)
-        train("c", 1)
-    assert all(any(k in line for line in scheduler_log(cluster)) for k in kept.values()), kept
+    kept_apart(cluster, ids, losses, train, {"a": FIRST, "c": SECOND})
     assert not rehomed(cluster)
 
     # C stops; A trains on, alone on its worker, a step every quarter second, until one

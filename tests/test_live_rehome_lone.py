@@ -31,7 +31,15 @@ import pytest
 import tinker
 
 from plexrl_tools.cluster import ClusterConfig, LocalCluster
-from tests.rehome_fixtures import alone, create, homes, ran_on, rehomed, scheduler_log, step
+from tests.rehome_fixtures import (
+    alone,
+    create,
+    homes,
+    kept_apart,
+    ran_on,
+    rehomed,
+    step,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -110,18 +118,7 @@ def test_a_job_left_alone_joins_a_job_alone_and_learns_as_alone(cluster: LocalCl
     # Both train on until each has been reviewed as a newcomer, active, and kept where
     # it is (together they would be over the budget): the move below is then the
     # review of a job left alone, not a newcomer's first.
-    kept = {
-        n: f"reviewed {ids[n]} (newcomer): it stays on {home}"
-        for n, home in (("a", FIRST), ("c", SECOND))
-    }
-    deadline = time.monotonic() + 60.0
-    while time.monotonic() < deadline and len(losses["a"]) < 200:
-        if all(any(k in line for line in scheduler_log(cluster)) for k in kept.values()):
-            break
-        train("a", 1)
-        train("c", 1)
-    log = scheduler_log(cluster)
-    assert all(any(k in line for line in log) for k in kept.values()), kept
+    kept_apart(cluster, ids, losses, train, {"a": FIRST, "c": SECOND})
     # Both stop until they are dormant (and a margin for their last calls' completions
     # to reach the scheduler). B then finds two equal groups, each within the budget.
     time.sleep(DORMANT_S + 4.0)
