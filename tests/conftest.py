@@ -10,7 +10,6 @@ import subprocess
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -98,23 +97,26 @@ def tiny_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield root
 
 
-def _start_sglang(python: Path, tiny_registry: Path, log_dir: Path) -> SGLangSampler:
+def _sglang(python: Path, tiny_registry: Path, log_dir: Path) -> SGLangSampler:
     from plexrl_worker.sglang import SGLangSampler, SGLangServerConfig
 
-    log = log_dir / "server.log"
     config = SGLangServerConfig(
         model_path=str(tiny_registry / "tiny-qwen3"),
         python=python,
         max_lora_rank=64,
         lora_target_modules=(*SGLangServerConfig.lora_target_modules, "lm_head"),
         startup_timeout_s=900,
-        log_path=log,
+        log_path=log_dir / "server.log",
     )
-    sampler = SGLangSampler(config)
+    return SGLangSampler(config)
+
+
+def _started(sampler: SGLangSampler) -> SGLangSampler:
     try:
         sampler.start()
     except Exception:
-        if log.exists():
+        log = sampler.server.config.log_path
+        if log is not None and log.exists():
             print(log.read_text()[-5000:])
         raise
     return sampler
@@ -123,10 +125,12 @@ def _start_sglang(python: Path, tiny_registry: Path, log_dir: Path) -> SGLangSam
 @pytest.fixture(scope="session", autouse=True)
 def _sglang_early(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Future[SGLangSampler] | None]:
-    """Where a collected test uses `sglang_sampler`, its server's start (35-40 s on 2
-    cores with the bytecode scripts/sglang.sh compiles) begins with the session, in the
-    background, so the tests before it run meanwhile."""
+) -> Iterator[SGLangSampler | None]:
+    """Where a collected test uses `sglang_sampler`, its server is launched with the
+    session and loads (35-40 s on 2 cores with the bytecode scripts/sglang.sh compiles)
+    in its own processes while the tests before it run. Nothing of it runs on a thread
+    here: pytest walks the logging module's loggers unlocked around every test, and a
+    thread's first HTTP client registers new ones."""
     wanted = any(
         "sglang_sampler" in getattr(item, "fixturenames", ()) for item in request.session.items
     )
@@ -139,14 +143,16 @@ def _sglang_early(
         yield None
         return
     registry = request.getfixturevalue("tiny_registry")
-    log_dir = tmp_path_factory.mktemp("sglang")
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="sglang-start") as pool:
-        started = pool.submit(_start_sglang, sglang_python(), registry, log_dir)
-        yield started
-        try:
-            sampler = started.result()
-        except Exception:
-            return
+    sampler = _sglang(sglang_python(), registry, tmp_path_factory.mktemp("sglang"))
+    try:
+        sampler.launch()
+    except Exception:  # surfaces again where `sglang_sampler` starts its own
+        sampler.stop()
+        yield None
+        return
+    try:
+        yield sampler
+    finally:
         sampler.stop()
 
 
@@ -154,18 +160,18 @@ def _sglang_early(
 def sglang_sampler(
     tiny_registry: Path,
     tmp_path_factory: pytest.TempPathFactory,
-    _sglang_early: Future[SGLangSampler] | None,
+    _sglang_early: SGLangSampler | None,
 ) -> Iterator[SGLangSampler]:
     """One real SGLang server on this CPU for the session (a start takes 35-40 s on 2
-    cores, begun early by `_sglang_early`): tests/test_sglang.py drives it directly
+    cores, launched early by `_sglang_early`): tests/test_sglang.py drives it directly
     and the worker in tests/test_sglang_worker.py attaches to it (PLEXRL_SGLANG_URL), so
     it is started with the worker's own LoRA settings (rank up to 64, the unembedding
     too)."""
     python = require_sglang()
     if _sglang_early is not None:
-        yield _sglang_early.result()  # stopped by `_sglang_early`
+        yield _started(_sglang_early)  # stopped by `_sglang_early`
         return
-    sampler = _start_sglang(python, tiny_registry, tmp_path_factory.mktemp("sglang"))
+    sampler = _started(_sglang(python, tiny_registry, tmp_path_factory.mktemp("sglang")))
     yield sampler
     sampler.stop()
 

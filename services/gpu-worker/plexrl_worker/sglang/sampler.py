@@ -67,9 +67,15 @@ class SGLangSampler:
     # -- lifecycle -----------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the server (minutes on CPU) and wait until it generates."""
+        """Start the server (minutes on CPU), unless `launch` did, and wait until it
+        generates."""
         with self._lock:
             self.server.start()
+
+    def launch(self) -> None:
+        """Start the server without waiting for it; `start` waits."""
+        with self._lock:
+            self.server.launch()
 
     def stop(self) -> None:
         """Stop the server, or, attached to one this process did not start, leave it

@@ -166,6 +166,7 @@ class SGLangServer:
         self._proc: subprocess.Popen[bytes] | None = None
         self._log: object | None = None
         self.port = 0
+        self._ready = False
         self.starts = 0
         """How many times the child was started (1 + restarts); 1 once attached."""
 
@@ -198,12 +199,27 @@ class SGLangServer:
         return True
 
     def start(self) -> None:
-        if self.alive():
-            return
+        """Start the child (unless `launch` did) and wait until it generates."""
         if self.attached:
+            if self.starts == 0:
+                self._wait_healthy()
+                check_attached(self.config, self._get("/server_info"))
+                self.starts += 1
+            return
+        if self._ready and self.alive():
+            return
+        self.launch()
+        try:
             self._wait_healthy()
-            check_attached(self.config, self._get("/server_info"))
-            self.starts += 1
+        except BaseException:
+            self.stop()
+            raise
+        self._ready = True
+
+    def launch(self) -> None:
+        """Start the child without waiting for it to load (`start` then waits): the
+        load runs in its own processes meanwhile."""
+        if self.attached or self.alive():
             return
         if not self.config.python.exists():
             raise SGLangServerError(
@@ -224,12 +240,8 @@ class SGLangServer:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        self._ready = False
         self.starts += 1
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
 
     def _get(self, route: str) -> dict[str, object]:
         r = httpx.get(self.url + route, timeout=30.0)
