@@ -1,6 +1,6 @@
 """The costs of sharing as the worker measures them on its own calls
 (`plexrl_worker.sharing`), and as the scheduler learns them from the workers
-(`plexrl_scheduler.costs`): the engine switch, the share of the device a released tail
+(`plexrl.policy.costs.learned`): the engine switch, the share of the device a released tail
 takes from a call beside it, and how much slower the tail decodes then."""
 
 from __future__ import annotations
@@ -33,9 +33,8 @@ from plexrl.messages import (
 )
 from plexrl.models import ModelRegistry, init_tiny
 from plexrl.policy import PolicyConfig
-from plexrl.policy.costs import SharingCosts
+from plexrl.policy.costs import SharingCosts, by_worker, learned, moved
 from plexrl_scheduler import metrics
-from plexrl_scheduler.costs import by_worker, learned, moved
 from plexrl_scheduler.main import learn_costs_of
 from plexrl_scheduler.state import ClusterState
 from plexrl_worker.engine import EngineConfig, TorchEngine

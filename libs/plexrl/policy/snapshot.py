@@ -79,7 +79,7 @@ class WorkerView:
     healthy: bool = True
     sharing: SharingCosts | None = None
     """What sharing costs on this group, where its own worker measured it apart from the
-    pool (`plexrl_scheduler.costs`); None: the pool's (`PolicyConfig.sharing`). Only the
+    pool (`plexrl.policy.costs.by_worker`); None: the pool's (`PolicyConfig.sharing`). Only the
     live scheduler sets it: the simulator's groups share one workload's costs."""
 
     def costs(self, pool: SharingCosts) -> SharingCosts:

@@ -27,14 +27,14 @@ from plexrl.kafka import (
 from plexrl.lease import Fence, Term
 from plexrl.ledger import Ledger
 from plexrl.messages import Dispatch, Event, PhaseCompletion, PhaseRequest
-from plexrl.policy import PolicyConfig, decide, lone_pairs, reviews_alone
+from plexrl.policy import PolicyConfig, costs, decide, lone_pairs, reviews_alone
 from plexrl.policy.costs import SharingCosts
 from plexrl.retry import retrieved
 from plexrl.service import join_cluster
 from plexrl.settings import SchedulerSettings
 from plexrl.stores import JobStore, Stores
 from plexrl.topics import Topics
-from plexrl_scheduler import costs, metrics
+from plexrl_scheduler import metrics
 from plexrl_scheduler.actuator import Actuator
 from plexrl_scheduler.direct import DirectConfig, DirectPath
 from plexrl_scheduler.leadership import SchedulerLeadership
@@ -480,7 +480,7 @@ class Pace:
 
 def learn_costs_of(state: ClusterState, policy: PolicyConfig, least: int) -> PolicyConfig:
     """The policy with the costs of sharing its workers measured, each `least` times
-    (`plexrl_scheduler.costs`): the pool's in its config, and in `state.sharing` those of
+    (`plexrl.policy.costs.learned`): the pool's in its config, and in `state.sharing` those of
     a worker whose own stand apart from the pool's, which its group is predicted with."""
     beats = {wid: worker.heartbeat.sharing for wid, worker in state.workers.items()}
     # Over what it predicts with now: a cost the workers measured less since (one

@@ -238,7 +238,7 @@ class ClusterState:
         self.workers: dict[str, WorkerState] = {}
         self.sharing: dict[str, SharingCosts] = {}
         """By worker id: the costs of sharing its group is predicted with where its own
-        measurements moved off the pool's (`plexrl_scheduler.costs.by_worker`, kept by
+        measurements moved off the pool's (`plexrl.policy.costs.by_worker`, kept by
         the scheduler's costs step; `WorkerView.sharing`)."""
         self.jobs: dict[str, JobState] = {}
         self.pending: dict[str, Pending] = {}
