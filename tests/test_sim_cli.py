@@ -90,6 +90,11 @@ def test_the_costs_of_sharing_from_the_command_line(tmp_path):
 
     dear = mean_slowdown("--colocation", "switch_s=30")
     assert dear > mean_slowdown()
+    # Charged apart from what the policy assumes, every deployment pays it; in several
+    # processes each is set up again with the same costs.
+    assert mean_slowdown("--charge", "switch_s=30") == dear
+    assert mean_slowdown("--charge", "switch_s=30", "--parallel", "2") == dear
+    assert mean_slowdown("--colocation", "switch_s=30", "--parallel", "2") == dear
     bad = run_small("--policy", "fifo", "--out", str(tmp_path), "--colocation", "switch=1")
     assert bad.exit_code == 2
     assert "use key=value with a key of" in bad.output

@@ -109,3 +109,60 @@ def test_a_cost_override_out_of_range_is_refused_as_the_workloads_is(tmp_path):
     path = write_workload(tmp_path, two_jobs_one_worker())
     with pytest.raises(ValueError, match=r"cluster\.colocation"):
         prepare(path, colocation={"tail_min_share": 1.5})
+
+
+def _charged_apart(tmp_path, learn_costs: int) -> tuple:
+    # The tail case above, its stragglers decoding twice as slowly beside B's Runs
+    # (charged) where the policy assumes the workload's 1.25.
+    path = write_workload(tmp_path, _tail_beside_runs("run"))
+    setup = prepare(path, charge={"tail_contention": 2.0}, learn_costs=learn_costs)
+    config = policy_config(setup, "fifo", {})
+    assert setup.assumed is not None
+    sim = MultiplexedSim(
+        setup.factory,
+        setup.jobs,
+        setup.groups,
+        config,
+        setup.gpus,
+        assumed=setup.assumed.costs(),
+        learn_samples=learn_costs,
+    )
+    return setup, sim
+
+
+def test_costs_charged_apart_from_those_assumed_are_learned_once_paid_often_enough(tmp_path):
+    setup, sim = _charged_apart(tmp_path, learn_costs=1)
+    assert setup.assumed is not None and setup.assumed.tail_contention == 1.25
+    assert setup.workload.cluster.colocation.tail_contention == 2.0  # what every deployment pays
+    assert sim.config.sharing.tail_contention == 1.25 and sim.executor.costs.tail_contention == 2.0
+    result = sim.run()
+    # Learned once a Run of B's beside A's tail (from 2) ended, by its sample's end.
+    assert sim.config.sharing == sim.executor.costs
+    assert 2 <= result.counts["costs_learned_s"] <= 3
+    # Charged as set: A's tail decodes at half speed beside B's Runs to 6, 4 - 2 s done,
+    # the last 2 s alone [6, 8]; A's reward and training [8, 10].
+    a = next(j for j in result.jobs if j.job_id == "A")
+    assert a.finish_s == pytest.approx(10.0)
+
+
+def test_a_policy_told_not_to_learn_keeps_the_costs_it_assumed(tmp_path):
+    _, sim = _charged_apart(tmp_path, learn_costs=0)
+    result = sim.run()
+    assert sim.config.sharing.tail_contention == 1.25
+    assert result.counts["costs_learned_s"] == 0
+    a = next(j for j in result.jobs if j.job_id == "A")
+    assert a.finish_s == pytest.approx(10.0)  # charged alike
+
+
+def test_a_run_in_other_processes_is_set_up_with_the_same_costs(tmp_path):
+    path = write_workload(tmp_path, _tail_beside_runs("run"))
+    setup = prepare(
+        path, colocation={"switch_s": 0.5}, charge={"tail_min_share": 0.3}, learn_costs=5
+    )
+    again = prepare(**setup.recipe())
+    assert again.workload.cluster.colocation == setup.workload.cluster.colocation
+    assert again.assumed == setup.assumed and again.learn_costs == 5
+    assert setup.assumed is not None
+    assert (setup.assumed.switch_s, setup.assumed.tail_min_share) == (0.5, 0.25)
+    charged = setup.workload.cluster.colocation
+    assert (charged.switch_s, charged.tail_min_share) == (0.5, 0.3)

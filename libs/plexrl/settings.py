@@ -15,7 +15,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from plexrl.kafka_replication import TopicReplication
 from plexrl.kafka_security import KafkaSecurity, Mechanism, Protocol
-from plexrl.policy.costs import MAX_TAIL_SHARE, SharingCosts
+from plexrl.policy.costs import LEARN_SAMPLES, MAX_TAIL_SHARE, SharingCosts
 from plexrl.quotas import DEFAULT_QUOTAS, RecordQuotas
 
 
@@ -322,7 +322,7 @@ class SchedulerSettings(CommonSettings):
     # The workers measure these costs on their own calls and say so in their heartbeats:
     # once the pool's workers together measured a cost this many times, the policy
     # predicts with their mean instead of the setting above. 0: the settings' costs only.
-    sharing_learn_samples: int = Field(default=20, ge=0)
+    sharing_learn_samples: int = Field(default=LEARN_SAMPLES, ge=0)
     # A worker whose last heartbeat is older than this is treated as down (its jobs
     # are re-homed and restored elsewhere). Heartbeats come every second; a false alarm
     # costs a restore, never a wrong result (the old home is fenced off).

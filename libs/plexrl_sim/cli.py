@@ -173,6 +173,24 @@ def sim(
             "deployments measure were sharing that cheap; charged and predicted alike.",
         ),
     ] = "",
+    charge: Annotated[
+        str,
+        typer.Option(
+            help="Costs of sharing the executor charges on top of those (same keys as "
+            "--colocation), which the shared deployments' policy does not know: it starts "
+            "from the others and learns these as the live scheduler learns its workers' "
+            "measurements (--learn-costs). What if a real group costs other than assumed.",
+        ),
+    ] = "",
+    learn_costs: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="With --charge: how often a cost must have been paid before the policy "
+            "predicts with it; default: the live scheduler's (PLEXRL_SHARING_LEARN_SAMPLES); "
+            "0: never (the policy keeps the costs it assumed).",
+        ),
+    ] = None,
     charts: Annotated[bool, typer.Option(help="Write the PNG charts.")] = True,
 ) -> None:
     """Simulate RLVR jobs on a cluster under the scheduler's own policy code."""
@@ -198,6 +216,8 @@ def sim(
             declared_error=declared_error,
             known_duty=known_duty,
             colocation=parse_colocation(colocation),
+            charge=parse_colocation(charge),
+            **({"learn_costs": learn_costs} if learn_costs is not None else {}),
         )
     except (OSError, ValueError) as err:
         typer.echo(f"plexrl sim: {err}", err=True)

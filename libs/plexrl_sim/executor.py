@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from plexrl.messages import Function, Tier
+from plexrl.messages import Function, SharingMeasured, Tier
 from plexrl.policy import Admit, Move, PendingCall, Preempt, Prefetch, Rehome, Run, WorkerView
 from plexrl.policy.costs import SharingCosts
 from plexrl.policy.snapshot import samples_first
@@ -221,6 +221,27 @@ class GroupExecutor:
         """Calls that rode along in another job's sample batch."""
         self.rehomed = 0
         """Jobs moved to another group once their own figures were known."""
+        self.switches = 0
+        """Runs that paid the engine switch."""
+        self.runs_beside_tails = 0
+        """Runs that computed beside stragglers (paying their share of the group)."""
+        self.tails_slowed = 0
+        """Times a tail decoded beside a Run (paying the contention)."""
+
+    def measured(self) -> SharingMeasured:
+        """What a worker's meter would have measured of the costs of sharing so far
+        (`plexrl_worker.sharing`): each cost as charged, exactly, with how often it was
+        paid. The live meter's figures are noisy, and the share it reads is what the
+        stragglers took, at least the least share charged here."""
+        costs = self.costs
+        return SharingMeasured(
+            switch_s=costs.switch_s,
+            switches=self.switches,
+            tail_share=costs.tail_min_share,
+            shared_calls=self.runs_beside_tails,
+            tail_contention=costs.tail_contention,
+            tail_steps=self.tails_slowed,
+        )
 
     # Admission ---------------------------------------------------------------------------
 
@@ -351,6 +372,7 @@ class GroupExecutor:
         swap = group.spec.swap.move_s(job.sampler_bytes, Tier.DISK, _DEVICE)
         if group.last_job != job.job_id:
             swap += self.costs.switch_s
+            self.switches += 1
         group.last_job = job.job_id
         seconds_of, useful_of = job.figures()
         planned = [seconds_of[c.function] for c in calls]
@@ -469,6 +491,7 @@ class GroupExecutor:
         last = group.last_job
         if last is not None and last != job.job_id:
             swap += self.costs.switch_s
+            self.switches += 1
         group.last_job = job.job_id
         if moved:
             self._check_memory(group)
@@ -698,6 +721,7 @@ class GroupExecutor:
         slowed = len(group.homed) > 1 if self._whole_tail else group.inflight is not None
         tail = Tail(job, group, util, tail_s, now, slowed, started=now, useful_s=util * tail_s)
         tail.due = tail.event_at = now + tail_s * (self.costs.tail_contention if slowed else 1.0)
+        self.tails_slowed += slowed
         group.tails.append(tail)
         group.view = None
         self.events.push(tail.due, _TAIL_DONE, tail)
@@ -751,6 +775,7 @@ class GroupExecutor:
                 continue
             self._bring_up_to_date(tail, now)
             tail.slowed = slowed
+            self.tails_slowed += slowed
             tail.due = now + tail.left_s * (contention if slowed else 1.0)
             if tail.due < tail.event_at:  # (a later end is found when the event comes)
                 tail.event_at = tail.due
@@ -766,6 +791,7 @@ class GroupExecutor:
         tails = [t for t in tails if t[0] > start]
         if not tails:
             return start + work
+        self.runs_beside_tails += 1
         shares = sum([u for _, u in tails])
         t, left = start, work
         for end, share in tails:

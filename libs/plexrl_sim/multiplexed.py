@@ -41,6 +41,7 @@ from plexrl.policy import (
     lone_pairs,
     reviews_alone,
 )
+from plexrl.policy.costs import LEARN_SAMPLES, SharingCosts, learned, moved
 from plexrl.policy.history import Prior, priors
 from plexrl_sim.accounting import Accounting
 from plexrl_sim.dedicated import alone_reference_s
@@ -74,15 +75,31 @@ class MultiplexedSim:
         name: str | None = None,
         colocation: CoLocation | None = None,
         known_duty: Mapping[str, float] | None = None,
+        assumed: SharingCosts | None = None,
+        learn_samples: int = LEARN_SAMPLES,
     ) -> None:
         """`known_duty`: by job, the duty cycle the policy is given for it from its
         arrival, until it has a history of its own (`SimJob.known_duty`): a control for
-        what judging a newcomer by its kind's figures costs admission."""
+        what judging a newcomer by its kind's figures costs admission. `assumed`: the
+        costs of sharing the policy starts from where they are not the ones charged; it
+        learns those charged as the live scheduler learns its workers' measurements,
+        each once paid `learn_samples` times (0: never)."""
         chosen = colocation if colocation is not None else factory.workload.cluster.colocation
         costs = chosen.costs()
         # One definition of the costs of sharing: the executor charges them, the policy
-        # predicts with them.
-        self.config = config = replace(config, sharing=costs)
+        # predicts with them (or with `assumed` until it has learned them).
+        prior = assumed if assumed is not None else costs
+        self.config = config = replace(config, sharing=prior)
+        self._learn_samples = learn_samples
+        self._to_learn = (
+            prior.switch_s != costs.switch_s,
+            prior.tail_min_share != costs.tail_min_share,
+            prior.tail_contention != costs.tail_contention,
+        )
+        self._learning = learn_samples > 0 and any(self._to_learn)
+        self._measured_enough = (False, False, False)
+        self.costs_learned_s = 0.0
+        """When the policy last took costs of sharing it learned (0: never)."""
         self.name = name or config.name
         self.gpus = gpus
         self.min_history_s = factory.workload.estimates.min_history_s
@@ -192,12 +209,15 @@ class MultiplexedSim:
                 "held": self.held,
                 "rehomed": self.executor.rehomed,
                 "rehomed_alone": self.rehomed_alone,
+                **({"costs_learned_s": round(self.costs_learned_s)} if any(self._to_learn) else {}),
             },
         )
 
     def _run_done(self, done: RunInFlight) -> None:
         if not self.executor.run_done(done):
             return  # paused by a preemption: it ends later
+        if self._learning:
+            self._learn()
         self.replay.calls_done(done.job, done.calls)
         if done.riders is not None:
             for rider in done.riders:
@@ -206,6 +226,26 @@ class MultiplexedSim:
             self._reviews |= self._due_for_review(done.job) or any(
                 self._due_for_review(r.job) for r in done.riders or ()
             )
+
+    def _learn(self) -> None:
+        """Each cost of sharing the executor has charged `learn_samples` times replaces
+        the policy's (`plexrl.policy.costs.learned`, as the live scheduler does with
+        its workers' measurements), once it moved enough to matter (`moved`)."""
+        executor, least = self.executor, self._learn_samples
+        enough = (
+            executor.switches >= least,
+            executor.runs_beside_tails >= least,
+            executor.tails_slowed >= least,
+        )
+        if enough == self._measured_enough:
+            return
+        self._measured_enough = enough
+        config = self.config
+        new = learned(config.sharing, [executor.measured()], least)
+        if moved(config.sharing, new):
+            self.config = replace(config, sharing=new)
+            self.costs_learned_s = self.now
+        self._learning = not all(e or not d for e, d in zip(enough, self._to_learn, strict=True))
 
     def _left_alone(self) -> None:
         """Jobs whose last neighbour left are due for review (`PolicyConfig.rehome_lone`):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from plexrl.policy import POLICIES, PolicyConfig
+from plexrl.policy.costs import LEARN_SAMPLES
 from plexrl_sim.dedicated import DEDICATED, simulate_dedicated
 from plexrl_sim.multiplexed import MultiplexedSim
 from plexrl_sim.packing import drain_minimum, packing_by_profile
@@ -88,6 +89,15 @@ class Setup:
     until it has a history of its own."""
     declared_error: float | None = None
     """How far the jobs' declared steps are off, when the command line set it."""
+    colocation: dict[str, float | str] | None = None
+    """The costs of sharing set for the run (`prepare`), charged and predicted alike."""
+    charge: dict[str, float | str] | None = None
+    """The costs of sharing charged instead (`prepare`): the workload then holds those,
+    and `assumed` the ones the shared deployments' policy starts from."""
+    assumed: CoLocation | None = None
+    learn_costs: int = LEARN_SAMPLES
+    """How often a cost must have been paid before the policy predicts with it instead
+    of `assumed` (`MultiplexedSim`); 0: never."""
 
     def recipe(self) -> dict[str, Any]:
         """`prepare`'s arguments that make this setup again (in another process)."""
@@ -102,6 +112,9 @@ class Setup:
             "fb_slices": self.fb_slices,
             "declared_error": self.declared_error,
             "known_duty": self.known_duty,
+            "colocation": self.colocation,
+            "charge": self.charge,
+            "learn_costs": self.learn_costs,
         }
 
     def groups_for(
@@ -113,13 +126,17 @@ class Setup:
     ) -> list[GroupSpec]:
         """The groups a deployment runs on (see `ClusterSpec.partition`); `config`: the
         policy's, whose slowdown budget a `packed` layout is sized for, with the costs of
-        sharing the deployment is charged (`colocation`, else the workload's)."""
+        sharing the policy predicts with from the start (`colocation`, else those it is
+        assumed to start from, else the workload's): the layout is planned before any is
+        measured."""
         own = (
             name not in DEDICATED and not self.workload.workers and not self.workload.cluster.groups
         )
         if own and self.partition == "packed":
             policy = config or PolicyConfig()
-            chosen = colocation if colocation is not None else self.workload.cluster.colocation
+            chosen = colocation if colocation is not None else self.assumed
+            if chosen is None:
+                chosen = self.workload.cluster.colocation
             costs = chosen.costs()
             packing = packing_by_profile(
                 factory, self.jobs, costs, policy.slowdown_budget, policy.budget_over_cluster
@@ -154,15 +171,23 @@ def prepare(
     declared_error: float | None = None,
     known_duty: bool = False,
     colocation: dict[str, float | str] | None = None,
+    charge: dict[str, float | str] | None = None,
+    learn_costs: int = LEARN_SAMPLES,
 ) -> Setup:
     """One seed of a workload; `staleness` replaces every job's declared loop (and
     Split-Async's staleness from 1 on: `workload.at_staleness`), `fb_slices` every job's
     forward_backward slicing (`workload.with_fb_slices`), `declared_error` how far the
     trace's jobs' declared steps are off (`workload.with_declared_error`), `colocation`
-    the costs of sharing (`workload.with_colocation`); `known_duty`, `Setup.known_duty`."""
+    the costs of sharing (`workload.with_colocation`); `charge` the costs of sharing
+    charged on top of those, which the shared deployments' policy does not know until
+    it learns them (`learn_costs`); `known_duty`, `Setup.known_duty`."""
     workload = load_workload(workload_path)
     if colocation:
         workload = with_colocation(workload, colocation)
+    assumed = None
+    if charge:
+        assumed = workload.cluster.colocation
+        workload = with_colocation(workload, charge)
     if declared_error is not None:
         workload = with_declared_error(workload, declared_error)
     if staleness is not None:
@@ -195,6 +220,10 @@ def prepare(
         fb_slices,
         known_duty,
         declared_error,
+        colocation or None,
+        charge or None,
+        assumed,
+        learn_costs,
     )
 
 
@@ -248,6 +277,8 @@ def run_deployment(
             name=name,
             colocation=colocation,
             known_duty=known_duty,
+            assumed=setup.assumed.costs() if setup.assumed is not None else None,
+            learn_samples=setup.learn_costs,
         )
 
     if not setup.known_duty:

@@ -104,6 +104,10 @@ class SharingCosts:
 # (another engine, device or model size) has its group predicted with its own
 # (`WorkerView.sharing`).
 
+LEARN_SAMPLES = 20
+"""How many times the pool must have measured a cost before it replaces the prior (the
+live scheduler's default, `PLEXRL_SHARING_LEARN_SAMPLES`; the simulator's too)."""
+
 _SWITCH_MOVED = 0.1
 """How far a learned cost must move before the policy predicts with the new one: the
 switch a tenth of the current figure (at least a millisecond), the share 2 points, the
