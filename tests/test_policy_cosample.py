@@ -17,7 +17,7 @@ from plexrl.policy import (
     co_sample,
     decide,
 )
-from plexrl.policy.actions import Admit
+from plexrl.policy.actions import Admit, Move, Rehome
 from plexrl.settings import SchedulerSettings
 from plexrl_scheduler.main import policy_config
 
@@ -75,6 +75,22 @@ def test_a_sample_run_takes_resident_jobs_leading_samples_oldest_first() -> None
     (out,) = co_sample(snap, (run,), max_calls=32)
     assert isinstance(out, Run) and out.job_id == "a"
     assert out.request_ids == ("a1", "b1", "f1", "b2")
+
+
+def test_a_job_the_same_plan_moves_does_not_join() -> None:
+    # b re-homed to w1 and c evicted by a's Run, in the plan that runs a: neither rides
+    # along (b's state leaves the group, c's the device); d, staying, does.
+    snap = _snapshot(
+        [_job("a"), _job("b"), _job("c"), _job("d")],
+        [("a1", "a", S, 1.0), ("b1", "b", S, 1.0), ("c1", "c", S, 1.0), ("d1", "d", S, 1.0)],
+    )
+    run = Run("w0", "a", ("a1",), evict=(Move("c", Tier.HOST),))
+    plan = (Rehome("b", "w0", "w1"), run)
+    _, out = co_sample(snap, plan, max_calls=32)
+    assert isinstance(out, Run) and out.request_ids == ("a1", "d1")
+    # A review that keeps b where it is moves nothing: b joins.
+    _, kept = co_sample(snap, (Rehome("b", "w0", "w0"), Run("w0", "a", ("a1",))), 32)
+    assert isinstance(kept, Run) and kept.request_ids == ("a1", "b1", "c1", "d1")
 
 
 def test_room_runs_out_and_training_runs_are_left_alone() -> None:

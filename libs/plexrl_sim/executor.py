@@ -436,6 +436,7 @@ class GroupExecutor:
             if rider is None:
                 raise SimulationError(
                     f"co-sampled call {rid}: no pending sample on {group.group_id}"
+                    + _whose(self.jobs, rid, job, ids)
                 )
             by_job.setdefault(rider.job_id, []).append(rid)
         riders = []
@@ -802,6 +803,19 @@ class GroupExecutor:
             t = end
             shares = max(shares - share, 0.0)
         return t + left / costs.run_speed(shares)
+
+
+def _whose(jobs: dict[str, SimJob], rid: str, leader: SimJob, ids: tuple[str, ...]) -> str:
+    """Where the call a co-sampled Run named is (for the error that it is not there)."""
+    for other in jobs.values():
+        for i, call in enumerate(other.pending):
+            if call.request_id == rid:
+                return (
+                    f" (it is {other.job_id}'s call {i} of {len(other.pending)} pending, "
+                    f"{call.function}, homed on {other.home}, sampling on "
+                    f"{other.sample_group}; the Run's leader {leader.job_id}, riders {ids})"
+                )
+    return f" (no job has it pending; the Run's leader {leader.job_id}, riders {ids})"
 
 
 def _in_kind(pending: list[PendingCall], ids: tuple[str, ...] | list[str]) -> list[PendingCall]:
