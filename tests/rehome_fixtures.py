@@ -1,17 +1,20 @@
-"""What the live re-homing tests share: a LoRA job's training step through the SDK, where
-a job's training ran (the timeline), the scheduler's re-homes (its log), and a job's run
-alone with the same seed."""
+"""What the live re-homing tests share: their two-worker cluster, a LoRA job's training
+step through the SDK, where a job's training ran (the timeline), the scheduler's
+re-homes (its log), and a job's run alone with the same seed."""
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import tinker
 from tinker import types
 
-from plexrl_tools.cluster import LocalCluster
+from plexrl_tools.cluster import ClusterConfig, LocalCluster
 
 DATUM = types.Datum(
     model_input=types.ModelInput.from_ints([5, 6, 7, 8, 9]),
@@ -20,6 +23,27 @@ DATUM = types.Datum(
         "weights": types.TensorData(data=[1.0] * 5, dtype="float32"),
     },
 )
+
+
+@contextmanager
+def two_workers(
+    registry: Path, state_dir: Path, id_prefix: str, key: str, env: dict[str, str]
+) -> Iterator[LocalCluster]:
+    """A cluster of two one-thread workers under `plexrl`, `key` its one API key, with
+    the scheduler settings in `env`."""
+    config = ClusterConfig.on_free_ports(
+        registry,
+        state_dir,
+        id_prefix,
+        workers=2,
+        api_keys=f"{key}=t",
+        policy="plexrl",
+        worker_threads=1,
+        env=env,
+    )
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    with LocalCluster(config) as running:
+        yield running
 
 
 def create(service: tinker.ServiceClient, seed: int) -> tinker.TrainingClient:

@@ -13,7 +13,6 @@ compared with the same job's run alone, on the same cluster, with re-homing off.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -22,8 +21,8 @@ from pathlib import Path
 import pytest
 import tinker
 
-from plexrl_tools.cluster import ClusterConfig, LocalCluster
-from tests.rehome_fixtures import alone, ran_on, rehomed, step
+from plexrl_tools.cluster import LocalCluster
+from tests.rehome_fixtures import alone, ran_on, rehomed, step, two_workers
 
 pytestmark = pytest.mark.integration
 
@@ -34,19 +33,14 @@ KEY = "tml-rehome"
 def cluster(
     infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    config = ClusterConfig.on_free_ports(
+    with two_workers(
         tiny_registry,
         tmp_path_factory.mktemp("rehome"),
         "rh",
-        workers=2,
-        api_keys=f"{KEY}=t",
-        policy="plexrl",
-        worker_threads=1,
+        KEY,
         # Reviewed after 10 s of history (2 x 5 s), not the default 40 s.
-        env={"PLEXRL_REVIEW_HISTORIES": "2"},
-    )
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    with LocalCluster(config) as running:
+        {"PLEXRL_REVIEW_HISTORIES": "2"},
+    ) as running:
         yield running
 
 

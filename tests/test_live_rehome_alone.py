@@ -18,7 +18,6 @@ same job's run alone, on the same cluster, with packing and re-homing off.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 import tinker
 
-from plexrl_tools.cluster import ClusterConfig, LocalCluster
+from plexrl_tools.cluster import LocalCluster
 from tests.rehome_fixtures import (
     alone,
     create,
@@ -35,6 +34,7 @@ from tests.rehome_fixtures import (
     ran_on,
     rehomed,
     step,
+    two_workers,
 )
 
 pytestmark = pytest.mark.integration
@@ -49,25 +49,20 @@ DORMANT_S = 15.0
 def cluster(
     infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    config = ClusterConfig.on_free_ports(
+    with two_workers(
         tiny_registry,
         tmp_path_factory.mktemp("rehome-alone"),
         "rl",
-        workers=2,
-        api_keys=f"{KEY}=t",
-        policy="plexrl",
-        worker_threads=1,
+        KEY,
         # Packing; newcomers reviewed after 5 s of history, and the jobs alone asked
         # about every 5 s (1 x 5 s); a silent job dormant after 15 s.
-        env={
+        {
             "PLEXRL_PACK_GROUPS": "true",
             "PLEXRL_REVIEW_HISTORIES": "1",
             "PLEXRL_DORMANT_S": str(DORMANT_S),
             "PLEXRL_SHARING_LEARN_SAMPLES": "0",
         },
-    )
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    with LocalCluster(config) as running:
+    ) as running:
         yield running
 
 

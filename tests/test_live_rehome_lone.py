@@ -21,7 +21,6 @@ cluster, with packing and re-homing off.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +29,7 @@ import httpx
 import pytest
 import tinker
 
-from plexrl_tools.cluster import ClusterConfig, LocalCluster
+from plexrl_tools.cluster import LocalCluster
 from tests.rehome_fixtures import (
     alone,
     create,
@@ -39,6 +38,7 @@ from tests.rehome_fixtures import (
     ran_on,
     rehomed,
     step,
+    two_workers,
 )
 
 pytestmark = pytest.mark.integration
@@ -56,18 +56,15 @@ newcomers' reviews take (5 s of history)."""
 def cluster(
     infra: dict[str, str], tiny_registry: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalCluster]:
-    config = ClusterConfig.on_free_ports(
+    with two_workers(
         tiny_registry,
         tmp_path_factory.mktemp("rehome-lone"),
         "rl",
-        workers=2,
-        api_keys=f"{KEY}=t",
-        policy="plexrl",
-        worker_threads=1,
+        KEY,
         # Packing: in a fixed pool a job left alone stays where it is. Newcomers are
         # reviewed after 5 s of history (1 x 5 s), not 40 s; a silent job is dormant
         # after 15 s, not 60 s.
-        env={
+        {
             "PLEXRL_PACK_GROUPS": "true",
             "PLEXRL_REVIEW_HISTORIES": "1",
             "PLEXRL_DORMANT_S": str(DORMANT_S),
@@ -77,9 +74,7 @@ def cluster(
             # are not asked about between times (test_live_rehome_alone.py).
             "PLEXRL_REVIEW_ALONE": "false",
         },
-    )
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    with LocalCluster(config) as running:
+    ) as running:
         yield running
 
 
