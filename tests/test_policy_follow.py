@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+import pytest
+
 from plexrl.messages import Function, Tier
 from plexrl.policy import (
     CallEstimates,
@@ -18,6 +20,8 @@ from plexrl.policy import (
     follow_up,
     plan,
 )
+from plexrl.policy.costs import SharingCosts
+from plexrl.policy.defer import beside_own_s, waiting_sooner
 
 FB, OPT, SAVE, SAMPLE = (
     Function.FORWARD_BACKWARD,
@@ -93,6 +97,35 @@ def test_training_passed_over_for_the_groups_stragglers_does_not_follow() -> Non
     assert follow_up(ended, CFG, "g0", [FB]) == ("a0", "a1")
 
 
+def test_training_waits_out_its_own_stragglers_whatever_its_slack() -> None:
+    # Busy 68 s of every 68.07 s step: no slack to wait in for another job's stragglers.
+    # Its 8 s of training beside its own stragglers' last 30 s (at 3/4 of the group, for
+    # 10.7 s) would slow them by a fifth of that: scored 20 s after, at 52.1 s from now;
+    # waiting, at 50 s, its training done by then.
+    a = job("a", staleness=1, step_calls=(SAMPLE, FB, OPT, SAVE), stall_s=20.0)
+    a = replace(a, duty_cycle=0.999)
+    queued = calls("a", OPT, SAVE)
+    worker = WorkerView("g0", device_bytes=100, host_bytes=100, running="a", tail_until=130.0)
+    others = ClusterSnapshot(
+        now=100.0, workers={"g0": worker}, jobs={"a": a}, pending=tuple(queued)
+    )
+    assert follow_up(others, CFG, "g0", [FB]) == ("a0", "a1")
+    own = replace(others, workers={"g0": replace(worker, tail_jobs=frozenset({"a"}))})
+    assert follow_up(own, CFG, "g0", [FB]) == ()
+    idle = replace(own, workers={"g0": replace(own.workers["g0"], running=None)})
+    assert not [x for x in plan(idle, CFG) if isinstance(x, Run)]
+    # Without a stall to hide its training it runs beside them (its rollout scored at
+    # 32.1 s, waiting 38 s); where stragglers decode at full speed beside a Run, too.
+    hurried = replace(own, jobs={"a": replace(a, stall_s=0.0)})
+    assert follow_up(hurried, CFG, "g0", [FB]) == ("a0", "a1")
+    free = SharingCosts(tail_contention=1.0)
+    assert follow_up(own, replace(CFG, sharing=free), "g0", [FB]) == ("a0", "a1")
+    measured = replace(own, workers={"g0": replace(own.workers["g0"], sharing=free)})
+    assert follow_up(measured, CFG, "g0", [FB]) == ("a0", "a1")
+    idle_free = replace(idle, workers={"g0": replace(idle.workers["g0"], sharing=free)})
+    assert [x for x in plan(idle_free, CFG) if isinstance(x, Run)]
+
+
 def test_what_the_policys_run_left_at_its_quantum_does_not_follow_it() -> None:
     queued = calls("a", FB, FB, OPT, SAVE)
     shared = snap(None, [job("a"), job("b")], queued)
@@ -104,3 +137,17 @@ def test_what_the_policys_run_left_at_its_quantum_does_not_follow_it() -> None:
         pending=tuple(c for c in queued if c.request_id not in run.request_ids),
     )
     assert follow_up(started, CFG, "g0", [FB]) == ()
+
+
+def test_a_long_training_runs_beside_its_own_stragglers_a_short_one_waits() -> None:
+    # 60 s of training beside 10 s of stragglers at contention 2, the training at 3/4 of
+    # the group: the stragglers end at 20 s, the training at 60 + 0.25 x 20 = 65 s, where
+    # waiting ends it at 70 s. 6 s of training hidden by a 30 s stall: beside them, the
+    # stragglers end at 10 + 8 x 1/2 = 14 s and the rollout is scored at 44 s; waiting,
+    # at 40 s.
+    assert beside_own_s(10.0, 60.0, 0.0, 2.0, 0.25) == pytest.approx(65.0)
+    assert not waiting_sooner(10.0, 60.0, 0.0, 2.0, 0.25)
+    assert beside_own_s(10.0, 6.0, 30.0, 2.0, 0.25) == pytest.approx(44.0)
+    assert waiting_sooner(10.0, 6.0, 30.0, 2.0, 0.25)
+    assert not waiting_sooner(10.0, 6.0, 30.0, 1.0, 0.25)  # no contention: never
+    assert not waiting_sooner(0.0, 6.0, 30.0, 2.0, 0.25)  # nothing left to wait for

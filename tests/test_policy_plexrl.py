@@ -31,6 +31,7 @@ from plexrl.policy.plexrl_policy import (
     figures_of,
     predicted_slowdown,
     step_phases,
+    tail_wall_s,
     two_lanes_s,
 )
 from plexrl.settings import SchedulerSettings
@@ -122,16 +123,38 @@ def test_the_costs_of_sharing_add_to_the_waits():
     costs = SharingCosts(switch_s=1.0, tail_min_share=0.25, tail_contention=1.25)
     a, b = job("a", duty=0.2, tail_s=30.0), job("b", duty=0.3, tail_s=20.0)
     # a's step is 500 s (sample 60, training 40), b's 333.3 s. Switches: a's two phases
-    # each follow a Run of b (b starts 2 phases per 333 s, 3 in a's 500 s): 2 s. a's
-    # 100 busy seconds fall in b's 20 s tail (or queue behind b's 60 s sample) 80 / 333.3
-    # of the time, at a third slower: 8 s. b's Runs overlap a's 30 s tail: 100 / 333.3 of
-    # it at random, and b's phases queued behind a's 60 s sample start with it:
-    # (30 + 30) x 60 / 333.3; 9 + 10.8 = 19.8 s, each costing 1 - 1 / 1.25: 3.96 s.
-    extra = 2.0 + 8.0 + 3.96
+    # each follow a Run of b (b starts 2 phases per 333 s, 3 in a's 500 s): 2 s.
+    # A tail of wall W overlapping Runs O of it takes W = tail + O (1 - 1/1.25), the
+    # Runs beside it a third longer (at 3/4 of the group), O = busy x W + queued:
+    # b's 20 s tail beside a: busy 100 x 4/3 / 500, queued (a's phases, at most the
+    # tail's 25 s longest) (25 + 25) x 60 / 500 = 6 s, W = (20 + 0.2 x 6) / (1 - 0.2 x
+    # 0.2667) = 22.39 s. a's 100 busy seconds fall in that tail (or queue behind b's
+    # 60 s sample) 82.39 / 333.3 of the time, at a third slower: 8.24 s.
+    # a's 30 s tail beside b: busy 0.4, queued (37.5 + 37.5) x 60 / 333.3 = 13.5 s,
+    # W = (30 + 2.7) / 0.92 = 35.54 s: 5.54 s more.
+    b_tail = (20 + 0.2 * 6) / (1 - 0.2 * 100 * 4 / 3 / 500)
+    a_tail = (30 + 0.2 * 13.5) / (1 - 0.2 * 0.4)
+    extra = 2.0 + 100 * (b_tail + 60) / (1000 / 3) / 3 + (a_tail - 30)
     free = predicted_slowdown(a, [b])
     assert predicted_slowdown(a, [b], costs) == pytest.approx(free + extra / 500)
     # Free costs predict the waits alone.
     assert predicted_slowdown(a, [b], SharingCosts(0.0, 0.0, 1.0)) == pytest.approx(free)
+
+
+def test_a_tail_beside_a_neighbour_always_running_takes_contention_times_as_long():
+    costs = SharingCosts(switch_s=0.0, tail_min_share=0.25, tail_contention=2.0)
+    a = figures_of(job("a", duty=0.2, tail_s=30.0))
+    busy = figures_of(job("b", duty=0.9))
+    idle = figures_of(job("c", duty=0.01))
+    assert tail_wall_s(a, busy, costs) == pytest.approx(60.0)  # decoding at half speed
+    assert 30.0 < tail_wall_s(a, idle, costs) < 31.0
+    assert tail_wall_s(a, busy, replace(costs, tail_contention=1.0)) == 30.0
+    # The dearer the contention, the longer; never past contention x the tail.
+    walls = [
+        tail_wall_s(a, figures_of(job("d", duty=0.3)), replace(costs, tail_contention=c))
+        for c in (1.25, 1.5, 2.0, 3.0)
+    ]
+    assert walls == sorted(walls) and walls[-1] <= 90.0
 
 
 def test_a_wait_runs_past_its_slack_less_the_more_slack_there_is():

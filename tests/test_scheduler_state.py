@@ -354,12 +354,14 @@ def test_a_tail_release_frees_the_worker_and_pins_the_straggling_jobs() -> None:
     snap = state.snapshot()
     assert snap.workers["w0"].running is None  # free for the next dispatch
     assert snap.jobs["a"].pinned and snap.jobs["b"].pinned and not snap.jobs["c"].pinned
+    assert snap.workers["w0"].tail_jobs == {"a", "b"}  # whose stragglers decode there
     # The next dispatch goes out beside the tail; completions of either are matched.
     state.on_request(req("c1", "c"), delivery(3))
     state.apply_run("d2", "w0", "c", state.take_pending(("c1",)), ())
     assert state.on_completion(done("b1", "b", fn=Function.SAMPLE)) == delivery(2)
     assert state.on_completion(done("c1", "c")) == delivery(3)
     assert "w0" not in state.inflight and state.snapshot().jobs["a"].pinned
+    assert state.snapshot().workers["w0"].tail_jobs == {"a"}
     clock.t += 4.0
     state.on_completion(done("a2", "a", fn=Function.SAMPLE))
     assert not state.tails and not state.snapshot().jobs["a"].pinned

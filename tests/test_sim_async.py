@@ -34,13 +34,16 @@ def test_an_asynchronous_job_alone_runs_as_its_reference(tmp_path, mode, name):
     # job's own run, not an approximation of it.
     setup = prepare(write_workload(tmp_path, _one_job(1, mode)), seed=1)
     job = run_deployment(setup, name).jobs[0]
-    steps = setup.factory.with_tail_release(0.25 if name.endswith("+tail") else None).steps(
-        setup.jobs[0]
-    )
-    assert job.step_time_s == pytest.approx(
-        alone_step_s(steps, setup.workload.cluster.colocation.costs()), rel=1e-9
-    )
-    assert job.slowdown >= -1e-9  # its reference is the faster of the two engines
+    released = name.endswith("+tail")
+    steps = setup.factory.with_tail_release(0.25 if released else None).steps(setup.jobs[0])
+    costs = setup.workload.cluster.colocation.costs()
+    reference = alone_step_s(steps, costs, waits=released)
+    # Its training waits out its own stragglers where its figures say its next rollout
+    # starts sooner so (`plexrl.policy.defer`), in both.
+    assert job.step_time_s == pytest.approx(reference, rel=1e-9)
+    if released and mode == "run":
+        assert alone_step_s(steps, costs) > 1.01 * reference
+    assert job.slowdown >= -1e-9  # its reference is the fastest of the engines
 
 
 def _lanes(**profile: object) -> dict:

@@ -17,7 +17,9 @@ from tests.test_sim_headline import small_h200_trace
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> Setup:
     path = write_workload(tmp_path_factory.mktemp("w"), small_h200_trace())
-    return prepare(path, seed=0, staleness=1)
+    # (A draw in which some pair refused when a job was left alone fits later on: not
+    # every draw of so small a trace has one.)
+    return prepare(path, seed=3, staleness=1)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from plexrl.policy.costs import MAX_TAIL_SHARE, SharingCosts
+from plexrl.policy.defer import waiting_sooner
 from plexrl_sim.results import DeploymentResult, GroupUsage, JobResult, Timeline
 from plexrl_sim.workload import (
     TAIL_RELEASE,
@@ -48,7 +49,10 @@ def alone_reference_s(factory: JobFactory, job: JobSpec, costs: SharingCosts) ->
     own, on the engine that serves it best. A synchronous job's steps do not depend on
     where its engine releases the group; an asynchronous job alone trains beside its
     own stragglers when the group is released at the tail, which slows them: it is
-    taken on whichever engine (the profile's release, or `TAIL_RELEASE`) is faster."""
+    taken on whichever engine (the profile's release, or `TAIL_RELEASE`) is faster, on
+    the latter its training run beside its own stragglers or waiting them out where
+    that lets its next rollout start sooner (`plexrl.policy.defer.waits_for_own`, on
+    its true mean figures)."""
     key = ("alone", job.index, costs)
     known = factory.memo.get(key)
     if known is not None:
@@ -57,20 +61,25 @@ def alone_reference_s(factory: JobFactory, job: JobSpec, costs: SharingCosts) ->
     if steps.staleness <= 0:
         found = float(steps.isolated_step_s.sum())
     else:
-        engines = (factory.with_tail_release(None), factory.with_tail_release(TAIL_RELEASE))
-        found = min(alone_step_s(engine.steps(job), costs) for engine in engines)
+        released = factory.with_tail_release(TAIL_RELEASE).steps(job)
+        found = min(
+            alone_step_s(factory.with_tail_release(None).steps(job), costs),
+            alone_step_s(released, costs),
+            alone_step_s(released, costs, waits=True),
+        )
     for engine in (factory, factory.with_tail_release(None)):
         engine.memo[key] = found  # the same figure whichever engine asks (costs alike)
     return found
 
 
-def alone_step_s(steps: Steps, costs: SharingCosts | None = None) -> float:
+def alone_step_s(steps: Steps, costs: SharingCosts | None = None, waits: bool = False) -> float:
     """Its steps' seconds alone on a group of its own (first sample to last step's end):
     the slowdown reference. A synchronous job's steps add up (nothing overlaps); an
-    asynchronous one's (`Steps.staleness`) are played out by `_alone_async`."""
+    asynchronous one's (`Steps.staleness`) are played out by `_alone_async` (`waits`:
+    its training waits out its own stragglers where that is sooner)."""
     if steps.staleness <= 0:
         return float(steps.isolated_step_s.sum())
-    return _alone_async(steps, costs or SharingCosts())
+    return _alone_async(steps, costs or SharingCosts(), waits)
 
 
 _RUN_DONE, _TAIL_DONE, _SCORED, _LANE_FREE, _FINISH = range(5)
@@ -78,16 +87,20 @@ _RUN_DONE, _TAIL_DONE, _SCORED, _LANE_FREE, _FINISH = range(5)
 end, a tail's end, a rollout scored, a host-side gap's end, the last step's end)."""
 
 
-def _alone_async(steps: Steps, costs: SharingCosts) -> float:
+def _alone_async(steps: Steps, costs: SharingCosts, waits: bool = False) -> float:
     """An asynchronous job alone on its group, event by event, by the simulator's own
     rules (`plexrl_sim.replay`, `plexrl_sim.executor`): calls run in the order they were
     sent, a sample alone, a step's training calls together; a rollout's stragglers
     decode in the background, `tail_contention` times slower and holding
     `tail_min_share` of the group while the job's own training runs beside them (with
-    `contention_while: shared` a job alone pays neither). `tests/test_sim_async.py`
-    checks it against the simulator running the job alone."""
+    `contention_while: shared` a job alone pays neither); with `waits`, a training
+    call waits for them instead where its next rollout starts sooner so
+    (`plexrl.policy.defer.waiting_sooner`, on its mean tail, training and stall: what
+    a scheduler learns of it).
+    `tests/test_sim_async.py` checks it against the simulator running the job alone."""
     n, stale = steps.n, steps.staleness
     contention = costs.tail_contention if costs.contention_while == "run" else 1.0
+    wait = waits and contention > 1
     share = costs.tail_share if costs.contention_while == "run" else (lambda u: u)
     fb = steps.fb_s.tolist()
     dense, tail, tail_work = steps.dense_s.tolist(), steps.tail_s.tolist(), steps.tail_work.tolist()
@@ -105,6 +118,7 @@ def _alone_async(steps: Steps, costs: SharingCosts) -> float:
     """Calls sent and not run, in order: (sample?, step)."""
     running: tuple[bool, int] | None = None
     tail_k, tail_left, tail_at, tail_slowed, tail_due, tail_util = -1, 0.0, 0.0, False, 0.0, 0.0
+    tail_start = 0.0
     scored = saves = step = 0
     training = blocked = False
     sample_step = 0
@@ -122,10 +136,21 @@ def _alone_async(steps: Steps, costs: SharingCosts) -> float:
         tail_due = now + tail_left * (contention if slowed else 1.0)
         push(tail_due, _TAIL_DONE, tail_k)
 
+    mean_tail = sum(tail) / n if n else 0.0
+    mean_train = sum(fb) / n + fixed if n else 0.0
+    mean_stall = sum(reward) / n if n else 0.0
+
+    def waits_out() -> bool:
+        """Whether the training waits for the stragglers decoding (at full speed)."""
+        rest = mean_tail - (now - tail_start)
+        return waiting_sooner(rest, mean_train, mean_stall, contention, share(tail_util))
+
     def start_run() -> None:
         nonlocal running
         if running is not None or not queue:
             return
+        if wait and tail_k >= 0 and not queue[0][0] and waits_out():
+            return  # started when the stragglers end
         running = queue.pop(0)
         is_sample, k = running
         work = dense[k] if is_sample else fb[k] + fixed
@@ -159,6 +184,7 @@ def _alone_async(steps: Steps, costs: SharingCosts) -> float:
             if was_sample:
                 if tail[k] > 0:
                     tail_k, tail_left, tail_at, tail_slowed = k, tail[k], now, False
+                    tail_start = now
                     tail_util, tail_due = tail_work[k] / tail[k], now + tail[k]
                     push(tail_due, _TAIL_DONE, k)
                 else:

@@ -111,6 +111,7 @@ class SimGroup:
                 running=self.running,
                 busy_until=self.busy_until,
                 tail_until=tail_until,
+                tail_jobs=frozenset(t.job.job_id for t in self.tails),
                 sliced=preemptible is not None and run is not None and run.slice_s > 0,
                 preemptible_since=preemptible,
             )

@@ -42,7 +42,7 @@ def follow_up(
     if worker is None or worker.running is None or not running or _SAMPLE in running:
         return ()
     job = snapshot.jobs.get(worker.running)
-    if job is None or job.home != worker_id or passed_over(snapshot, worker, job):
+    if job is None or job.home != worker_id or passed_over(snapshot, worker, job, config.sharing):
         return ()
     for other in snapshot.homed_view(worker_id):
         if other.job_id != job.job_id and snapshot.calls_view(other.job_id):

@@ -409,13 +409,12 @@ def sharing_cost_s(me: Figures, neighbour: Figures, costs: SharingCosts) -> floa
     - its critical Runs beside the neighbour's stragglers, at `1 - tail_min_share` of
       the group: the fraction of its busy seconds inside the neighbour's tail is about
       `(tail_k + sample_k) / p_k` (a phase that waited for the neighbour's sample
-      starts with its tail), each second of it costing `share / (1 - share)`;
-    - its own stragglers slowed beside the neighbour's Runs: the neighbour's busy
-      seconds fall in its tail about `tail / p_k` of the time (an asynchronous
-      neighbour's training too: `defer` holds it back only within that rule's slack,
-      which the learned figures make short), and the phases queued behind its sample (`sample / p_k`
-      each) run at its tail's start; each second of overlap delays the tail by
-      `1 - 1 / tail_contention`."""
+      starts with its tail; the tail as long as it decodes beside `me`, `tail_wall_s`),
+      each second of it costing `share / (1 - share)`;
+    - its own stragglers slowed beside the neighbour's Runs (`tail_wall_s` less the
+      tail alone; an asynchronous neighbour's training counts as busy too: `defer`
+      holds it back only within that rule's slack, which the learned figures make
+      short)."""
     pk = neighbour.period
     if pk <= 0:
         return 0.0
@@ -426,14 +425,36 @@ def sharing_cost_s(me: Figures, neighbour: Figures, costs: SharingCosts) -> floa
         follows = n_k * me.period / pk if me.period > 0 else float(n_me)
         cost += costs.switch_s * min(float(n_me), follows)
     if neighbour.tail > 0 and costs.tail_min_share > 0:
-        inside = min(1.0, (neighbour.tail + neighbour.sample) / pk)
+        inside = min(1.0, (tail_wall_s(neighbour, me, costs) + neighbour.sample) / pk)
         cost += sum(mine) * inside * costs.stretch()
     if me.tail > 0 and costs.tail_contention > 1:
-        beside = neighbour.phases
-        queued = sum(min(x, me.tail) for x in beside) * me.sample / pk
-        overlap = min(me.tail, me.tail * sum(beside) / pk + queued)
-        cost += overlap * (1.0 - 1.0 / costs.tail_contention)
+        cost += tail_wall_s(me, neighbour, costs) - me.tail
     return cost
+
+
+def tail_wall_s(me: Figures, neighbour: Figures, costs: SharingCosts) -> float:
+    """Wall seconds `me`'s stragglers take to decode beside `neighbour` (`me.tail`
+    alone). A tail decodes at `1 / c` of its speed (`c`: `tail_contention`) while a Run
+    of the neighbour is in flight, so a tail of wall `W` overlapping Runs for `O` of it
+    takes `W = tail + O (1 - 1/c)`; the overlap grows with `W` itself:
+
+    - the neighbour's busy seconds fall in it `busy / p_k` of the time, each Run
+      lengthened beside the tail by its share (`1 + stretch`), at most all of it;
+    - the neighbour's phases queued behind my sample (`sample / p_k` each) start at the
+      tail's start and overlap it for their whole length (lengthened alike).
+
+    Solved for `W`, and at most `c * tail` (a tail overlapped throughout)."""
+    pk = neighbour.period
+    c = costs.tail_contention
+    if me.tail <= 0 or pk <= 0 or c <= 1:
+        return me.tail
+    lost = 1.0 - 1.0 / c
+    widen = 1.0 + costs.stretch()
+    whole = c * me.tail
+    beside = neighbour.phases
+    busy = min(1.0, sum(beside) * widen / pk)
+    queued = sum(min(x * widen, whole) for x in beside) * me.sample / pk
+    return min(whole, (me.tail + lost * queued) / (1.0 - lost * busy))
 
 
 def training_wait_s(me: Figures, neighbour: Figures) -> float:
@@ -1117,7 +1138,7 @@ def plan_plexrl(snapshot: ClusterSnapshot, config: PolicyConfig) -> Plan:
     )
 
     def order(snap: ClusterSnapshot, worker: WorkerView, jobs: list[JobView]) -> Sequence[JobView]:
-        return srf(snap, worker, not_passed_over(snap, worker, jobs))
+        return srf(snap, worker, not_passed_over(snap, worker, jobs, config.sharing))
 
     prefetch = config.prefetch and _off_device(snapshot)
     quantum_s, tenant_quantum_s = quanta(config)

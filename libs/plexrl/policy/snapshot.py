@@ -67,6 +67,8 @@ class WorkerView:
     """When the stragglers decoding on the group in the background (released rollouts,
     its jobs' or roaming ones') are expected to end, by their jobs' mean tails (snapshot
     clock); 0: none decoding (`plexrl.policy.defer`)."""
+    tail_jobs: frozenset[str] = frozenset()
+    """The jobs whose stragglers decode on the group in the background."""
     sliced: bool = False
     """The in-flight Run is an asynchronous job's training, which the worker runs in
     micro-batch slices and can pause between two: it yields to a waiting sample

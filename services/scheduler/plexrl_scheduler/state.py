@@ -951,6 +951,7 @@ class ClusterState:
         sliced = run is not None and run.dispatches == 1 and run.sliceable
         preemptible = run is not None and (run.samples_only or sliced) and not run.preempt_asked
         tail_until = 0.0
+        tail_jobs: set[str] = set()
         for tail in self.tails.values():  # released batches: their jobs' mean tails
             if tail.worker_id == wid:
                 for p in tail.calls:
@@ -958,6 +959,7 @@ class ClusterState:
                     if job is not None and p.request.request_id in tail.remaining:
                         ends = tail.released_at + self._tail_s(p.request, jobs)
                         tail_until = max(tail_until, ends, 1e-9)
+                        tail_jobs.add(p.request.job_id)
         running = run.job_id if run is not None else self.held.get(wid)
         return WorkerView(
             worker_id=wid,
@@ -968,6 +970,7 @@ class ClusterState:
             running=running,
             busy_until=_expected_end(run, jobs) if run is not None else 0.0,
             tail_until=tail_until,
+            tail_jobs=frozenset(tail_jobs),
             preemptible_since=run.issued_at if run is not None and preemptible else None,
             healthy=self.healthy(wid),
             sliced=sliced,
