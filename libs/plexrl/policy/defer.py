@@ -21,10 +21,10 @@ Its own stragglers are another matter: beside them its training lengthens its ow
 rollout, which its next rollout waits for (scored `stall_s` after the stragglers end),
 while waiting delays only what its stall does not hide. A job's training waits out its
 own stragglers, whatever its slack, where that lets its next rollout start sooner
-(`waits_for_own`): on the calibrated profiles at their stalls, running beside them made
-a job alone 4-5% slower than keeping the group through its tail at the default
-contention (1.25), 9-21% at 2 (`bench/sim_interference.py --jobs 1`); without
-contention it is free.
+(`waits_for_own`): before it, a job of the calibrated profiles alone on its group at
+the profile's stalls ran slower than keeping the group through its tail, 3.3-3.6% (7B,
+235B) at the default contention (1.25) and 9.7-19.3% (all three) at 2
+(`bench/sim_interference.py --jobs 1`); without contention running beside them is free.
 """
 
 from __future__ import annotations

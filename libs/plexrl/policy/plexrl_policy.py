@@ -451,9 +451,8 @@ def tail_wall_s(me: Figures, neighbour: Figures, costs: SharingCosts) -> float:
     lost = 1.0 - 1.0 / c
     widen = 1.0 + costs.stretch()
     whole = c * me.tail
-    beside = neighbour.phases
-    busy = min(1.0, sum(beside) * widen / pk)
-    queued = sum(min(x * widen, whole) for x in beside) * me.sample / pk
+    busy = min(1.0, neighbour.busy * widen / pk)
+    queued = sum(min(x * widen, whole) for x in neighbour.phases) * me.sample / pk
     return min(whole, (me.tail + lost * queued) / (1.0 - lost * busy))
 
 
