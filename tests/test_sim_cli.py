@@ -58,6 +58,17 @@ def test_small_setting_report_and_json_line(tmp_path):
     # The duty cycle a shared deployment learned for each job; none where nothing learns.
     assert all(0 < float(r["learned_duty"]) <= 1 for r in rows if r["deployment"] == "plexrl")
     assert all(r["learned_duty"] == "" for r in rows if r["deployment"] == "isolated")
+    # Each size's slowdowns are its jobs' in jobs.csv; together they make the whole mean.
+    assert "Slowdown by model size" in report
+    for name, entry in figures["deployments"].items():
+        mine = [r for r in rows if r["deployment"] == name and not r["rejected"]]
+        summed = 0.0
+        for size, spread in entry["slowdown_by_size"].items():
+            slow = [float(r["slowdown"]) for r in mine if r["size"] == size]
+            assert spread["mean"] == pytest.approx(sum(slow) / len(slow), abs=1e-4)
+            assert spread["p95"] <= max(slow) + 1e-4
+            summed += spread["mean"] * len(slow)
+        assert summed / len(mine) == pytest.approx(entry["mean_slowdown"], abs=1e-4)
 
 
 def test_unknown_policy_says_what_to_choose(tmp_path):

@@ -118,6 +118,7 @@ def figures(setup: Setup, results: dict[str, DeploymentResult]) -> dict[str, Any
             "rejected": sum(1 for j in r.jobs if j.rejected),
             "mean_slowdown": float(slow.mean()) if slow.size else math.nan,
             "p95_slowdown": float(np.percentile(slow, 95)) if slow.size else math.nan,
+            "slowdown_by_size": {p: _spread(r.slowdowns(p)) for p in profiles},
             "mean_slowdown_vs_split_async": vs_sa,
             "p95_slowdown_vs_split_async": vs_sa_p95,
             "mean_admission_wait_h": _mean([j.admission_wait_s / HOUR for j in r.finished]),
@@ -169,6 +170,13 @@ def figures(setup: Setup, results: dict[str, DeploymentResult]) -> dict[str, Any
         ),
         "deployments": deployments,
     }
+
+
+def _spread(slow: np.ndarray) -> dict[str, float]:
+    """The mean and p95 of some jobs' slowdowns (NaN for none)."""
+    if not slow.size:
+        return {"mean": math.nan, "p95": math.nan}
+    return {"mean": float(slow.mean()), "p95": float(np.percentile(slow, 95))}
 
 
 def makespan_floor_s(isolated: DeploymentResult) -> float:
@@ -239,6 +247,20 @@ def markdown(setup: Setup, results: dict[str, DeploymentResult], figs: dict[str,
         "pool (negative: faster). Busy fraction: useful device-seconds over the cluster's "
         "device-seconds until the makespan."
     )
+    add("")
+    add(
+        "Slowdown by model size, mean (p95): where a budget held as a mean over every job is spent."
+    )
+    add("")
+    add("| deployment | " + " | ".join(profiles) + " |")
+    add("|---|" + "---:|" * len(profiles))
+    for e in dep.values():
+        by_size = e["slowdown_by_size"]
+        cells = [
+            f"{_f(by_size[p]['mean'], 1, pct=True)} ({_f(by_size[p]['p95'], 1, pct=True)})"
+            for p in profiles
+        ]
+        add(f"| {e['label']} | " + " | ".join(cells) + " |")
     if not math.isnan(figs["makespan_floor_vs_isolated"]):
         add("")
         add(

@@ -166,8 +166,11 @@ class DeploymentResult:
             return sum(j.used_device_s for j in sel) / HOUR / steps
         return sum(j.occupied_gpu_s for j in sel) / HOUR / steps
 
-    def slowdowns(self) -> np.ndarray:
-        return np.array([j.slowdown for j in self.finished])
+    def slowdowns(self, profile: str | None = None) -> np.ndarray:
+        """Each finished job's slowdown (of `profile`'s jobs only, where given)."""
+        return np.array(
+            [j.slowdown for j in self.finished if profile is None or j.profile == profile]
+        )
 
     def mean_slowdown(self) -> float:
         s = self.slowdowns()
