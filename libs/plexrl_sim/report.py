@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,12 @@ def _vs_split_async(
     slow = [
         j.step_time_s / sa[j.job_id] - 1 for j in r.finished if sa.get(j.job_id, 0) > 0 and j.steps
     ]
-    if not slow:
+    return _mean_p95(slow)
+
+
+def _mean_p95(slow: Sequence[float] | np.ndarray) -> tuple[float, float]:
+    """The mean and p95 of some jobs' slowdowns (NaN for none)."""
+    if len(slow) == 0:
         return math.nan, math.nan
     return float(np.mean(slow)), float(np.percentile(slow, 95))
 
@@ -109,16 +115,17 @@ def figures(setup: Setup, results: dict[str, DeploymentResult]) -> dict[str, Any
     deployments: dict[str, Any] = {}
     floor = makespan_floor_s(base_iso) if base_iso is not None else math.nan
     for name, r in results.items():
-        slow = r.slowdowns()
+        mean, p95 = _mean_p95(r.slowdowns())
+        by_size = {p: _mean_p95(r.slowdowns(p)) for p in profiles}
         vs_sa, vs_sa_p95 = _vs_split_async(results, r)
         entry: dict[str, Any] = {
             "label": label(name),
             "makespan_days": r.makespan_s / DAY,
             "finished": len(r.finished),
             "rejected": sum(1 for j in r.jobs if j.rejected),
-            "mean_slowdown": float(slow.mean()) if slow.size else math.nan,
-            "p95_slowdown": float(np.percentile(slow, 95)) if slow.size else math.nan,
-            "slowdown_by_size": {p: _spread(r.slowdowns(p)) for p in profiles},
+            "mean_slowdown": mean,
+            "p95_slowdown": p95,
+            "slowdown_by_size": {p: {"mean": m, "p95": q} for p, (m, q) in by_size.items()},
             "mean_slowdown_vs_split_async": vs_sa,
             "p95_slowdown_vs_split_async": vs_sa_p95,
             "mean_admission_wait_h": _mean([j.admission_wait_s / HOUR for j in r.finished]),
@@ -170,13 +177,6 @@ def figures(setup: Setup, results: dict[str, DeploymentResult]) -> dict[str, Any
         ),
         "deployments": deployments,
     }
-
-
-def _spread(slow: np.ndarray) -> dict[str, float]:
-    """The mean and p95 of some jobs' slowdowns (NaN for none)."""
-    if not slow.size:
-        return {"mean": math.nan, "p95": math.nan}
-    return {"mean": float(slow.mean()), "p95": float(np.percentile(slow, 95))}
 
 
 def makespan_floor_s(isolated: DeploymentResult) -> float:
