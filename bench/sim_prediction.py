@@ -38,7 +38,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "libs"))
+if os.environ.get("PLEXRL_SIM_NATIVE") != "active":
+    # (Over the build its copies come first, on PYTHONPATH: the sources must not.)
+    sys.path.insert(0, str(ROOT / "libs"))
 
 from plexrl_sim import native  # noqa: E402
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -63,3 +65,26 @@ def test_a_small_trace_is_sampled_while_its_jobs_share() -> None:
     # Some of the time they shared a group; alone beside another alone is time alone.
     assert 0.0 < summary["shared"] <= 1.0
     assert summary["alone_beside_alone"] <= 1.0 - summary["shared"] + 1e-9
+
+
+def test_over_the_build_its_copies_are_imported_not_the_sources(tmp_path: Path) -> None:
+    # Run again over a build (`native.rerun_env`), the script must not put the sources
+    # ahead of the build's copies on the path, or it runs interpreted while it says
+    # compiled. A stand-in build with a package of its own stands for the real one.
+    build = tmp_path / "build"
+    (build / "plexrl_sim").mkdir(parents=True)
+    (build / "plexrl_sim" / "__init__.py").write_text("")
+    (build / "plexrl_sim" / "native.py").write_text("ENV = 'PLEXRL_SIM_NATIVE'\n")
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import sim_prediction, plexrl_sim; "
+        "print(plexrl_sim.__file__)"
+    )
+    env = {**os.environ, "PLEXRL_SIM_NATIVE": "active", "PYTHONPATH": str(build)}
+    out = subprocess.run(
+        [sys.executable, "-c", probe, str(ROOT / "bench")],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert Path(out.stdout.strip()).parent == build / "plexrl_sim"
