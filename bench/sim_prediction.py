@@ -38,9 +38,8 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-if os.environ.get("PLEXRL_SIM_NATIVE") != "active":
-    # (Over the build its copies come first, on PYTHONPATH: the sources must not.)
-    sys.path.insert(0, str(ROOT / "libs"))
+# After PYTHONPATH: run again over the compiled build, the build's copies come first.
+sys.path.append(str(ROOT / "libs"))
 
 from plexrl_sim import native  # noqa: E402
 
